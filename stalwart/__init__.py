@@ -1,0 +1,1 @@
+"""stalwart: fault-tolerant distributed PyTorch training on Kubernetes."""

@@ -1,0 +1,66 @@
+"""The etcd key layout: every key of a job lives under ``/stalwart/v1/<namespace>/<job-uid>/``.
+
+One prefix per job means a job can be listed, watched and deleted as a unit (the operator's finalizer deletes
+the prefix and nothing else). Each part of stalwart keeps its keys in its own sub-prefix, named here so that
+no two parts can collide.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROOT = "/stalwart/v1/"
+
+_SEGMENT = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def _check_segment(what: str, value: str) -> str:
+    if not _SEGMENT.fullmatch(value) or len(value) > 253:
+        raise ValueError(f"{what}: {value!r} is not a DNS-1123 name (lower case letters, digits, '-', '.')")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class JobKeys:
+    """Key names for one job. ``namespace`` and ``uid`` are the TrainingJob's."""
+
+    namespace: str
+    uid: str
+
+    def __post_init__(self) -> None:
+        _check_segment("namespace", self.namespace)
+        _check_segment("uid", self.uid)
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}{self.namespace}/{self.uid}/"
+
+    @property
+    def job(self) -> str:
+        """The operator's record of the job for its agents (expected members, bounds, timeouts)."""
+        return self.prefix + "job"
+
+    @property
+    def rendezvous(self) -> str:
+        """Sub-prefix of the node rendezvous (node keys, manifest, close flag)."""
+        return self.prefix + "rdzv/"
+
+    @property
+    def restart(self) -> str:
+        """Sub-prefix of in-process restart coordination (faults, barriers), fenced by epoch."""
+        return self.prefix + "restart/"
+
+    @property
+    def progress(self) -> str:
+        """Sub-prefix of progress reports, one key per node, read by the operator."""
+        return self.prefix + "progress/"
+
+    def torch_store(self, epoch: int) -> str:
+        """Sub-prefix of the torch.distributed Store of one round (epoch)."""
+        return f"{self.prefix}store/{epoch}/"
+
+    @property
+    def rpc(self) -> str:
+        """Sub-prefix of the RPC layer (worker addresses)."""
+        return self.prefix + "rpc/"

@@ -1,0 +1,70 @@
+"""Fixtures shared by every test: real servers started on loopback, stopped afterwards."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from stalwart.local.etcd import EtcdServer
+from stalwart.store import Store
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = bool(torch.cuda.is_available())
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA; none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd server for the whole session (tests isolate themselves by key prefix)."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def etcd(etcd_server: EtcdServer) -> EtcdServer:
+    """The session's etcd server, started again if a test stopped it."""
+    if etcd_server.process is None or etcd_server.process.poll() is not None:
+        etcd_server.start()
+    return etcd_server
+
+
+@pytest.fixture
+def private_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """An etcd server of the test's own, for tests that stop, kill or compact it."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd-private"))
+    server.start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def store(etcd: EtcdServer) -> Iterator[Store]:
+    s = Store([etcd.endpoint], timeout=5.0)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def prefix(store: Store) -> Iterator[str]:
+    """A fresh key prefix for one test; everything under it is deleted afterwards."""
+    p = f"/test/{uuid.uuid4().hex}/"
+    yield p
+    try:
+        store.delete_prefix(p)
+    except Exception:  # the test may have left etcd stopped
+        pass
