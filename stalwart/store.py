@@ -201,7 +201,7 @@ class Watch:
         try:
             for resp in self._call:
                 if resp.compact_revision:
-                    err = WatchCompacted(resp.compact_revision)
+                    err: StoreError = WatchCompacted(resp.compact_revision)
                     if not self._created.is_set():
                         self._create_error = err
                         self._created.set()
@@ -217,11 +217,11 @@ class Watch:
                     self._queue.put(WatchEvent(kind, KeyValue._from_pb(ev.kv)))
         except grpc.RpcError as e:
             if not self._cancelled.is_set():
-                err = _map_error(e, "watch")
+                failure = _map_error(e, "watch")
                 if not self._created.is_set():
-                    self._create_error = err
+                    self._create_error = failure
                     self._created.set()
-                self._queue.put(err)
+                self._queue.put(failure)
         finally:
             self._queue.put(self._END)
 

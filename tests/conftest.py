@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 
@@ -64,7 +65,5 @@ def prefix(store: Store) -> Iterator[str]:
     """A fresh key prefix for one test; everything under it is deleted afterwards."""
     p = f"/test/{uuid.uuid4().hex}/"
     yield p
-    try:
+    with contextlib.suppress(Exception):  # the test may have left etcd stopped
         store.delete_prefix(p)
-    except Exception:  # the test may have left etcd stopped
-        pass

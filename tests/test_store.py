@@ -1,0 +1,238 @@
+"""The etcd store adapter against a real etcd server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from stalwart.local.etcd import EtcdServer
+from stalwart.store import (
+    MAX_VALUE_BYTES,
+    Compare,
+    Delete,
+    Get,
+    Put,
+    Store,
+    StoreError,
+    StoreTimeout,
+    StoreUnavailable,
+    ValueTooLarge,
+    WatchCompacted,
+    prefix_range_end,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_prefix_range_end() -> None:
+    assert prefix_range_end(b"/a/") == b"/a0"
+    assert prefix_range_end(b"a\xff") == b"b"
+    assert prefix_range_end(b"\xff\xff") == b"\0"
+
+
+def test_put_get_delete(store: Store, prefix: str) -> None:
+    rev = store.put(prefix + "k", b"v1")
+    kv = store.get(prefix + "k")
+    assert kv is not None
+    assert (kv.value, kv.mod_revision, kv.create_revision, kv.version) == (b"v1", rev, rev, 1)
+    rev2 = store.put(prefix + "k", b"v2")
+    kv2 = store.get(prefix + "k")
+    assert kv2 is not None and kv2.mod_revision == rev2 > rev and kv2.create_revision == rev and kv2.version == 2
+    assert store.delete(prefix + "k") is True
+    assert store.get(prefix + "k") is None
+    assert store.delete(prefix + "k") is False
+
+
+def test_prefix_ops_do_not_touch_neighbours(store: Store, prefix: str) -> None:
+    for name in ("a/1", "a/2", "a/3", "ab", "b/1"):
+        store.put(prefix + name, name.encode())
+    kvs, rev = store.get_prefix(prefix + "a/")
+    assert [kv.key for kv in kvs] == [prefix + "a/1", prefix + "a/2", prefix + "a/3"]
+    assert rev >= max(kv.mod_revision for kv in kvs)
+    assert store.count_prefix(prefix + "a/") == 3
+    assert store.delete_prefix(prefix + "a/") == 3
+    left, _ = store.get_prefix(prefix)
+    assert [kv.key for kv in left] == [prefix + "ab", prefix + "b/1"]
+
+
+def test_delete_prefix_refuses_empty(store: Store) -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        store.delete_prefix("")
+
+
+def test_txn_create_if_absent_then_cas_on_mod_revision(store: Store, prefix: str) -> None:
+    key = prefix + "cas"
+    absent = [Compare(key, "create", "==", 0)]
+    first = store.txn(absent, [Put(key, b"one")], [Get(key)])
+    assert first.succeeded
+    second = store.txn(absent, [Put(key, b"two")], [Get(key)])
+    assert not second.succeeded
+    [[current]] = second.responses
+    assert current.value == b"one" and current.mod_revision == first.revision
+
+    stale = store.txn([Compare(key, "mod", "==", first.revision - 1)], [Put(key, b"stale")], [Get(key)])
+    assert not stale.succeeded
+    fresh = store.txn([Compare(key, "mod", "==", first.revision)], [Put(key, b"fresh")])
+    assert fresh.succeeded
+    got = store.get(key)
+    assert got is not None and got.value == b"fresh"
+
+
+def test_txn_value_and_version_compares_and_multi_ops(store: Store, prefix: str) -> None:
+    store.put(prefix + "x", b"1")
+    store.put(prefix + "y", b"1")
+    res = store.txn(
+        [Compare(prefix + "x", "value", "==", b"1"), Compare(prefix + "y", "version", "==", 1)],
+        [Delete(prefix + "x"), Put(prefix + "z", b"3"), Get(prefix, prefix=True)],
+    )
+    assert res.succeeded
+    assert [kv.key for kv in res.responses[2]] == [prefix + "y", prefix + "z"]
+    assert not store.txn([Compare(prefix + "y", "value", "!=", b"1")], [Delete(prefix + "y")]).succeeded
+    assert store.get(prefix + "y") is not None
+
+
+def test_value_size_cap(store: Store, prefix: str) -> None:
+    with pytest.raises(ValueTooLarge, match="limit"):
+        store.put(prefix + "big", b"x" * (MAX_VALUE_BYTES + 1))
+    with pytest.raises(ValueTooLarge):
+        store.txn([], [Put(prefix + "big", b"x" * (MAX_VALUE_BYTES + 1))])
+    assert store.get(prefix + "big") is None
+
+
+def test_watch_from_revision_sees_history_and_new_events(store: Store, prefix: str) -> None:
+    rev = store.put(prefix + "w/a", b"1")
+    store.put(prefix + "w/b", b"2")
+    with store.watch(prefix + "w/", prefix=True, start_revision=rev) as w:
+        first = w.next(timeout=5)
+        second = w.next(timeout=5)
+        assert first is not None and second is not None
+        assert [(e.type, e.kv.key) for e in (first, second)] == [("put", prefix + "w/a"), ("put", prefix + "w/b")]
+        store.delete(prefix + "w/a")
+        ev = w.next(timeout=5)
+        assert ev is not None and (ev.type, ev.kv.key) == ("delete", prefix + "w/a")
+        assert w.next(timeout=0.2) is None
+
+
+def test_watch_single_key_ignores_others(store: Store, prefix: str) -> None:
+    with store.watch(prefix + "one") as w:
+        store.put(prefix + "one-not", b"x")
+        store.put(prefix + "one", b"y")
+        ev = w.next(timeout=5)
+        assert ev is not None and ev.kv.key == prefix + "one"
+
+
+def test_watch_compacted_revision_is_a_typed_error(private_etcd: EtcdServer) -> None:
+    with Store([private_etcd.endpoint]) as s:
+        first = s.put("/c/k", b"1")
+        for i in range(5):
+            s.put("/c/k", str(i).encode())
+        s.compact(s.revision())
+        # etcd first confirms the watch, then cancels it as compacted: the error surfaces on next().
+        with pytest.raises(WatchCompacted) as info, s.watch("/c/k", start_revision=first) as w:
+            w.next(timeout=5)
+        assert info.value.compact_revision > first
+
+
+def test_lease_keeps_key_alive_then_revoke_deletes_it(store: Store, prefix: str) -> None:
+    lease = store.lease_grant(2)
+    store.put(prefix + "leased", b"x", lease=lease)
+    time.sleep(3.5)  # longer than the TTL: only the keep-alive thread keeps it
+    kv = store.get(prefix + "leased")
+    assert kv is not None and kv.lease == lease
+    assert store.lease_ttl(lease) > 0
+    store.lease_revoke(lease)
+    assert store.get(prefix + "leased") is None
+    assert store.lease_ttl(lease) == -1
+    store.lease_revoke(lease)  # revoking twice is harmless
+
+
+def test_lease_without_keepalive_expires_and_close_stops_keepalive(etcd: EtcdServer, prefix: str) -> None:
+    with Store([etcd.endpoint]) as s:
+        short = s.lease_grant(1, keepalive=False)
+        s.put(prefix + "short", b"x", lease=short)
+        kept = s.lease_grant(1)
+        s.put(prefix + "kept", b"x", lease=kept)
+        deadline = time.monotonic() + 10
+        while s.get(prefix + "short") is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.get(prefix + "short") is None
+        assert s.get(prefix + "kept") is not None
+    before = {t.name for t in threading.enumerate()}
+    assert "etcd-lease-keepalive" not in before
+    with Store([etcd.endpoint]) as check:
+        deadline = time.monotonic() + 10
+        while check.get(prefix + "kept") is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert check.get(prefix + "kept") is None
+
+
+def test_server_restart_mid_test_typed_errors_then_reconnect(private_etcd: EtcdServer) -> None:
+    s = Store([private_etcd.endpoint], timeout=2.0)
+    try:
+        s.put("/r/k", b"before")
+        w = s.watch("/r/", prefix=True)
+        private_etcd.kill()
+
+        with pytest.raises(StoreUnavailable):
+            s.get("/r/k")
+        with pytest.raises((StoreUnavailable, StoreTimeout)):
+            s.txn([Compare("/r/k", "create", "!=", 0)], [Put("/r/k", b"during")])
+        # The watch stream ends with a typed error rather than hanging.
+        with pytest.raises(StoreError):
+            for _ in range(10):
+                w.next(timeout=2)
+        w.cancel()
+
+        private_etcd.start()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                kv = s.get("/r/k")
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline, "store did not reconnect after the server came back"
+                time.sleep(0.1)
+        assert kv is not None and kv.value == b"before"
+        with s.watch("/r/k") as w2:
+            s.put("/r/k", b"after")
+            ev = w2.next(timeout=5)
+            assert ev is not None and ev.kv.value == b"after"
+    finally:
+        s.close()
+
+
+def test_call_deadline_is_a_typed_timeout_when_server_is_frozen(private_etcd: EtcdServer) -> None:
+    import os
+    import signal
+
+    s = Store([private_etcd.endpoint], timeout=0.5)
+    try:
+        s.put("/f/k", b"1")
+        assert private_etcd.process is not None
+        os.kill(private_etcd.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreTimeout):
+                s.get("/f/k")
+        finally:
+            os.kill(private_etcd.process.pid, signal.SIGCONT)
+    finally:
+        s.close()
+
+
+def test_bad_arguments_name_themselves() -> None:
+    with pytest.raises(ValueError, match="endpoints"):
+        Store([])
+    with pytest.raises(ValueError, match="endpoints"):
+        Store(["no-port"])
+    with pytest.raises(ValueError, match="timeout"):
+        Store(["127.0.0.1:1"], timeout=0)
+
+
+def test_closed_store_refuses_calls(etcd: EtcdServer) -> None:
+    s = Store([etcd.endpoint])
+    s.close()
+    s.close()
+    with pytest.raises(StoreError, match="closed"):
+        s.get("/x")
