@@ -20,7 +20,7 @@ demo: install
 	$(BIN)/stalwart demo
 
 lint: install
-	$(BIN)/ruff check stalwart tests bench examples
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 test: lint
