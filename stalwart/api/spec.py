@@ -1,0 +1,466 @@
+"""The TrainingJob spec: what the user asks for.
+
+Defaults live here and only here: as field defaults (which also become the CRD's ``default``s, so the API
+server and the Python models fill in the same values), plus the two derived ones, ``minReplicas`` and
+``maxReplicas``, which default to ``replicas`` and are filled in by :meth:`TrainingJobSpec._defaults_and_rules`
+(and read by the operator through :attr:`TrainingJobSpec.min_nodes` / :attr:`TrainingJobSpec.max_nodes`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from stalwart.api.base import ApiModel, Rule, check_rules
+from stalwart.api.naming import (
+    DNS1123_LABEL,
+    DNS1123_SUBDOMAIN,
+    MAX_LABEL_LENGTH,
+    MAX_POD_INDEX,
+    MAX_SUBDOMAIN_LENGTH,
+)
+
+#: Upper bound of ``replicas``/``maxReplicas``/``spares`` (pod indices must stay within MAX_POD_INDEX).
+MAX_REPLICAS = 10_000
+MAX_ETCD_ENDPOINTS = 16
+MAX_RULES = 32
+MAX_NPROC_PER_NODE = 1024
+#: One day: no single wait of stalwart's is meant to be longer.
+MAX_TIMEOUT_SECONDS = 86_400
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pod template: a Kubernetes PodTemplateSpec, kept loose (the API server validates pods), except for what
+# stalwart relies on: at least one container, each named, with an image; the first runs the training command.
+
+
+class Container(ApiModel):
+    """A container of the pod template (a Kubernetes Container; fields other than these pass unchanged)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(
+        description="Name of the container, a DNS-1123 label, unique within the pod.",
+        min_length=1, max_length=MAX_LABEL_LENGTH, pattern=DNS1123_LABEL.pattern)
+    image: str = Field(description="Container image that holds the training code.", min_length=1)
+    command: list[str] | None = Field(
+        default=None,
+        description=("Entrypoint array. Required on the first container: stalwart's agent starts it as each "
+                     "rank's process (with args), like torchrun would."))
+    args: list[str] | None = Field(default=None, description="Arguments to the entrypoint.")
+
+
+class PodSpec(ApiModel):
+    """The pod spec of the template (a Kubernetes PodSpec; fields other than containers pass unchanged)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    containers: list[Container] = Field(
+        description=("Containers of each pod; at least one. The first is the trainer: the operator runs its "
+                     "command under the stalwart agent."),
+        min_length=1)
+
+    __rules__: ClassVar[list[Rule]] = [
+        Rule(
+            field="containers[0].command",
+            cel="has(self.containers[0].command) && size(self.containers[0].command) > 0",
+            message="containers[0].command is required: the stalwart agent runs it as each rank's process",
+            check=lambda s: None if s.containers[0].command else
+            "is required: the stalwart agent runs it as each rank's process"),
+    ]
+
+    @model_validator(mode="after")
+    def _rules(self) -> PodSpec:
+        check_rules(self, self.__rules__)
+        return self
+
+
+class PodTemplate(ApiModel):
+    """A Kubernetes PodTemplateSpec: the pods the job runs (image, command, resources, volumes...)."""
+
+    metadata: dict[str, Any] | None = Field(
+        default=None, description="Labels and annotations for the pods (a Kubernetes ObjectMeta).")
+    spec: PodSpec = Field(description="The pod spec (a Kubernetes PodSpec).")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rendezvous: the etcd cluster the agents meet in.
+
+_HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*$")
+#: The CRD's pattern for an endpoint (the Python check below is stricter on ports and IP addresses).
+ENDPOINT_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """``None`` when ``endpoint`` is ``host:port`` (``[v6addr]:port`` for IPv6), else what is wrong."""
+    expected = "expected host:port (e.g. etcd.example.svc:2379 or [fd00::1]:2379)"
+    if "://" in endpoint:
+        return f"{expected} without a scheme, got {endpoint!r}"
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host:
+        return f"{expected}, got {endpoint!r}"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"port must be an integer in 1..65535, got {port!r} in {endpoint!r}"
+    if host.startswith("["):
+        if not host.endswith("]"):
+            return f"{expected}, got {endpoint!r}"
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host[1:-1]!r} is not an IPv6 address in {endpoint!r}"
+        return None
+    if ":" in host:
+        return f"an IPv6 address must be in brackets, e.g. [{host}]:{port}, got {endpoint!r}"
+    if len(host) > MAX_SUBDOMAIN_LENGTH or not _HOST.fullmatch(host):
+        return f"{host!r} is not a host name or IPv4 address in {endpoint!r}"
+    return None
+
+
+class SecretReference(ApiModel):
+    """A Secret in the job's namespace."""
+
+    name: str = Field(description="Name of the Secret.", min_length=1, max_length=MAX_SUBDOMAIN_LENGTH,
+                      pattern=DNS1123_SUBDOMAIN.pattern)
+
+
+class RendezvousSpec(ApiModel):
+    """Where and how the job's agents meet: an etcd v3 cluster, and the rendezvous timeouts."""
+
+    endpoints: list[str] = Field(
+        description="etcd client endpoints as host:port (IPv6 as [addr]:port); at least one.",
+        min_length=1, max_length=MAX_ETCD_ENDPOINTS,
+        json_schema_extra={"items": {"pattern": ENDPOINT_PATTERN}})
+    tls: bool = Field(
+        default=False,
+        description=("Connect to etcd over TLS, trusting the CA in the Secret's ca.crt (and presenting "
+                     "tls.crt/tls.key when present). Requires secretRef."))
+    secret_ref: SecretReference | None = Field(
+        default=None,
+        description=("Secret with etcd credentials: ca.crt, tls.crt, tls.key for TLS; username and password "
+                     "for etcd authentication. The operator mounts it into every pod."))
+    join_timeout_seconds: float = Field(
+        default=600, gt=0, le=MAX_TIMEOUT_SECONDS,
+        description=("How long an agent waits for a rendezvous round to reach minReplicas nodes before it "
+                     "gives up and its pod fails."))
+    last_call_seconds: float = Field(
+        default=10, ge=0, le=MAX_TIMEOUT_SECONDS,
+        description=("Once minReplicas nodes have joined, how long the round stays open for more (up to "
+                     "maxReplicas) before it is sealed. Must be less than joinTimeoutSeconds."))
+    lease_ttl_seconds: int = Field(
+        default=10, ge=2, le=3600, alias="leaseTTLSeconds",
+        description=("TTL of each agent's etcd lease: an agent that stops renewing it (its pod is gone or "
+                     "partitioned) is considered lost this long after its last renewal."))
+
+    @field_validator("endpoints")
+    @classmethod
+    def _endpoints(cls, endpoints: list[str]) -> list[str]:
+        for index, endpoint in enumerate(endpoints):
+            problem = endpoint_problem(endpoint)
+            if problem is not None:
+                raise ValueError(f"endpoints[{index}]: {problem}")
+        return endpoints
+
+    __rules__: ClassVar[list[Rule]] = [
+        Rule(
+            field="secretRef",
+            cel="!self.tls || has(self.secretRef)",
+            message="secretRef is required when tls is true (the Secret holds ca.crt)",
+            check=lambda s: None if not s.tls or s.secret_ref is not None else
+            "is required when tls is true (the Secret holds ca.crt)"),
+        Rule(
+            field="lastCallSeconds",
+            cel="self.lastCallSeconds < self.joinTimeoutSeconds",
+            message="lastCallSeconds must be less than joinTimeoutSeconds",
+            check=lambda s: None if s.last_call_seconds < s.join_timeout_seconds else
+            f"must be less than joinTimeoutSeconds ({s.join_timeout_seconds:g}), got {s.last_call_seconds:g}"),
+    ]
+
+    @model_validator(mode="after")
+    def _rules(self) -> RendezvousSpec:
+        check_rules(self, self.__rules__)
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Restart policy: in-process restarts first, then pod replacement, with rules to pick per failure.
+
+
+class InProcessRestart(ApiModel):
+    """In-process restart: after a fault every healthy rank re-runs the training function in the same
+    process, without restarting pods."""
+
+    max_restarts: int = Field(
+        default=10, ge=0, le=1_000_000,
+        description=("How many in-process restarts the job may make in total; past it a failure is handled "
+                     "by pod replacement. 0 disables in-process restart."))
+    soft_timeout_seconds: float = Field(
+        default=60, gt=0, le=MAX_TIMEOUT_SECONDS,
+        description=("A rank that reports no progress for this long is considered hung: the job restarts "
+                     "in process. Must be less than hardTimeoutSeconds."))
+    hard_timeout_seconds: float = Field(
+        default=90, gt=0, le=MAX_TIMEOUT_SECONDS,
+        description=("A rank that reports no progress for this long, even after the soft timeout's restart "
+                     "was requested, is killed and its process respawned."))
+    barrier_timeout_seconds: float = Field(
+        default=120, gt=0, le=MAX_TIMEOUT_SECONDS,
+        description=("How long the ranks wait for each other at a restart barrier before the ranks that "
+                     "have not arrived are declared failed."))
+
+    __rules__: ClassVar[list[Rule]] = [
+        Rule(
+            field="softTimeoutSeconds",
+            cel="self.softTimeoutSeconds < self.hardTimeoutSeconds",
+            message="softTimeoutSeconds must be less than hardTimeoutSeconds",
+            check=lambda s: None if s.soft_timeout_seconds < s.hard_timeout_seconds else
+            f"must be less than hardTimeoutSeconds ({s.hard_timeout_seconds:g}), "
+            f"got {s.soft_timeout_seconds:g}"),
+    ]
+
+    @model_validator(mode="after")
+    def _rules(self) -> InProcessRestart:
+        check_rules(self, self.__rules__)
+        return self
+
+
+class FailureAction(StrEnum):
+    """What to do about a failure that a rule matches."""
+
+    RESTART_IN_PROCESS = "RestartInProcess"
+    REPLACE_POD = "ReplacePod"
+    FAIL_JOB = "FailJob"
+
+
+class FailureReason(StrEnum):
+    """Why a rank or pod failed, as stalwart classifies it."""
+
+    EXCEPTION = "Exception"  # the training function raised
+    HANG = "Hang"  # no progress for softTimeoutSeconds
+    PROCESS_EXITED = "ProcessExited"  # a rank process died (its exit code is matched by onExitCodes)
+    OOM_KILLED = "OOMKilled"  # a container was killed for exceeding its memory limit
+    EVICTED = "Evicted"  # the pod was evicted or preempted
+    POD_LOST = "PodLost"  # the pod or its node vanished (deleted, lease expired)
+
+
+class ExitCodeOperator(StrEnum):
+    IN = "In"
+    NOT_IN = "NotIn"
+
+
+class ExitCodeMatch(ApiModel):
+    """Matches a rank process's exit code."""
+
+    operator: ExitCodeOperator = Field(
+        description="In: the exit code is one of values. NotIn: it is none of them.")
+    values: list[Annotated[int, Field(ge=0, le=255)]] = Field(
+        description="Exit codes, 0..255, distinct. 0 (success) cannot be used with In.",
+        min_length=1, max_length=256, json_schema_extra={"x-kubernetes-list-type": "set"})
+
+    @field_validator("values")
+    @classmethod
+    def _distinct(cls, values: list[int]) -> list[int]:
+        seen: set[int] = set()
+        for index, value in enumerate(values):
+            if value in seen:
+                raise ValueError(f"values[{index}]: exit code {value} is listed twice")
+            seen.add(value)
+        return values
+
+    __rules__: ClassVar[list[Rule]] = [
+        Rule(
+            field="values",
+            cel="self.operator != 'In' || !self.values.exists(v, v == 0)",
+            message="exit code 0 (success) cannot be used with operator In",
+            check=lambda s: None if s.operator != ExitCodeOperator.IN or 0 not in s.values else
+            "exit code 0 (success) cannot be used with operator In"),
+    ]
+
+    @model_validator(mode="after")
+    def _rules(self) -> ExitCodeMatch:
+        check_rules(self, self.__rules__)
+        return self
+
+
+class FailureRule(ApiModel):
+    """One failure rule: if a failure matches onExitCodes or onReasons, take action. The first matching
+    rule in the list wins."""
+
+    action: FailureAction = Field(
+        description=("RestartInProcess: restart the healthy ranks in process (counts against "
+                     "inProcess.maxRestarts). ReplacePod: replace the failed pod, a spare taking over its "
+                     "ranks (counts against backoffLimit). FailJob: end the job as Failed."))
+    on_exit_codes: ExitCodeMatch | None = Field(
+        default=None, description="Match a rank process's exit code.")
+    on_reasons: list[FailureReason] | None = Field(
+        default=None, min_length=1, max_length=len(FailureReason),
+        description=("Match the failure's reason: Exception (the training function raised), Hang (no "
+                     "progress for softTimeoutSeconds), ProcessExited (a rank process died), OOMKilled, "
+                     "Evicted, PodLost (the pod or its node vanished)."),
+        json_schema_extra={"x-kubernetes-list-type": "set"})
+
+    __rules__: ClassVar[list[Rule]] = [
+        Rule(
+            field="onExitCodes",
+            cel="has(self.onExitCodes) || has(self.onReasons)",
+            message="a rule needs onExitCodes or onReasons (or both)",
+            check=lambda s: None if s.on_exit_codes is not None or s.on_reasons is not None else
+            "a rule needs onExitCodes or onReasons (or both)"),
+    ]
+
+    @model_validator(mode="after")
+    def _rules(self) -> FailureRule:
+        check_rules(self, self.__rules__)
+        return self
+
+
+class RestartPolicy(ApiModel):
+    """How failures are handled: in-process restart, pod replacement, and rules that choose per failure.
+    Without a matching rule, a failure is restarted in process while maxRestarts lasts, then handled by
+    replacing the failed pod while backoffLimit lasts, then fails the job."""
+
+    in_process: InProcessRestart = Field(
+        default_factory=InProcessRestart, description="In-process restart settings.",
+        json_schema_extra={"default": {}})
+    backoff_limit: int = Field(
+        default=6, ge=0, le=1_000_000,
+        description="How many pods may be replaced after failures before the job fails.")
+    rules: list[FailureRule] = Field(
+        default_factory=list, max_length=MAX_RULES,
+        description="Failure rules, tried in order; the first that matches a failure decides its action.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Run policy and success policy.
+
+
+class CleanPodPolicy(StrEnum):
+    """Which pods to delete when the job finishes."""
+
+    ALL = "All"
+    RUNNING = "Running"
+    NONE = "None"
+
+
+class RunPolicy(ApiModel):
+    """The job's life cycle: suspension, deadline, clean-up."""
+
+    suspend: bool = Field(
+        default=False,
+        description="Suspend the job: its pods are deleted and none are created until it is resumed.")
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1,
+        description="Fail the job when it has been running longer than this (counted from status.startTime).")
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0,
+        description="Delete the TrainingJob this long after it finished (Succeeded or Failed).")
+    clean_pod_policy: CleanPodPolicy = Field(
+        default=CleanPodPolicy.RUNNING,
+        description=("Pods to delete when the job finishes: All, Running (those still running, e.g. "
+                     "spares; finished pods keep their logs) or None."))
+
+
+class SuccessPolicy(StrEnum):
+    """When the job has succeeded."""
+
+    ALL_WORKERS = "AllWorkers"
+    RANK_ZERO = "RankZero"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The spec.
+
+
+def _check_min_replicas(s: TrainingJobSpec) -> str | None:
+    if s.min_replicas is None or s.min_replicas <= s.replicas:
+        return None
+    return f"must be less than or equal to replicas ({s.replicas}), got {s.min_replicas}"
+
+
+def _check_max_replicas(s: TrainingJobSpec) -> str | None:
+    if s.max_replicas is None or s.max_replicas >= s.replicas:
+        return None
+    return f"must be greater than or equal to replicas ({s.replicas}), got {s.max_replicas}"
+
+
+def _check_pod_count(s: TrainingJobSpec) -> str | None:
+    total = (s.max_replicas if s.max_replicas is not None else s.replicas) + s.spares
+    if total <= MAX_REPLICAS:
+        return None
+    return f"maxReplicas + spares must be at most {MAX_REPLICAS}, got {total}"
+
+
+class TrainingJobSpec(ApiModel):
+    """The desired state of a TrainingJob."""
+
+    replicas: int = Field(
+        ge=1, le=MAX_REPLICAS,
+        description=("Number of worker pods (nodes) to run. The scale subresource sets it. Each runs "
+                     "nprocPerNode ranks."))
+    min_replicas: int | None = Field(
+        default=None, ge=1, le=MAX_REPLICAS,
+        description=("Elastic lower bound: the job keeps training with at least this many worker pods when "
+                     "pods are lost and no spare is left. Defaults to replicas (not elastic)."))
+    max_replicas: int | None = Field(
+        default=None, ge=1, le=MAX_REPLICAS,
+        description="Elastic upper bound on worker pods in a round. Defaults to replicas.")
+    spares: int = Field(
+        default=0, ge=0, le=MAX_REPLICAS,
+        description=("Hot spare pods kept running beside the workers: when a worker is lost, a spare takes "
+                     "over its ranks at the next in-process restart, without waiting for a new pod."))
+    nproc_per_node: int = Field(
+        default=1, ge=1, le=MAX_NPROC_PER_NODE,
+        description="Rank processes per pod (typically its number of GPUs).")
+    template: PodTemplate = Field(
+        description="The pod template of the workers and spares (image, command, resources...).")
+    rendezvous: RendezvousSpec = Field(description="The etcd cluster the agents meet in, and its timeouts.")
+    restart_policy: RestartPolicy = Field(
+        default_factory=RestartPolicy, description="How failures are handled.",
+        json_schema_extra={"default": {}})
+    run_policy: RunPolicy = Field(
+        default_factory=RunPolicy, description="Suspension, deadline and clean-up.",
+        json_schema_extra={"default": {}})
+    success_policy: SuccessPolicy = Field(
+        default=SuccessPolicy.ALL_WORKERS,
+        description=("When the job has succeeded: AllWorkers (every rank's process exited 0) or RankZero "
+                     "(rank 0's process exited 0)."))
+
+    __rules__: ClassVar[list[Rule]] = [
+        Rule(field="minReplicas",
+             cel="!has(self.minReplicas) || self.minReplicas <= self.replicas",
+             message="minReplicas must be less than or equal to replicas",
+             check=_check_min_replicas),
+        Rule(field="maxReplicas",
+             cel="!has(self.maxReplicas) || self.maxReplicas >= self.replicas",
+             message="maxReplicas must be greater than or equal to replicas",
+             check=_check_max_replicas),
+        Rule(field="spares",
+             cel=f"(has(self.maxReplicas) ? self.maxReplicas : self.replicas) + self.spares <= {MAX_REPLICAS}",
+             message=f"maxReplicas + spares must be at most {MAX_REPLICAS}",
+             check=_check_pod_count),
+    ]
+
+    @model_validator(mode="after")
+    def _defaults_and_rules(self) -> TrainingJobSpec:
+        check_rules(self, self.__rules__)
+        # The derived defaults, filled in only once the rules hold (they are stated against replicas).
+        if self.min_replicas is None:
+            self.min_replicas = self.replicas
+        if self.max_replicas is None:
+            self.max_replicas = self.replicas
+        return self
+
+    @property
+    def min_nodes(self) -> int:
+        """``minReplicas`` with its default applied."""
+        return self.min_replicas if self.min_replicas is not None else self.replicas
+
+    @property
+    def max_nodes(self) -> int:
+        """``maxReplicas`` with its default applied."""
+        return self.max_replicas if self.max_replicas is not None else self.replicas
+
+
+assert MAX_REPLICAS * 2 <= MAX_POD_INDEX + 1, "pod indices must cover workers and spares"
