@@ -42,11 +42,16 @@ class Rule:
 
 
 class RuleViolation(ValueError):
-    """Raised from a model validator when cross-field rules fail; carries every failing (field, message)."""
+    """Raised from a validator when rules fail; carries every failing (field, message).
+
+    ``field`` is a wire path relative to the value the validator checked: ``"minReplicas"`` (a field of a
+    model), ``"[2]"`` (an item of a list), or ``""`` (the value itself); ``stalwart validate`` appends it to
+    the location pydantic reports.
+    """
 
     def __init__(self, problems: list[tuple[str, str]]) -> None:
         self.problems = problems
-        super().__init__("; ".join(f"{field}: {message}" for field, message in problems))
+        super().__init__("; ".join(f"{field}: {message}" if field else message for field, message in problems))
 
 
 def check_rules(model: BaseModel, rules: list[Rule]) -> None:

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from stalwart.api.base import ApiModel, Rule, check_rules
+from stalwart.api.base import ApiModel, Rule, RuleViolation, check_rules
 from stalwart.api.spec import FailureRule, SuccessPolicy
 from stalwart.api.trainingjob import TrainingJob
 
@@ -22,9 +22,9 @@ def _distinct(what: str, names: list[str]) -> list[str]:
     seen: set[str] = set()
     for index, name in enumerate(names):
         if not name:
-            raise ValueError(f"{what}[{index}]: must not be empty")
+            raise RuleViolation([(f"[{index}]", "must not be empty")])
         if name in seen:
-            raise ValueError(f"{what}[{index}]: {name!r} is listed twice")
+            raise RuleViolation([(f"[{index}]", f"{name!r} is listed twice in {what}")])
         seen.add(name)
     return names
 

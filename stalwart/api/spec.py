@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from stalwart.api.base import ApiModel, Rule, check_rules
+from stalwart.api.base import ApiModel, Rule, RuleViolation, check_rules
 from stalwart.api.naming import (
     DNS1123_LABEL,
     DNS1123_SUBDOMAIN,
@@ -95,6 +95,13 @@ _HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Z
 ENDPOINT_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
 
 
+def _items_pattern(schema: dict[str, Any], pattern: str) -> None:
+    # The CRD gets a pattern; Python validates with endpoint_problem, whose messages say what is wrong.
+    items = schema.get("items")
+    if isinstance(items, dict):
+        items["pattern"] = pattern
+
+
 def endpoint_problem(endpoint: str) -> str | None:
     """``None`` when ``endpoint`` is ``host:port`` (``[v6addr]:port`` for IPv6), else what is wrong."""
     expected = "expected host:port (e.g. etcd.example.svc:2379 or [fd00::1]:2379)"
@@ -133,7 +140,7 @@ class RendezvousSpec(ApiModel):
     endpoints: list[str] = Field(
         description="etcd client endpoints as host:port (IPv6 as [addr]:port); at least one.",
         min_length=1, max_length=MAX_ETCD_ENDPOINTS,
-        json_schema_extra={"items": {"pattern": ENDPOINT_PATTERN}})
+        json_schema_extra=lambda schema: _items_pattern(schema, ENDPOINT_PATTERN))
     tls: bool = Field(
         default=False,
         description=("Connect to etcd over TLS, trusting the CA in the Secret's ca.crt (and presenting "
@@ -158,10 +165,10 @@ class RendezvousSpec(ApiModel):
     @field_validator("endpoints")
     @classmethod
     def _endpoints(cls, endpoints: list[str]) -> list[str]:
-        for index, endpoint in enumerate(endpoints):
-            problem = endpoint_problem(endpoint)
-            if problem is not None:
-                raise ValueError(f"endpoints[{index}]: {problem}")
+        problems = [(f"[{index}]", problem) for index, endpoint in enumerate(endpoints)
+                    if (problem := endpoint_problem(endpoint)) is not None]
+        if problems:
+            raise RuleViolation(problems)
         return endpoints
 
     __rules__: ClassVar[list[Rule]] = [
@@ -265,7 +272,7 @@ class ExitCodeMatch(ApiModel):
         seen: set[int] = set()
         for index, value in enumerate(values):
             if value in seen:
-                raise ValueError(f"values[{index}]: exit code {value} is listed twice")
+                raise RuleViolation([(f"[{index}]", f"exit code {value} is listed twice")])
             seen.add(value)
         return values
 
