@@ -1,0 +1,388 @@
+"""The rendezvous protocol as a pure state machine: ``step(state, event) -> (state, actions)``.
+
+Nothing here does I/O or reads a clock; the driver (:mod:`.driver`) feeds it what etcd said and the time, and
+carries out the actions it returns. The state is what one process knows of one job's rendezvous prefix (the
+:class:`View`, built only from etcd's own revisions) plus the sealer's last-call deadline.
+
+The rules:
+
+* A round is **live** while its manifest exists, every member's node key still exists with a
+  ``create_revision`` older than the manifest (the same incarnation of the node), and no re-rendezvous
+  request names its epoch. Otherwise the round has **ended** (or none was ever sealed): a new one is due.
+* Closing stops new rounds; a live round runs on.
+* The **sealer** is the present node with the oldest node key (lowest ``create_revision``). Only the sealer
+  writes a manifest, in one transaction; when it dies its key goes and the next oldest takes over.
+* A new round is sealed when ``max_nodes`` are present, or the expected set is present (and at least
+  ``min_nodes``), or at least ``min_nodes`` are present and the last call has run out.
+* Membership (:func:`plan_round`): survivors of the previous round first, then ordinary nodes by age, then hot
+  spares by age; the first ``max_nodes`` are members, the rest spares. A survivor keeps its group rank when it
+  still fits; holes are filled in order, so a replacement takes over the ranks of the node it replaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal, TypeVar
+
+from stalwart.agent.rendezvous.errors import CorruptRecord
+from stalwart.agent.rendezvous.settings import RendezvousSettings
+from stalwart.api.rendezvous import (
+    ExpectedNodes,
+    Manifest,
+    Member,
+    NodeRecord,
+    RerendezvousRequest,
+)
+
+_M = TypeVar("_M", NodeRecord, Manifest, RerendezvousRequest, ExpectedNodes)
+
+NODES = "nodes/"
+MANIFEST = "manifest"
+REQUEST = "request"
+CLOSED = "closed"
+EXPECTED = "expected"
+
+
+# -- what etcd holds ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEntry:
+    """A present node: its record and the revision its key was created at (its age; its incarnation)."""
+
+    record: NodeRecord
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class SealedRound:
+    """A manifest and its epoch (the manifest key's mod_revision)."""
+
+    manifest: Manifest
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPut:
+    """A key under the rendezvous prefix was written. ``key`` is relative to the prefix."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KeyDeleted:
+    """A key under the rendezvous prefix was deleted (or its lease expired). ``key`` is relative."""
+
+    key: str
+    mod_revision: int
+
+
+KeyEvent = KeyPut | KeyDeleted
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What one process knows of the rendezvous prefix, as of etcd revision ``revision``.
+
+    ``nodes`` must not be mutated: :func:`apply` returns a new View with a new dict when nodes change.
+    ``problems`` lists records that failed to parse (key -> message); they are ignored otherwise.
+    """
+
+    revision: int = 0
+    nodes: Mapping[str, NodeEntry] = field(default_factory=dict)
+    sealed: SealedRound | None = None
+    request: RerendezvousRequest | None = None
+    closed: bool = False
+    expected: frozenset[str] | None = None
+    oldest: str | None = None
+    problems: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last sealed round, 0 when none."""
+        return 0 if self.sealed is None else self.sealed.epoch
+
+
+def _oldest(nodes: Mapping[str, NodeEntry]) -> str | None:
+    if not nodes:
+        return None
+    return min(nodes.items(), key=lambda kv: kv[1].create_revision)[0]
+
+
+def parse_record(model: type[_M], key: str, value: bytes) -> _M:
+    """Parse one JSON record; raises :class:`CorruptRecord` naming the key and what is wrong."""
+    try:
+        return model.from_json_bytes(value)
+    except ValueError as e:
+        raise CorruptRecord(key, f"not a valid {model.__name__} JSON document: {e}") from None
+
+
+def apply(view: View, events: Sequence[KeyEvent]) -> View:
+    """The view after ``events`` (in revision order). Corrupt records are recorded in ``problems`` and
+    otherwise ignored, so one bad value cannot stop the rendezvous."""
+    nodes: dict[str, NodeEntry] | None = None
+    sealed, request, closed, expected = view.sealed, view.request, view.closed, view.expected
+    oldest = view.oldest
+    problems = dict(view.problems)
+    revision = view.revision
+    for ev in events:
+        revision = max(revision, ev.mod_revision)
+        key = ev.key
+        problems.pop(key, None)
+        try:
+            if key.startswith(NODES):
+                node_id = key[len(NODES):]
+                if nodes is None:
+                    nodes = dict(view.nodes)
+                if isinstance(ev, KeyDeleted):
+                    nodes.pop(node_id, None)
+                    if oldest == node_id:
+                        oldest = _oldest(nodes)
+                    continue
+                record = parse_record(NodeRecord, key, ev.value)
+                if record.node_id != node_id:
+                    raise CorruptRecord(key, f"nodeId {record.node_id!r} does not match the key")
+                nodes[node_id] = NodeEntry(record, ev.create_revision, ev.lease)
+                current = nodes.get(oldest) if oldest is not None else None
+                if current is None or ev.create_revision < current.create_revision:
+                    oldest = node_id
+            elif key == MANIFEST:
+                sealed = None if isinstance(ev, KeyDeleted) else SealedRound(
+                    parse_record(Manifest, key, ev.value), ev.mod_revision)
+            elif key == REQUEST:
+                request = None if isinstance(ev, KeyDeleted) else parse_record(RerendezvousRequest, key, ev.value)
+            elif key == CLOSED:
+                closed = isinstance(ev, KeyPut)
+            elif key == EXPECTED:
+                expected = None if isinstance(ev, KeyDeleted) else frozenset(
+                    parse_record(ExpectedNodes, key, ev.value).node_ids)
+        except CorruptRecord as e:
+            problems[key] = str(e)
+    return View(revision=revision, nodes=view.nodes if nodes is None else nodes, sealed=sealed,
+                request=request, closed=closed, expected=expected, oldest=oldest, problems=problems)
+
+
+# -- judgements over a view -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RoundStatus:
+    """Whether the last sealed round is live, and if not, why a new one is due."""
+
+    live: bool
+    reason: str
+    lost: tuple[str, ...] = ()
+
+
+def round_status(view: View) -> RoundStatus:
+    """Live while the manifest exists, all its members are present in the incarnation it sealed, and no
+    request names its epoch."""
+    if view.sealed is None:
+        return RoundStatus(False, "first round")
+    epoch = view.epoch
+    lost = tuple(m.node_id for m in view.sealed.manifest.members
+                 if (e := view.nodes.get(m.node_id)) is None or e.create_revision > epoch)
+    if lost:
+        return RoundStatus(False, f"member{'s' if len(lost) > 1 else ''} lost: {', '.join(lost[:8])}"
+                           + (f" and {len(lost) - 8} more" if len(lost) > 8 else ""), lost)
+    if view.request is not None and view.request.epoch == epoch:
+        r = view.request
+        return RoundStatus(False, f"re-rendezvous requested by {r.node_id}" + (f": {r.reason}" if r.reason else ""))
+    return RoundStatus(True, "")
+
+
+Role = Literal["member", "spare", "waiting"]
+
+
+def role_of(view: View, node_id: str) -> Role | None:
+    """This node's place in the last sealed round: member, spare, waiting (present but not in it), or
+    ``None`` when its key is not present."""
+    entry = view.nodes.get(node_id)
+    if entry is None:
+        return None
+    if view.sealed is not None and entry.create_revision < view.sealed.epoch:
+        m = view.sealed.manifest
+        if m.member(node_id) is not None:
+            return "member"
+        if node_id in m.spares:
+            return "spare"
+    return "waiting"
+
+
+def waiting_nodes(view: View) -> list[str]:
+    """Present nodes that are neither members nor spares of the last sealed round (late arrivals)."""
+    if view.sealed is None:
+        return sorted(view.nodes)
+    m = view.sealed.manifest
+    listed = {x.node_id for x in m.members} | set(m.spares)
+    return sorted(n for n, e in view.nodes.items() if n not in listed or e.create_revision > view.sealed.epoch)
+
+
+def ready_to_seal(view: View, settings: RendezvousSettings) -> Literal["now", "last-call", "no"]:
+    """Whether enough nodes are present for a new round: at once, after the last call, or not yet."""
+    n = len(view.nodes)
+    if n >= settings.max_nodes:
+        return "now"
+    if n < settings.min_nodes:
+        return "no"
+    if view.expected is not None and view.expected <= view.nodes.keys():
+        return "now"
+    return "last-call"
+
+
+def plan_round(view: View, settings: RendezvousSettings, sealer: str, reason: str) -> Manifest:
+    """The manifest of the next round over the present nodes (see the module's membership rules)."""
+    if not view.nodes:
+        raise ValueError("plan_round: no node is present")
+    prev: dict[str, int] = {}
+    if view.sealed is not None:
+        epoch = view.sealed.epoch
+        prev = {m.node_id: m.group_rank for m in view.sealed.manifest.members
+                if (e := view.nodes.get(m.node_id)) is not None and e.create_revision < epoch}
+    survivors = sorted(prev, key=lambda n: prev[n])
+    others = sorted((n for n in view.nodes if n not in prev),
+                    key=lambda n: (view.nodes[n].record.spare, view.nodes[n].create_revision, n))
+    ordered = survivors + others
+    count = min(settings.max_nodes, len(ordered))
+    chosen, spares = ordered[:count], ordered[count:]
+    slots: list[str | None] = [None] * count
+    unplaced: list[str] = []
+    for n in chosen:
+        g = prev.get(n)
+        if g is not None and g < count and slots[g] is None:
+            slots[g] = n
+        else:
+            unplaced.append(n)
+    it = iter(unplaced)
+    members: list[Member] = []
+    offset = 0
+    for g in range(count):
+        node_id = slots[g] if slots[g] is not None else next(it)
+        assert node_id is not None
+        rec = view.nodes[node_id].record
+        members.append(Member(node_id=node_id, address=rec.address, group_rank=g, rank_offset=offset,
+                              nproc=rec.nproc, rpc_port=rec.rpc_port))
+        offset += rec.nproc
+    first = view.nodes[members[0].node_id].record
+    return Manifest(round=(view.sealed.manifest.round + 1) if view.sealed else 1, members=members,
+                    spares=spares, world_size=offset, master_addr=first.address, master_port=first.master_port,
+                    sealed_by=sealer, reason=reason)
+
+
+# -- the state machine ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """One process's protocol state for one job.
+
+    ``local`` are the node ids this process runs (only a local sealer acts). ``last_call_deadline`` is the
+    sealer's deadline for stragglers (monotonic seconds of this process). ``sealing_at`` is the view revision
+    a seal was last attempted at, so one view gives at most one attempt.
+    """
+
+    view: View = field(default_factory=View)
+    local: frozenset[str] = frozenset()
+    last_call_deadline: float | None = None
+    sealing_at: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """etcd reported these events (in revision order) at time ``now``."""
+
+    events: tuple[KeyEvent, ...]
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reloaded:
+    """The whole prefix was re-read (start, or after a broken watch) at time ``now``."""
+
+    view: View
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class LocalNodes:
+    """The set of nodes this process runs changed."""
+
+    local: frozenset[str]
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class SealFailed:
+    """The seal transaction was refused or failed; try again at the next event."""
+
+    now: float
+
+
+Event = Observed | Reloaded | Tick | LocalNodes | SealFailed
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """Write ``manifest`` in one transaction, only if the manifest's mod_revision is still ``over_epoch``
+    (0: absent), the rendezvous is not closed, and the sealer's node key still has ``sealer_revision``."""
+
+    manifest: Manifest
+    over_epoch: int
+    sealer: str
+    sealer_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class WakeAt:
+    """Deliver a :class:`Tick` no later than ``deadline``."""
+
+    deadline: float
+
+
+Action = Seal | WakeAt
+
+
+def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[State, list[Action]]:
+    """The next state and the actions to carry out, for one event."""
+    if isinstance(event, Observed):
+        state = replace(state, view=apply(state.view, event.events))
+    elif isinstance(event, Reloaded):
+        state = replace(state, view=event.view, sealing_at=None)
+    elif isinstance(event, LocalNodes):
+        state = replace(state, local=event.local)
+    elif isinstance(event, SealFailed):
+        state = replace(state, sealing_at=None)
+    now = event.now
+    view = state.view
+    status = round_status(view)
+    sealer = view.oldest
+    if status.live or view.closed or sealer is None or sealer not in state.local:
+        return replace(state, last_call_deadline=None), []
+    readiness = ready_to_seal(view, settings)
+    if readiness == "no":
+        return replace(state, last_call_deadline=None), []
+    if readiness == "last-call":
+        deadline = state.last_call_deadline
+        if deadline is None:
+            deadline = now + settings.last_call_timeout
+            state = replace(state, last_call_deadline=deadline)
+        if now < deadline:
+            return state, [WakeAt(deadline)]
+    if state.sealing_at == view.revision:
+        return state, []
+    manifest = plan_round(view, settings, sealer, status.reason)
+    seal = Seal(manifest, view.epoch, sealer, view.nodes[sealer].create_revision)
+    return replace(state, sealing_at=view.revision), [seal]

@@ -1,0 +1,181 @@
+"""A ``torch.distributed.Store`` on etcd v3, namespaced and fenced by a rendezvous round's epoch.
+
+Process groups bootstrap from it (``init_process_group(store=...)``) instead of from a TCPStore served by rank
+0, so no single rank process is a point of failure of the bootstrap. Its keys live under
+``JobKeys.torch_store(epoch)``; every write is a fenced transaction (:class:`~.fence.Fence`), so a rank still
+holding an older epoch gets :class:`StaleEpoch` instead of joining the newer group. Values are the bytes torch
+gives (never unpickled here), capped at the store adapter's :data:`~stalwart.store.MAX_VALUE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from stalwart.agent.rendezvous.errors import StaleEpoch
+from stalwart.agent.rendezvous.fence import Fence
+from stalwart.keys import JobKeys
+from stalwart.store import Compare, Delete, Get, Put, Store, StoreError
+
+#: How often a waiter re-checks that its round is still current while no key event arrives.
+_EPOCH_CHECK_INTERVAL = 1.0
+_CAS_ATTEMPTS = 1000
+
+
+def _bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
+    """torch's Store API over etcd for the round of ``epoch``.
+
+    ``holder`` (``(node_id, create_revision)`` of the writer's node key) additionally fences writes to that
+    node's registration. ``timeout`` (seconds) is the default for :meth:`get` and :meth:`wait`. ``scope``
+    (e.g. ``"3/"`` for a restart iteration) is a sub-prefix under the epoch's, for several groups per round.
+
+    Semantics follow TCPStore: ``get`` waits for the key; ``add`` keeps a decimal integer and creates it at
+    0; ``compare_set`` sets ``desired`` when the key holds ``expected`` (or is absent and ``expected`` is
+    empty) and returns the value now stored (``expected`` when absent and not set); ``wait`` raises
+    ``DistStoreError`` on timeout. Every method raises :class:`StaleEpoch` once the round is over.
+    """
+
+    def __init__(self, store: Store, keys: JobKeys, epoch: int, *, holder: tuple[str, int] | None = None,
+                 timeout: float = 300.0, scope: str = "") -> None:
+        super().__init__()
+        if timeout <= 0:
+            raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
+        if scope and not scope.endswith("/"):
+            raise ValueError(f"scope: must be empty or end with '/', got {scope!r}")
+        self.etcd = store
+        self.epoch = epoch
+        self.fence = Fence(store, keys, epoch, holder=holder)
+        self.prefix = keys.torch_store(epoch) + scope
+        self._timeout = timeout
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    # -- writes (fenced) -----------------------------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.fence.put(self._key(key), _bytes(value))
+
+    def add(self, key: str, amount: int) -> int:
+        k = self._key(key)
+        for attempt in range(_CAS_ATTEMPTS):
+            kv = self.etcd.get(k)
+            try:
+                current = 0 if kv is None else int(kv.value.decode())
+            except (UnicodeDecodeError, ValueError):
+                raise ValueError(f"add: key {key!r} does not hold a decimal integer") from None
+            new = current + int(amount)
+            guard = Compare(k, "mod", "==", 0 if kv is None else kv.mod_revision)
+            if self.fence.txn([guard], [Put(k, str(new).encode())]).succeeded:
+                return new
+            time.sleep(min(0.05, 0.001 * (attempt + 1)) * random.random())
+        raise StoreError(f"add: key {key!r} changed under {_CAS_ATTEMPTS} attempts in a row")
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        k = self._key(key)
+        exp, want = _bytes(expected), _bytes(desired)
+        guard = Compare(k, "create", "==", 0) if not exp else Compare(k, "value", "==", exp)
+        res = self.fence.txn([guard], [Put(k, want)], [Get(k)])
+        if res.succeeded:
+            return want
+        current = res.responses[0]
+        return current[0].value if current else exp
+
+    def delete_key(self, key: str) -> bool:
+        k = self._key(key)
+        return self.fence.txn([Compare(k, "create", "!=", 0)], [Delete(k)]).succeeded
+
+    def append(self, key: str, value: str | bytes) -> None:
+        k = self._key(key)
+        for attempt in range(_CAS_ATTEMPTS):
+            kv = self.etcd.get(k)
+            guard = Compare(k, "mod", "==", 0 if kv is None else kv.mod_revision)
+            new = (b"" if kv is None else kv.value) + _bytes(value)
+            if self.fence.txn([guard], [Put(k, new)]).succeeded:
+                return
+            time.sleep(min(0.05, 0.001 * (attempt + 1)) * random.random())
+        raise StoreError(f"append: key {key!r} changed under {_CAS_ATTEMPTS} attempts in a row")
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        self.fence.txn(success=[Put(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)])
+
+    # -- reads ---------------------------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        kv = self.etcd.get(self._key(key))
+        if kv is None:  # deleted between the wait and the read
+            self.wait([key])
+            kv = self.etcd.get(self._key(key))
+            if kv is None:
+                raise dist.DistStoreError(f"key {key!r} vanished while being read")
+        return kv.value
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def check(self, keys: list[str]) -> bool:
+        self.fence.check()
+        return all(self.etcd.get(self._key(k)) is not None for k in keys)
+
+    def num_keys(self) -> int:
+        return self.etcd.count_prefix(self.prefix)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        seconds = timeout.total_seconds()
+        if seconds <= 0:
+            raise ValueError(f"timeout: must be > 0, got {timeout}")
+        self._timeout = seconds
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self._timeout)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Block until every key exists (watch, not polling); ``DistStoreError`` after the timeout,
+        :class:`StaleEpoch` as soon as the round is seen to be over."""
+        limit = self._timeout if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        missing = {self._key(k) for k in keys}
+        while missing:
+            self.fence.check()
+            revision = 0
+            for k in sorted(missing):
+                kv = self.etcd.get(k)
+                if kv is not None:
+                    missing.discard(k)
+            if not missing:
+                return
+            revision = self.etcd.revision()
+            with self.etcd.watch(self.prefix, prefix=True, start_revision=revision + 1) as w:
+                # Keys may have appeared between the reads and the watch's start revision.
+                missing = {k for k in missing if self.etcd.get(k) is None}
+                next_check = time.monotonic() + _EPOCH_CHECK_INTERVAL
+                while missing:
+                    now = time.monotonic()
+                    if now >= deadline:
+                        names = sorted(k[len(self.prefix):] for k in missing)
+                        raise dist.DistStoreError(
+                            f"wait timed out after {limit:.1f}s for keys {names} (epoch {self.epoch})")
+                    if now >= next_check:
+                        self.fence.check()
+                        next_check = now + _EPOCH_CHECK_INTERVAL
+                    ev = w.next(min(deadline, next_check) - now)
+                    if ev is not None and ev.type == "put":
+                        missing.discard(ev.kv.key)
+            return
+
+
+__all__ = ["EtcdTorchStore", "StaleEpoch"]

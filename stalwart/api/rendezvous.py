@@ -1,0 +1,150 @@
+"""The JSON records of the rendezvous, as kept in etcd under ``JobKeys.rendezvous`` (``.../rdzv/``).
+
+Key layout (``R`` = ``JobKeys(ns, uid).rendezvous``):
+
+``R + "nodes/<nodeId>"`` -> :class:`NodeRecord`
+    One key per node, bound to that node's lease (its heartbeat) and created only if absent
+    (``create_revision == 0``). Its ``create_revision`` orders the nodes: the oldest present node is the
+    round's sealer.
+``R + "manifest"`` -> :class:`Manifest`
+    The sealed round, written by one writer in one transaction. Its ``mod_revision`` is the round's
+    **epoch**: the fencing token every round-bound write compares.
+``R + "request"`` -> :class:`RerendezvousRequest`
+    A participant's request to end the round of ``epoch`` (written fenced by that epoch).
+``R + "closed"`` -> :class:`ClosedRecord`
+    Present once the rendezvous is closed: no new rounds are sealed.
+``R + "expected"`` -> :class:`ExpectedNodes`
+    Optional, written by the operator: the node ids it expects, so a round seals as soon as they are all
+    present instead of waiting for the last call.
+
+Every value is a JSON document of one of these models, size-capped by :data:`MAX_RECORD_BYTES`; the manifest
+of a 1024-node round is about 90 KiB.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Self
+
+from pydantic import Field, field_validator, model_validator
+
+from stalwart.api.base import MAX_RECORD_BYTES, ApiModel
+
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "ClosedRecord",
+    "ExpectedNodes",
+    "Manifest",
+    "Member",
+    "NodeRecord",
+    "RerendezvousRequest",
+    "check_node_id",
+]
+
+_NODE_ID = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def check_node_id(node_id: str) -> str:
+    """Return ``node_id`` if it can be one etcd key segment (letters, digits, ``-_.``, at most 253 chars)."""
+    if len(node_id) > 253 or not _NODE_ID.fullmatch(node_id):
+        raise ValueError(
+            f"node id {node_id!r} must be 1-253 letters, digits, '-', '_' or '.', starting and ending "
+            "with a letter or digit")
+    return node_id
+
+
+class NodeRecord(ApiModel):
+    """What a node says about itself when it joins (the value of its lease-bound node key)."""
+
+    node_id: str = Field(description="Unique id of the node (the pod name).")
+    address: str = Field(min_length=1, max_length=253,
+                         description="Host or IP other nodes reach this node on (the pod IP).")
+    nproc: int = Field(default=1, ge=1, le=1024, description="Rank processes this node runs.")
+    spare: bool = Field(default=False,
+                        description="A hot spare: becomes a member only when no ordinary node is left.")
+    master_port: int | None = Field(default=None, ge=1, le=65535,
+                                    description="Port this node offers as MASTER_PORT if it gets group rank 0.")
+    rpc_port: int | None = Field(default=None, ge=1, le=65535,
+                                 description="Port of this node's RPC server, if it runs one.")
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, v: str) -> str:
+        return check_node_id(v)
+
+
+class Member(ApiModel):
+    """One node of a sealed round and the ranks it runs."""
+
+    node_id: str = Field(description="The node's id.")
+    address: str = Field(description="The node's address (from its NodeRecord).")
+    group_rank: int = Field(ge=0, description="The node's rank among the round's nodes (0..nodes-1).")
+    rank_offset: int = Field(ge=0, description="Global rank of the node's first process.")
+    nproc: int = Field(ge=1, description="Rank processes on the node: global ranks rankOffset..+nproc-1.")
+    rpc_port: int | None = Field(default=None, description="The node's RPC port, if it runs an RPC server.")
+
+
+class Manifest(ApiModel):
+    """A sealed round. The key's ``mod_revision`` (not stored here) is the round's epoch."""
+
+    round: int = Field(ge=1, description="Round number, 1 for the first round, +1 for each next one.")
+    members: list[Member] = Field(min_length=1, description="The round's nodes, ordered by group rank.")
+    spares: list[str] = Field(default_factory=list,
+                              description="Ids of present nodes beyond the round's maximum: they wait as spares.")
+    world_size: int = Field(ge=1, description="Total rank processes: the sum of the members' nproc.")
+    master_addr: str = Field(description="Address of group rank 0 (MASTER_ADDR).")
+    master_port: int | None = Field(default=None, description="MASTER_PORT offered by group rank 0, if any.")
+    sealed_by: str = Field(description="Id of the node that sealed the round.")
+    reason: str = Field(default="", max_length=1024,
+                        description="Why this round started (first round, member lost, requested, ...).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        ranks = [m.group_rank for m in self.members]
+        if ranks != list(range(len(self.members))):
+            raise ValueError(f"members: group ranks must be 0..{len(self.members) - 1} in order, got {ranks}")
+        offset = 0
+        for m in self.members:
+            if m.rank_offset != offset:
+                raise ValueError(f"members: {m.node_id} has rankOffset {m.rank_offset}, expected {offset}")
+            offset += m.nproc
+        if offset != self.world_size:
+            raise ValueError(f"worldSize: {self.world_size} != sum of members' nproc ({offset})")
+        ids = [m.node_id for m in self.members] + list(self.spares)
+        if len(set(ids)) != len(ids):
+            raise ValueError("members/spares: a node id appears more than once")
+        return self
+
+    def member(self, node_id: str) -> Member | None:
+        """The member entry of ``node_id``, or ``None`` if it is not a member of this round."""
+        for m in self.members:
+            if m.node_id == node_id:
+                return m
+        return None
+
+
+class RerendezvousRequest(ApiModel):
+    """A participant asks to end the round of ``epoch`` (e.g. after a failure it cannot recover in process)."""
+
+    epoch: int = Field(ge=1, description="The epoch of the round to end; a request for an older round is void.")
+    node_id: str = Field(description="The node that asked.")
+    reason: str = Field(default="", max_length=1024, description="Why, for logs and status.")
+
+
+class ClosedRecord(ApiModel):
+    """The rendezvous is closed: no new rounds; nodes outside the current round leave."""
+
+    reason: str = Field(default="", max_length=1024, description="Why it was closed.")
+
+
+class ExpectedNodes(ApiModel):
+    """The nodes the operator expects; a round seals as soon as all of them are present."""
+
+    node_ids: list[str] = Field(min_length=1, description="Ids of the expected nodes.")
+
+    @field_validator("node_ids")
+    @classmethod
+    def _ids(cls, v: list[str]) -> list[str]:
+        for node_id in v:
+            check_node_id(node_id)
+        return v
