@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ["dev", "crd"]
+COMMANDS = ["dev", "crd", "validate"]
 
 
 def build_parser() -> argparse.ArgumentParser:
