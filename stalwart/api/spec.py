@@ -70,7 +70,7 @@ class PodSpec(ApiModel):
             cel="has(self.containers[0].command) && size(self.containers[0].command) > 0",
             message="containers[0].command is required: the stalwart agent runs it as each rank's process",
             check=lambda s: None if s.containers[0].command else
-            "is required: the stalwart agent runs it as each rank's process"),
+            "required on the first container: the stalwart agent runs it as each rank's process"),
     ]
 
     @model_validator(mode="after")
@@ -91,15 +91,9 @@ class PodTemplate(ApiModel):
 # Rendezvous: the etcd cluster the agents meet in.
 
 _HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*$")
-#: The CRD's pattern for an endpoint (the Python check below is stricter on ports and IP addresses).
+#: The CRD's pattern for an endpoint. Python validates with endpoint_problem instead, which is stricter on
+#: ports and IP addresses and says what is wrong.
 ENDPOINT_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
-
-
-def _items_pattern(schema: dict[str, Any], pattern: str) -> None:
-    # The CRD gets a pattern; Python validates with endpoint_problem, whose messages say what is wrong.
-    items = schema.get("items")
-    if isinstance(items, dict):
-        items["pattern"] = pattern
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -137,10 +131,11 @@ class SecretReference(ApiModel):
 class RendezvousSpec(ApiModel):
     """Where and how the job's agents meet: an etcd v3 cluster, and the rendezvous timeouts."""
 
-    endpoints: list[str] = Field(
-        description="etcd client endpoints as host:port (IPv6 as [addr]:port); at least one.",
-        min_length=1, max_length=MAX_ETCD_ENDPOINTS,
-        json_schema_extra=lambda schema: _items_pattern(schema, ENDPOINT_PATTERN))
+    endpoints: list[Annotated[str, Field(json_schema_extra={"pattern": ENDPOINT_PATTERN})]] | None = Field(
+        default=None,
+        description=("etcd client endpoints as host:port (IPv6 as [addr]:port). When omitted, the operator's "
+                     "default endpoints are used (the etcd that the Helm chart installs or names)."),
+        min_length=1, max_length=MAX_ETCD_ENDPOINTS)
     tls: bool = Field(
         default=False,
         description=("Connect to etcd over TLS, trusting the CA in the Secret's ca.crt (and presenting "
@@ -150,11 +145,11 @@ class RendezvousSpec(ApiModel):
         description=("Secret with etcd credentials: ca.crt, tls.crt, tls.key for TLS; username and password "
                      "for etcd authentication. The operator mounts it into every pod."))
     join_timeout_seconds: float = Field(
-        default=600, gt=0, le=MAX_TIMEOUT_SECONDS,
+        default=600.0, gt=0, le=MAX_TIMEOUT_SECONDS,
         description=("How long an agent waits for a rendezvous round to reach minReplicas nodes before it "
                      "gives up and its pod fails."))
     last_call_seconds: float = Field(
-        default=10, ge=0, le=MAX_TIMEOUT_SECONDS,
+        default=10.0, ge=0, le=MAX_TIMEOUT_SECONDS,
         description=("Once minReplicas nodes have joined, how long the round stays open for more (up to "
                      "maxReplicas) before it is sealed. Must be less than joinTimeoutSeconds."))
     lease_ttl_seconds: int = Field(
@@ -164,7 +159,9 @@ class RendezvousSpec(ApiModel):
 
     @field_validator("endpoints")
     @classmethod
-    def _endpoints(cls, endpoints: list[str]) -> list[str]:
+    def _endpoints(cls, endpoints: list[str] | None) -> list[str] | None:
+        if endpoints is None:
+            return None
         problems = [(f"[{index}]", problem) for index, endpoint in enumerate(endpoints)
                     if (problem := endpoint_problem(endpoint)) is not None]
         if problems:
@@ -177,7 +174,7 @@ class RendezvousSpec(ApiModel):
             cel="!self.tls || has(self.secretRef)",
             message="secretRef is required when tls is true (the Secret holds ca.crt)",
             check=lambda s: None if not s.tls or s.secret_ref is not None else
-            "is required when tls is true (the Secret holds ca.crt)"),
+            "required when tls is true (the Secret holds ca.crt)"),
         Rule(
             field="lastCallSeconds",
             cel="self.lastCallSeconds < self.joinTimeoutSeconds",
@@ -205,15 +202,15 @@ class InProcessRestart(ApiModel):
         description=("How many in-process restarts the job may make in total; past it a failure is handled "
                      "by pod replacement. 0 disables in-process restart."))
     soft_timeout_seconds: float = Field(
-        default=60, gt=0, le=MAX_TIMEOUT_SECONDS,
+        default=60.0, gt=0, le=MAX_TIMEOUT_SECONDS,
         description=("A rank that reports no progress for this long is considered hung: the job restarts "
                      "in process. Must be less than hardTimeoutSeconds."))
     hard_timeout_seconds: float = Field(
-        default=90, gt=0, le=MAX_TIMEOUT_SECONDS,
+        default=90.0, gt=0, le=MAX_TIMEOUT_SECONDS,
         description=("A rank that reports no progress for this long, even after the soft timeout's restart "
                      "was requested, is killed and its process respawned."))
     barrier_timeout_seconds: float = Field(
-        default=120, gt=0, le=MAX_TIMEOUT_SECONDS,
+        default=120.0, gt=0, le=MAX_TIMEOUT_SECONDS,
         description=("How long the ranks wait for each other at a restart barrier before the ranks that "
                      "have not arrived are declared failed."))
 
@@ -422,7 +419,9 @@ class TrainingJobSpec(ApiModel):
         description="Rank processes per pod (typically its number of GPUs).")
     template: PodTemplate = Field(
         description="The pod template of the workers and spares (image, command, resources...).")
-    rendezvous: RendezvousSpec = Field(description="The etcd cluster the agents meet in, and its timeouts.")
+    rendezvous: RendezvousSpec = Field(
+        default_factory=RendezvousSpec, description="The etcd cluster the agents meet in, and its timeouts.",
+        json_schema_extra={"default": {}})
     restart_policy: RestartPolicy = Field(
         default_factory=RestartPolicy, description="How failures are handled.",
         json_schema_extra={"default": {}})
