@@ -38,6 +38,7 @@ __all__ = [
     "Member",
     "NodeRecord",
     "RerendezvousRequest",
+    "TorchRendezvousState",
     "check_node_id",
 ]
 
@@ -148,3 +149,14 @@ class ExpectedNodes(ApiModel):
         for node_id in v:
             check_node_id(node_id)
         return v
+
+
+class TorchRendezvousState(ApiModel):
+    """The envelope in which the etcd-v3 backend keeps torch's DynamicRendezvousHandler state.
+
+    torch's handler encodes its own state (it pickles it); the backend stores it as opaque base64 inside this
+    JSON document, so a foreign or damaged value is recognised as corrupt before torch ever sees it.
+    """
+
+    format: str = Field(description="Always 'torch-dynamic-rendezvous/v1'.")
+    state: str = Field(description="torch's encoded state, base64.")

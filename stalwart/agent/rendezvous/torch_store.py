@@ -19,7 +19,7 @@ import torch.distributed as dist
 from stalwart.agent.rendezvous.errors import StaleEpoch
 from stalwart.agent.rendezvous.fence import Fence
 from stalwart.keys import JobKeys
-from stalwart.store import Compare, Delete, Get, Put, Store, StoreError
+from stalwart.store import Compare, Delete, Get, Op, Put, Store, StoreError, TxnResult
 
 #: How often a waiter re-checks that its round is still current while no key event arrives.
 _EPOCH_CHECK_INTERVAL = 1.0
@@ -48,15 +48,40 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
     def __init__(self, store: Store, keys: JobKeys, epoch: int, *, holder: tuple[str, int] | None = None,
                  timeout: float = 300.0, scope: str = "") -> None:
         super().__init__()
-        if timeout <= 0:
-            raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
         if scope and not scope.endswith("/"):
             raise ValueError(f"scope: must be empty or end with '/', got {scope!r}")
+        self._setup(store, keys.torch_store(epoch) + scope, Fence(store, keys, epoch, holder=holder), timeout)
+        self.epoch: int | None = epoch
+
+    @classmethod
+    def unfenced(cls, store: Store, prefix: str, *, timeout: float = 300.0) -> EtcdTorchStore:
+        """A store over ``prefix`` whose writes are not bound to any round (for torchrun's own rendezvous,
+        which has no stalwart epoch)."""
+        if not prefix.endswith("/"):
+            raise ValueError(f"prefix: must end with '/', got {prefix!r}")
+        self = cls.__new__(cls)
+        dist.Store.__init__(self)  # type: ignore[attr-defined]
+        self._setup(store, prefix, None, timeout)
+        self.epoch = None
+        return self
+
+    def _setup(self, store: Store, prefix: str, fence: Fence | None, timeout: float) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
         self.etcd = store
-        self.epoch = epoch
-        self.fence = Fence(store, keys, epoch, holder=holder)
-        self.prefix = keys.torch_store(epoch) + scope
+        self.fence = fence
+        self.prefix = prefix
         self._timeout = timeout
+
+    def _txn(self, compare: Sequence[Compare] = (), success: Sequence[Op] = (),
+             failure: Sequence[Get] = ()) -> TxnResult:
+        if self.fence is not None:
+            return self.fence.txn(compare, success, failure)
+        return self.etcd.txn(compare, success, failure)
+
+    def _check_epoch(self) -> None:
+        if self.fence is not None:
+            self.fence.check()
 
     def _key(self, key: str) -> str:
         return self.prefix + key
@@ -64,7 +89,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
     # -- writes (fenced) -----------------------------------------------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
-        self.fence.put(self._key(key), _bytes(value))
+        self._txn(success=[Put(self._key(key), _bytes(value))])
 
     def add(self, key: str, amount: int) -> int:
         k = self._key(key)
@@ -76,7 +101,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
                 raise ValueError(f"add: key {key!r} does not hold a decimal integer") from None
             new = current + int(amount)
             guard = Compare(k, "mod", "==", 0 if kv is None else kv.mod_revision)
-            if self.fence.txn([guard], [Put(k, str(new).encode())]).succeeded:
+            if self._txn([guard], [Put(k, str(new).encode())]).succeeded:
                 return new
             time.sleep(min(0.05, 0.001 * (attempt + 1)) * random.random())
         raise StoreError(f"add: key {key!r} changed under {_CAS_ATTEMPTS} attempts in a row")
@@ -85,7 +110,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
         k = self._key(key)
         exp, want = _bytes(expected), _bytes(desired)
         guard = Compare(k, "create", "==", 0) if not exp else Compare(k, "value", "==", exp)
-        res = self.fence.txn([guard], [Put(k, want)], [Get(k)])
+        res = self._txn([guard], [Put(k, want)], [Get(k)])
         if res.succeeded:
             return want
         current = res.responses[0]
@@ -93,7 +118,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
 
     def delete_key(self, key: str) -> bool:
         k = self._key(key)
-        return self.fence.txn([Compare(k, "create", "!=", 0)], [Delete(k)]).succeeded
+        return self._txn([Compare(k, "create", "!=", 0)], [Delete(k)]).succeeded
 
     def append(self, key: str, value: str | bytes) -> None:
         k = self._key(key)
@@ -101,7 +126,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
             kv = self.etcd.get(k)
             guard = Compare(k, "mod", "==", 0 if kv is None else kv.mod_revision)
             new = (b"" if kv is None else kv.value) + _bytes(value)
-            if self.fence.txn([guard], [Put(k, new)]).succeeded:
+            if self._txn([guard], [Put(k, new)]).succeeded:
                 return
             time.sleep(min(0.05, 0.001 * (attempt + 1)) * random.random())
         raise StoreError(f"append: key {key!r} changed under {_CAS_ATTEMPTS} attempts in a row")
@@ -109,7 +134,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        self.fence.txn(success=[Put(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)])
+        self._txn(success=[Put(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)])
 
     # -- reads ---------------------------------------------------------------------------------------------
 
@@ -127,7 +152,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
         return [self.get(k) for k in keys]
 
     def check(self, keys: list[str]) -> bool:
-        self.fence.check()
+        self._check_epoch()
         return all(self.etcd.get(self._key(k)) is not None for k in keys)
 
     def num_keys(self) -> int:
@@ -150,7 +175,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
         deadline = time.monotonic() + limit
         missing = {self._key(k) for k in keys}
         while missing:
-            self.fence.check()
+            self._check_epoch()
             revision = 0
             for k in sorted(missing):
                 kv = self.etcd.get(k)
@@ -170,7 +195,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
                         raise dist.DistStoreError(
                             f"wait timed out after {limit:.1f}s for keys {names} (epoch {self.epoch})")
                     if now >= next_check:
-                        self.fence.check()
+                        self._check_epoch()
                         next_check = now + _EPOCH_CHECK_INTERVAL
                     ev = w.next(min(deadline, next_check) - now)
                     if ev is not None and ev.type == "put":
