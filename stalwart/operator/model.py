@@ -1,0 +1,200 @@
+"""The operator's plain data: what one reconcile observes, the actions it decides, and its settings.
+
+Everything here is immutable and free of I/O, so :func:`stalwart.operator.reconcile.reconcile` is a pure
+function of these values and can be tested table by table without any server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from stalwart.api.job_record import JobRecord
+from stalwart.api.rendezvous import Manifest
+from stalwart.api.restart import ProgressRecord
+from stalwart.api.spec import TrainingJobSpec
+from stalwart.api.status import TrainingJobStatus
+
+PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorSettings:
+    """Operator-wide knobs (not per job). All durations are seconds."""
+
+    #: At most one status patch per job per this many seconds, however fast agents report.
+    status_interval: float = 1.0
+    #: A pod still Terminating this long after its deletion grace period ended is force-deleted.
+    terminating_grace_limit: float = 30.0
+    #: A pod whose node stopped reporting (Ready=Unknown) for this long is treated as lost.
+    node_lost_after: float = 40.0
+    #: Grace period given to pods the operator deletes (suspend, clean-up, scale-down, replacement).
+    delete_grace_seconds: int = 30
+    #: Longest sleep between two reconciles of a running job, even when nothing is reported.
+    resync_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("status_interval", "terminating_grace_limit", "node_lost_after", "resync_interval"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}: must be > 0 seconds, got {value!r}")
+        if self.delete_grace_seconds < 0:
+            raise ValueError(f"delete_grace_seconds: must be >= 0, got {self.delete_grace_seconds}")
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """One of the job's pods as the operator sees it (derived from the pod object by ``podview``)."""
+
+    name: str
+    role: str  # "worker" or "spare" (the label it was created with)
+    index: int
+    phase: PodPhase
+    ready: bool = False
+    #: Unix time the deletion was requested (metadata.deletionTimestamp minus the grace period), else None.
+    deleting_since: float | None = None
+    #: The grace period the deletion was given.
+    deletion_grace: float = 30.0
+    #: Exit code of the trainer container (the first) once it terminated.
+    exit_code: int | None = None
+    #: Why the pod or its trainer container ended: Evicted, OOMKilled, NodeLost, Error, Completed...
+    reason: str | None = None
+    message: str = ""
+    #: The scheduler reported it cannot place the pod.
+    unschedulable: bool = False
+    #: Unix time since when the pod's node stopped reporting (Ready=Unknown), else None.
+    unreachable_since: float | None = None
+
+    @property
+    def deleting(self) -> bool:
+        return self.deleting_since is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdView:
+    """The job's records in etcd, as read at one revision. ``reachable`` is False when etcd did not answer;
+    then every other field is empty and the reconcile takes no step that needs etcd (fencing)."""
+
+    reachable: bool = True
+    record: JobRecord | None = None
+    expected: tuple[str, ...] | None = None
+    manifest: Manifest | None = None
+    #: mod_revision of the manifest: the round's fencing token.
+    epoch: int = 0
+    #: node id -> id of the lease its rendezvous node key is bound to.
+    leases: dict[str, int] = field(default_factory=dict)
+    progress: tuple[ProgressRecord, ...] = ()
+    closed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """The TrainingJob. ``spec`` is None when the stored spec does not validate; ``spec_problem`` then names
+    the field and what was expected (a spec that slipped past the CRD's validation)."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: TrainingJobSpec | None
+    status: TrainingJobStatus
+    spec_problem: tuple[str, str] | None = None
+    deleting: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """Everything one reconcile looks at. ``now`` is Unix seconds; ``last_status_patch`` is when this
+    operator last patched the job's status (None if never)."""
+
+    job: JobView
+    pods: tuple[PodView, ...]
+    etcd: EtcdView
+    now: float
+    last_status_patch: float | None = None
+    #: The job's headless Service and Secret were created (or found) by this operator already.
+    owned_objects_ready: bool = False
+
+
+# -- actions -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EnsureOwnedObjects:
+    """Create the headless Service and the Secret with a random RPC token, unless they exist."""
+
+
+@dataclass(frozen=True, slots=True)
+class CreatePod:
+    name: str
+    role: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeletePod:
+    """Delete a pod with ``grace`` seconds (0 = force: the pod's node is gone or it is stuck terminating)."""
+
+    name: str
+    grace: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RevokeLease:
+    """Fence a lost node: revoking its lease deletes its rendezvous key, so it cannot act in a new round."""
+
+    node_id: str
+    lease_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteJobRecord:
+    """Write the JobRecord (from the spec, these members/spares) and the rendezvous' expected nodes."""
+
+    members: tuple[str, ...]
+    spares: tuple[str, ...]
+    expected: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CloseRendezvous:
+    """The job finished: no new rounds; agents outside the current round leave."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PatchStatus:
+    status: TrainingJobStatus
+
+
+@dataclass(frozen=True, slots=True)
+class EmitEvent:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteJob:
+    """ttlSecondsAfterFinished passed: delete the TrainingJob (its pods go by owner reference)."""
+
+
+Action = (EnsureOwnedObjects | CreatePod | DeletePod | RevokeLease | WriteJobRecord | CloseRendezvous
+          | PatchStatus | EmitEvent | DeleteJob)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The result of one reconcile: actions to apply in order, the status the job should have (patched only
+    when ``PatchStatus`` is among the actions: status patches are rate-limited), and when to look again
+    (``requeue_after`` seconds; None = only when something changes or at the resync interval)."""
+
+    actions: tuple[Action, ...]
+    status: TrainingJobStatus
+    requeue_after: float | None = None
