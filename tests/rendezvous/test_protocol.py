@@ -1,0 +1,258 @@
+"""The rendezvous protocol as a pure state machine: no etcd, no clock, no threads."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stalwart.agent.rendezvous.protocol import (
+    KeyDeleted,
+    KeyPut,
+    LocalNodes,
+    Observed,
+    Seal,
+    SealFailed,
+    State,
+    Tick,
+    View,
+    WakeAt,
+    apply,
+    plan_round,
+    role_of,
+    round_status,
+    step,
+    waiting_nodes,
+)
+from stalwart.agent.rendezvous.settings import RendezvousSettings
+from stalwart.api.rendezvous import (
+    ExpectedNodes,
+    Manifest,
+    NodeRecord,
+    RerendezvousRequest,
+)
+
+
+class Etcd:
+    """A tiny revision counter that turns writes into the events the watch would deliver."""
+
+    def __init__(self) -> None:
+        self.revision = 1
+        self.created: dict[str, int] = {}
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> KeyPut:
+        self.revision += 1
+        create = self.created.setdefault(key, self.revision)
+        return KeyPut(key, value, create, self.revision, lease)
+
+    def delete(self, key: str) -> KeyDeleted:
+        self.revision += 1
+        self.created.pop(key, None)
+        return KeyDeleted(key, self.revision)
+
+    def node(self, node_id: str, *, spare: bool = False, nproc: int = 1) -> KeyPut:
+        rec = NodeRecord(node_id=node_id, address=f"10.0.0.{len(self.created) + 1}", spare=spare, nproc=nproc)
+        return self.put("nodes/" + node_id, rec.to_json_bytes(), lease=1)
+
+    def seal(self, seal: Seal) -> KeyPut:
+        return self.put("manifest", seal.manifest.to_json_bytes())
+
+
+def run(state: State, event: object, s: RendezvousSettings) -> tuple[State, list[object]]:
+    new, actions = step(state, event, s)  # type: ignore[arg-type]
+    return new, list(actions)
+
+
+def seals(actions: list[object]) -> list[Seal]:
+    return [a for a in actions if isinstance(a, Seal)]
+
+
+def test_settings_are_validated_with_clear_messages() -> None:
+    with pytest.raises(ValueError, match="max_nodes"):
+        RendezvousSettings(min_nodes=3, max_nodes=2)
+    with pytest.raises(ValueError, match="min_nodes"):
+        RendezvousSettings(min_nodes=0, max_nodes=2)
+    with pytest.raises(ValueError, match="node_ttl"):
+        RendezvousSettings(min_nodes=1, max_nodes=2, node_ttl=1)
+    with pytest.raises(ValueError, match="last_call_timeout"):
+        RendezvousSettings(min_nodes=1, max_nodes=2, last_call_timeout=float("nan"))
+
+
+def test_round_seals_at_max_by_the_oldest_local_node_only() -> None:
+    s = RendezvousSettings(min_nodes=2, max_nodes=3, last_call_timeout=5)
+    etcd = Etcd()
+    a, b = State(local=frozenset({"a"})), State(local=frozenset({"b"}))
+    evs = (etcd.node("a"), etcd.node("b"), etcd.node("c"))
+    a, acts_a = run(a, Observed(evs, 0.0), s)
+    b, acts_b = run(b, Observed(evs, 0.0), s)
+    assert seals(acts_b) == []  # b is not the oldest: it never writes
+    [seal] = seals(acts_a)
+    assert seal.sealer == "a" and seal.over_epoch == 0
+    assert [m.node_id for m in seal.manifest.members] == ["a", "b", "c"]
+    assert seal.manifest.world_size == 3 and seal.manifest.round == 1
+    # The same view never gives a second attempt; a refused seal is retried.
+    a2, again = run(a, Tick(1.0), s)
+    assert seals(again) == []
+    _, retry = run(a2, SealFailed(1.5), s)
+    assert len(seals(retry)) == 1
+
+
+def test_between_min_and_max_the_last_call_runs_out_before_sealing() -> None:
+    s = RendezvousSettings(min_nodes=2, max_nodes=4, last_call_timeout=5)
+    etcd = Etcd()
+    st0 = State(local=frozenset({"a"}))
+    st1, acts = run(st0, Observed((etcd.node("a"),), 0.0), s)
+    assert acts == []  # below min: nothing to do, no timer
+    st2, acts = run(st1, Observed((etcd.node("b"),), 1.0), s)
+    assert acts == [WakeAt(6.0)]
+    st3, acts = run(st2, Observed((etcd.node("c"),), 3.0), s)
+    assert acts == [WakeAt(6.0)]  # the deadline does not move with each arrival
+    _, acts = run(st3, Tick(6.0), s)
+    [seal] = seals(acts)
+    assert len(seal.manifest.members) == 3
+
+
+def test_expected_set_present_seals_without_the_last_call() -> None:
+    s = RendezvousSettings(min_nodes=1, max_nodes=8, last_call_timeout=100)
+    etcd = Etcd()
+    exp = etcd.put("expected", ExpectedNodes(node_ids=["a", "b"]).to_json_bytes())
+    st0, acts = run(State(local=frozenset({"a"})), Observed((exp, etcd.node("a")), 0.0), s)
+    assert acts == [WakeAt(100.0)]
+    _, acts = run(st0, Observed((etcd.node("b"),), 1.0), s)
+    assert len(seals(acts)) == 1
+
+
+def test_nodes_beyond_max_are_spares_and_hot_spares_go_last() -> None:
+    s = RendezvousSettings(min_nodes=1, max_nodes=2)
+    etcd = Etcd()
+    view = apply(View(), [etcd.node("h", spare=True), etcd.node("a"), etcd.node("b"), etcd.node("c")])
+    m = plan_round(view, s, "h", "first round")
+    assert [x.node_id for x in m.members] == ["a", "b"]
+    assert m.spares == ["c", "h"]
+
+
+def test_late_arrival_waits_and_a_lost_member_ends_the_round() -> None:
+    s = RendezvousSettings(min_nodes=2, max_nodes=2)
+    etcd = Etcd()
+    st0, acts = run(State(local=frozenset({"a"})), Observed((etcd.node("a"), etcd.node("b")), 0.0), s)
+    [seal] = seals(acts)
+    st1, acts = run(st0, Observed((etcd.seal(seal), etcd.node("late")), 0.1), s)
+    assert acts == [] and round_status(st1.view).live
+    assert role_of(st1.view, "late") == "waiting" and waiting_nodes(st1.view) == ["late"]
+    assert role_of(st1.view, "b") == "member"
+    # b's lease expires: the round ends, and the late node takes over b's group rank.
+    st2, acts = run(st1, Observed((etcd.delete("nodes/b"),), 0.2), s)
+    status = round_status(st2.view)
+    assert not status.live and status.lost == ("b",)
+    [seal2] = seals(acts)
+    assert seal2.over_epoch == st1.view.epoch
+    assert [(x.node_id, x.group_rank) for x in seal2.manifest.members] == [("a", 0), ("late", 1)]
+    assert seal2.manifest.round == 2 and "lost: b" in seal2.manifest.reason
+
+
+def test_a_rejoined_node_is_a_new_incarnation_and_ends_the_round() -> None:
+    s = RendezvousSettings(min_nodes=2, max_nodes=2)
+    etcd = Etcd()
+    st0, acts = run(State(local=frozenset({"a"})), Observed((etcd.node("a"), etcd.node("b")), 0.0), s)
+    st1, _ = run(st0, Observed((etcd.seal(seals(acts)[0]),), 0.0), s)
+    st2, acts = run(st1, Observed((etcd.delete("nodes/b"), etcd.node("b")), 0.0), s)
+    assert not round_status(st2.view).live
+    assert len(seals(acts)) == 1
+
+
+def test_request_for_the_current_epoch_ends_the_round_and_old_requests_are_void() -> None:
+    s = RendezvousSettings(min_nodes=1, max_nodes=1)
+    etcd = Etcd()
+    st0, acts = run(State(local=frozenset({"a"})), Observed((etcd.node("a"),), 0.0), s)
+    st1, _ = run(st0, Observed((etcd.seal(seals(acts)[0]),), 0.0), s)
+    epoch = st1.view.epoch
+    old = RerendezvousRequest(epoch=epoch - 1, node_id="a", reason="old").to_json_bytes()
+    st2, acts = run(st1, Observed((etcd.put("request", old),), 0.0), s)
+    assert round_status(st2.view).live and acts == []
+    req = RerendezvousRequest(epoch=epoch, node_id="a", reason="nan loss").to_json_bytes()
+    st3, acts = run(st2, Observed((etcd.put("request", req),), 0.0), s)
+    assert "requested by a: nan loss" in round_status(st3.view).reason
+    assert len(seals(acts)) == 1
+
+
+def test_closed_stops_new_rounds() -> None:
+    s = RendezvousSettings(min_nodes=1, max_nodes=1)
+    etcd = Etcd()
+    _, acts = run(State(local=frozenset({"a"})),
+                  Observed((etcd.put("closed", b"{}"), etcd.node("a")), 0.0), s)
+    assert acts == []
+
+
+def test_sealer_takes_over_when_the_oldest_dies() -> None:
+    s = RendezvousSettings(min_nodes=2, max_nodes=3)
+    etcd = Etcd()
+    st0, acts = run(State(local=frozenset({"b"})), Observed((etcd.node("a"), etcd.node("b"),
+                                                              etcd.node("c")), 0.0), s)
+    assert acts == []
+    st1, acts = run(st0, Observed((etcd.delete("nodes/a"),), 0.0), s)
+    assert st1.view.oldest == "b"
+    assert acts == [WakeAt(s.last_call_timeout)]
+    st2, acts = run(st1, LocalNodes(frozenset(), 1.0), s)
+    assert acts == []
+
+
+def test_corrupt_records_are_reported_and_ignored() -> None:
+    etcd = Etcd()
+    view = apply(View(), [etcd.put("nodes/x", b"\x80\x04not json"), etcd.node("a"),
+                          etcd.put("nodes/y", NodeRecord(node_id="z", address="h").to_json_bytes()),
+                          etcd.put("manifest", b'{"round": 0}')])
+    assert set(view.nodes) == {"a"}
+    assert "not a valid NodeRecord" in view.problems["nodes/x"]
+    assert "does not match the key" in view.problems["nodes/y"]
+    assert "Manifest" in view.problems["manifest"] and view.sealed is None
+
+
+def test_manifest_model_rejects_inconsistent_ranks() -> None:
+    with pytest.raises(ValueError, match="group ranks"):
+        Manifest.model_validate({"round": 1, "worldSize": 1, "masterAddr": "h", "sealedBy": "a",
+                                 "members": [{"nodeId": "a", "address": "h", "groupRank": 1,
+                                              "rankOffset": 0, "nproc": 1}]})
+    with pytest.raises(ValueError, match="node id"):
+        NodeRecord(node_id="a/b", address="h")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    joins=st.lists(st.tuples(st.booleans(), st.integers(1, 4)), min_size=1, max_size=24),
+    max_nodes=st.integers(1, 16),
+    deaths=st.lists(st.integers(0, 23), max_size=6),
+    newcomers=st.integers(0, 5),
+)
+def test_every_round_has_unique_contiguous_ranks_and_survivors_keep_theirs(
+        joins: list[tuple[bool, int]], max_nodes: int, deaths: list[int], newcomers: int) -> None:
+    s = RendezvousSettings(min_nodes=1, max_nodes=max_nodes)
+    etcd = Etcd()
+    view = apply(View(), [etcd.node(f"n{i}", spare=sp, nproc=p) for i, (sp, p) in enumerate(joins)])
+    m1 = plan_round(view, s, view.oldest or "", "first")
+    view = apply(view, [etcd.seal(Seal(m1, 0, "", 0))])
+    check_manifest(m1, len(joins), max_nodes)
+    gone = {f"n{d}" for d in deaths if d < len(joins)}
+    events = [etcd.delete(f"nodes/{g}") for g in sorted(gone)]
+    events += [etcd.node(f"new{i}") for i in range(newcomers)]
+    view = apply(view, events)
+    if not view.nodes:
+        return
+    m2 = plan_round(view, s, view.oldest or "", "again")
+    check_manifest(m2, len(view.nodes), max_nodes)
+    before = {m.node_id: m.group_rank for m in m1.members}
+    for m in m2.members:
+        if m.node_id in before and before[m.node_id] < len(m2.members):
+            assert m.group_rank == before[m.node_id]
+    survivors = [n for n in before if n not in gone]
+    members2 = {m.node_id for m in m2.members}
+    # Survivors are kept before any newcomer or spare.
+    assert set(survivors[:max_nodes]) <= members2
+
+
+def check_manifest(m: Manifest, present: int, max_nodes: int) -> None:
+    assert len(m.members) == min(present, max_nodes)
+    assert [x.group_rank for x in m.members] == list(range(len(m.members)))
+    ranks = [r for x in m.members for r in range(x.rank_offset, x.rank_offset + x.nproc)]
+    assert ranks == list(range(m.world_size))
+    assert len(m.spares) == present - len(m.members)
+    assert m.master_addr == m.members[0].address
