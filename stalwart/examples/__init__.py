@@ -1,0 +1,1 @@
+"""Example training programs, runnable in the trainer image as ``python -m stalwart.examples.<name>``."""

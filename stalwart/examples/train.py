@@ -1,0 +1,252 @@
+"""A small data-parallel training job on CPU: the example that ``examples/*.yaml`` and ``stalwart demo`` run.
+
+A two-layer network learns a fixed linear map from synthetic batches with DistributedDataParallel over gloo.
+The process is started like a torchrun rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+Recovery, in the order it is tried:
+
+* **in memory**: the model and the step live in this process across in-process restarts; after a restart the
+  ranks agree on the most advanced state (the highest step, held by the lowest such rank) and broadcast it;
+* **checkpoint**: a process that starts fresh (a replaced pod) loads ``<checkpoint-dir>/checkpoint.pt``, which
+  rank 0 writes atomically every ``--checkpoint-every`` steps (tensors only; loaded with ``weights_only``).
+
+Fault injection for demos and tests (environment): ``STALWART_EXAMPLE_FAIL_AT_STEP=N`` makes rank
+``STALWART_EXAMPLE_FAIL_RANK`` (default 0) raise :class:`InjectedFault` when it reaches step ``N``, once per
+checkpoint directory (a marker file records that it happened, so a restarted or replaced rank does not fail again).
+
+Output: one JSON object per line on stdout (``start``, ``resume``, ``step`` every ``--log-every`` steps, ``done``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger("stalwart.examples.train")
+
+FAIL_AT_STEP_ENV = "STALWART_EXAMPLE_FAIL_AT_STEP"
+FAIL_RANK_ENV = "STALWART_EXAMPLE_FAIL_RANK"
+CHECKPOINT_DIR_ENV = "STALWART_CHECKPOINT_DIR"
+CHECKPOINT_NAME = "checkpoint.pt"
+FAULT_MARKER = "fault-injected"
+IN_FEATURES = 16
+HIDDEN = 32
+OUT_FEATURES = 4
+
+
+class InjectedFault(RuntimeError):
+    """The fault that ``STALWART_EXAMPLE_FAIL_AT_STEP`` asks for."""
+
+
+@dataclass
+class Options:
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    checkpoint_dir: Path
+    checkpoint_every: int
+    log_every: int
+    step_delay: float
+    fail_at_step: int | None
+    fail_rank: int
+
+
+@dataclass
+class TrainState:
+    """What survives an in-process restart: the (unwrapped) model and the next step to run."""
+
+    model: nn.Module
+    step: int
+
+
+# The state of this process, kept across in-process restarts of :func:`train`.
+_state: TrainState | None = None
+
+
+def _positive(name: str, value: int) -> int:
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> Options:
+    """Options from the command line and the environment; a bad value raises ValueError naming it."""
+    env = dict(os.environ) if env is None else env
+    parser = argparse.ArgumentParser(prog="python -m stalwart.examples.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="total optimizer steps (default 200)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="alternative to --steps: epochs of --steps-per-epoch steps each")
+    parser.add_argument("--steps-per-epoch", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=int(env.get("BATCH_SIZE", "32")),
+                        help="per-rank batch size (default $BATCH_SIZE or 32)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", default=env.get(CHECKPOINT_DIR_ENV),
+                        help=f"where rank 0 keeps the checkpoint (default ${CHECKPOINT_DIR_ENV}, "
+                             "else a directory per job under the temporary directory)")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--step-delay", type=float, default=0.0,
+                        help="seconds to sleep per step, so that a demo can be watched (default 0)")
+    args = parser.parse_args(argv)
+    steps = _positive("--epochs", args.epochs) * _positive("--steps-per-epoch", args.steps_per_epoch) \
+        if args.epochs is not None else args.steps
+    checkpoint_dir = args.checkpoint_dir or str(
+        Path(env.get("TMPDIR", "/tmp")) / "stalwart-checkpoints" / env.get("STALWART_JOB_UID", "local"))
+    fail_at: int | None = None
+    if env.get(FAIL_AT_STEP_ENV):
+        try:
+            fail_at = int(env[FAIL_AT_STEP_ENV])
+        except ValueError:
+            raise ValueError(f"{FAIL_AT_STEP_ENV} must be an integer step, got {env[FAIL_AT_STEP_ENV]!r}") from None
+    try:
+        fail_rank = int(env.get(FAIL_RANK_ENV, "0"))
+    except ValueError:
+        raise ValueError(f"{FAIL_RANK_ENV} must be an integer rank, got {env[FAIL_RANK_ENV]!r}") from None
+    if args.step_delay < 0:
+        raise ValueError(f"--step-delay must be >= 0, got {args.step_delay}")
+    return Options(steps=_positive("--steps", steps), batch_size=_positive("--batch-size", args.batch_size),
+                   lr=args.lr, seed=args.seed, checkpoint_dir=Path(checkpoint_dir),
+                   checkpoint_every=_positive("--checkpoint-every", args.checkpoint_every),
+                   log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
+                   fail_at_step=fail_at, fail_rank=fail_rank)
+
+
+def build_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT_FEATURES))
+
+
+def batch(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of one rank at one step: a pure function of its arguments, so a re-run step sees the same data."""
+    target = torch.Generator().manual_seed(seed)
+    true_map = torch.randn(IN_FEATURES, OUT_FEATURES, generator=target)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
+    x = torch.randn(size, IN_FEATURES, generator=g)
+    return x, x @ true_map
+
+
+def save_checkpoint(directory: Path, model: nn.Module, step: int) -> Path:
+    """Write the checkpoint atomically: readers see the previous one or this one, never a torn file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CHECKPOINT_NAME
+    tmp = directory / f".{CHECKPOINT_NAME}.{os.getpid()}.tmp"
+    torch.save({"step": torch.tensor(step), "model": model.state_dict()}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(directory: Path, model: nn.Module) -> int:
+    """Load the checkpoint into ``model`` and return its step; 0 when there is none."""
+    path = directory / CHECKPOINT_NAME
+    if not path.exists():
+        return 0
+    data: dict[str, Any] = torch.load(path, weights_only=True)
+    model.load_state_dict(data["model"])
+    return int(data["step"])
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def agree_on_state(state: TrainState, rank: int, world_size: int) -> int:
+    """Make every rank hold the most advanced state; returns the rank it came from.
+
+    After an in-process restart, survivors hold the model at the step they reached and a newcomer holds
+    the checkpoint's; the highest step wins (ties: the lowest rank), and its parameters are broadcast.
+    """
+    steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(steps, torch.tensor([state.step], dtype=torch.int64))
+    values = [int(s.item()) for s in steps]
+    best = max(values)
+    source = values.index(best)
+    with torch.no_grad():
+        for tensor in [*state.model.parameters(), *state.model.buffers()]:
+            dist.broadcast(tensor, src=source)
+    state.step = best
+    return source
+
+
+def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
+    if opts.fail_at_step is None or step != opts.fail_at_step or rank != opts.fail_rank:
+        return
+    marker = opts.checkpoint_dir / FAULT_MARKER
+    opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        # O_EXCL: exactly one injection per checkpoint directory, even when several processes race here.
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    emit("fault", rank=rank, step=step)
+    raise InjectedFault(f"injected fault at step {step} on rank {rank} ({FAIL_AT_STEP_ENV}={opts.fail_at_step})")
+
+
+def train(opts: Options) -> float:
+    """Train to ``opts.steps`` within the default process group, which the caller has initialised.
+
+    Safe to call again in the same process after a fault (in-process restart): it continues from the most
+    advanced state any rank holds. Returns the final loss.
+    """
+    global _state
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if _state is None:
+        model = build_model(opts.seed)
+        _state = TrainState(model, load_checkpoint(opts.checkpoint_dir, model))
+        emit("start", rank=rank, world_size=world_size, step=_state.step)
+    source = agree_on_state(_state, rank, world_size)
+    emit("resume", rank=rank, world_size=world_size, step=_state.step, source=source)
+    ddp = DistributedDataParallel(_state.model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=opts.lr)  # stateless, so nothing else needs agreeing on
+    last_loss = float("nan")
+    while _state.step < opts.steps:
+        step = _state.step
+        maybe_inject_fault(opts, rank, step)
+        x, y = batch(opts.seed, step, rank, opts.batch_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        last_loss = float(loss.detach())
+        _state.step = step + 1
+        if rank == 0 and (_state.step % opts.checkpoint_every == 0 or _state.step == opts.steps):
+            save_checkpoint(opts.checkpoint_dir, _state.model, _state.step)
+        if _state.step % opts.log_every == 0 or _state.step == opts.steps:
+            emit("step", rank=rank, step=_state.step, loss=round(last_loss, 6))
+        if opts.step_delay:
+            time.sleep(opts.step_delay)
+    emit("done", rank=rank, world_size=world_size, step=_state.step, loss=round(last_loss, 6))
+    return last_loss
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        opts = parse_options(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dist.init_process_group("gloo")
+    try:
+        train(opts)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The example training program, run as real ranks (separate processes, torch gloo on loopback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stalwart.examples import train
+
+WAIT = 180  # seconds; generous for a loaded 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+Result = tuple[int, list[dict[str, Any]], str]
+
+
+def run_ranks(world: int, args: list[str], extra_env: dict[str, str] | None = None) -> list[Result]:
+    """Start ``world`` ranks the way torchrun or the agent would, wait for all; (exit code, events, stderr) each."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra_env or {})}
+        procs.append(subprocess.Popen([sys.executable, "-m", "stalwart.examples.train", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=WAIT)
+        events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        results.append((proc.returncode, events, err))
+    return results
+
+
+def of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == kind]
+
+
+@pytest.mark.integration
+def test_two_ranks_train_checkpoint_and_learn(tmp_path: Path) -> None:
+    results = run_ranks(2, ["--steps", "60", "--checkpoint-every", "20", "--checkpoint-dir", str(tmp_path)])
+    for code, events, err in results:
+        assert code == 0, err
+        (done,) = of(events, "done")
+        assert done["step"] == 60 and done["world_size"] == 2
+        losses = [e["loss"] for e in of(events, "step")]
+        assert losses[-1] < losses[0] / 2, f"the model did not learn: {losses}"
+    # The checkpoint holds the final state; a fresh model loads it.
+    model = train.build_model(seed=123)
+    assert train.load_checkpoint(tmp_path, model) == 60
+    assert not list(tmp_path.glob(".*.tmp")), "a temporary checkpoint file was left behind"
+
+
+@pytest.mark.integration
+def test_injected_fault_then_resume_from_checkpoint(tmp_path: Path) -> None:
+    args = ["--steps", "40", "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path)]
+    env = {train.FAIL_AT_STEP_ENV: "25", train.FAIL_RANK_ENV: "1"}
+    first = run_ranks(2, args, env)
+    code, events, err = first[1]
+    assert code != 0 and "InjectedFault: injected fault at step 25 on rank 1" in err
+    assert of(events, "fault") == [{"event": "fault", "rank": 1, "step": 25}]
+    assert first[0][0] != 0, "rank 0 cannot finish without its peer"
+    # A fresh start (what a replaced pod does) resumes from the last checkpoint; the fault is not injected again.
+    second = run_ranks(2, args, env)
+    for code, events, err in second:
+        assert code == 0, err
+        assert of(events, "start")[0]["step"] == 20
+        assert of(events, "fault") == []
+        assert of(events, "done")[0]["step"] == 40
+
+
+def test_agree_on_state_takes_the_most_advanced_rank(tmp_path: Path) -> None:
+    """Single-process group: the state's own step and parameters are kept (the broadcast source is itself)."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        state = train.TrainState(train.build_model(1), step=7)
+        before = [p.clone() for p in state.model.parameters()]
+        assert train.agree_on_state(state, 0, 1) == 0
+        assert state.step == 7
+        assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters(), strict=True))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_batches_are_a_pure_function_of_step_and_rank() -> None:
+    a = train.batch(0, 5, 1, 8)
+    b = train.batch(0, 5, 1, 8)
+    c = train.batch(0, 5, 0, 8)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--steps", "0"], {}, "--steps must be a positive integer, got 0"),
+    (["--epochs", "2", "--steps-per-epoch", "-1"], {}, "--steps-per-epoch must be a positive integer"),
+    (["--step-delay", "-1"], {}, "--step-delay must be >= 0"),
+    ([], {train.FAIL_AT_STEP_ENV: "soon"}, f"{train.FAIL_AT_STEP_ENV} must be an integer step, got 'soon'"),
+    ([], {train.FAIL_RANK_ENV: "x"}, f"{train.FAIL_RANK_ENV} must be an integer rank"),
+])
+def test_bad_options_name_the_option(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match="^" + message.replace("-", r"\-").replace("(", r"\(")):
+        train.parse_options(argv, env)
+
+
+def test_options_from_arguments_and_environment(tmp_path: Path) -> None:
+    opts = train.parse_options(["--epochs", "3", "--steps-per-epoch", "5"],
+                               {"BATCH_SIZE": "64", "STALWART_JOB_UID": "u1", "TMPDIR": str(tmp_path),
+                                train.FAIL_AT_STEP_ENV: "4"})
+    assert opts.steps == 15 and opts.batch_size == 64 and opts.fail_at_step == 4 and opts.fail_rank == 0
+    assert opts.checkpoint_dir == tmp_path / "stalwart-checkpoints" / "u1"
