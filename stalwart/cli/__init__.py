@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ["dev", "crd", "validate"]
+COMMANDS = ["dev", "crd", "validate", "local"]
 
 
 def build_parser() -> argparse.ArgumentParser:
