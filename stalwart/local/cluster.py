@@ -180,8 +180,8 @@ class LocalCluster:
 
 
 def stop_process(pid: int, timeout: float) -> None:
-    """SIGTERM ``pid``, wait up to ``timeout`` seconds, then SIGKILL."""
-    if not _alive(pid):
+    """SIGTERM ``pid``, wait up to ``timeout`` seconds, then SIGKILL (pids 0 and 1 and negatives: no-op)."""
+    if pid <= 1 or not _alive(pid):
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
