@@ -1,0 +1,138 @@
+"""The JSON records of in-process restart, kept in etcd under ``JobKeys.restart`` and in the agent's run dir.
+
+Key layout (``R = JobKeys(ns, uid).restart + "<epoch>/"``; every write is fenced by the epoch):
+
+``R + "alive/<slot>"`` -> :class:`AliveRecord`
+    One key per live rank process, bound to the process's lease (its heartbeat).
+``R + "arrive/<iteration>/<slot>"`` -> :class:`ArrivalRecord`
+    A rank process is ready to run ``iteration`` (the iteration barrier), bound to its lease.
+``R + "seal/<iteration>"`` -> :class:`SealRecord`
+    Who runs ``iteration`` under which rank, written once (create-if-absent) by the first process that sees
+    the barrier complete or time out. Every process reads the same seal, so all agree on the world.
+``R + "fault/<iteration>/<slot>"`` -> :class:`FaultRecord`
+    A fault seen by a process in ``iteration``. The first one (lowest revision) interrupts the iteration.
+``R + "done/<iteration>/<slot>"`` -> :class:`DoneRecord`
+    The training function returned on this process (the completion barrier).
+
+Keys of iterations older than the previous one are deleted by the process that seals the next iteration,
+so the number of keys stays bounded however many restarts happen.
+
+``JobKeys.progress + "<nodeId>"`` -> :class:`ProgressRecord`, written by each agent (rate-limited) for the
+operator. The agent reads each rank's :class:`RankStatus` from a local file, never from the network.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from stalwart.api.base import ApiModel
+
+__all__ = [
+    "AliveRecord",
+    "ArrivalRecord",
+    "DoneRecord",
+    "FailureInfo",
+    "FaultKind",
+    "FaultRecord",
+    "ProgressRecord",
+    "RankStatus",
+    "SealRecord",
+]
+
+FaultKind = Literal["exception", "soft_timeout", "peer_lost", "unhealthy", "barrier_timeout",
+                    "completion_timeout", "process_died", "hard_timeout"]
+
+_REASON = 2048
+
+
+class AliveRecord(ApiModel):
+    """A live rank process (its heartbeat key)."""
+
+    slot: int = Field(ge=0, description="The process's slot: its fixed identity within the round.")
+    node_id: str = Field(description="The node (pod) that runs the process.")
+    pid: int = Field(ge=1, description="Process id, for logs.")
+
+
+class ArrivalRecord(ApiModel):
+    """A rank process has reached the barrier of an iteration."""
+
+    slot: int = Field(ge=0, description="The process's slot.")
+    node_id: str = Field(description="The node (pod) that runs the process.")
+    spare: bool = Field(default=False, description="The process is a spare: active only when one is missing.")
+    healthy: bool = Field(default=True, description="The process passed its health check.")
+
+
+class SealRecord(ApiModel):
+    """Who runs an iteration. ``ranks`` maps slot (as a string, JSON keys are strings) to rank."""
+
+    iteration: int = Field(ge=0, description="The iteration this seal is for.")
+    world_size: int = Field(ge=0, description="Ranks of the iteration (0 when ``error`` is set).")
+    ranks: dict[str, int] = Field(description="Slot -> rank for every active process.")
+    inactive: list[int] = Field(default_factory=list, description="Slots that wait as spares this iteration.")
+    sealed_by: int = Field(ge=0, description="Slot of the process that sealed.")
+    timed_out: bool = Field(default=False, description="The barrier timed out: some slots did not arrive.")
+    error: str = Field(default="", max_length=_REASON,
+                       description="Set when no valid world could be formed (too few healthy processes).")
+
+
+class FaultRecord(ApiModel):
+    """A fault in one process during an iteration."""
+
+    slot: int = Field(ge=0, description="Slot of the process that saw the fault.")
+    rank: int | None = Field(default=None, description="Its rank in the iteration, when it had one.")
+    node_id: str = Field(description="The node (pod) of the process.")
+    iteration: int = Field(ge=0, description="The iteration that was interrupted.")
+    kind: FaultKind = Field(description="What happened.")
+    reason: str = Field(default="", max_length=_REASON, description="Exception text or timeout details.")
+    time: float = Field(description="Wall-clock time (Unix seconds), for status only.")
+
+
+class DoneRecord(ApiModel):
+    """The training function returned on a process (the completion barrier)."""
+
+    slot: int = Field(ge=0, description="Slot of the process.")
+    iteration: int = Field(ge=0, description="The iteration it completed.")
+
+
+class FailureInfo(ApiModel):
+    """The last failure, as the operator shows it in ``status.lastFailure``."""
+
+    rank: int | None = Field(default=None, description="Rank that failed first, when known.")
+    pod: str = Field(default="", description="The pod (node id) it ran on.")
+    reason: str = Field(default="", max_length=_REASON, description="What happened.")
+    time: float = Field(description="Wall-clock time (Unix seconds).")
+
+
+class RankStatus(ApiModel):
+    """What one rank process tells its agent, through a file the agent reads (atomically replaced)."""
+
+    slot: int = Field(ge=0, description="The process's slot.")
+    pid: int = Field(ge=1, description="Process id.")
+    state: Literal["starting", "barrier", "running", "inactive", "restarting", "done", "failed"] = Field(
+        description="Where the process is.")
+    iteration: int = Field(default=0, ge=0, description="Current in-process restart iteration.")
+    rank: int | None = Field(default=None, description="Rank in the current iteration (none while inactive).")
+    world_size: int | None = Field(default=None, description="World size of the current iteration.")
+    step: int | None = Field(default=None, description="Last step the training function reported.")
+    restarts: int = Field(default=0, ge=0, description="In-process restarts so far.")
+    last_failure: FailureInfo | None = Field(default=None, description="The last fault this process saw.")
+    heartbeat: float = Field(
+        description="CLOCK_MONOTONIC time of the last sign of progress of the process's main thread.")
+
+
+class ProgressRecord(ApiModel):
+    """An agent's progress report, one per node, read by the operator."""
+
+    node_id: str = Field(description="The reporting node (pod).")
+    epoch: int = Field(ge=0, description="Epoch of the node's current rendezvous round (0 before the first).")
+    round: int = Field(ge=0, description="Rendezvous round number.")
+    state: Literal["joining", "running", "restarting", "succeeded", "failed"] = Field(
+        description="The node's state.")
+    step: int | None = Field(default=None, description="Highest step reported by the node's ranks.")
+    world_size: int | None = Field(default=None, description="World size of the current iteration.")
+    restarts_in_process: int = Field(default=0, ge=0, description="In-process restarts seen by the node.")
+    process_restarts: int = Field(default=0, ge=0, description="Rank processes respawned by the agent.")
+    last_failure: FailureInfo | None = Field(default=None, description="The node's most recent failure.")
+    updated: float = Field(description="Wall-clock time (Unix seconds) of this report.")
