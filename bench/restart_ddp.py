@@ -1,0 +1,177 @@
+"""A small DDP training script, for the restart tests and ``bench/restart.py``.
+
+Runs as a plain torchrun-style script (``--mode plain``) or through ``stalwart.restartable``
+(``--mode wrapped``). Training is deterministic: at step ``s`` rank ``r`` feeds a batch drawn from a
+generator seeded with ``(s, r)``, and DDP averages the gradients, so the parameters after ``N`` steps do not
+depend on which faults happened on the way. The in-memory state survives in-process restarts; at the start
+of each iteration the ranks adopt the state of the rank that committed the most steps (a respawned process
+has none).
+
+Faults are injected once (a marker file records that it happened): ``--fault exception|sigkill|hang`` in
+rank ``--fault-rank`` at step ``--fault-step``. Each rank writes a JSON line to ``--out`` at the end:
+its final step, a checksum of the parameters, its restarts, and timing marks for the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STATE: dict[str, Any] = {"step": 0, "params": None, "first_after_restart": None}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["plain", "wrapped"], default="wrapped")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--fault", choices=["none", "exception", "sigkill", "hang", "exception-always"],
+                   default="none")
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-step", type=int, default=5)
+    p.add_argument("--faults", type=int, default=1, help="how many times to inject the fault")
+    p.add_argument("--second-fault", choices=["none", "exception", "sigkill"], default="none",
+                   help="a second fault, in the first step after the first restart (another rank)")
+    p.add_argument("--marker-dir", default="")
+    p.add_argument("--out", default="")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=30.0, help="collective timeout (seconds)")
+    p.add_argument("--max-restarts", type=int, default=10)
+    p.add_argument("--soft-timeout", type=float, default=60.0)
+    p.add_argument("--barrier-timeout", type=float, default=60.0)
+    p.add_argument("--min-world", type=int, default=1)
+    return p.parse_args()
+
+
+def batch(step: int, rank: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    return torch.randn(8, hidden, generator=g), torch.randn(8, 1, generator=g)
+
+
+def checksum(model: nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def fault_due(args: argparse.Namespace, name: str, rank: int, step: int, index: int = 0) -> bool:
+    """True the first ``--faults`` times rank ``--fault-rank`` reaches ``--fault-step`` (marker files)."""
+    if args.fault == "none" or rank != args.fault_rank or step != args.fault_step:
+        return False
+    if args.fault == "exception-always":
+        return True
+    for i in range(args.faults):
+        marker = os.path.join(args.marker_dir, f"{name}-{i}")
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            continue
+        os.write(fd, f"{time.time():.6f}".encode())
+        os.close(fd)
+        return True
+    return False
+
+
+def inject(kind: str) -> None:
+    if kind.startswith("exception"):
+        raise RuntimeError("injected fault")
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        time.sleep(3600)
+
+
+def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(args.hidden, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    # Agree on the state: the lowest rank among those with the most committed steps is the source.
+    have = torch.tensor([STATE["step"] if STATE["params"] is not None else -1, -rank], dtype=torch.int64)
+    best = have.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+    src_step = int(best[0])
+    cand = torch.tensor([rank if int(have[0]) == src_step else world], dtype=torch.int64)
+    dist.all_reduce(cand, op=dist.ReduceOp.MIN)
+    if src_step >= 0:
+        if STATE["params"] is not None and int(have[0]) == src_step:
+            with torch.no_grad():
+                for p, saved in zip(model.parameters(), STATE["params"], strict=True):
+                    p.copy_(saved)
+        for p in model.parameters():
+            dist.broadcast(p.data, src=int(cand[0]))
+    step = max(src_step, 0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    times = []
+    while step < args.steps:
+        t0 = time.perf_counter()
+        if fault_due(args, "fault", rank, step):
+            inject(args.fault)
+        if restarts >= 1 and args.second_fault != "none" and rank == (args.fault_rank + 1) % world \
+                and fault_due(argparse.Namespace(**{**vars(args), "fault_rank": rank, "fault_step": step,
+                                                     "faults": 1, "fault": args.second_fault}),
+                              "second", rank, step):
+            inject(args.second_fault)
+        x, y = batch(step, rank, args.hidden)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        step += 1
+        STATE["step"] = step
+        STATE["params"] = [p.detach().clone() for p in model.parameters()]
+        if restarts >= 1 and STATE["first_after_restart"] is None:
+            STATE["first_after_restart"] = time.time()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        times.append(time.perf_counter() - t0)
+        ping = STATE.get("ping")
+        if ping is not None:
+            ping(step)
+    return {"rank": rank, "world": world, "step": step, "checksum": checksum(model), "restarts": restarts,
+            "first_after_restart": STATE["first_after_restart"], "step_times": times}
+
+
+def write(args: argparse.Namespace, result: dict[str, Any] | None) -> None:
+    if args.out and result is not None:
+        result["pid"] = os.getpid()
+        with open(args.out, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+def main() -> int:
+    args = parse()
+    if args.mode == "plain":
+        import datetime
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        result = train(args, restarts)
+        dist.destroy_process_group()
+        write(args, result)
+        return 0
+
+    import stalwart
+    from stalwart.restart import InitProcessGroup, RankAssignment
+
+    @stalwart.restartable(max_restarts=args.max_restarts, soft_timeout=args.soft_timeout,
+                          hard_timeout=args.soft_timeout * 2, barrier_timeout=args.barrier_timeout,
+                          initialize=InitProcessGroup("gloo", timeout=args.timeout),
+                          rank_assignment=RankAssignment(min_world_size=args.min_world))
+    def run(call_wrapper: stalwart.CallWrapper) -> dict[str, Any]:
+        STATE["ping"] = lambda s: call_wrapper.ping(step=s)
+        return train(args, call_wrapper.iteration)
+
+    write(args, run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

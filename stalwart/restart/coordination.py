@@ -1,0 +1,200 @@
+"""The etcd side of in-process restart: fault reports, the iteration barrier and its seal, the completion
+barrier, heartbeats. Every write is fenced by the round's epoch; every wait is a watch with a deadline.
+
+The key layout is documented in :mod:`stalwart.api.restart`. This module only does I/O; the decisions
+(who runs which rank) are :mod:`stalwart.restart.assignment`'s and are passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from stalwart.agent.rendezvous.fence import Fence
+from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
+from stalwart.keys import JobKeys
+from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, Watch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CoordinationTimeout", "Coordinator", "EpochView", "IterationOutcome"]
+
+
+class CoordinationTimeout(Exception):
+    """A barrier or the completion wait did not finish before its deadline."""
+
+
+@dataclass(slots=True)
+class EpochView:
+    """What etcd holds for one epoch's restart prefix, parsed. Invalid records are skipped (and logged)."""
+
+    revision: int = 0
+    alive: dict[int, AliveRecord] = field(default_factory=dict)
+    arrivals: dict[int, dict[int, ArrivalRecord]] = field(default_factory=dict)
+    seals: dict[int, SealRecord] = field(default_factory=dict)
+    faults: dict[int, list[tuple[int, FaultRecord]]] = field(default_factory=dict)  # it -> [(rev, rec)]
+    done: dict[int, set[int]] = field(default_factory=dict)
+
+    def first_fault(self, iteration: int) -> FaultRecord | None:
+        faults = sorted(self.faults.get(iteration, []), key=lambda f: f[0])
+        return faults[0][1] if faults else None
+
+
+IterationOutcome = str  # "done" | "fault"
+
+
+class Coordinator:
+    """One rank process's view of its epoch's restart prefix. Thread-safe (etcd calls only).
+
+    ``lease_ttl`` is the heartbeat: the process's ``alive`` key and its barrier arrivals are bound to a
+    lease of that many seconds, kept alive by the Store.
+    """
+
+    def __init__(self, store: Store, keys: JobKeys, epoch: int, *, slot: int, node_id: str,
+                 lease_ttl: int = 10) -> None:
+        self.store = store
+        self.keys = keys
+        self.epoch = epoch
+        self.slot = slot
+        self.node_id = node_id
+        self.lease_ttl = lease_ttl
+        self.fence = Fence(store, keys, epoch)
+        self.base = f"{keys.restart}{epoch}/"
+        self.lease = 0
+
+    # -- keys -----------------------------------------------------------------------------------------------
+
+    def alive_key(self, slot: int) -> str:
+        return f"{self.base}alive/{slot}"
+
+    def arrive_key(self, iteration: int, slot: int) -> str:
+        return f"{self.base}arrive/{iteration}/{slot}"
+
+    def seal_key(self, iteration: int) -> str:
+        return f"{self.base}seal/{iteration}"
+
+    def fault_key(self, iteration: int, slot: int) -> str:
+        return f"{self.base}fault/{iteration}/{slot}"
+
+    def done_key(self, iteration: int, slot: int) -> str:
+        return f"{self.base}done/{iteration}/{slot}"
+
+    def torch_store_prefix(self, iteration: int) -> str:
+        return f"{self.keys.torch_store(self.epoch)}{iteration}/"
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    def view(self) -> EpochView:
+        kvs, revision = self.store.get_prefix(self.base)
+        return self.parse(kvs, revision)
+
+    def parse(self, kvs: list[KeyValue], revision: int) -> EpochView:
+        v = EpochView(revision=revision)
+        for kv in kvs:
+            parts = kv.key[len(self.base):].split("/")
+            try:
+                kind = parts[0]
+                if kind == "alive" and len(parts) == 2:
+                    v.alive[int(parts[1])] = AliveRecord.from_json_bytes(kv.value)
+                elif kind == "arrive" and len(parts) == 3:
+                    v.arrivals.setdefault(int(parts[1]), {})[int(parts[2])] = \
+                        ArrivalRecord.from_json_bytes(kv.value)
+                elif kind == "seal" and len(parts) == 2:
+                    v.seals[int(parts[1])] = SealRecord.from_json_bytes(kv.value)
+                elif kind == "fault" and len(parts) == 3:
+                    v.faults.setdefault(int(parts[1]), []).append(
+                        (kv.mod_revision, FaultRecord.from_json_bytes(kv.value)))
+                elif kind == "done" and len(parts) == 3:
+                    v.done.setdefault(int(parts[1]), set()).add(int(parts[2]))
+            except ValueError as e:
+                log.warning("epoch %d: ignoring invalid record at %s: %s", self.epoch, kv.key, e)
+        return v
+
+    # -- writing (fenced) -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Grant the heartbeat lease and publish this process's ``alive`` key."""
+        self.lease = self.store.lease_grant(self.lease_ttl)
+        import os
+
+        rec = AliveRecord(slot=self.slot, node_id=self.node_id, pid=os.getpid())
+        self.fence.put(self.alive_key(self.slot), rec.to_json_bytes(), lease=self.lease)
+
+    def stop(self) -> None:
+        """Revoke the lease: the ``alive`` key and pending arrivals go at once."""
+        if self.lease:
+            try:
+                self.store.lease_revoke(self.lease)
+            except Exception as e:  # the lease then expires by itself
+                log.warning("slot %d: could not revoke heartbeat lease: %s", self.slot, e)
+            self.lease = 0
+
+    def report_fault(self, rec: FaultRecord) -> None:
+        """Publish a fault of this process in ``rec.iteration`` (overwrites its earlier one there)."""
+        self.fence.put(self.fault_key(rec.iteration, self.slot), rec.to_json_bytes())
+
+    def arrive(self, iteration: int, rec: ArrivalRecord) -> None:
+        self.fence.put(self.arrive_key(iteration, self.slot), rec.to_json_bytes(), lease=self.lease)
+
+    def mark_done(self, iteration: int) -> None:
+        rec = DoneRecord(slot=self.slot, iteration=iteration)
+        self.fence.put(self.done_key(iteration, self.slot), rec.to_json_bytes())
+
+    def try_seal(self, seal: SealRecord) -> SealRecord:
+        """Write ``seal`` unless one exists for its iteration; return the seal that holds (mine or theirs).
+
+        The sealer also deletes the keys of iterations before the previous one, and their torch Stores.
+        """
+        key = self.seal_key(seal.iteration)
+        ops: list[Put | Delete] = [Put(key, seal.to_json_bytes())]
+        res = self.fence.txn([Compare(key, "create", "==", 0)], ops, [Get(key)])
+        if not res.succeeded:
+            return SealRecord.from_json_bytes(res.responses[0][0].value)
+        self._cleanup_before(seal.iteration - 1)
+        return seal
+
+    def _cleanup_before(self, iteration: int) -> None:
+        if iteration <= 0:
+            return
+        ops: list[Put | Delete] = []
+        for it in range(max(0, iteration - 2), iteration):
+            for kind in ("arrive", "fault", "done"):
+                ops.append(Delete(f"{self.base}{kind}/{it}/", prefix=True))
+            ops.append(Delete(self.seal_key(it)))
+            ops.append(Delete(self.torch_store_prefix(it), prefix=True))
+        try:
+            self.fence.txn((), ops)
+        except Exception as e:  # cleanup is best-effort; the next sealer retries the same range
+            log.warning("epoch %d: cleanup before iteration %d failed: %s", self.epoch, iteration, e)
+
+    # -- waiting ----------------------------------------------------------------------------------------------
+
+    def wait_until(self, done: Callable[[EpochView], object], deadline: float | None,
+                   sub: str = "") -> tuple[EpochView, object]:
+        """Re-read the prefix whenever something under ``base + sub`` changes, until ``done(view)`` returns a
+        truthy value (returned with the view) or ``deadline`` (monotonic) passes (:class:`CoordinationTimeout`).
+        """
+        view = self.view()
+        result = done(view)
+        if result:
+            return view, result
+        watch: Watch = self.store.watch(self.base + sub, prefix=True, start_revision=view.revision + 1)
+        try:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CoordinationTimeout("deadline passed")
+                ev = watch.next(timeout=min(left, 1.0) if left is not None else 1.0)
+                if ev is None:
+                    continue
+                # Drain what else arrived before re-reading once.
+                while watch.next(timeout=0) is not None:
+                    pass
+                view = self.view()
+                result = done(view)
+                if result:
+                    return view, result
+        finally:
+            watch.cancel()

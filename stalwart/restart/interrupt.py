@@ -1,0 +1,129 @@
+"""Interrupting the training function from the monitor thread.
+
+The monitor decides (a peer's fault, this process's soft timeout); the main thread must then leave the
+training function wherever it is. Three mechanisms, together:
+
+* the process group's connections are shut down (by the caller), which frees a collective at once;
+* an asynchronous :class:`RestartInterrupt` is set on the main thread (``PyThreadState_SetAsyncExc``): it
+  is raised at the next bytecode the thread runs;
+* a signal (``SIGUSR1``, only when nobody else handles it) breaks a blocking system call such as
+  ``time.sleep``, so the pending exception is raised from inside it.
+
+An interrupt is delivered at most once per iteration and only while the main thread is inside the
+training function and outside :meth:`Interrupter.atomic` sections; an interrupt requested during an
+atomic section is raised when the section ends. Leaving the training function cancels a pending
+interrupt under the same lock, so the wrapper's own code never sees a stray one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Interrupter", "RestartInterrupt"]
+
+
+class RestartInterrupt(BaseException):
+    """The iteration was interrupted (a fault elsewhere, or this process timed out): the wrapper restarts.
+
+    A ``BaseException``, so that ``except Exception`` in training code does not swallow it.
+    """
+
+
+_SIGNAL = signal.SIGUSR1
+
+
+def _noop_handler(signum: int, frame: FrameType | None) -> None:
+    # Running any Python code here lets the pending asynchronous exception fire inside the interrupted call.
+    return None
+
+
+def set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
+    obj = ctypes.py_object(exc) if exc is not None else None
+    return int(ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), obj))
+
+
+class Interrupter:
+    """Delivers :class:`RestartInterrupt` to the thread that runs the training function."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread_id = threading.get_ident()
+        self._native_id = threading.get_native_id()
+        self._in_user_code = False
+        self._atomic_depth = 0
+        self._requested: str | None = None
+        self._delivered = False
+        self._use_signal = False
+        if threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(_SIGNAL) in (signal.SIG_DFL, None, _noop_handler):
+                    signal.signal(_SIGNAL, _noop_handler)
+                    self._use_signal = True
+            except (ValueError, OSError):
+                self._use_signal = False
+
+    @property
+    def requested(self) -> str | None:
+        """Why an interrupt was requested in this iteration, or ``None``."""
+        return self._requested
+
+    def enter_user_code(self) -> None:
+        """Called by the wrapper (its own thread) just before the training function starts."""
+        with self._lock:
+            self._requested = None
+            self._delivered = False
+            self._in_user_code = True
+            self._atomic_depth = 0
+
+    def leave_user_code(self) -> None:
+        """Called when the training function ends however it ends; cancels an undelivered interrupt."""
+        with self._lock:
+            self._in_user_code = False
+            set_async_exc(self._thread_id, None)
+
+    def request(self, reason: str) -> bool:
+        """Interrupt the training function (from any thread). Returns ``True`` if this call delivered it."""
+        with self._lock:
+            if self._requested is None:
+                self._requested = reason
+            if self._delivered or not self._in_user_code or self._atomic_depth:
+                return False
+            self._delivered = True
+            set_async_exc(self._thread_id, RestartInterrupt)
+            if self._use_signal:
+                with contextlib.suppress(OSError):
+                    signal.pthread_kill(self._thread_id, _SIGNAL)
+            return True
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A section the interrupt waits for (e.g. a checkpoint write); nests."""
+        with self._lock:
+            self._atomic_depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._atomic_depth -= 1
+                fire = (self._atomic_depth == 0 and self._requested is not None and not self._delivered
+                        and self._in_user_code)
+                if fire:
+                    self._delivered = True
+            if fire:
+                raise RestartInterrupt(self._requested)
+
+    def close(self) -> None:
+        """Restore the signal disposition (from the main thread)."""
+        if self._use_signal and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, OSError):
+                if signal.getsignal(_SIGNAL) is _noop_handler:
+                    signal.signal(_SIGNAL, signal.SIG_DFL)
+            self._use_signal = False

@@ -1,0 +1,250 @@
+"""The monitor thread of a rank process: notices faults (etcd watch) and a stalled main thread (soft
+timeout), interrupts the training function, and keeps the status file the agent reads.
+
+Progress of the main thread is observed without help from the training code: every ``interval`` the
+monitor schedules a tiny callback on the main thread (``Py_AddPendingCall``). The interpreter runs it only
+when the main thread executes Python bytecode, so a thread blocked in a collective or a system call shows
+no progress, while any Python-level work does. ``CallWrapper.ping()`` counts as progress too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import random
+import tempfile
+import threading
+import time
+
+from stalwart.api.restart import FailureInfo, FaultRecord, RankStatus
+from stalwart.restart.coordination import Coordinator
+from stalwart.restart.interrupt import Interrupter
+from stalwart.restart.policies import IterationContext, free_blocked_peers
+from stalwart.store import StoreError, Watch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Monitor", "StatusFile"]
+
+
+
+class _MainThreadProbe:
+    """Schedules ``sysinfo(2)`` on the main thread through ``Py_AddPendingCall`` and reads back the uptime
+    it recorded (one-second resolution). A C function, not a Python callback, on purpose: an interrupt set
+    on the main thread would fire inside a Python callback, where ctypes swallows it."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fn = ctypes.cast(libc.sysinfo, ctypes.c_void_p)
+        self._mine = ctypes.create_string_buffer(256)  # struct sysinfo is 112 bytes on 64-bit Linux
+        self._main = ctypes.create_string_buffer(256)
+        self._add = ctypes.pythonapi.Py_AddPendingCall
+        self._add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._add.restype = ctypes.c_int
+        self._sysinfo = libc.sysinfo
+        self._sysinfo.argtypes = [ctypes.c_void_p]
+        self._sysinfo.restype = ctypes.c_int
+
+    def schedule(self) -> None:
+        self._add(self._fn, ctypes.addressof(self._main))
+
+    def uptime(self) -> int:
+        """The uptime now (seconds)."""
+        self._sysinfo(ctypes.addressof(self._mine))
+        return int(ctypes.c_long.from_buffer(self._mine).value)
+
+    def main_seen(self) -> int:
+        """The uptime at which the main thread last ran the probe (0: never)."""
+        return int(ctypes.c_long.from_buffer(self._main).value)
+
+
+def _probe() -> _MainThreadProbe | None:
+    try:
+        return _MainThreadProbe()
+    except (OSError, AttributeError):  # not Linux: progress comes from ping() only
+        return None
+
+
+class StatusFile:
+    """Writes :class:`RankStatus` atomically (write + rename) to ``path``; no-op when ``path`` is None."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def write(self, status: RankStatus) -> None:
+        if not self.path:
+            return
+        directory = os.path.dirname(self.path) or "."
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".status-", dir=directory)
+            with os.fdopen(fd, "wb") as f:
+                f.write(status.to_json_bytes())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("cannot write status file %s: %s", self.path, e)
+
+
+class Monitor:
+    """One thread per rank process, for its whole life. ``begin``/``end`` bracket each iteration's run."""
+
+    def __init__(self, coord: Coordinator, interrupter: Interrupter, *, soft_timeout: float,
+                 interval: float, status: StatusFile, watch_main_thread: bool) -> None:
+        self.coord = coord
+        self.interrupter = interrupter
+        self.soft_timeout = soft_timeout
+        self.interval = interval
+        self.status_file = status
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._iteration = -1
+        self._ctx: IterationContext | None = None
+        self._running = False
+        self._timed_out = False
+        self._faults: dict[int, FaultRecord] = {}
+        self.last_progress = time.monotonic()
+        self.status = RankStatus(slot=coord.slot, pid=os.getpid(), state="starting", heartbeat=time.monotonic())
+        self._status_dirty = True
+        self._status_written = 0.0
+        self._probe = _probe() if watch_main_thread else None
+        self._thread = threading.Thread(target=self._run, name=f"stalwart-monitor-{coord.slot}", daemon=True)
+
+    # -- called by the main thread ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._flush_status(force=True)
+
+    def begin(self, iteration: int, ctx: IterationContext) -> None:
+        """The iteration's run starts (before Initialize). A fault already seen for it interrupts at once."""
+        with self._lock:
+            self._iteration = iteration
+            self._ctx = ctx
+            self._running = True
+            self._timed_out = False
+            self.last_progress = time.monotonic()
+            seen = self._faults.get(iteration)
+        if seen is not None and seen.slot != self.coord.slot:
+            self._interrupt(f"fault in slot {seen.slot}: {seen.kind}")
+
+    def end(self) -> None:
+        with self._lock:
+            self._running = False
+            self._ctx = None
+
+    def ping(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def fault_seen(self, iteration: int) -> FaultRecord | None:
+        with self._lock:
+            return self._faults.get(iteration)
+
+    def update_status(self, **changes: object) -> None:
+        with self._lock:
+            self.status = self.status.model_copy(update=changes)
+            self._status_dirty = True
+        if "state" in changes:
+            self._flush_status(force=True)
+
+    # -- the thread ---------------------------------------------------------------------------------------------
+
+    def _interrupt(self, reason: str) -> None:
+        with self._lock:
+            ctx = self._ctx
+            running = self._running
+        if not running or ctx is None:
+            return
+        free_blocked_peers(ctx)
+        if self.interrupter.request(reason):
+            log.info("slot %d iteration %d: interrupting: %s", self.coord.slot, ctx.iteration, reason)
+
+    def _on_fault(self, rec: FaultRecord) -> None:
+        with self._lock:
+            first = rec.iteration not in self._faults
+            if first:
+                self._faults[rec.iteration] = rec
+            current = self._iteration
+        if first:
+            self.update_status(last_failure=FailureInfo(rank=rec.rank, pod=rec.node_id,
+                                                        reason=f"{rec.kind}: {rec.reason}"[:2048], time=rec.time))
+        if rec.iteration == current and rec.slot != self.coord.slot:
+            self._interrupt(f"fault in slot {rec.slot}: {rec.kind}")
+
+    def _open_watch(self) -> Watch:
+        view = self.coord.view()
+        for _it, faults in view.faults.items():
+            for _, rec in sorted(faults, key=lambda f: f[0]):
+                self._on_fault(rec)
+                break
+        return self.coord.store.watch(self.coord.base + "fault/", prefix=True, start_revision=view.revision + 1)
+
+    def _run(self) -> None:
+        watch: Watch | None = None
+        backoff = 0.1
+        try:
+            while not self._stop.is_set():
+                if watch is None:
+                    try:
+                        watch = self._open_watch()
+                        backoff = 0.1
+                    except StoreError as e:
+                        log.warning("slot %d: cannot watch faults, retrying: %s", self.coord.slot, e)
+                        self._stop.wait(backoff * (0.5 + random.random()))
+                        backoff = min(backoff * 2, 2.0)
+                        continue
+                try:
+                    ev = watch.next(timeout=self.interval)
+                except StoreError as e:
+                    log.warning("slot %d: fault watch broke, reopening: %s", self.coord.slot, e)
+                    watch.cancel()
+                    watch = None
+                    continue
+                if ev is not None and ev.type == "put":
+                    try:
+                        self._on_fault(FaultRecord.from_json_bytes(ev.kv.value))
+                    except ValueError as e:
+                        log.warning("ignoring invalid fault record at %s: %s", ev.kv.key, e)
+                self._tick()
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self._probe is not None:
+            seen = self._probe.main_seen()
+            if seen:
+                # The main thread ran the probe (up - seen) whole seconds ago, give or take one.
+                self.last_progress = max(self.last_progress, now - (self._probe.uptime() - seen) - 1.0)
+            self._probe.schedule()
+        with self._lock:
+            running, ctx, iteration = self._running, self._ctx, self._iteration
+            stalled = running and not self._timed_out and now - self.last_progress > self.soft_timeout
+            if stalled:
+                self._timed_out = True
+        if stalled and ctx is not None:
+            reason = f"no progress for {now - self.last_progress:.1f}s (soft timeout {self.soft_timeout}s)"
+            log.warning("slot %d iteration %d: %s", self.coord.slot, iteration, reason)
+            rec = FaultRecord(slot=self.coord.slot, rank=ctx.rank, node_id=self.coord.node_id,
+                              iteration=iteration, kind="soft_timeout", reason=reason, time=time.time())
+            with contextlib.suppress(Exception):  # interrupting matters more than reporting
+                self.coord.report_fault(rec)
+            self._interrupt(reason)
+        self._flush_status()
+
+    def _flush_status(self, force: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._status_written < 0.5:
+                return
+            # While not running user code the process waits on etcd with deadlines: it is not hung.
+            beat = self.last_progress if self._running else now
+            self.status = self.status.model_copy(update={"heartbeat": beat})
+            status = self.status
+            self._status_written = now
+        self.status_file.write(status)

@@ -1,0 +1,268 @@
+"""The composable policies of an in-process restart, each validated when constructed.
+
+Each policy is a callable over a :class:`IterationContext` (what the iteration is: rank, world size, the
+torch Store of the iteration, ...):
+
+* :class:`Initialize` runs before the training function of each iteration (default: build the default
+  process group from the iteration's Store, :class:`InitProcessGroup`).
+* :class:`Abort` runs after an interruption, before the next barrier (default: :class:`AbortProcessGroup`,
+  which frees peers blocked in gloo collectives by closing the group's connections, aborts NCCL
+  communicators, and destroys the group).
+* :class:`Finalize` runs after an interruption too, after Abort (user clean-up hooks).
+* :class:`HealthCheck` runs after Abort; raising :class:`Unhealthy` takes the process out of the job
+  (default: :class:`CudaHealthCheck`, a no-op without CUDA).
+
+:class:`Compose` chains several policies of one kind, in order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from stalwart.restart.sockets import SocketSnapshot, shutdown_sockets_since
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Abort",
+    "AbortProcessGroup",
+    "Compose",
+    "CudaHealthCheck",
+    "FaultCounter",
+    "Finalize",
+    "FinalizeCallback",
+    "HealthCheck",
+    "InitProcessGroup",
+    "Initialize",
+    "IterationContext",
+    "Unhealthy",
+]
+
+
+class Unhealthy(Exception):
+    """A health check failed: this process must leave the job (exit code ``UNHEALTHY``)."""
+
+
+@dataclass(slots=True)
+class IterationContext:
+    """One iteration as the policies see it. ``store`` is the iteration's torch.distributed Store."""
+
+    iteration: int
+    slot: int
+    rank: int
+    world_size: int
+    store: Any
+    #: Peers (host, port) whose connections are not the process group's (etcd): never shut down.
+    keep_peers: Sequence[tuple[str, int]] = ()
+    #: Filled by Initialize: the sockets open before the group was built.
+    sockets_before: SocketSnapshot | None = None
+    #: What interrupted the iteration, for Finalize and HealthCheck (None while it runs).
+    fault: BaseException | None = None
+    #: The number of faults this process has raised itself (for FaultCounter).
+    own_faults: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Initialize:
+    """Runs before the training function in every iteration."""
+
+    def __call__(self, ctx: IterationContext) -> None:
+        raise NotImplementedError
+
+
+class Abort:
+    """Tears down what an interrupted iteration left (process groups, communicators). Must not block on
+    peers: it runs while they may be dead or hung."""
+
+    def __call__(self, ctx: IterationContext) -> None:
+        raise NotImplementedError
+
+
+class Finalize:
+    """Runs after Abort, before the health check and the next iteration."""
+
+    def __call__(self, ctx: IterationContext) -> None:
+        raise NotImplementedError
+
+
+class HealthCheck:
+    """Raises :class:`Unhealthy` when this process should not take part in the next iteration."""
+
+    def __call__(self, ctx: IterationContext) -> None:
+        raise NotImplementedError
+
+
+Policy = Initialize | Abort | Finalize | HealthCheck
+
+
+class Compose(Initialize, Abort, Finalize, HealthCheck):
+    """Runs several policies of one kind in order. An Abort chain runs every member even when one fails
+    (and then raises the first error); other chains stop at the first error."""
+
+    def __init__(self, *policies: Callable[[IterationContext], None]) -> None:
+        if not policies:
+            raise ValueError("Compose: give at least one policy")
+        for i, p in enumerate(policies):
+            if not callable(p):
+                raise TypeError(f"Compose: policy #{i} ({p!r}) is not callable")
+        self.policies = policies
+
+    def __call__(self, ctx: IterationContext) -> None:
+        if all(isinstance(p, Abort) for p in self.policies):
+            first: BaseException | None = None
+            for p in self.policies:
+                try:
+                    p(ctx)
+                except Exception as e:
+                    log.warning("abort policy %r failed: %s", p, e)
+                    first = first or e
+            if first is not None:
+                raise first
+            return
+        for p in self.policies:
+            p(ctx)
+
+
+def _check_timeout(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+class InitProcessGroup(Initialize):
+    """Builds the default process group of the iteration from the iteration's Store.
+
+    ``backend``: ``"gloo"``, ``"nccl"``, or ``"auto"`` (nccl when CUDA is available, else gloo).
+    ``timeout``: the collective timeout in seconds (it is not shortened to make restarts fast).
+    """
+
+    def __init__(self, backend: Literal["auto", "gloo", "nccl"] = "auto", timeout: float = 1800.0) -> None:
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"InitProcessGroup.backend: expected 'auto', 'gloo' or 'nccl', got {backend!r}")
+        self.backend = backend
+        self.timeout = _check_timeout("InitProcessGroup.timeout", timeout)
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+    def __call__(self, ctx: IterationContext) -> None:
+        import torch
+        import torch.distributed as dist
+
+        backend = self.resolved_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(ctx.extra.get("local_rank", 0)) % max(1, torch.cuda.device_count()))
+        ctx.sockets_before = SocketSnapshot()
+        dist.init_process_group(backend, store=ctx.store, rank=ctx.rank, world_size=ctx.world_size,
+                                timeout=datetime.timedelta(seconds=self.timeout))
+
+
+class AbortProcessGroup(Abort):
+    """Frees peers and tears the default process group down without waiting on any peer.
+
+    1. shuts down the group's TCP connections (gloo; see :mod:`stalwart.restart.sockets`);
+    2. aborts NCCL communicators (``ProcessGroup.abort``) when the backend is NCCL;
+    3. destroys the default group so the next iteration can build a new one.
+    """
+
+    def __call__(self, ctx: IterationContext) -> None:
+        free_blocked_peers(ctx)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        try:
+            if dist.get_backend() == "nccl":
+                _abort_nccl()
+        finally:
+            dist.destroy_process_group()
+
+
+def free_blocked_peers(ctx: IterationContext) -> int:
+    """Shut down the process group's connections (safe from any thread, idempotent)."""
+    if ctx.sockets_before is None:
+        return 0
+    n = shutdown_sockets_since(ctx.sockets_before, keep_peers=ctx.keep_peers)
+    if n:
+        log.debug("iteration %d: shut down %d process-group connection(s)", ctx.iteration, n)
+    return n
+
+
+def _abort_nccl() -> None:
+    import torch.distributed as dist
+
+    pg = dist.group.WORLD
+    if pg is None:
+        return
+    abort = getattr(pg, "abort", None)
+    if callable(abort):
+        abort()
+        return
+    backend = pg._get_backend(__import__("torch").device("cuda"))
+    backend.abort()
+
+
+class FinalizeCallback(Finalize):
+    """Calls ``fn(ctx)`` after each interruption (e.g. to drop references to the old model)."""
+
+    def __init__(self, fn: Callable[[IterationContext], None]) -> None:
+        if not callable(fn):
+            raise TypeError(f"FinalizeCallback.fn: expected a callable, got {fn!r}")
+        self.fn = fn
+
+    def __call__(self, ctx: IterationContext) -> None:
+        self.fn(ctx)
+
+
+class CudaHealthCheck(HealthCheck):
+    """When CUDA is present: synchronizes the device within ``timeout`` seconds; a CUDA error or a device
+    that does not answer makes the process :class:`Unhealthy`. Without CUDA it does nothing."""
+
+    def __init__(self, timeout: float = 30.0) -> None:
+        self.timeout = _check_timeout("CudaHealthCheck.timeout", timeout)
+
+    def __call__(self, ctx: IterationContext) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        error: list[BaseException] = []
+
+        def probe() -> None:
+            try:
+                torch.cuda.synchronize()
+                torch.zeros(1, device="cuda").add_(1).item()
+            except BaseException as e:
+                error.append(e)
+
+        t = threading.Thread(target=probe, name="stalwart-cuda-health", daemon=True)
+        t.start()
+        t.join(self.timeout)
+        if t.is_alive():
+            raise Unhealthy(f"CUDA device did not synchronize within {self.timeout}s")
+        if error:
+            raise Unhealthy(f"CUDA health check failed: {error[0]}")
+
+
+class FaultCounter(HealthCheck):
+    """Makes a process :class:`Unhealthy` once it raised more than ``max_faults`` faults itself (a rank
+    that keeps failing is more likely broken than unlucky)."""
+
+    def __init__(self, max_faults: int) -> None:
+        if isinstance(max_faults, bool) or not isinstance(max_faults, int) or max_faults < 0:
+            raise ValueError(f"FaultCounter.max_faults: expected an int >= 0, got {max_faults!r}")
+        self.max_faults = max_faults
+
+    def __call__(self, ctx: IterationContext) -> None:
+        if ctx.own_faults > self.max_faults:
+            raise Unhealthy(f"this process raised {ctx.own_faults} faults (max_faults={self.max_faults})")
