@@ -93,7 +93,8 @@ class PodTemplate(ApiModel):
 _HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*$")
 #: The CRD's pattern for an endpoint. Python validates with endpoint_problem instead, which is stricter on
 #: ports and IP addresses and says what is wrong.
-ENDPOINT_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
+_PORT_PATTERN = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+ENDPOINT_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):" + _PORT_PATTERN + "$"
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -333,7 +334,8 @@ class RestartPolicy(ApiModel):
         description="How many pods may be replaced after failures before the job fails.")
     rules: list[FailureRule] = Field(
         default_factory=list, max_length=MAX_RULES,
-        description="Failure rules, tried in order; the first that matches a failure decides its action.")
+        description="Failure rules, tried in order; the first that matches a failure decides its action.",
+        json_schema_extra={"default": []})
 
 
 # ---------------------------------------------------------------------------------------------------------

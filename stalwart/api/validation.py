@@ -125,10 +125,17 @@ def _unknown_field(loc: tuple[int | str, ...]) -> str:
     if parent is None or not isinstance(name, str):
         return "unknown field"
     known = [f.alias or n for n, f in parent.model_fields.items()]
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    lowered = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
+    # A field name with a word added or dropped ("specification", "inProcessRestart") is close too.
+    close = close or [k for k in lowered if name.lower().startswith(k) or k.startswith(name.lower())][:1]
     if close:
-        return f"unknown field; did you mean {close[0]!r}?"
+        return f"unknown field; did you mean {lowered[close[0]]!r}?"
     return f"unknown field; expected one of: {', '.join(known)}"
+
+
+def _num(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _message(error: ErrorDetails) -> str:
@@ -155,13 +162,13 @@ def _message(error: ErrorDetails) -> str:
     if kind in ("datetime_type", "datetime_parsing", "datetime_from_date_parsing"):
         return f"expected an RFC 3339 date-time, got {_show(value)}"
     if kind == "greater_than_equal":
-        return f"must be greater than or equal to {ctx['ge']}{got}"
+        return f"must be greater than or equal to {_num(ctx['ge'])}{got}"
     if kind == "greater_than":
-        return f"must be greater than {ctx['gt']}{got}"
+        return f"must be greater than {_num(ctx['gt'])}{got}"
     if kind == "less_than_equal":
-        return f"must be less than or equal to {ctx['le']}{got}"
+        return f"must be less than or equal to {_num(ctx['le'])}{got}"
     if kind == "less_than":
-        return f"must be less than {ctx['lt']}{got}"
+        return f"must be less than {_num(ctx['lt'])}{got}"
     if kind == "too_short":
         n = ctx.get("min_length", 1)
         return f"must have at least {n} item{'s' if n != 1 else ''}, got {ctx.get('actual_length', 0)}"
