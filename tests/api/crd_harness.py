@@ -76,9 +76,9 @@ def schema_errors(document: dict[str, Any], schema: dict[str, Any] | None = None
     validator = jsonschema.Draft4Validator(strict(schema))
     found = [(format_path(tuple(e.absolute_path)), e.message) for e in validator.iter_errors(document)]
     for node, value, path in walk(schema, document):
-        if node.get("x-kubernetes-list-type") == "set" and isinstance(value, list):
-            if len({repr(v) for v in value}) != len(value):
-                found.append((format_path(path), "duplicate items in a list of type set"))
+        if (node.get("x-kubernetes-list-type") == "set" and isinstance(value, list)
+                and len({repr(v) for v in value}) != len(value)):
+            found.append((format_path(path), "duplicate items in a list of type set"))
     return found
 
 

@@ -181,31 +181,30 @@ def test_cel_sees_numbers_as_doubles_like_the_api_server() -> None:
     assert type(value["maxRestarts"]).__name__ == "IntType"
 
 
-def _spec_document(replicas: int, min_r: int | None, max_r: int | None, spares: int,
-                   soft: float, hard: float, last_call: float, join: float) -> dict[str, Any]:
+def _spec_document(numbers: dict[str, Any]) -> dict[str, Any]:
     document = copy.deepcopy(GOOD)
     spec = document["spec"]
-    spec.update(replicas=replicas, spares=spares)
-    if min_r is not None:
-        spec["minReplicas"] = min_r
-    if max_r is not None:
-        spec["maxReplicas"] = max_r
-    spec["restartPolicy"]["inProcess"] = {"softTimeoutSeconds": soft, "hardTimeoutSeconds": hard}
-    spec["rendezvous"].update(lastCallSeconds=last_call, joinTimeoutSeconds=join)
+    spec.update(replicas=numbers["replicas"], spares=numbers["spares"])
+    for field in ("minReplicas", "maxReplicas"):
+        if numbers[field] is not None:
+            spec[field] = numbers[field]
+    spec["restartPolicy"]["inProcess"] = {"softTimeoutSeconds": numbers["soft"], "hardTimeoutSeconds": numbers["hard"]}
+    spec["rendezvous"].update(lastCallSeconds=numbers["lastCall"], joinTimeoutSeconds=numbers["join"])
     return document
 
 
 counts = st.integers(min_value=1, max_value=10_000)
 seconds = st.sampled_from([0.5, 1, 2, 10, 30, 59.5, 60, 90, 600])
+spec_numbers = st.fixed_dictionaries({
+    "replicas": counts, "minReplicas": st.none() | counts, "maxReplicas": st.none() | counts,
+    "spares": st.integers(min_value=0, max_value=10_000), "soft": seconds, "hard": seconds,
+    "lastCall": seconds, "join": seconds})
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(replicas=counts, min_r=st.none() | counts, max_r=st.none() | counts,
-       spares=st.integers(min_value=0, max_value=10_000), soft=seconds, hard=seconds, last_call=seconds,
-       join=seconds)
-def test_python_rules_and_crd_rules_agree(replicas: int, min_r: int | None, max_r: int | None, spares: int,
-                                          soft: float, hard: float, last_call: float, join: float) -> None:
-    document = _spec_document(replicas, min_r, max_r, spares, soft, hard, last_call, join)
+@given(numbers=spec_numbers)
+def test_python_rules_and_crd_rules_agree(numbers: dict[str, Any]) -> None:
+    document = _spec_document(numbers)
     by_validate = document_problems(document) == []
     by_crd = schema_errors(document) == [] and cel_failures(document) == []
     assert by_validate == by_crd, (document_problems(document), schema_errors(document), cel_failures(document))
