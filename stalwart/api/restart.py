@@ -118,6 +118,8 @@ class RankStatus(ApiModel):
     step: int | None = Field(default=None, description="Last step the training function reported.")
     restarts: int = Field(default=0, ge=0, description="In-process restarts so far.")
     last_failure: FailureInfo | None = Field(default=None, description="The last fault this process saw.")
+    hard_timeout: float | None = Field(
+        default=None, description="Seconds without progress after which the agent kills the process.")
     heartbeat: float = Field(
         description="CLOCK_MONOTONIC time of the last sign of progress of the process's main thread.")
 

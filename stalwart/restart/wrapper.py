@@ -169,6 +169,7 @@ class _Session:
         self.monitor = Monitor(self.coord, self.interrupter, soft_timeout=config.soft_timeout,
                                interval=config.monitor_interval, status=StatusFile(env.status_file),
                                watch_main_thread=main)
+        self.monitor.update_status(hard_timeout=config.hard_timeout)
         self.keep_peers = [(h, int(p)) for h, _, p in (e.rpartition(":") for e in env.etcd_endpoints)]
         self.own_faults = 0
         self.last_ctx: IterationContext | None = None
@@ -316,9 +317,9 @@ class _Session:
 
     def _run_iteration(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                        inject: str | None, *, iteration: int, rank: int, world_size: int) -> _Finished | None:
-        from stalwart.restart.torch_store import IterationStore
+        from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
 
-        store = IterationStore(self.store, self.coord.torch_store_prefix(iteration), self.coord.fence,
+        store = EtcdTorchStore(self.store, self.env.keys, self.env.epoch, scope=f"{iteration}/",
                                timeout=getattr(self.config.initialize, "timeout", 1800.0))
         ctx = IterationContext(iteration=iteration, slot=self.env.slot, rank=rank, world_size=world_size,
                                store=store, keep_peers=self.keep_peers, own_faults=self.own_faults,
