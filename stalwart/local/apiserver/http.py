@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import yaml
 from aiohttp import web
 
-from stalwart.local.apiserver import openapi, tables
+from stalwart.local.apiserver import openapi, protobuf, tables
 from stalwart.local.apiserver.catalog import ResourceInfo
 from stalwart.local.apiserver.objects import ApiError, Event, ObjectStore, WriteOptions, not_found
 from stalwart.local.apiserver.selectors import SelectorError, parse_field_selector, parse_label_selector
@@ -224,7 +224,7 @@ class ApiServer:
             return _json(obj, 200 if existed else 201, opts.warnings)
         if request.method == "DELETE":
             raw = await request.read()
-            options: JSON = json.loads(raw) if raw.strip() else {}
+            options: JSON = (await self._body(request)) if raw.strip() else {}
             if "gracePeriodSeconds" in q:
                 options["gracePeriodSeconds"] = int(q["gracePeriodSeconds"])
             if "propagationPolicy" in q:
@@ -243,6 +243,11 @@ class ApiServer:
 
     async def _body(self, request: web.Request, yaml_ok: bool = False) -> Any:
         raw = await request.read()
+        if request.headers.get("Content-Type", "").startswith(protobuf.CONTENT_TYPE):
+            try:
+                return protobuf.decode(raw)
+            except (protobuf.ProtobufError, UnicodeDecodeError) as exc:
+                raise ApiError(415, "UnsupportedMediaType", str(exc)) from exc
         try:
             return yaml.safe_load(raw) if yaml_ok else json.loads(raw or b"{}")
         except (ValueError, yaml.YAMLError) as exc:

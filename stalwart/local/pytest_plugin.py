@@ -1,0 +1,53 @@
+"""pytest fixtures for tests that need a Kubernetes cluster: the local cluster, started once per session.
+
+Enable with ``pytest_plugins = ["stalwart.local.pytest_plugin"]`` in the top-level ``conftest.py``.
+
+- ``local_cluster`` (session): a running :class:`~stalwart.local.cluster.LocalCluster` with 3 nodes. Use
+  ``.kubeconfig`` (path), ``.api_url``, ``.etcd_endpoint`` (``host:port`` of its real etcd), ``.env()``
+  (KUBECONFIG etc. for subprocesses), ``.kubectl(*args)``, ``.lose_node(name)`` / ``.restore_node(name)``
+  (node names in ``.nodes``). Stopped, with every process it started, at the end of the session.
+- ``k8s_namespace``: a fresh namespace (its name) in that cluster for one test, deleted afterwards.
+- ``kube_api``: a ``kubernetes.client.ApiClient`` configured for the cluster.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from stalwart.local.cluster import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = LocalCluster.up(tmp_path_factory.mktemp("local-cluster"), nodes=3, timeout=120.0)
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture
+def kube_api(local_cluster: LocalCluster) -> Iterator[Any]:
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    config.load_kube_config(config_file=str(local_cluster.kubeconfig), client_configuration=cfg)
+    api = client.ApiClient(cfg)
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+@pytest.fixture
+def k8s_namespace(local_cluster: LocalCluster) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    local_cluster.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        local_cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
