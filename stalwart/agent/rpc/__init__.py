@@ -1,0 +1,51 @@
+"""RPC between the processes of a job: calls with retries, remote references, fenced by rendezvous round.
+
+Public API (close to ``torch.distributed.rpc``): :func:`init_rpc`, :func:`rpc_sync`, :func:`rpc_async`,
+:func:`remote` (-> :class:`~stalwart.agent.rref.RRef`), :func:`shutdown`; :func:`rpc_function` registers the
+functions peers may call (calls name functions; nothing is pickled). :class:`RpcAgent` is the same API on an
+explicit agent object. Parts: :mod:`.transport` (gRPC streams, token auth -- why gRPC is explained there),
+:mod:`.codec` (frames: JSON + raw tensor bytes), :mod:`.timers` (the one retry heap), :mod:`.dedup`
+(completion records), :mod:`.retry`, :mod:`.membership`, :mod:`.faults` (fault injection), :mod:`.agent`.
+"""
+
+from stalwart.agent.rpc.agent import RpcAgent, RpcFuture, ShutdownReport
+from stalwart.agent.rpc.api import current_agent, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
+from stalwart.agent.rpc.errors import (
+    EpochAhead,
+    NotOwner,
+    OwnerDied,
+    PayloadError,
+    RemoteError,
+    RpcError,
+    RpcShutdown,
+    RpcTimeout,
+    RRefCreationFailed,
+    RRefDeleted,
+    RRefError,
+    StaleEpoch,
+    TransportError,
+    UnknownFunction,
+    UnknownWorker,
+    WorkerDied,
+)
+from stalwart.agent.rpc.membership import (
+    EtcdMembership,
+    Member,
+    Membership,
+    StaticMembership,
+    View,
+    ViewChanged,
+    WorkerInfo,
+    WorkerLeft,
+)
+from stalwart.agent.rpc.registry import REGISTRY, Registry, rpc_function
+from stalwart.agent.rpc.retry import CONTROL_RETRY, RetryOptions
+
+__all__ = [
+    "CONTROL_RETRY", "REGISTRY", "EpochAhead", "EtcdMembership", "Member", "Membership", "NotOwner", "OwnerDied",
+    "PayloadError", "RRefCreationFailed", "RRefDeleted", "RRefError", "Registry", "RemoteError", "RetryOptions",
+    "RpcAgent", "RpcError", "RpcFuture", "RpcShutdown", "RpcTimeout", "ShutdownReport", "StaleEpoch",
+    "StaticMembership", "TransportError", "UnknownFunction", "UnknownWorker", "View", "ViewChanged",
+    "WorkerDied", "WorkerInfo", "WorkerLeft", "current_agent", "get_worker_info", "init_rpc", "remote",
+    "rpc_async", "rpc_function", "rpc_sync", "shutdown",
+]

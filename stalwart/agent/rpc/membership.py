@@ -1,0 +1,270 @@
+"""Who the RPC workers are: names, ranks, addresses and the round epoch, and news of a peer's death.
+
+The agent reads membership through the small :class:`Membership` interface:
+
+* :meth:`Membership.view` -- the current :class:`View` (epoch + members);
+* :meth:`Membership.subscribe` -- be told of a :class:`ViewChanged` (a new round, or a worker registered) and
+  of a :class:`WorkerLeft` (its lease expired or it left).
+
+Implementations: :class:`StaticMembership` (a fixed world given in code, as ``init_rpc`` with a world size)
+and :class:`EtcdMembership` (each worker registers a lease-bound :class:`~stalwart.api.rpc.RpcWorkerRecord`
+under ``JobKeys.rpc``; peers learn of a death from the record's deletion when the lease expires). The
+rendezvous supplies the epoch (its sealed manifest's ``mod_revision``); :meth:`EtcdMembership.advance` moves
+a worker to a new round, and workers that do not follow are excluded from the view.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from stalwart.api.rpc import RpcWorkerRecord, check_worker_name
+from stalwart.keys import JobKeys
+from stalwart.store import Store, StoreError, WatchCompacted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker as user code sees it (what ``RRef.owner()`` returns)."""
+
+    name: str
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A worker of the current round and where its RPC server listens."""
+
+    name: str
+    rank: int
+    address: str
+    incarnation: str = ""
+
+    def __post_init__(self) -> None:
+        check_worker_name(self.name)
+        if self.rank < 0:
+            raise ValueError(f"rank: must be >= 0, got {self.rank}")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"address: expected 'host:port', got {self.address!r}")
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.name, self.rank)
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """The members of one round (epoch), by name."""
+
+    epoch: int
+    members: Mapping[str, Member] = field(default_factory=lambda: MappingProxyType({}))
+
+    @staticmethod
+    def of(epoch: int, members: list[Member]) -> View:
+        by_name: dict[str, Member] = {}
+        for m in members:
+            if m.name in by_name:
+                raise ValueError(f"members: worker name {m.name!r} appears more than once")
+            by_name[m.name] = m
+        return View(epoch, MappingProxyType(by_name))
+
+    def by_rank(self, rank: int) -> Member | None:
+        for m in self.members.values():
+            if m.rank == rank:
+                return m
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ViewChanged:
+    """A new view: a new round (higher epoch), or members joined or left within the round."""
+
+    view: View
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLeft:
+    """A worker is gone (lease expired, or it left); everything it owned or held is to be given up."""
+
+    name: str
+    reason: str
+
+
+MembershipEvent = ViewChanged | WorkerLeft
+Listener = Callable[[MembershipEvent], None]
+
+
+class Membership:
+    """Base of the membership sources: holds the view and fans events out to subscribers."""
+
+    def __init__(self, view: View) -> None:
+        self._view = view
+        self._listeners: list[Listener] = []
+        self._lock = threading.Lock()
+
+    def view(self) -> View:
+        return self._view
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener`` for every later event (from the source's thread); returns the unsubscriber."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def _emit(self, event: MembershipEvent) -> None:
+        if isinstance(event, ViewChanged):
+            self._view = event.view
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("membership listener failed on %s", event)
+
+    def close(self) -> None:
+        """Stop watching (nothing to do for a static world)."""
+
+
+class StaticMembership(Membership):
+    """A world given in code. :meth:`set_view` and :meth:`worker_left` let a supervisor report changes."""
+
+    def set_view(self, view: View) -> None:
+        if view.epoch < self._view.epoch:
+            raise ValueError(f"view: epoch {view.epoch} is older than the current {self._view.epoch}")
+        self._emit(ViewChanged(view))
+
+    def worker_left(self, name: str, reason: str = "left") -> None:
+        members = {k: v for k, v in self._view.members.items() if k != name}
+        self._emit(WorkerLeft(name, reason))
+        self._emit(ViewChanged(View(self._view.epoch, MappingProxyType(members))))
+
+
+class EtcdMembership(Membership):
+    """Membership from lease-bound worker records in etcd (one key per worker under ``JobKeys.rpc``).
+
+    ``register`` puts this worker's record with ``lease`` (granted here with ``lease_ttl`` when not given);
+    a watch thread keeps the view and reports deletions as :class:`WorkerLeft`. The view holds the records
+    whose epoch equals the current epoch.
+    """
+
+    def __init__(self, store: Store, keys: JobKeys, *, epoch: int, lease: int | None = None,
+                 lease_ttl: int = 10) -> None:
+        super().__init__(View(epoch))
+        self._store = store
+        self._prefix = keys.rpc + "workers/"
+        self._own_lease = lease is None
+        self._lease = store.lease_grant(lease_ttl) if lease is None else lease
+        self._records: dict[str, RpcWorkerRecord] = {}
+        self._me: RpcWorkerRecord | None = None
+        self._stop = threading.Event()
+        self._changed = threading.Condition()
+        kvs, revision = store.get_prefix(self._prefix)
+        for kv in kvs:
+            self._absorb_put(kv.key, kv.value)
+        self._publish()
+        self._thread = threading.Thread(target=self._watch_loop, args=(revision + 1,),
+                                        name="stalwart-rpc-membership", daemon=True)
+        self._thread.start()
+
+    @property
+    def lease(self) -> int:
+        return self._lease
+
+    def register(self, member: Member) -> None:
+        """Publish this worker's record (bound to the lease) in the current epoch."""
+        record = RpcWorkerRecord(name=member.name, rank=member.rank, address=member.address,
+                                 epoch=self._view.epoch, incarnation=member.incarnation)
+        self._me = record
+        self._store.put(self._prefix + member.name, record.to_json_bytes(), lease=self._lease)
+
+    def advance(self, epoch: int) -> None:
+        """Move to the round ``epoch`` (from the rendezvous): re-register in it; others follow or drop out."""
+        if epoch < self._view.epoch:
+            raise ValueError(f"epoch: {epoch} is older than the current {self._view.epoch}")
+        with self._changed:
+            self._view = View(epoch, self._view.members)
+        if self._me is not None:
+            self._store.put(self._prefix + self._me.name,
+                            self._me.model_copy(update={"epoch": epoch}).to_json_bytes(), lease=self._lease)
+        self._publish()
+
+    def wait_for(self, count: int, timeout: float) -> View:
+        """Block until ``count`` workers are in the view; raises TimeoutError after ``timeout`` seconds."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: len(self._view.members) >= count, timeout):
+                raise TimeoutError(f"only {len(self._view.members)} of {count} RPC workers registered "
+                                   f"within {timeout}s: {sorted(self._view.members)}")
+            return self._view
+
+    def _absorb_put(self, key: str, value: bytes) -> None:
+        try:
+            record = RpcWorkerRecord.from_json_bytes(value)
+        except ValueError as e:
+            log.warning("ignoring invalid RPC worker record at %s: %s", key, e)
+            return
+        self._records[record.name] = record
+
+    def _publish(self) -> None:
+        epoch = self._view.epoch
+        members = [Member(r.name, r.rank, r.address, r.incarnation)
+                   for r in self._records.values() if r.epoch == epoch]
+        view = View.of(epoch, members)
+        if dict(view.members) != dict(self._view.members) or not self._view.members:
+            self._emit(ViewChanged(view))
+        with self._changed:
+            self._changed.notify_all()
+
+    def _watch_loop(self, start_revision: int) -> None:
+        while not self._stop.is_set():
+            try:
+                with self._store.watch(self._prefix, prefix=True, start_revision=start_revision) as watch:
+                    while not self._stop.is_set():
+                        event = watch.next(timeout=0.5)
+                        if event is None:
+                            continue
+                        start_revision = event.kv.mod_revision + 1
+                        name = event.kv.key[len(self._prefix):]
+                        if event.type == "put":
+                            self._absorb_put(event.kv.key, event.kv.value)
+                        elif self._records.pop(name, None) is not None:
+                            self._emit(WorkerLeft(name, "its lease expired or it left"))
+                        self._publish()
+            except WatchCompacted:
+                kvs, revision = self._store.get_prefix(self._prefix)
+                gone = set(self._records) - {kv.key[len(self._prefix):] for kv in kvs}
+                self._records.clear()
+                for kv in kvs:
+                    self._absorb_put(kv.key, kv.value)
+                for name in gone:
+                    self._emit(WorkerLeft(name, "its lease expired or it left"))
+                self._publish()
+                start_revision = revision + 1
+            except StoreError as e:
+                if self._stop.wait(0.5):
+                    return
+                log.warning("RPC membership watch failed (%s); watching again", e)
+
+    def close(self) -> None:
+        """Stop the watch; delete our record (revoking the lease if we granted it)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            if self._own_lease:
+                self._store.lease_revoke(self._lease)
+            elif self._me is not None:
+                self._store.delete(self._prefix + self._me.name)
+        except StoreError as e:
+            log.warning("could not remove our RPC worker record: %s", e)
