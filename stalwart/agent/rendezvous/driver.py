@@ -505,7 +505,10 @@ class NodeHandle:
         if not self._own_entry_ok(view) or (self.lease is not None and self.lease in self.rdzv.store.lost_leases()):
             return RoundEnd(info.epoch, f"node {self.node_id}'s key is gone", (self.node_id,), view.closed, True)
         if view.epoch != info.epoch:
-            return RoundEnd(info.epoch, "a newer round was sealed", (), view.closed)
+            why = f"round {view.sealed.manifest.round} was sealed" if view.sealed else "the manifest was deleted"
+            if view.sealed is not None and view.sealed.manifest.reason:
+                why += f" ({view.sealed.manifest.reason})"
+            return RoundEnd(info.epoch, why, (), view.closed)
         status = round_status(view)
         if not status.live:
             return RoundEnd(info.epoch, status.reason, status.lost, view.closed)

@@ -12,8 +12,9 @@ The rules:
 * Closing stops new rounds; a live round runs on.
 * The **sealer** is the present node with the oldest node key (lowest ``create_revision``). Only the sealer
   writes a manifest, in one transaction; when it dies its key goes and the next oldest takes over.
-* A new round is sealed when ``max_nodes`` are present, or the expected set is present (and at least
-  ``min_nodes``), or at least ``min_nodes`` are present and the last call has run out.
+* A new round is sealed when ``max_nodes`` are present (for the first round, ``max_nodes`` ordinary
+  nodes: hot spares do not count), or the expected set is present (and at least ``min_nodes``), or at least
+  ``min_nodes`` are present and the last call has run out.
 * Membership (:func:`plan_round`): survivors of the previous round first, then ordinary nodes by age, then hot
   spares by age; the first ``max_nodes`` are members, the rest spares. A survivor keeps its group rank when it
   still fits; holes are filled in order, so a replacement takes over the ranks of the node it replaces.
@@ -225,12 +226,18 @@ def waiting_nodes(view: View) -> list[str]:
 
 
 def ready_to_seal(view: View, settings: RendezvousSettings) -> Literal["now", "last-call", "no"]:
-    """Whether enough nodes are present for a new round: at once, after the last call, or not yet."""
+    """Whether enough nodes are present for a new round: at once, after the last call, or not yet.
+
+    For the first round, hot spares do not count towards ``max_nodes`` (pods start together; a spare that
+    registered first must not take an ordinary node's place). For later rounds they do: a spare replacing a
+    lost member should bring the round back at once.
+    """
     n = len(view.nodes)
-    if n >= settings.max_nodes:
-        return "now"
     if n < settings.min_nodes:
         return "no"
+    full = n if view.sealed is not None else sum(1 for e in view.nodes.values() if not e.record.spare)
+    if full >= settings.max_nodes:
+        return "now"
     if view.expected is not None and view.expected <= view.nodes.keys():
         return "now"
     return "last-call"
