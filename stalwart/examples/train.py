@@ -1,7 +1,13 @@
 """A small data-parallel training job on CPU: the example that ``examples/*.yaml`` and ``stalwart demo`` run.
 
 A two-layer network learns a fixed linear map from synthetic batches with DistributedDataParallel over gloo.
-The process is started like a torchrun rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+Two ways to run it:
+
+* under ``stalwart agent`` (what the operator's pods do; the agent sets ``STALWART_*``): :func:`train` is
+  ``@stalwart.restartable``, so after a fault anywhere in the job every healthy rank re-runs it in process;
+* as a plain torchrun rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): it runs once; a fault
+  ends the process and a fresh start resumes from the checkpoint.
 
 Recovery, in the order it is tried:
 
@@ -34,6 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+import stalwart
+from stalwart.restart import CallWrapper
 
 log = logging.getLogger("stalwart.examples.train")
 
@@ -196,11 +205,13 @@ def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
     raise InjectedFault(f"injected fault at step {step} on rank {rank} ({FAIL_AT_STEP_ENV}={opts.fail_at_step})")
 
 
-def train(opts: Options) -> float:
-    """Train to ``opts.steps`` within the default process group, which the caller has initialised.
+@stalwart.restartable(max_restarts=10, soft_timeout=30.0, hard_timeout=60.0, barrier_timeout=60.0)
+def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
+    """Train to ``opts.steps`` within the default process group (the restart wrapper, or :func:`main` in plain
+    mode, initialises it). Returns the final loss.
 
     Safe to call again in the same process after a fault (in-process restart): it continues from the most
-    advanced state any rank holds. Returns the final loss.
+    advanced state any rank holds. Progress goes to ``call_wrapper`` when there is one.
     """
     global _state
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -209,7 +220,8 @@ def train(opts: Options) -> float:
         _state = TrainState(model, load_checkpoint(opts.checkpoint_dir, model))
         emit("start", rank=rank, world_size=world_size, step=_state.step)
     source = agree_on_state(_state, rank, world_size)
-    emit("resume", rank=rank, world_size=world_size, step=_state.step, source=source)
+    emit("resume", rank=rank, world_size=world_size, step=_state.step, source=source,
+         iteration=call_wrapper.iteration if call_wrapper is not None else 0)
     ddp = DistributedDataParallel(_state.model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=opts.lr)  # stateless, so nothing else needs agreeing on
     last_loss = float("nan")
@@ -223,8 +235,15 @@ def train(opts: Options) -> float:
         optimizer.step()
         last_loss = float(loss.detach())
         _state.step = step + 1
+        if call_wrapper is not None:
+            call_wrapper.ping(_state.step)
         if rank == 0 and (_state.step % opts.checkpoint_every == 0 or _state.step == opts.steps):
-            save_checkpoint(opts.checkpoint_dir, _state.model, _state.step)
+            if call_wrapper is not None:
+                # An interruption waits until the checkpoint is whole.
+                with call_wrapper.atomic():
+                    save_checkpoint(opts.checkpoint_dir, _state.model, _state.step)
+            else:
+                save_checkpoint(opts.checkpoint_dir, _state.model, _state.step)
         if _state.step % opts.log_every == 0 or _state.step == opts.steps:
             emit("step", rank=rank, step=_state.step, loss=round(last_loss, 6))
         if opts.step_delay:
@@ -240,9 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("STALWART_JOB"):
+        # Under the agent: the wrapper builds the process group of each iteration and restarts in process.
+        train(opts)
+        return 0
     dist.init_process_group("gloo")
     try:
-        train(opts)
+        train.fn(opts)
     finally:
         dist.destroy_process_group()
     return 0

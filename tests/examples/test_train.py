@@ -7,13 +7,17 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from stalwart.agent.rendezvous.protocol import MANIFEST
 from stalwart.examples import train
+from stalwart.keys import JobKeys
 
 WAIT = 180  # seconds; generous for a loaded 2-core machine
 
@@ -28,13 +32,15 @@ def free_port() -> int:
 Result = tuple[int, list[dict[str, Any]], str]
 
 
-def run_ranks(world: int, args: list[str], extra_env: dict[str, str] | None = None) -> list[Result]:
+def run_ranks(world: int, args: list[str], extra_env: dict[str, str] | None = None,
+              per_rank: Callable[[int], dict[str, str]] | None = None) -> list[Result]:
     """Start ``world`` ranks the way torchrun or the agent would, wait for all; (exit code, events, stderr) each."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra_env or {})}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra_env or {}),
+               **(per_rank(rank) if per_rank else {})}
         procs.append(subprocess.Popen([sys.executable, "-m", "stalwart.examples.train", *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
@@ -122,3 +128,31 @@ def test_options_from_arguments_and_environment(tmp_path: Path) -> None:
                                 train.FAIL_AT_STEP_ENV: "4"})
     assert opts.steps == 15 and opts.batch_size == 64 and opts.fail_at_step == 4 and opts.fail_rank == 0
     assert opts.checkpoint_dir == tmp_path / "stalwart-checkpoints" / "u1"
+
+
+@pytest.mark.integration
+def test_in_process_restart_after_an_injected_fault(tmp_path: Path, etcd: Any, store: Any) -> None:
+    """Two rank processes run the example under ``@stalwart.restartable`` with a real etcd: rank 1 fails at
+    step 25; both re-run the training function in the same processes and finish from the state in memory."""
+    uid = f"ex-{uuid.uuid4().hex[:12]}"
+    keys = JobKeys("examples", uid)
+    # The round a sealed rendezvous leaves behind (its manifest's mod_revision is the epoch, the fence).
+    epoch = store.put(keys.rendezvous + MANIFEST, b'{"sealed": true}')
+    env = {"STALWART_ETCD_ENDPOINTS": etcd.endpoint, "STALWART_JOB": "examples/restart", "STALWART_JOB_UID": uid,
+           "STALWART_EPOCH": str(epoch), "STALWART_SLOTS": "2", "STALWART_TARGET_WORLD": "2",
+           train.FAIL_AT_STEP_ENV: "25", train.FAIL_RANK_ENV: "1"}
+    try:
+        results = run_ranks(2, ["--steps", "40", "--checkpoint-dir", str(tmp_path)], env,
+                            per_rank=lambda r: {"STALWART_SLOT": str(r), "STALWART_NODE_ID": f"node-{r}"})
+    finally:
+        store.delete_prefix(keys.prefix)
+    for code, events, err in results:
+        assert code == 0, err
+        # One process per rank throughout: a second "start" would mean the process was restarted.
+        assert len(of(events, "start")) == 1
+        resumes = of(events, "resume")
+        assert [r["iteration"] for r in resumes] == [0, 1], resumes
+        # After the restart the ranks agree on the most advanced state in memory, not on the checkpoint (20).
+        assert resumes[1]["step"] == 25
+        assert of(events, "done")[0]["step"] == 40
+    assert of(results[1][1], "fault") == [{"event": "fault", "rank": 1, "step": 25}]
