@@ -104,7 +104,7 @@ class Event:
     obj: JSON
 
 
-@dataclass
+@dataclass(eq=False)
 class Watcher:
     """A registered watch: matching events are put on ``queue``; ``None`` marks the end."""
     group: str

@@ -2,8 +2,8 @@
 
 Helm's release storage writes Secrets (or ConfigMaps) through client-go's typed client, which encodes request
 bodies as ``application/vnd.kubernetes.protobuf`` whatever the server answers in; so the emulator reads the
-``k8s\\0`` envelope (``runtime.Unknown``) and the messages of Secret, ConfigMap, ObjectMeta, OwnerReference and
-DeleteOptions into their JSON form. Other kinds are answered with 415 Unsupported Media Type. Responses are
+``k8s\\0`` envelope (``runtime.Unknown``) and the messages of Secret, ConfigMap, ObjectMeta, OwnerReference,
+DeleteOptions, and the metadata of Namespace and ServiceAccount (``kubectl create namespace``) into JSON. Other kinds are answered with 415 Unsupported Media Type. Responses are
 always JSON, which these clients accept.
 """
 
@@ -168,8 +168,23 @@ def _delete_options(buf: bytes) -> JSON:
     return out
 
 
+def _meta_only(kind: str) -> Callable[[bytes], JSON]:
+    """Kinds whose other fields are defaulted by the server when created imperatively (Namespace,
+    ServiceAccount): metadata is what ``kubectl create`` sets."""
+
+    def decode(buf: bytes) -> JSON:
+        out: JSON = {"apiVersion": "v1", "kind": kind}
+        for n, v in fields(buf):
+            if n == 1:
+                out["metadata"] = object_meta(_b(v))
+        return out
+
+    return decode
+
+
 _KINDS: dict[str, Callable[[bytes], JSON]] = {
     "Secret": _secret, "ConfigMap": _configmap, "DeleteOptions": _delete_options,
+    "Namespace": _meta_only("Namespace"), "ServiceAccount": _meta_only("ServiceAccount"),
 }
 
 
