@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ["dev", "crd", "validate", "local"]
+COMMANDS = ["dev", "crd", "validate", "local", "agent", "operator"]
 
 
 def build_parser() -> argparse.ArgumentParser:
