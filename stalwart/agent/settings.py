@@ -1,0 +1,104 @@
+"""The agent's settings, read from the pod environment (design.md) with clear errors naming the variable."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from stalwart.keys import JobKeys
+
+__all__ = ["AGENT_ENV", "AgentSettings", "SettingsError"]
+
+#: Variable -> field name.
+AGENT_ENV = {
+    "STALWART_JOB": "job",
+    "STALWART_JOB_UID": "job_uid",
+    "STALWART_NODE_ID": "node_id",
+    "STALWART_POD_IP": "pod_ip",
+    "STALWART_SPARE": "spare",
+    "STALWART_NPROC_PER_NODE": "nproc_per_node",
+    "STALWART_MIN_NODES": "min_nodes",
+    "STALWART_MAX_NODES": "max_nodes",
+    "STALWART_ETCD_ENDPOINTS": "etcd_endpoints",
+    "STALWART_RPC_TOKEN": "rpc_token",
+}
+
+
+class SettingsError(ValueError):
+    """The pod environment is incomplete or malformed; one ``VARIABLE: problem`` per line."""
+
+
+class AgentSettings(BaseModel):
+    """Where this agent's pod stands in its job."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job: str
+    job_uid: str
+    node_id: str = Field(min_length=1, max_length=253)
+    pod_ip: str = Field(min_length=1)
+    spare: bool = False
+    nproc_per_node: int = Field(default=1, ge=1, le=1024)
+    min_nodes: int = Field(default=1, ge=1)
+    max_nodes: int = Field(default=1, ge=1)
+    etcd_endpoints: list[str] = Field(min_length=1)
+    rpc_token: SecretStr | None = None
+
+    @field_validator("etcd_endpoints", mode="before")
+    @classmethod
+    def _split(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [e.strip() for e in v.split(",") if e.strip()]
+        return v
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _endpoints(cls, v: list[str]) -> list[str]:
+        for ep in v:
+            host, sep, port = ep.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"expected comma-separated host:port, got {ep!r}")
+        return v
+
+    @field_validator("job")
+    @classmethod
+    def _job(cls, v: str) -> str:
+        ns, sep, name = v.partition("/")
+        if not sep or not ns or not name:
+            raise ValueError(f"expected <namespace>/<name>, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AgentSettings:
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(f"STALWART_MAX_NODES ({self.max_nodes}) must be >= STALWART_MIN_NODES "
+                             f"({self.min_nodes})")
+        JobKeys(self.namespace, self.job_uid)  # validates both segments
+        return self
+
+    @property
+    def namespace(self) -> str:
+        return self.job.partition("/")[0]
+
+    @property
+    def keys(self) -> JobKeys:
+        return JobKeys(self.namespace, self.job_uid)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> AgentSettings:
+        """Read the pod environment; raises :class:`SettingsError` naming every bad or missing variable."""
+        env = os.environ if environ is None else environ
+        data = {f: env[var] for var, f in AGENT_ENV.items() if env.get(var, "") != ""}
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            by_field = {f: var for var, f in AGENT_ENV.items()}
+            lines = []
+            for err in e.errors():
+                loc = str(err["loc"][0]) if err["loc"] else ""
+                var = by_field.get(loc, "environment")
+                what = "is required (set by the operator)" if err["type"] == "missing" else err["msg"]
+                lines.append(f"{var}: {what}")
+            raise SettingsError("\n".join(lines)) from None

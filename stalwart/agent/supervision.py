@@ -1,0 +1,77 @@
+"""What the agent does about its rank processes: a pure function over what it observes.
+
+The agent polls its processes and their status files and asks :func:`supervise` what to do. A process that
+runs :func:`stalwart.restartable` (it has written a status file) is *wrapped*: when it dies it is respawned
+alone and rejoins at the next restart iteration. A plain script is restarted the way torchrun does it:
+every rank of the job starts again, in a new rendezvous round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from stalwart.api.exit_codes import Disposition, ExitCode, disposition
+
+__all__ = ["Action", "ProcView", "supervise"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcView:
+    """One local rank process as the agent sees it. ``exit_code`` is ``None`` while it runs (negative:
+    killed by that signal). ``heartbeat_age`` is seconds since its last progress (``None``: no status)."""
+
+    local_rank: int
+    exit_code: int | None
+    wrapped: bool = False
+    heartbeat_age: float | None = None
+    hard_timeout: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """``kind``: ``wait``; ``kill`` (hung: SIGKILL, respawned once it is gone); ``respawn`` (start the
+    local rank again); ``restart_all`` (every rank of the job, new round); ``finish`` (exit ``exit_code``)."""
+
+    kind: Literal["wait", "kill", "respawn", "restart_all", "finish"]
+    local_ranks: tuple[int, ...] = ()
+    exit_code: int = 0
+    reason: str = ""
+
+
+def supervise(procs: Sequence[ProcView], *, restarts_used: int, max_restarts: int) -> list[Action]:
+    """The actions for this poll, in order. ``restarts_used`` counts process restarts so far on this node."""
+    if not procs:
+        return [Action("finish", exit_code=int(ExitCode.OK), reason="no rank processes")]
+    actions: list[Action] = []
+    hung = tuple(p.local_rank for p in procs
+                 if p.exit_code is None and p.hard_timeout is not None and p.heartbeat_age is not None
+                 and p.heartbeat_age > p.hard_timeout)
+    if hung:
+        actions.append(Action("kill", hung, int(ExitCode.HARD_TIMEOUT),
+                              f"no progress within the hard timeout (local ranks {list(hung)})"))
+    exited = [p for p in procs if p.exit_code is not None]
+    if len(exited) == len(procs) and all(p.exit_code == 0 for p in exited):
+        return [Action("finish", exit_code=int(ExitCode.OK), reason="every rank returned")]
+    for p in exited:
+        code = int(p.exit_code or 0)
+        if code == 0:
+            continue
+        what = disposition(code)
+        if p.wrapped and what in (Disposition.JOB_FAILURE, Disposition.POD_REPLACEMENT) \
+                and code in ExitCode._value2member_map_:
+            return [Action("finish", (p.local_rank,), code,
+                           f"local rank {p.local_rank} exited {code} ({ExitCode(code).name})")]
+        if p.wrapped and code == ExitCode.STALE_EPOCH:
+            return [Action("restart_all", (p.local_rank,), code, "the rendezvous round is over")]
+        if restarts_used >= max_restarts:
+            final = code if 0 < code < 256 else int(ExitCode.FAILED)
+            return [Action("finish", (p.local_rank,), final,
+                           f"local rank {p.local_rank} exited {code}; {restarts_used} process restarts used "
+                           f"(max {max_restarts})")]
+        if p.wrapped:
+            actions.append(Action("respawn", (p.local_rank,), code, f"local rank {p.local_rank} exited {code}"))
+        else:
+            return [Action("restart_all", (p.local_rank,), code, f"local rank {p.local_rank} exited {code}")]
+    return actions or [Action("wait")]

@@ -1,0 +1,52 @@
+"""``stalwart agent -- CMD...``: the worker pod's entrypoint (see :mod:`stalwart.agent.runner`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "agent", help="run this pod's rank processes (the worker container's entrypoint)",
+        description="Join the job's rendezvous, run CMD as the pod's rank processes with torchrun's "
+                    "environment, restart them on failure, report progress. Reads the STALWART_* pod "
+                    "environment. Exit code: the job's outcome on this pod (see stalwart.api.exit_codes).")
+    p.add_argument("--max-restarts", type=int, default=10,
+                   help="process restarts this pod may do before it gives up (default 10)")
+    p.add_argument("--term-grace", type=float, default=30.0,
+                   help="seconds between SIGTERM and SIGKILL for the rank processes (default 30)")
+    p.add_argument("--last-call", type=float, default=5.0,
+                   help="seconds a round waits for more nodes once min nodes are present (default 5)")
+    p.add_argument("--node-ttl", type=int, default=10,
+                   help="TTL in seconds of this node's rendezvous lease (default 10)")
+    p.add_argument("--spare-ranks", action="store_true",
+                   help="on a spare pod, run the ranks as in-process spares (scripts using stalwart.restartable)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the training command")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stalwart.agent.runner import Agent, AgentOptions
+    from stalwart.agent.settings import AgentSettings, SettingsError
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("stalwart agent: give the training command after `--`", file=sys.stderr)
+        return 2
+    try:
+        settings = AgentSettings.from_env()
+        options = AgentOptions(max_restarts=args.max_restarts, term_grace=args.term_grace,
+                               last_call_timeout=args.last_call, node_ttl=args.node_ttl,
+                               spare_ranks=args.spare_ranks)
+    except (SettingsError, ValueError) as e:
+        print(f"stalwart agent: invalid settings:\n{e}", file=sys.stderr)
+        return 2
+    agent = Agent(settings, command, options)
+    agent.install_signal_handlers()
+    return agent.run()
