@@ -76,8 +76,6 @@ class ApiModel(BaseModel):
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
-        use_attribute_docstrings=False,
-        validate_default=False,
     )
 
     __rules__: ClassVar[list[Rule]] = []

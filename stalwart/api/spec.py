@@ -20,11 +20,11 @@ from stalwart.api.naming import (
     DNS1123_LABEL,
     DNS1123_SUBDOMAIN,
     MAX_LABEL_LENGTH,
-    MAX_POD_INDEX,
     MAX_SUBDOMAIN_LENGTH,
 )
 
-#: Upper bound of ``replicas``/``maxReplicas``/``spares`` (pod indices must stay within MAX_POD_INDEX).
+#: Upper bound of ``replicas``/``maxReplicas``/``spares``, and of ``maxReplicas + spares``: far below
+#: naming.MAX_POD_INDEX, so replacement pods have indices to spare.
 MAX_REPLICAS = 10_000
 MAX_ETCD_ENDPOINTS = 16
 MAX_RULES = 32
@@ -470,5 +470,3 @@ class TrainingJobSpec(ApiModel):
         """``maxReplicas`` with its default applied."""
         return self.max_replicas if self.max_replicas is not None else self.replicas
 
-
-assert MAX_REPLICAS * 2 <= MAX_POD_INDEX + 1, "pod indices must cover workers and spares"

@@ -33,7 +33,7 @@ from stalwart.api import (
     worker_pod_name,
 )
 from stalwart.api.naming import DNS1123_LABEL, MAX_LABEL_LENGTH, MAX_POD_INDEX
-from stalwart.api.spec import endpoint_problem
+from stalwart.api.spec import MAX_REPLICAS, endpoint_problem
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -113,6 +113,10 @@ def test_pod_names_fit_in_a_label_for_the_longest_name_and_index() -> None:
     assert len(longest) == MAX_LABEL_LENGTH and DNS1123_LABEL.fullmatch(longest)
     assert len(spare_pod_name(name, MAX_POD_INDEX)) <= MAX_LABEL_LENGTH
     assert len(secret_name(name)) <= MAX_LABEL_LENGTH
+
+
+def test_pod_indices_cover_every_worker_and_spare_with_room_for_replacements() -> None:
+    assert MAX_REPLICAS * 2 <= MAX_POD_INDEX + 1
 
 
 def test_derived_names_and_labels() -> None:
