@@ -253,8 +253,7 @@ def _finish(w: _Work) -> Decision:
         status.observed_generation = w.obs.job.generation
     # Re-validate so derived fields (totalRestarts) follow the counters.
     status = TrainingJobStatus.model_validate(status.model_dump())
-    actions: list[Action] = list(w.actions)
-    actions.extend(w.events)
+    actions: list[Action] = [*w.actions, *w.events]
     changed = status != old
     if changed:
         last = w.obs.last_status_patch
@@ -264,7 +263,15 @@ def _finish(w: _Work) -> Decision:
         else:
             w.wake_in(wait)
     requeue = min(w.requeue) if w.requeue else None
+    actions.sort(key=lambda a: _APPLY_ORDER.index(type(a)))
     return Decision(tuple(actions), status, requeue)
+
+
+#: The order actions are applied in: owned objects before pods that mount the Secret; fences before any pod is
+#: created (a lost pod is fenced before its replacement can join); the record before the pods that read it;
+#: the status after the changes it describes. The sort is stable, so pods keep their decided order.
+_APPLY_ORDER: tuple[type, ...] = (EnsureOwnedObjects, RevokeLease, DeletePod, WriteJobRecord, CreatePod,
+                                  CloseRendezvous, PatchStatus, EmitEvent, DeleteJob)
 
 
 def _invalid_spec(w: _Work) -> None:

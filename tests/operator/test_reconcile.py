@@ -56,9 +56,9 @@ def test_new_job_creates_service_secret_workers_spares_and_record() -> None:
     created = condition(st, "Created")
     assert created is not None and created.status == ConditionStatus.TRUE
     assert "PhasePending" in reasons(d)
-    # Creations come after the owned objects and before the record, the patch last.
+    # Owned objects first, the record before the pods that read it, the status after them.
     kinds = [type(a).__name__ for a in d.actions]
-    assert kinds.index("CreatePod") < kinds.index("WriteJobRecord") < kinds.index("PatchStatus")
+    assert kinds.index("WriteJobRecord") < kinds.index("CreatePod") < kinds.index("PatchStatus")
 
 
 @pytest.mark.parametrize(("pods", "etcd_view", "phase", "reason"), [

@@ -1,0 +1,105 @@
+"""``stalwart operator``: run the TrainingJob operator (kopf) until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _endpoints(text: str) -> tuple[str, ...]:
+    from stalwart.api.spec import endpoint_problem
+
+    items = tuple(e.strip() for e in text.split(",") if e.strip())
+    for item in items:
+        problem = endpoint_problem(item)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(f"--etcd-endpoints: {problem}")
+    return items
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1..65535, got {text!r}")
+    return int(text)
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("operator", help="run the TrainingJob operator",
+                       description="Run the TrainingJob operator (kopf) until SIGINT/SIGTERM.")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="serve TrainingJobs of this namespace (repeatable); default: all namespaces")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="serve every namespace (default)")
+    peering = p.add_mutually_exclusive_group()
+    peering.add_argument("--peering", metavar="NAME",
+                         help="coordinate with other replicas through the kopf peering object NAME "
+                              "(one replica works, the others stand by)")
+    peering.add_argument("--standalone", action="store_true",
+                         help="run without peering (the only replica; the default)")
+    p.add_argument("--priority", type=int, default=None,
+                   help="peering priority (default: random, so that exactly one replica works)")
+    p.add_argument("--etcd-endpoints", type=_endpoints, metavar="HOST:PORT[,...]",
+                   default=_endpoints(os.environ.get("STALWART_DEFAULT_ETCD_ENDPOINTS", "")),
+                   help="etcd for jobs whose spec.rendezvous.endpoints is empty "
+                        "(default: $STALWART_DEFAULT_ETCD_ENDPOINTS)")
+    p.add_argument("--kubeconfig", default=None,
+                   help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG)")
+    p.add_argument("--health-port", type=_port, default=8080,
+                   help="port of the health endpoint /healthz for probes (default 8080)")
+    p.add_argument("--health-host", default="0.0.0.0", help="address the health endpoint binds (default all)")
+    p.add_argument("--metrics-port", type=_port, default=None,
+                   help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="Kubernetes API calls in flight at most (default 16)")
+    p.add_argument("--status-interval", type=_positive, default=1.0,
+                   help="at most one status patch per job per this many seconds (default 1)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stalwart.operator.handlers import OperatorConfig, kube_from_config, operate
+    from stalwart.operator.model import OperatorSettings
+
+    if args.concurrency < 1:
+        log.error("--concurrency: must be >= 1, got %d", args.concurrency)
+        return 2
+    config = OperatorConfig(
+        namespaces=tuple(sorted(set(args.namespace))),
+        default_endpoints=args.etcd_endpoints,
+        settings=OperatorSettings(status_interval=args.status_interval),
+        concurrency=args.concurrency,
+        peering=args.peering,
+        priority=args.priority,
+        health_endpoint=f"http://{args.health_host}:{args.health_port}/healthz",
+    )
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+        log.info("metrics on :%d/metrics", args.metrics_port)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await operate(config, lambda: kube_from_config(args.kubeconfig, args.concurrency), stop_flag=stop)
+
+    asyncio.run(main())
+    return 0

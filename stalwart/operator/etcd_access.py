@@ -1,0 +1,136 @@
+"""The operator's adapter to etcd: one :class:`~stalwart.store.Store` per distinct endpoint list, a job's view
+read in one transaction, the operator's writes (JobRecord, expected nodes, close, fencing), the finalizer's
+prefix deletion, and one watch per store that wakes a job's reconcile when its agents report.
+
+All methods are synchronous (the Store is); the operator calls them through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from stalwart.api.job_record import JobRecord
+from stalwart.api.rendezvous import ClosedRecord, ExpectedNodes
+from stalwart.keys import ROOT, JobKeys
+from stalwart.operator import metrics
+from stalwart.operator.model import EtcdView
+from stalwart.operator.observe import etcd_view
+from stalwart.store import Get, Put, Store, StoreError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Called with (namespace, job uid) when something under that job's prefix changes.
+OnChange = Callable[[str, str], None]
+
+
+class EtcdAccess:
+    """The etcd side of the operator. ``on_change`` (optional) is called from a watch thread."""
+
+    def __init__(self, *, timeout: float = 5.0, on_change: OnChange | None = None) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
+        self.timeout = timeout
+        self.on_change = on_change
+        self._stores: dict[tuple[str, ...], Store] = {}
+        self._watchers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def store(self, endpoints: Sequence[str]) -> Store:
+        key = tuple(endpoints)
+        with self._lock:
+            if self._stop.is_set():
+                raise StoreError("the operator's etcd access is closed")
+            store = self._stores.get(key)
+            if store is None:
+                store = Store(list(key), timeout=self.timeout)
+                self._stores[key] = store
+                if self.on_change is not None:
+                    t = threading.Thread(target=self._watch, args=(store,), name=f"etcd-watch-{len(self._stores)}",
+                                         daemon=True)
+                    self._watchers.append(t)
+                    t.start()
+            return store
+
+    # -- reads ---------------------------------------------------------------------------------------------
+
+    def read(self, endpoints: Sequence[str], keys: JobKeys) -> EtcdView:
+        """The job's records (JobRecord, rendezvous, progress) read at one revision, in one round trip."""
+        store = self.store(endpoints)
+        try:
+            result = store.txn([], [Get(keys.job), Get(keys.rendezvous, prefix=True),
+                                    Get(keys.progress, prefix=True)])
+        except StoreError:
+            metrics.ETCD_ERRORS.labels("read").inc()
+            raise
+        return etcd_view(keys, [kv for kvs in result.responses for kv in kvs])
+
+    # -- writes --------------------------------------------------------------------------------------------
+
+    def write_record(self, endpoints: Sequence[str], keys: JobKeys, record: JobRecord,
+                     expected: Sequence[str]) -> None:
+        """Write the JobRecord and (when non-empty) the expected nodes, atomically."""
+        ops = [Put(keys.job, record.to_json_bytes())]
+        if expected:
+            ops.append(Put(keys.rendezvous + "expected", ExpectedNodes(node_ids=list(expected)).to_json_bytes()))
+        self._write("write record", lambda: self.store(endpoints).txn([], ops))
+
+    def revoke(self, endpoints: Sequence[str], lease_id: int) -> None:
+        """Revoke a lost node's lease (fencing): its node key goes at once, so it cannot join a new round."""
+        self._write("revoke", lambda: self.store(endpoints).lease_revoke(lease_id))
+
+    def close_rendezvous(self, endpoints: Sequence[str], keys: JobKeys, reason: str) -> None:
+        self._write("close", lambda: self.store(endpoints).put(
+            keys.rendezvous + "closed", ClosedRecord(reason=reason[:1024]).to_json_bytes()))
+
+    def delete_job(self, endpoints: Sequence[str], keys: JobKeys) -> int:
+        """Delete every key under the job's prefix and nothing else; returns how many went."""
+        deleted: int = self._write("delete prefix", lambda: self.store(endpoints).delete_prefix(keys.prefix))
+        return deleted
+
+    def _write(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except StoreError:
+            metrics.ETCD_ERRORS.labels(what).inc()
+            raise
+
+    # -- wake-ups --------------------------------------------------------------------------------------------
+
+    def _watch(self, store: Store) -> None:
+        """Watch every job prefix on ``store`` and call ``on_change``; reconnect with capped, jittered backoff
+        until :meth:`close`."""
+        backoff = 0.2
+        while not self._stop.is_set():
+            try:
+                with store.watch(ROOT, prefix=True) as watch:
+                    backoff = 0.2
+                    while not self._stop.is_set():
+                        event = watch.next(timeout=0.5)
+                        if event is None:
+                            continue
+                        parts = event.kv.key[len(ROOT):].split("/", 2)
+                        if len(parts) >= 2 and self.on_change is not None:
+                            self.on_change(parts[0], parts[1])
+            except StoreError as e:
+                if self._stop.is_set():
+                    return
+                log.debug("etcd watch on %s failed (%s); retrying in %.1fs", store.endpoints, e, backoff)
+                self._stop.wait(backoff * random.uniform(0.5, 1.5))
+                backoff = min(backoff * 2, 5.0)
+
+    def close(self) -> None:
+        """Stop the watch threads and close every store. Idempotent."""
+        self._stop.set()
+        for t in self._watchers:
+            t.join(timeout=5.0)
+        with self._lock:
+            for store in self._stores.values():
+                store.close()
+            self._stores.clear()

@@ -1,0 +1,249 @@
+"""The kopf side of the operator: thin handlers that gather observations and hand them to a
+:class:`~stalwart.operator.runner.JobRunner`.
+
+- an index of the job's pods (from kopf's own pod watch: no list call per reconcile);
+- one daemon per TrainingJob that reconciles whenever the job, one of its pods or its etcd records change,
+  and at least every ``resync_interval`` seconds;
+- a deletion handler (kopf's finalizer, named ``stalwart.dev/finalizer``) that deletes the job's etcd prefix
+  and nothing else; the pods, Service and Secret go with the job through their owner references.
+
+:func:`build_registry` makes a fresh registry, so the operator can be embedded (tests, benchmarks) next to
+others in one process; :func:`run` runs kopf with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from stalwart.api import naming
+from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
+from stalwart.keys import JobKeys
+from stalwart.operator.etcd_access import EtcdAccess
+from stalwart.operator.kube import Kube
+from stalwart.operator.model import DeleteJob, OperatorSettings, PodView
+from stalwart.operator.observe import job_view, pod_view
+from stalwart.operator.runner import JobRunner, OperatorContext
+from stalwart.store import StoreError
+
+log = logging.getLogger(__name__)
+
+FINALIZER = "stalwart.dev/finalizer"
+#: Retries of the etcd prefix deletion before the finalizer lets the job go anyway (the keys are then left
+#: for an operator to remove by hand; an Event says so). Bounded so a dead etcd cannot pin a job forever.
+FINALIZER_RETRIES = 12
+
+
+@dataclass
+class OperatorConfig:
+    """How to run the operator (the ``stalwart operator`` flags)."""
+
+    namespaces: tuple[str, ...] = ()  # empty: every namespace
+    default_endpoints: tuple[str, ...] = ()
+    settings: OperatorSettings = field(default_factory=OperatorSettings)
+    concurrency: int = 16
+    peering: str | None = None  # None: standalone
+    priority: int | None = None
+    health_endpoint: str | None = None  # e.g. http://0.0.0.0:8080/healthz
+    etcd_timeout: float = 5.0
+
+
+def _index_pod(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], tuple[str, PodView]]:
+    labels = body.get("metadata", {}).get("labels") or {}
+    job = labels.get(naming.LABEL_JOB_NAME)
+    view = pod_view(body)
+    if not job or view is None or namespace is None:
+        return {}
+    owner = next((o.get("uid", "") for o in body.get("metadata", {}).get("ownerReferences") or []
+                  if o.get("controller")), "")
+    return {(namespace, job): (str(owner), view)}
+
+
+def build_registry(config: OperatorConfig, kube_factory: Any) -> kopf.OperatorRegistry:
+    """A kopf registry with the operator's handlers. ``kube_factory()`` returns the :class:`Kube` adapter
+    (created at startup, inside the operator's event loop)."""
+    registry = kopf.OperatorRegistry()
+    state: dict[str, OperatorContext] = {}
+    runners: dict[tuple[str, str], JobRunner] = {}
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="stalwart.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="stalwart.dev", key="last-handled-configuration")
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.networking.request_timeout = 60
+        if config.peering is not None:
+            settings.peering.name = config.peering
+            settings.peering.mandatory = True
+            settings.peering.clusterwide = not config.namespaces
+        ctx = OperatorContext(kube=kube_factory(), etcd=EtcdAccess(timeout=config.etcd_timeout),
+                              settings=config.settings, default_endpoints=config.default_endpoints,
+                              loop=asyncio.get_running_loop())
+        ctx.etcd.on_change = ctx.wake_uid_threadsafe
+        state["ctx"] = ctx
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        ctx = state.pop("ctx", None)
+        if ctx is not None:
+            await asyncio.to_thread(ctx.etcd.close)
+            await asyncio.to_thread(ctx.kube.close)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
+        return info
+
+    @kopf.on.probe(id="jobs", registry=registry)
+    def probe_jobs(**_: Any) -> int:
+        return len(runners)
+
+    kopf.index("v1", "pods", labels={naming.LABEL_JOB_NAME: kopf.PRESENT}, id="stalwart_pods",
+               registry=registry)(_index_pod)
+
+    @kopf.on.event("v1", "pods", labels={naming.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry)
+    def pod_changed(body: kopf.Body, namespace: str | None, **_: Any) -> None:
+        ctx = state.get("ctx")
+        job = (body.get("metadata", {}).get("labels") or {}).get(naming.LABEL_JOB_NAME)
+        if ctx is not None and namespace and job:
+            ctx.wake(namespace, job)
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    def job_changed(name: str | None, namespace: str | None, **_: Any) -> None:
+        ctx = state.get("ctx")
+        if ctx is not None and name and namespace:
+            ctx.wake(namespace, name)
+
+    @kopf.daemon(GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=15.0, registry=registry)
+    async def reconcile_job(*, body: kopf.Body, name: str, namespace: str | None, uid: str,
+                            stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+        ctx = state["ctx"]
+        namespace = namespace or "default"
+        stalwart_pods: kopf.Index[tuple[str, str], tuple[str, PodView]] = kwargs["stalwart_pods"]
+        runner = JobRunner(ctx, namespace, name)
+        key = (namespace, name)
+        wake = asyncio.Event()
+        ctx.wakers[key] = wake
+        ctx.names_by_uid[uid] = key
+        runners[key] = runner
+        failures = 0
+        try:
+            while not stopped:
+                wake.clear()
+                pods = [view for owner, view in stalwart_pods.get(key, []) if owner in (uid, "")]
+                try:
+                    decision = await runner.step(body, pods)
+                    failures = 0
+                except Exception:
+                    failures += 1
+                    log.exception("job %s/%s: reconcile failed (%d in a row)", namespace, name, failures)
+                    decision = None
+                if decision is not None and any(isinstance(a, DeleteJob) for a in decision.actions):
+                    return
+                if decision is None:
+                    timeout = min(30.0, 0.5 * 2 ** min(failures, 6)) * random.uniform(0.8, 1.2)
+                else:
+                    timeout = min(decision.requeue_after if decision.requeue_after is not None
+                                  else ctx.settings.resync_interval, ctx.settings.resync_interval)
+                await _wait(wake, stopped, timeout)
+                # Let a burst of pod events land before looking again.
+                await asyncio.sleep(0.05)
+        finally:
+            ctx.wakers.pop(key, None)
+            ctx.names_by_uid.pop(uid, None)
+            runners.pop(key, None)
+            runner.forget()
+
+    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
+    async def delete_job(*, body: kopf.Body, name: str, namespace: str | None, uid: str, retry: int,
+                         **_: Any) -> None:
+        ctx = state["ctx"]
+        namespace = namespace or "default"
+        job = job_view(body)
+        endpoints = (tuple(job.spec.rendezvous.endpoints) if job.spec is not None and job.spec.rendezvous.endpoints
+                     else ctx.default_endpoints)
+        if not endpoints or not uid:
+            log.warning("job %s/%s: no etcd endpoints; nothing to clean up in etcd", namespace, name)
+            return
+        keys = JobKeys(namespace, uid)
+        try:
+            deleted = await asyncio.to_thread(ctx.etcd.delete_job, endpoints, keys)
+        except StoreError as e:
+            if retry + 1 >= FINALIZER_RETRIES:
+                message = (f"could not delete etcd prefix {keys.prefix} after {retry + 1} tries ({e}); "
+                           "leaving the keys behind")
+                log.error("job %s/%s: %s", namespace, name, message)
+                kopf.warn(body, reason="EtcdCleanupFailed", message=message)
+                return
+            raise kopf.TemporaryError(f"etcd prefix deletion failed: {e}",
+                                      delay=min(30.0, 2.0 * 2 ** retry) * random.uniform(0.8, 1.2)) from e
+        log.info("job %s/%s: deleted %d etcd key(s) under %s", namespace, name, deleted, keys.prefix)
+
+    return registry
+
+
+async def _wait(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    """Until woken, stopped, or ``seconds`` pass; checks ``stopped`` at least twice a second."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(0.0, seconds)
+    while not stopped and not wake.is_set():
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), timeout=min(0.5, left))
+
+
+def _scope(config: OperatorConfig) -> dict[str, Any]:
+    if config.namespaces:
+        return {"namespaces": list(config.namespaces), "clusterwide": False}
+    return {"clusterwide": True}
+
+
+async def operate(config: OperatorConfig, kube_factory: Any, *,
+                  stop_flag: asyncio.Event | threading.Event | None = None,
+                  ready_flag: asyncio.Event | threading.Event | None = None) -> None:
+    """Run the operator until ``stop_flag`` is set (or the task is cancelled)."""
+    registry = build_registry(config, kube_factory)
+    standalone = config.peering is None
+    # kopf lets the peer with the highest priority work and pauses the others; equal priorities would all
+    # work at once, so each replica draws its own unless told.
+    priority = config.priority if config.priority is not None else random.randint(1, 2**31 - 1)
+    await kopf.operator(registry=registry, standalone=standalone, peering_name=config.peering,
+                        priority=priority, liveness_endpoint=config.health_endpoint, stop_flag=stop_flag,
+                        ready_flag=ready_flag, **_scope(config))
+
+
+def kube_from_config(kubeconfig: str | None, concurrency: int) -> Kube:
+    """A :class:`Kube` adapter from a kubeconfig file, else the in-cluster service account, else the default
+    kubeconfig (``KUBECONFIG``, ``~/.kube/config``)."""
+    from kubernetes import client
+    from kubernetes import config as kconfig
+
+    config: Any = kconfig  # its loaders are untyped
+    cfg = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=cfg)
+    cfg.connection_pool_maxsize = concurrency
+    return Kube(client.ApiClient(cfg), concurrency=concurrency)
+
+
+def namespaces_arg(values: Collection[str] | None) -> tuple[str, ...]:
+    return tuple(sorted(set(values or ())))

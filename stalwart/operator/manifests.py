@@ -1,0 +1,134 @@
+"""The Kubernetes objects the operator creates for a job: worker/spare pods, the headless Service, the
+Secret holding the RPC token. Pure functions from the job to plain dicts (the API's JSON form).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stalwart.api import naming
+from stalwart.api.spec import TrainingJobSpec
+from stalwart.api.trainingjob import API_VERSION, KIND
+
+#: Key of the RPC token in the job's Secret.
+RPC_TOKEN_KEY = "rpc-token"
+#: Where the etcd credentials Secret (spec.rendezvous.secretRef) is mounted in every container.
+ETCD_SECRET_DIR = "/etc/stalwart/etcd"
+ETCD_SECRET_VOLUME = "stalwart-etcd-credentials"
+#: The agent entrypoint that wraps the user's command.
+AGENT_COMMAND = ("stalwart", "agent", "--")
+#: Port name of the headless Service (no port is needed for DNS, but Services want one).
+SERVICE_PORT = 29500
+
+
+def owner_reference(name: str, uid: str) -> dict[str, Any]:
+    """The controller owner reference to the TrainingJob: its pods, Service and Secret are garbage collected
+    with it."""
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": name, "uid": uid, "controller": True,
+            "blockOwnerDeletion": True}
+
+
+def _env(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def stalwart_env(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, spare: bool,
+                 endpoints: Sequence[str]) -> list[dict[str, Any]]:
+    """The environment every worker/spare container gets (design: "What a worker pod gets")."""
+    env = [
+        _env("STALWART_JOB", f"{namespace}/{job}"),
+        _env("STALWART_JOB_UID", uid),
+        _field_env("STALWART_NODE_ID", "metadata.name"),
+        _field_env("STALWART_POD_IP", "status.podIP"),
+        _env("STALWART_SPARE", "true" if spare else "false"),
+        _env("STALWART_NPROC_PER_NODE", str(spec.nproc_per_node)),
+        _env("STALWART_MIN_NODES", str(spec.min_nodes)),
+        _env("STALWART_MAX_NODES", str(spec.max_nodes)),
+        _env("STALWART_ETCD_ENDPOINTS", ",".join(endpoints)),
+        {"name": "STALWART_RPC_TOKEN",
+         "valueFrom": {"secretKeyRef": {"name": naming.secret_name(job), "key": RPC_TOKEN_KEY}}},
+    ]
+    rdzv = spec.rendezvous
+    if rdzv.secret_ref is not None:
+        env.append(_env("STALWART_ETCD_TLS", "true" if rdzv.tls else "false"))
+        env.append(_env("STALWART_ETCD_SECRET_DIR", ETCD_SECRET_DIR))
+    return env
+
+
+def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, name: str, role: str,
+                 index: int, endpoints: Sequence[str]) -> dict[str, Any]:
+    """The pod ``name`` of the job: the template, with the first container's command wrapped by the agent,
+    the stalwart environment on every container, the job's labels, hostname/subdomain for DNS through the
+    headless Service, the owner reference, and ``restartPolicy: Never`` (the agent restarts rank processes
+    itself; a pod that exits is replaced by the operator)."""
+    if not endpoints:
+        raise ValueError("endpoints: the job has no etcd endpoints (spec.rendezvous.endpoints) and the "
+                         "operator has no default (--etcd-endpoints / STALWART_DEFAULT_ETCD_ENDPOINTS)")
+    template = spec.template.model_dump(mode="json", by_alias=True, exclude_none=True)
+    meta: Mapping[str, Any] = template.get("metadata") or {}
+    pod_spec: dict[str, Any] = copy.deepcopy(template["spec"])
+    labels = {**(meta.get("labels") or {}), **naming.pod_labels(job, role, index)}
+    annotations = dict(meta.get("annotations") or {})
+    env = stalwart_env(job=job, namespace=namespace, uid=uid, spec=spec, spare=role == naming.ROLE_SPARE,
+                       endpoints=endpoints)
+    ours = {e["name"] for e in env}
+    for i, container in enumerate(pod_spec["containers"]):
+        if i == 0:
+            command = [*AGENT_COMMAND, *(container.get("command") or []), *(container.get("args") or [])]
+            container["command"] = command
+            container.pop("args", None)
+        user_env = [e for e in container.get("env") or [] if e.get("name") not in ours]
+        container["env"] = [*env, *user_env]
+        if spec.rendezvous.secret_ref is not None:
+            mounts = list(container.get("volumeMounts") or [])
+            mounts.append({"name": ETCD_SECRET_VOLUME, "mountPath": ETCD_SECRET_DIR, "readOnly": True})
+            container["volumeMounts"] = mounts
+    if spec.rendezvous.secret_ref is not None:
+        volumes = list(pod_spec.get("volumes") or [])
+        volumes.append({"name": ETCD_SECRET_VOLUME, "secret": {"secretName": spec.rendezvous.secret_ref.name}})
+        pod_spec["volumes"] = volumes
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec["hostname"] = name
+    pod_spec["subdomain"] = naming.service_name(job)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations,
+                     "ownerReferences": [owner_reference(job, uid)]},
+        "spec": pod_spec,
+    }
+
+
+def service_manifest(*, job: str, namespace: str, uid: str) -> dict[str, Any]:
+    """The headless Service that gives every pod of the job a DNS name (``<pod>.<job>.<ns>.svc``).
+    Unready pods are published too: ranks must find each other before any is ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": naming.service_name(job), "namespace": namespace,
+                     "labels": {naming.LABEL_JOB_NAME: job}, "ownerReferences": [owner_reference(job, uid)]},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": {naming.LABEL_JOB_NAME: job},
+                 "ports": [{"name": "rendezvous", "port": SERVICE_PORT, "targetPort": SERVICE_PORT}]},
+    }
+
+
+def secret_manifest(*, job: str, namespace: str, uid: str, token: str) -> dict[str, Any]:
+    """The job's Secret holding the RPC token that authenticates RPC between the job's processes."""
+    if len(token) < 32:
+        raise ValueError("token: an RPC token needs at least 32 characters")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": naming.secret_name(job), "namespace": namespace,
+                     "labels": {naming.LABEL_JOB_NAME: job}, "ownerReferences": [owner_reference(job, uid)]},
+        "data": {RPC_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }

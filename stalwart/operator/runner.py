@@ -1,0 +1,256 @@
+"""The imperative shell around :func:`~stalwart.operator.reconcile.reconcile`: gather one observation of a job,
+decide, apply the actions, remember what was done.
+
+:class:`JobRunner` holds the little a reconcile must remember between two looks at the API, because watches
+lag behind writes: the status it last wrote (the operator is the status' only writer), the pods it created
+or deleted that the watch has not shown yet, when it last patched the status (the rate limit), and whether
+the job's Service and Secret exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from stalwart.api.job_record import JobRecord
+from stalwart.api.status import TrainingJobStatus
+from stalwart.api.trainingjob import TrainingJob
+from stalwart.keys import JobKeys
+from stalwart.operator import metrics
+from stalwart.operator.etcd_access import EtcdAccess
+from stalwart.operator.kube import Kube, KubeError, new_rpc_token
+from stalwart.operator.manifests import pod_manifest, secret_manifest, service_manifest
+from stalwart.operator.model import (
+    CloseRendezvous,
+    CreatePod,
+    Decision,
+    DeleteJob,
+    DeletePod,
+    EmitEvent,
+    EnsureOwnedObjects,
+    EtcdView,
+    JobView,
+    Observation,
+    OperatorSettings,
+    PatchStatus,
+    PodView,
+    RevokeLease,
+    WriteJobRecord,
+)
+from stalwart.operator.observe import job_view, overlay
+from stalwart.operator.reconcile import reconcile
+from stalwart.store import StoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OperatorContext:
+    """What every job's runner shares: the API and etcd adapters, settings, and the wake-up registry."""
+
+    kube: Kube
+    etcd: EtcdAccess
+    settings: OperatorSettings = field(default_factory=OperatorSettings)
+    default_endpoints: tuple[str, ...] = ()
+    wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    names_by_uid: dict[str, tuple[str, str]] = field(default_factory=dict)
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def wake(self, namespace: str, name: str) -> None:
+        event = self.wakers.get((namespace, name))
+        if event is not None:
+            event.set()
+
+    def wake_uid_threadsafe(self, namespace: str, uid: str) -> None:
+        """Called from the etcd watch thread when a job's records change."""
+        target = self.names_by_uid.get(uid)
+        if target is not None and self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.wake, *target)
+
+
+class JobRunner:
+    """Reconciles one TrainingJob: :meth:`step` = observe, decide, apply."""
+
+    def __init__(self, ctx: OperatorContext, namespace: str, name: str) -> None:
+        self.ctx = ctx
+        self.namespace = namespace
+        self.name = name
+        self.written_status: TrainingJobStatus | None = None
+        self.last_patch: float | None = None
+        self.owned_ready = False
+        self.created: dict[str, tuple[PodView, float]] = {}
+        self.deleted: dict[str, tuple[int, float]] = {}
+        self.phase: str | None = None
+
+    def endpoints(self, job: JobView) -> tuple[str, ...]:
+        if job.spec is not None and job.spec.rendezvous.endpoints:
+            return tuple(job.spec.rendezvous.endpoints)
+        return self.ctx.default_endpoints
+
+    async def observe(self, body: Mapping[str, Any], pods: Sequence[PodView]) -> Observation:
+        now = time.time()
+        job = job_view(body)
+        if self.written_status is not None:
+            job = replace(job, status=self.written_status)
+        etcd = EtcdView(reachable=False)
+        endpoints = self.endpoints(job)
+        if endpoints and job.uid and not job.deleting:
+            try:
+                etcd = await asyncio.to_thread(self.ctx.etcd.read, endpoints, JobKeys(self.namespace, job.uid))
+            except (StoreError, ValueError) as e:
+                log.warning("job %s/%s: etcd %s unreachable: %s", self.namespace, self.name, ",".join(endpoints), e)
+        # Forget overlay entries the watch has caught up with.
+        watched = {p.name: p for p in pods}
+        for pod_name in [n for n in self.created if n in watched]:
+            del self.created[pod_name]
+        for pod_name in [n for n, _ in self.deleted.items() if n not in watched or watched[n].deleting]:
+            del self.deleted[pod_name]
+        return Observation(job=job, pods=overlay(pods, self.created, self.deleted, now), etcd=etcd, now=now,
+                           last_status_patch=self.last_patch, owned_objects_ready=self.owned_ready)
+
+    async def step(self, body: Mapping[str, Any], pods: Sequence[PodView]) -> Decision:
+        """One reconcile. Raises only on bugs; API and etcd failures are logged and retried next time."""
+        started = time.perf_counter()
+        obs = await self.observe(body, pods)
+        decision = reconcile(obs, self.ctx.settings)
+        await self.apply(obs, decision, body)
+        metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+        return decision
+
+    # -- applying ------------------------------------------------------------------------------------------
+
+    async def apply(self, obs: Observation, decision: Decision, body: Mapping[str, Any]) -> None:
+        """Apply the actions in order. A failed fence stops everything after it (no replacement may join
+        while a lost pod may still act); a failed pod creation withholds the status patch (its counters
+        assumed the pod exists), so the next reconcile decides again from the last written status."""
+        job = obs.job
+        endpoints = self.endpoints(job)
+        keys = JobKeys(self.namespace, job.uid) if job.uid else None
+        ns, kube = self.namespace, self.ctx.kube
+        actions = list(decision.actions)
+        ok = True
+        i = 0
+        while i < len(actions):
+            action = actions[i]
+            # Runs of the same kind go together, concurrently where the kind allows.
+            j = i
+            while j < len(actions) and type(actions[j]) is type(action):
+                j += 1
+            batch = actions[i:j]
+            i = j
+            try:
+                if isinstance(action, EnsureOwnedObjects):
+                    await self._ensure_owned(job)
+                elif isinstance(action, RevokeLease):
+                    for a in batch:
+                        assert isinstance(a, RevokeLease)
+                        await asyncio.to_thread(self.ctx.etcd.revoke, endpoints, a.lease_id)
+                        log.info("job %s/%s: fenced node %s (revoked lease %x)", ns, self.name, a.node_id,
+                                 a.lease_id)
+                elif isinstance(action, DeletePod):
+                    await self._gather([self._delete(a) for a in batch if isinstance(a, DeletePod)])
+                elif isinstance(action, WriteJobRecord):
+                    assert keys is not None
+                    for a in batch:
+                        assert isinstance(a, WriteJobRecord)
+                        record = self._record(body, job, a)
+                        await asyncio.to_thread(self.ctx.etcd.write_record, endpoints, keys, record, a.expected)
+                elif isinstance(action, CreatePod):
+                    if not await self._gather([self._create(job, endpoints, a) for a in batch
+                                               if isinstance(a, CreatePod)]):
+                        ok = False
+                elif isinstance(action, CloseRendezvous):
+                    assert keys is not None
+                    await asyncio.to_thread(self.ctx.etcd.close_rendezvous, endpoints, keys, action.reason)
+                elif isinstance(action, PatchStatus):
+                    if ok:
+                        await self._patch_status(obs, action.status)
+                elif isinstance(action, EmitEvent):
+                    await self._gather([kube.event(ns, self.name, job.uid, type_=a.type, reason=a.reason,
+                                                   message=a.message)
+                                        for a in batch if isinstance(a, EmitEvent)])
+                elif isinstance(action, DeleteJob):
+                    log.info("job %s/%s: ttlSecondsAfterFinished passed; deleting it", ns, self.name)
+                    await kube.delete_job(ns, self.name)
+            except (KubeError, StoreError, ValueError) as e:
+                log.warning("job %s/%s: %s failed: %s", ns, self.name, type(action).__name__, e)
+                if isinstance(action, (RevokeLease, EnsureOwnedObjects, WriteJobRecord)):
+                    return  # what follows depends on it
+                ok = False
+
+    async def _gather(self, calls: Sequence[Any]) -> bool:
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for err in failed[:3]:
+            log.warning("job %s/%s: %s", self.namespace, self.name, err)
+        for err in failed:
+            if not isinstance(err, (KubeError, StoreError, ValueError)):
+                raise err
+        return not failed
+
+    async def _ensure_owned(self, job: JobView) -> None:
+        ns = self.namespace
+        await asyncio.gather(
+            self.ctx.kube.create_service(ns, service_manifest(job=self.name, namespace=ns, uid=job.uid)),
+            self.ctx.kube.create_secret(ns, secret_manifest(job=self.name, namespace=ns, uid=job.uid,
+                                                            token=new_rpc_token())))
+        self.owned_ready = True
+
+    async def _create(self, job: JobView, endpoints: Sequence[str], action: CreatePod) -> None:
+        assert job.spec is not None
+        body = pod_manifest(job=self.name, namespace=self.namespace, uid=job.uid, spec=job.spec,
+                            name=action.name, role=action.role, index=action.index, endpoints=endpoints)
+        self.deleted.pop(action.name, None)
+        await self.ctx.kube.create_pod(self.namespace, body)
+        self.created[action.name] = (PodView(name=action.name, role=action.role, index=action.index,
+                                             phase="Pending"), time.time())
+
+    async def _delete(self, action: DeletePod) -> None:
+        await self.ctx.kube.delete_pod(self.namespace, action.name, action.grace)
+        self.deleted[action.name] = (action.grace, time.time())
+        self.created.pop(action.name, None)
+
+    def _record(self, body: Mapping[str, Any], job: JobView, action: WriteJobRecord) -> JobRecord:
+        tj = TrainingJob.model_validate({"apiVersion": body.get("apiVersion", "stalwart.dev/v1alpha1"),
+                                         "kind": "TrainingJob",
+                                         "metadata": {"name": self.name, "namespace": self.namespace,
+                                                      "uid": job.uid, "generation": job.generation},
+                                         "spec": body.get("spec") or {}})
+        return JobRecord.from_job(tj, list(action.members), list(action.spares))
+
+    async def _patch_status(self, obs: Observation, status: TrainingJobStatus) -> None:
+        new = status.to_wire()
+        # A merge patch keeps fields it does not mention: clear the ones that went away explicitly.
+        for key in obs.job.status.to_wire():
+            new.setdefault(key, None)
+        await self.ctx.kube.patch_status(self.namespace, self.name, new)
+        self._count(obs.job.status, status)
+        self.written_status = status
+        self.last_patch = time.time()
+
+    def _count(self, old: TrainingJobStatus, new: TrainingJobStatus) -> None:
+        before = old.restarts.model_copy() if old.restarts else None
+        after = new.restarts
+        if after is not None:
+            dip = after.in_process - (before.in_process if before else 0)
+            dpr = after.pod_replacements - (before.pod_replacements if before else 0)
+            if dip > 0:
+                metrics.RESTARTS.labels("in_process").inc(dip)
+            if dpr > 0:
+                metrics.RESTARTS.labels("pod_replacement").inc(dpr)
+                metrics.POD_REPLACEMENTS.inc(dpr)
+        if new.phase is not None and new.phase.value != self.phase:
+            if self.phase is not None:
+                metrics.JOBS.labels(self.phase).dec()
+            self.phase = new.phase.value
+            metrics.JOBS.labels(self.phase).inc()
+
+    def forget(self) -> None:
+        """The job is gone from this operator: take it out of the phase gauge."""
+        if self.phase is not None:
+            metrics.JOBS.labels(self.phase).dec()
+            self.phase = None
