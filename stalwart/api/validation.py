@@ -110,6 +110,7 @@ def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
 
 
 def _unwrap(annotation: Any) -> Any:
+    """The model class inside ``X``, ``X | None``, ``list[X]`` or ``list[X] | None``, else the annotation."""
     for arg in (annotation, *typing.get_args(annotation)):
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg
