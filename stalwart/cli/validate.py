@@ -11,10 +11,15 @@ import sys
 from typing import Any
 
 
+DESCRIPTION = ("Check TrainingJob manifests without a cluster. Exit 0 when every document of every file is a "
+               "valid TrainingJob; otherwise exit 1 and print one line per problem: "
+               "FILE[#DOC]: field.path: message (#DOC, 1-based, only for files with several documents).")
+
+
 def register(sub: Any) -> None:
     parser = sub.add_parser(
         "validate", help="validate TrainingJob manifests (exit 1 and one line per problem)",
-        description=__doc__)
+        description=DESCRIPTION)
     parser.add_argument("-f", "--filename", action="append", required=True, metavar="FILE",
                         help="manifest file (multi-document YAML); '-' reads standard input; repeatable")
     parser.set_defaults(func=run)
