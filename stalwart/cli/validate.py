@@ -10,7 +10,6 @@ import argparse
 import sys
 from typing import Any
 
-
 DESCRIPTION = ("Check TrainingJob manifests without a cluster. Exit 0 when every document of every file is a "
                "valid TrainingJob; otherwise exit 1 and print one line per problem: "
                "FILE[#DOC]: field.path: message (#DOC, 1-based, only for files with several documents).")
