@@ -307,7 +307,7 @@ class ObjectStore:
             raise ApiError(409, "AlreadyExists", f'{_qualified(info)} "{meta["name"]}" already exists',
                            {"name": meta["name"], "group": info.group, "kind": info.plural})
         for k in ("deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion", "uid",
-                  "creationTimestamp", "generation", "managedFields"):
+                  "creationTimestamp", "generation"):
             meta.pop(k, None)
         if info.has_status and (info.crd is not None or info.plural == "pods"):
             obj.pop("status", None)
