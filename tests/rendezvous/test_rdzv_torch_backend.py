@@ -1,0 +1,133 @@
+"""torch's RendezvousBackend contract on etcd v3, torch's own handler on it, and torchrun with real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from stalwart.agent.rendezvous.torch_backend import BACKEND_NAME, EtcdV3RendezvousBackend, register
+from stalwart.local.etcd import EtcdServer
+from stalwart.store import Store
+
+pytestmark = pytest.mark.integration
+
+TRAIN = Path(__file__).with_name("torchrun_script.py")
+
+
+@pytest.fixture
+def backend(store: Store, prefix: str) -> EtcdV3RendezvousBackend:
+    return EtcdV3RendezvousBackend(store, prefix + "state")
+
+
+def test_set_state_is_a_compare_and_set_on_the_fencing_token(backend: EtcdV3RendezvousBackend) -> None:
+    assert backend.name == BACKEND_NAME
+    assert backend.get_state() is None
+    state, token, ok = backend.set_state(b"\x00one")  # type: ignore[misc]
+    assert (state, ok) == (b"\x00one", True)
+    assert backend.get_state() == (b"\x00one", token)
+    # token None: only if absent; the existing state and token come back.
+    assert backend.set_state(b"two", None) == (b"\x00one", token, False)
+    # the right token: written, with a new token.
+    state2, token2, ok2 = backend.set_state(b"two", token)  # type: ignore[misc]
+    assert (state2, ok2) == (b"two", True) and token2 != token
+    # a stale token: nothing written, the current state and token come back.
+    assert backend.set_state(b"three", token) == (b"two", token2, False)
+    # a token this backend never handed out cannot match.
+    assert backend.set_state(b"three", b"bogus") == (b"two", token2, False)
+    assert backend.get_state() == (b"two", token2)
+
+
+def test_set_state_with_a_token_after_the_state_is_gone_returns_none(
+        backend: EtcdV3RendezvousBackend, store: Store) -> None:
+    _, token, _ = backend.set_state(b"s")  # type: ignore[misc]
+    store.delete(backend.key)
+    assert backend.set_state(b"s2", token) is None
+    assert backend.get_state() is None
+
+
+def test_corrupt_state_raises_rendezvous_state_error(backend: EtcdV3RendezvousBackend, store: Store) -> None:
+    store.put(backend.key, b"\x80\x04 not json")
+    with pytest.raises(RendezvousStateError, match="corrupt"):
+        backend.get_state()
+    store.put(backend.key, b'{"format": "torch-dynamic-rendezvous/v1", "state": "***"}')
+    with pytest.raises(RendezvousStateError, match="base64"):
+        backend.get_state()
+    store.put(backend.key, b'{"format": "other", "state": ""}')
+    with pytest.raises(RendezvousStateError, match="format"):
+        backend.set_state(b"x", None)
+    with pytest.raises(RendezvousStateError, match="too large"):
+        backend.set_state(b"x" * 300_000, None)
+
+
+def test_connection_failure_raises_rendezvous_connection_error(private_etcd: EtcdServer) -> None:
+    store = Store([private_etcd.endpoint], timeout=1.0)
+    try:
+        b = EtcdV3RendezvousBackend(store, "/test/conn/state")
+        private_etcd.stop()
+        with pytest.raises(RendezvousConnectionError):
+            b.get_state()
+        with pytest.raises(RendezvousConnectionError):
+            b.set_state(b"x")
+        private_etcd.start()
+    finally:
+        store.close()
+
+
+def test_torch_dynamic_handler_runs_on_etcd_v3_through_the_registry(etcd: EtcdServer) -> None:
+    register()
+    run_id = f"threads-{uuid.uuid4().hex[:8]}"
+    n = 3
+    results: dict[int, object] = {}
+    done = threading.Barrier(n, timeout=120)
+
+    def node(i: int) -> None:
+        params = RendezvousParameters(backend=BACKEND_NAME, endpoint=etcd.endpoint, run_id=run_id,
+                                      min_nodes=n, max_nodes=n, join_timeout="60", last_call_timeout="1",
+                                      local_addr="127.0.0.1")
+        handler = get_rendezvous_handler(params)
+        try:
+            info = handler.next_rendezvous()
+            results[i] = (info.rank, info.world_size)
+        except Exception as e:
+            results[i] = e
+        finally:
+            done.wait()  # shutdown closes the rendezvous: only once every node is through
+            handler.shutdown()
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(map(str, results.values())) == [str((r, n)) for r in range(n)], results
+
+
+def test_torchrun_with_the_stalwart_etcd_backend(etcd: EtcdServer, tmp_path: Path) -> None:
+    """Two torchrun agents (separate processes) rendezvous on etcd v3 and run a gloo all-reduce."""
+    run_id = f"torchrun-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "OUT_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+           f"--rdzv-backend={BACKEND_NAME}", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+           "--rdzv-conf=join_timeout=120,last_call_timeout=1", "--local-addr=127.0.0.1",
+           "--monitor-interval=0.5", str(TRAIN)]
+    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+              for _ in range(2)]
+    outputs = []
+    for a in agents:
+        out, _ = a.communicate(timeout=240)
+        outputs.append(out.decode(errors="replace"))
+    assert [a.returncode for a in agents] == [0, 0], "\n-----\n".join(o[-3000:] for o in outputs)
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
+    assert {r["world_size"] for r in reports} == {4}
+    assert {r["sum"] for r in reports} == {10.0}
