@@ -1,6 +1,6 @@
 {{/*
-The operator's permissions: exactly the resources and verbs it calls (tests/helm compares these rules with
-the operator's own list of API calls). Argument: a dict with "peering" (bool).
+The operator's permissions: exactly the resources and verbs it calls, as listed in stalwart/operator/rbac.py
+(tests/helm compares the rendered rules with that list). Argument: a dict with "peering" (bool).
 */}}
 {{- define "stalwart.rbac.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
@@ -12,35 +12,34 @@ the operator's own list of API calls). Argument: a dict with "peering" (bool).
 {{- if .peering }}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch", "patch"]
 {{- end }}
 {{- end }}
 
 {{- define "stalwart.rbac.namespacedRules" -}}
 - apiGroups: ["stalwart.dev"]
   resources: ["trainingjobs"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["list", "watch", "patch", "delete"]
 - apiGroups: ["stalwart.dev"]
   resources: ["trainingjobs/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
+# The pods' owner references set blockOwnerDeletion, which clusters enforcing OwnerReferencesPermissionEnforcement
+# allow only to those who may update the owner's finalizers.
 - apiGroups: ["stalwart.dev"]
   resources: ["trainingjobs/finalizers"]
   verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete", "patch"]
+  verbs: ["list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["services", "secrets"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["create"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
-- apiGroups: ["events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- if .peering }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch", "patch"]
 {{- end }}
 {{- end }}
