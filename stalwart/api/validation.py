@@ -14,7 +14,9 @@ from __future__ import annotations
 import datetime as _dt
 import difflib
 import json
+import re
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,8 +222,66 @@ def document_problems(document: Any) -> list[tuple[str, str]]:
     try:
         TrainingJob.model_validate_json(json.dumps(document, default=_json_default), strict=True)
     except ValidationError as exc:
-        return _problems(exc)
+        problems = _problems(exc)
+        return problems + _rules_not_reached(document, problems)
     return []
+
+
+def _model_nodes(model: type[BaseModel], raw: Any, loc: tuple[int | str, ...] = ()
+                 ) -> Iterator[tuple[type[BaseModel], dict[str, Any], tuple[int | str, ...]]]:
+    """Every (model class, raw mapping, location) of the document, the root first."""
+    if not isinstance(raw, dict):
+        return
+    yield model, raw, loc
+    for name, field in model.model_fields.items():
+        alias = field.alias or name
+        inner = _unwrap(field.annotation)
+        if alias not in raw or not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            continue
+        value = raw[alias]
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                yield from _model_nodes(inner, item, (*loc, alias, index))
+        else:
+            yield from _model_nodes(inner, value, (*loc, alias))
+
+
+_CEL_FIELD = re.compile(r"\bself\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _rules_not_reached(document: dict[str, Any], problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Cross-field rules of objects that pydantic did not check because a field inside them is invalid.
+
+    Such a rule is still evaluated, on the object built without validation, unless a field it reads or
+    reports on already has a problem or it cannot be evaluated on unvalidated values; so one run shows a
+    user every problem it can.
+    """
+    out: list[tuple[str, str]] = []
+    paths = {path for path, _ in problems}
+    for model, raw, loc in _model_nodes(TrainingJob, document):
+        rules = getattr(model, "__rules__", [])
+        base = format_path(loc)
+        inside = [p for p in paths if p != base and p.startswith(base) and (not base or p[len(base)] in ".[")]
+        if not rules or not inside:
+            continue
+        try:
+            known = {(f.alias or n): n for n, f in model.model_fields.items()}
+            unvalidated = model.model_construct(**{known[k]: v for k, v in raw.items() if k in known})
+        except Exception:
+            continue
+        for rule in rules:
+            # The fields a rule reads are the ones its CEL form names; a problem in any of them (or in
+            # the field it reports on) has been reported already, and the rule would only echo it.
+            touched = {_join(base, name) for name in _CEL_FIELD.findall(rule.cel)} | {_join(base, rule.field)}
+            if any(p == t or p.startswith(t + ".") or p.startswith(t + "[") for p in paths for t in touched):
+                continue
+            try:
+                message = rule.check(unvalidated)
+            except Exception:
+                continue
+            if message is not None:
+                out.append((_join(base, rule.field), message))
+    return out
 
 
 def _problems(exc: ValidationError) -> list[tuple[str, str]]:

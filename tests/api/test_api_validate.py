@@ -74,6 +74,31 @@ def test_cross_field_rules_of_one_object_are_all_reported() -> None:
     ]
 
 
+def test_rules_of_an_object_with_an_invalid_field_inside_are_still_reported() -> None:
+    document = copy.deepcopy(GOOD)
+    document["spec"]["minReplicas"] = 3
+    document["spec"]["rendezvous"].update(tls=True, endpoints=["etcd"])
+    document["spec"]["restartPolicy"]["rules"].append({"action": "Retry"})
+    assert document_problems(document) == [
+        ("spec.rendezvous.endpoints[0]",
+         "expected host:port (e.g. etcd.example.svc:2379 or [fd00::1]:2379), got 'etcd'"),
+        ("spec.restartPolicy.rules[1].action",
+         "expected 'RestartInProcess', 'ReplacePod' or 'FailJob', got \"Retry\""),
+        ("spec.minReplicas", "must be less than or equal to replicas (2), got 3"),
+        ("spec.rendezvous.secretRef", "required when tls is true (the Secret holds ca.crt)"),
+        ("spec.restartPolicy.rules[1].onExitCodes", "a rule needs onExitCodes or onReasons (or both)"),
+    ]
+
+
+def test_a_rule_reading_an_invalid_field_does_not_echo_its_problem() -> None:
+    document = copy.deepcopy(GOOD)
+    document["spec"].update(replicas="3", minReplicas=4, spares=-1)
+    assert document_problems(document) == [
+        ("spec.replicas", "expected an integer, got a string \"3\""),
+        ("spec.spares", "must be greater than or equal to 0, got -1"),
+    ]
+
+
 def test_nulls_are_dropped_like_the_api_server_does() -> None:
     document = copy.deepcopy(GOOD)
     document["spec"]["nprocPerNode"] = None
