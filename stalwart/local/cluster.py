@@ -77,8 +77,11 @@ class LocalCluster:
         already runs there or it does not come up within ``timeout`` seconds."""
         d = Path(directory).resolve()
         d.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(ClusterError):
+        try:
             existing = cls.attach(d)
+        except ClusterError:
+            pass
+        else:
             raise ClusterError(f"a local cluster already runs in {d} (pid {existing.pid}, {existing.api_url}); "
                                f"stop it with: stalwart local down --dir {d}")
         (d / STATE_FILE).unlink(missing_ok=True)

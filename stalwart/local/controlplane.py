@@ -1,6 +1,7 @@
 """The local cluster's control-plane process: a real etcd, the API emulator and the process kubelet, run until
 SIGTERM/SIGINT. ``stalwart local up`` starts it in the background (``python -m stalwart.local.controlplane``);
-it writes ``<dir>/kubeconfig`` and, once everything serves, ``<dir>/state.json`` (see :mod:`.cluster`).
+it starts from a clean ``<dir>/etcd`` and ``<dir>/pods``, writes ``<dir>/kubeconfig`` and, once everything
+serves, ``<dir>/state.json`` (see :mod:`.cluster`).
 
 On shutdown it stops every pod (SIGTERM, SIGKILL after a short grace), the HTTP server and etcd, and removes
 ``state.json``. Containers are started with a parent-death signal, so even a killed control plane leaves no
@@ -15,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -69,6 +71,10 @@ def _add_admin_routes(app: web.Application, kubelet: ProcessKubelet) -> None:
 
 async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop: asyncio.Event) -> None:
     directory.mkdir(parents=True, exist_ok=True)
+    # Every `up` is a fresh cluster: API objects live in memory, so etcd data and pod directories of an
+    # earlier run would only describe things that no longer exist.
+    for stale in ("etcd", "pods"):
+        shutil.rmtree(directory / stale, ignore_errors=True)
     etcd: EtcdServer | None = None
     if with_etcd:
         etcd = EtcdServer(directory / "etcd")
@@ -95,8 +101,9 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
         log.info("local cluster serving at %s (etcd %s)", api_url, state["etcd_endpoint"])
         await stop.wait()
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            (directory / STATE_FILE).unlink()
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+            if json.loads((directory / STATE_FILE).read_text())["pid"] == os.getpid():
+                (directory / STATE_FILE).unlink()
         await kubelet.shutdown()
         await runner.cleanup()
         if etcd is not None:
