@@ -241,6 +241,8 @@ class Agent:
             "TORCHELASTIC_RESTART_COUNT": str(self.progress.process_restarts),
             "TORCHELASTIC_RUN_ID": s.job_uid,
         })
+        if "OMP_NUM_THREADS" not in self.base_env and nproc > 1:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a node must not oversubscribe it
         renv = RankEnvironment(etcd_endpoints=s.etcd_endpoints, job=s.job, job_uid=s.job_uid, node_id=s.node_id,
                                epoch=info.epoch, slot=slot, slots=max(slots, slot + 1),
                                target_world=m.world_size, spare=spare,

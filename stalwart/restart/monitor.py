@@ -107,6 +107,7 @@ class Monitor:
         self.status = RankStatus(slot=coord.slot, pid=os.getpid(), state="starting", heartbeat=time.monotonic())
         self._status_dirty = True
         self._status_written = 0.0
+        self._step: int | None = None
         self._probe = _probe() if watch_main_thread else None
         self._thread = threading.Thread(target=self._run, name=f"stalwart-monitor-{coord.slot}", daemon=True)
 
@@ -137,8 +138,11 @@ class Monitor:
             self._running = False
             self._ctx = None
 
-    def ping(self) -> None:
+    def ping(self, step: int | None = None) -> None:
+        """Progress from the training code: two attribute writes, so that it may be called every step."""
         self.last_progress = time.monotonic()
+        if step is not None:
+            self._step = step
 
     def fault_seen(self, iteration: int) -> FaultRecord | None:
         with self._lock:
@@ -244,7 +248,7 @@ class Monitor:
                 return
             # While not running user code the process waits on etcd with deadlines: it is not hung.
             beat = self.last_progress if self._running else now
-            self.status = self.status.model_copy(update={"heartbeat": beat})
+            self.status = self.status.model_copy(update={"heartbeat": beat, "step": self._step})
             status = self.status
             self._status_written = now
         self.status_file.write(status)

@@ -141,9 +141,7 @@ class CallWrapper:
 
     def ping(self, step: int | None = None) -> None:
         """Report progress (resets the soft timeout); ``step`` is published to the operator."""
-        self._session.monitor.ping()
-        if step is not None:
-            self._session.monitor.update_status(step=int(step))
+        self._session.monitor.ping(None if step is None else int(step))
 
     def atomic(self) -> contextlib.AbstractContextManager[None]:
         """A section an interruption waits for (e.g. writing a checkpoint); it is raised at the section's end."""

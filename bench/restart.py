@@ -1,0 +1,143 @@
+"""Restart benchmark: stalwart's in-process restart vs ``torchrun --max-restarts=1``, side by side.
+
+The same small DDP script (``bench/restart_ddp.py``) runs on CPU with gloo and a 30 s collective timeout;
+rank 1 raises once at a fixed step. Measured: seconds from the raise to the first training step completed
+after recovery, on the slowest rank (median of ``--runs`` runs). stalwart runs under ``stalwart agent``
+(one pod, ``--ranks`` rank processes, a real etcd server); torchrun runs standalone (its c10d rendezvous).
+
+Also ``step_overhead``: the steady-state per-step time with the wrapper over the plain script (median step
+time of a fault-free run of each; ``value`` is the ratio minus one, as a fraction).
+
+Prints one JSON object per line, e.g.
+``{"bench": "restart", "impl": "stalwart", "ranks": 2, "metric": "seconds", "value": 0.1}``.
+Usage: ``python bench/restart.py [--ranks 2 4] [--runs 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "bench" / "restart_ddp.py")
+sys.path.insert(0, str(ROOT))
+
+from stalwart.local.etcd import EtcdServer, free_port  # noqa: E402
+
+
+def _results(out: Path) -> list[dict[str, Any]]:
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def _raise_time(markers: Path) -> float:
+    return float((markers / "fault-0").read_text())
+
+
+def run_stalwart(etcd: EtcdServer, ranks: int, script_args: list[str], run_id: str) -> tuple[list[dict[str, Any]], Path]:
+    work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
+    out = work / "out.jsonl"
+    env = dict(os.environ, STALWART_ETCD_ENDPOINTS=etcd.endpoint, STALWART_JOB="bench/restart",
+               STALWART_JOB_UID=run_id, STALWART_NODE_ID="pod-0", STALWART_POD_IP="127.0.0.1",
+               STALWART_NPROC_PER_NODE=str(ranks), STALWART_MIN_NODES="1", STALWART_MAX_NODES="1")
+    cmd = [sys.executable, "-m", "stalwart", "--log-level", "WARNING", "agent", "--last-call", "0.1", "--",
+           sys.executable, SCRIPT, "--mode", "wrapped", "--marker-dir", str(work), "--out", str(out),
+           *script_args]
+    subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
+    return _results(out), work
+
+
+def run_torchrun(ranks: int, script_args: list[str]) -> tuple[list[dict[str, Any]], Path]:
+    work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
+    out = work / "out.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--max-restarts", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.1",
+           SCRIPT, "--mode", "plain", "--marker-dir", str(work), "--out", str(out), *script_args]
+    # (the marker and output paths are replaced on a retry)
+    for attempt in range(3):
+        # torchrun's second attempt sometimes fails to connect its gloo mesh on a loaded machine; retry the
+        # whole run (and say so on stderr) rather than report a partial measurement.
+        done = subprocess.run(cmd, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if done.returncode == 0:
+            return _results(out), work
+        print(f"torchrun run failed (exit {done.returncode}), attempt {attempt + 1}; retrying", file=sys.stderr)
+        work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
+        out = work / "out.jsonl"
+        cmd = [*cmd[:cmd.index("--marker-dir")], "--marker-dir", str(work), "--out", str(out), *script_args]
+    raise RuntimeError("torchrun failed three times")
+
+
+def recovery_seconds(results: list[dict[str, Any]], work: Path) -> float:
+    firsts = [r["first_after_restart"] for r in results if r.get("first_after_restart")]
+    if not firsts:
+        raise RuntimeError(f"no rank completed a step after the restart: {results}")
+    return max(firsts) - _raise_time(work)
+
+
+def median_step(results: list[dict[str, Any]], skip: int) -> float:
+    times = [t for r in results for t in r["step_times"][skip:]]
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--fault-step", type=int, default=6)
+    p.add_argument("--overhead-steps", type=int, default=300)
+    p.add_argument("--hidden", type=int, default=512)
+    args = p.parse_args()
+    fault = ["--steps", str(args.steps), "--fault", "exception", "--fault-rank", "1",
+             "--fault-step", str(args.fault_step), "--timeout", "30", "--hidden", str(args.hidden)]
+    with tempfile.TemporaryDirectory() as tmp:
+        etcd = EtcdServer(Path(tmp) / "etcd")
+        etcd.start()
+        try:
+            n = 0
+            for ranks in args.ranks:
+                for impl in ("stalwart", "torchrun"):
+                    values = []
+                    for _ in range(args.runs):
+                        n += 1
+                        if impl == "stalwart":
+                            res, work = run_stalwart(etcd, ranks, fault, f"run-{n}")
+                        else:
+                            res, work = run_torchrun(ranks, fault)
+                        values.append(recovery_seconds(res, work))
+                    print(json.dumps({"bench": "restart", "impl": impl, "ranks": ranks, "metric": "seconds",
+                                      "value": round(statistics.median(values), 4),
+                                      "runs": [round(v, 4) for v in values]}), flush=True)
+            ranks = args.ranks[0]
+            plain = ["--steps", str(args.overhead_steps), "--timeout", "30", "--hidden", str(args.hidden)]
+            skip = min(20, args.overhead_steps // 4)
+            ratios, ws, bs = [], [], []
+            for _ in range(args.runs):
+                # Alternate the two, so that load from elsewhere on the machine falls on both alike.
+                n += 1
+                wrapped_res, _ = run_stalwart(etcd, ranks, plain, f"run-{n}")
+                plain_res, _ = run_torchrun(ranks, plain)
+                w, b = median_step(wrapped_res, skip), median_step(plain_res, skip)
+                ratios.append(w / b - 1.0)
+                ws.append(w)
+                bs.append(b)
+            print(json.dumps({"bench": "restart", "impl": "stalwart", "ranks": ranks, "metric": "step_overhead",
+                              "value": round(statistics.median(ratios), 4),
+                              "step_seconds": round(statistics.median(ws), 6),
+                              "plain_step_seconds": round(statistics.median(bs), 6),
+                              "runs": [round(r, 4) for r in ratios]}), flush=True)
+        finally:
+            etcd.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
