@@ -42,7 +42,8 @@ def _raise_time(markers: Path) -> float:
     return float((markers / "fault-0").read_text())
 
 
-def run_stalwart(etcd: EtcdServer, ranks: int, script_args: list[str], run_id: str) -> tuple[list[dict[str, Any]], Path]:
+def run_stalwart(etcd: EtcdServer, ranks: int, script_args: list[str],
+                 run_id: str) -> tuple[list[dict[str, Any]], Path]:
     work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     out = work / "out.jsonl"
     env = dict(os.environ, STALWART_ETCD_ENDPOINTS=etcd.endpoint, STALWART_JOB="bench/restart",
@@ -65,7 +66,7 @@ def run_torchrun(ranks: int, script_args: list[str]) -> tuple[list[dict[str, Any
     for attempt in range(3):
         # torchrun's second attempt sometimes fails to connect its gloo mesh on a loaded machine; retry the
         # whole run (and say so on stderr) rather than report a partial measurement.
-        done = subprocess.run(cmd, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run(cmd, check=False, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if done.returncode == 0:
             return _results(out), work
         print(f"torchrun run failed (exit {done.returncode}), attempt {attempt + 1}; retrying", file=sys.stderr)
