@@ -76,6 +76,7 @@ class ApiServer:
         for path in ("/healthz", "/readyz", "/livez"):
             r.add_get(path, self._ok)
         r.add_get("/version", lambda _: self._async_json(KUBE_VERSION))
+        r.add_get("/version/", lambda _: self._async_json(KUBE_VERSION))
         r.add_get("/api", lambda _: self._async_json(self.store.registry.api_versions()))
         r.add_get("/apis", lambda _: self._async_json(self.store.registry.api_group_list()))
         r.add_get("/openapi/v2", self._openapi_v2)
@@ -104,6 +105,8 @@ class ApiServer:
             return _error(exc)
         except SelectorError as exc:
             return _error(ApiError(400, "BadRequest", str(exc)))
+        except web.HTTPNotFound:
+            return _error(ApiError(404, "NotFound", "the server could not find the requested resource"))
         except web.HTTPException:
             raise
         except (ConnectionResetError, asyncio.CancelledError):
