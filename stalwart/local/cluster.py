@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.local.controlplane import KUBECONFIG_FILE, STATE_FILE
+from stalwart.local.controlplane import STATE_FILE
 
 
 class ClusterError(RuntimeError):
@@ -145,7 +145,7 @@ class LocalCluster:
             env["STALWART_ETCD_ENDPOINTS"] = self.etcd_endpoint
         return env
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,  # noqa: A002
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
                 timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this cluster; raise :class:`ClusterError` on a non-zero exit if
         ``check``."""

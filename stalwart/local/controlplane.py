@@ -70,11 +70,11 @@ def _add_admin_routes(app: web.Application, kubelet: ProcessKubelet) -> None:
 
 
 async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop: asyncio.Event) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     # Every `up` is a fresh cluster: API objects live in memory, so etcd data and pod directories of an
     # earlier run would only describe things that no longer exist.
     for stale in ("etcd", "pods"):
-        shutil.rmtree(directory / stale, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, directory / stale, True)
     etcd: EtcdServer | None = None
     if with_etcd:
         etcd = EtcdServer(directory / "etcd")

@@ -38,10 +38,10 @@ import shutil
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from stalwart.local.apiserver.objects import ApiError, Event, ObjectStore, now_rfc3339
 
@@ -59,6 +59,12 @@ def _pdeathsig() -> None:
     """In the child: die with the kubelet, so no container outlives a crashed control plane."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _open_log(cwd: Path, log: Path) -> BinaryIO:
+    """Create the working directory and open the container's log for appending (the child inherits it)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    return open(log, "ab")  # handed to the child process, closed by the caller
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -115,6 +121,7 @@ class ProcessKubelet:
         self._task: asyncio.Task[None] | None = None
         self._next_ip = 2
         self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
         self.pods_info = store.info("", "v1", "pods")
         store.listeners.append(self._on_event)
         store.graceful_pods = self._runs_gracefully
@@ -139,6 +146,12 @@ class ProcessKubelet:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a background step, keeping a reference until it ends (the loop holds tasks only weakly)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _on_event(self, ev: Event) -> None:
         if ev.group == "" and ev.plural in ("pods", "secrets", "configmaps"):
@@ -244,9 +257,9 @@ class ProcessKubelet:
         present = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
         for key, run in list(self.runs.items()):
             pod = present.get(key)
-            if pod is None or pod["metadata"]["uid"] != run.uid:
-                if not run.stopping:  # removed without grace (force delete): stop at once
-                    asyncio.get_running_loop().create_task(self._stop_run(run, 0.0))
+            gone = pod is None or pod["metadata"]["uid"] != run.uid
+            if gone and not run.stopping:  # removed without grace (force delete): stop at once
+                self._spawn(self._stop_run(run, 0.0))
         for key, pod in present.items():
             meta, spec = pod["metadata"], pod.get("spec") or {}
             current = self.runs.get(key)
@@ -255,7 +268,7 @@ class ProcessKubelet:
                     if not current.stopping:
                         current.stopping = True
                         grace = float(meta.get("deletionGracePeriodSeconds") or 0)
-                        asyncio.get_running_loop().create_task(self._stop_and_finish(current, grace))
+                        self._spawn(self._stop_and_finish(current, grace))
                 elif current is None and not self._runs_gracefully(pod):
                     self.store.finish_pod(*key)
                 continue
@@ -386,11 +399,13 @@ class ProcessKubelet:
                                                      "no entrypoint here, so set command")
         cwd = Path(c.spec.get("workingDir") or run.dir)
         try:
-            cwd.mkdir(parents=True, exist_ok=True)
-            with open(logf, "ab") as out:
+            out = await asyncio.to_thread(_open_log, cwd, logf)
+            try:
                 c.proc = await asyncio.create_subprocess_exec(
                     *argv, env=env, cwd=str(cwd), stdin=asyncio.subprocess.DEVNULL, stdout=out,
                     stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_pdeathsig)
+            finally:
+                out.close()
         except OSError as exc:
             return self._cannot_run(run, c, started, f"starting {argv[0]!r}: {exc}")
         c.state = {"running": {"startedAt": started}}
@@ -632,8 +647,9 @@ class ProcessKubelet:
                                                   "not found")
             return
         sent = 0
-        with open(path, "rb") as f:
-            data = f.read()
+        f = await asyncio.to_thread(open, path, "rb")
+        try:
+            data = await asyncio.to_thread(f.read)
             if tail_lines is not None:
                 lines = data.splitlines(keepends=True)
                 data = b"".join(lines[-tail_lines:]) if tail_lines > 0 else b""
@@ -645,7 +661,7 @@ class ProcessKubelet:
             if not follow or previous:
                 return
             while True:
-                chunk = f.read(65536)
+                chunk = await asyncio.to_thread(f.read, 65536)
                 if chunk:
                     if limit_bytes is not None:
                         chunk = chunk[: max(limit_bytes - sent, 0)]
@@ -654,14 +670,16 @@ class ProcessKubelet:
                     continue
                 run = self.runs.get((namespace, name))
                 if run is None or run.uid != uid or run.stopped.is_set():
-                    tail = f.read()
+                    tail = await asyncio.to_thread(f.read)
                     if tail:
                         yield tail
                     return
                 c = next((x for x in run.containers + run.inits if x.name == container), None)
                 if c is None or c.done:
-                    tail = f.read()
+                    tail = await asyncio.to_thread(f.read)
                     if tail:
                         yield tail
                     return
                 await asyncio.sleep(0.2)
+        finally:
+            f.close()

@@ -35,12 +35,13 @@ def kube_api(local_cluster: LocalCluster) -> Iterator[Any]:
     from kubernetes import client, config
 
     cfg = client.Configuration()
-    config.load_kube_config(config_file=str(local_cluster.kubeconfig), client_configuration=cfg)
+    config.load_kube_config(config_file=str(local_cluster.kubeconfig),  # type: ignore[no-untyped-call]
+                            client_configuration=cfg)
     api = client.ApiClient(cfg)
     try:
         yield api
     finally:
-        api.close()
+        api.close()  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture

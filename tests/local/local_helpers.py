@@ -73,6 +73,12 @@ def get_json(cluster: LocalCluster, *args: str) -> Any:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
 
+def phase_is(cluster: LocalCluster, ns: str, name: str, *phases: str) -> dict[str, Any] | None:
+    """The pod if its phase is one of ``phases``, else None."""
+    pod: dict[str, Any] = get_json(cluster, "-n", ns, "pod", name)
+    return pod if pod.get("status", {}).get("phase") in phases else None
+
+
 def ensure_widget_crd(cluster: LocalCluster) -> None:
     cluster.kubectl("apply", "-f", "-", input=WIDGET_CRD)
     wait_until(lambda: cluster.kubectl("get", "widgets", "-A", check=False).returncode == 0, "widgets served")

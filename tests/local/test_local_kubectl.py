@@ -8,7 +8,7 @@ import os
 import subprocess
 
 import pytest
-from local_helpers import ensure_widget_crd, get_json, wait_until
+from local_helpers import ensure_widget_crd, get_json, phase_is, wait_until
 
 from stalwart.local.cluster import LocalCluster, kubectl_binary
 
@@ -158,8 +158,7 @@ spec:
     - {{name: IP, valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}}}
 """
     local_cluster.kubectl("apply", "-f", "-", input=pod)
-    done = wait_until(lambda: (lambda p: p if p["status"].get("phase") == "Failed" else None)(
-        get_json(local_cluster, "-n", k8s_namespace, "pod", "hello")), "pod hello to fail")
+    done = wait_until(lambda: phase_is(local_cluster, k8s_namespace, "hello", "Failed"), "pod hello to fail")
     state = done["status"]["containerStatuses"][0]["state"]["terminated"]
     assert state["exitCode"] == 3 and state["reason"] == "Error"
     ip = done["status"]["podIP"]

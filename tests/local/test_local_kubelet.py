@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from local_helpers import get_json, wait_until
+from local_helpers import get_json, phase_is, wait_until
 
 from stalwart.local.cluster import LocalCluster
 
@@ -29,11 +29,6 @@ spec:
     image: local/python
     command: [python3, -c, {json.dumps(script)}]
 {extra_container}"""
-
-
-def phase_is(cluster: LocalCluster, ns: str, name: str, *phases: str) -> dict[str, Any] | None:
-    pod: dict[str, Any] = get_json(cluster, "-n", ns, "pod", name)
-    return pod if pod.get("status", {}).get("phase") in phases else None
 
 
 def test_environment_from_values_secrets_config_maps_and_downward_api(
@@ -108,7 +103,7 @@ def test_restart_policy_never_leaves_a_failed_pod(local_cluster: LocalCluster, k
     pod = wait_until(lambda: phase_is(local_cluster, ns, "once", "Failed"), "once to fail")
     status = pod["status"]["containerStatuses"][0]
     assert status["restartCount"] == 0 and status["state"]["terminated"]["exitCode"] == 7
-    ready = [c for c in pod["status"]["conditions"] if c["type"] == "Ready"][0]
+    ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False"
 
 

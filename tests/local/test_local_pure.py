@@ -13,7 +13,6 @@ from stalwart.local.apiserver.patches import PatchError, json_patch, merge_patch
 from stalwart.local.apiserver.schema import apply_defaults, prune, unsupported_rules, validate
 from stalwart.local.apiserver.selectors import SelectorError, parse_field_selector, parse_label_selector
 
-
 # --- patches ---------------------------------------------------------------------------------------------------
 
 def test_merge_patch_rfc7386() -> None:

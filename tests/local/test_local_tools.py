@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from local_helpers import ensure_widget_crd, get_json, wait_until
+from local_helpers import ensure_widget_crd, get_json, phase_is, wait_until
 
 from stalwart.local.cluster import LocalCluster
 
@@ -139,8 +139,7 @@ def test_cli_up_status_down_leaves_no_process(tmp_path: Path) -> None:
         cluster.kubectl("apply", "-f", "-", input=(
             "apiVersion: v1\nkind: Pod\nmetadata: {name: sleeper}\nspec:\n  containers:\n"
             "  - {name: c, image: x, command: [python3, -c, 'import time; time.sleep(600)']}\n"))
-        pod = wait_until(lambda: (lambda p: p if p["status"].get("phase") == "Running" else None)(
-            get_json(cluster, "pod", "sleeper")), "sleeper to run")
+        pod = wait_until(lambda: phase_is(cluster, "default", "sleeper", "Running"), "sleeper to run")
         pid = int(pod["status"]["containerStatuses"][0]["containerID"].split("//")[1])
     finally:
         down = subprocess.run([*run, "down", "--dir", str(d)], capture_output=True, text=True, env=env,

@@ -297,7 +297,7 @@ class ApiServer:
     def _delete_collection(self, request: web.Request, info: ResourceInfo, namespace: str | None,
                            options: JSON, dry_run: bool) -> web.Response:
         labels, fields = self._selectors(request)
-        items, rv = self.store.list_objects(info, namespace, labels, fields)
+        items, _ = self.store.list_objects(info, namespace, labels, fields)
         out = []
         for obj in items:
             meta = obj["metadata"]

@@ -242,13 +242,14 @@ class ObjectStore:
         name = str(obj["metadata"].get("name", ""))
         problems: list[schemas.Problem] = []
         pattern = _DNS_LABEL if info.plural in ("namespaces", "services") else _DNS_SUBDOMAIN
-        if info.group == CRD_GROUP or info.crd is not None or info.group == "" or info.group == "apps":
-            if not pattern.match(name) or len(name) > 253:
-                problems.append(schemas.Problem(
-                    "metadata.name", "FieldValueInvalid",
-                    f"Invalid value: {name!r}: a lowercase RFC 1123 "
-                    f"{'label' if pattern is _DNS_LABEL else 'subdomain'} must consist of lower case "
-                    "alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"))
+        # RBAC and a few other groups allow ':' in names; the kinds checked here do not.
+        checked = info.crd is not None or info.group in {"", "apps", CRD_GROUP}
+        if checked and (not pattern.match(name) or len(name) > 253):
+            problems.append(schemas.Problem(
+                "metadata.name", "FieldValueInvalid",
+                f"Invalid value: {name!r}: a lowercase RFC 1123 "
+                f"{'label' if pattern is _DNS_LABEL else 'subdomain'} must consist of lower case "
+                "alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"))
         schema = info.schema
         if schema is not None:
             obj = schemas.apply_defaults(schema, obj)
@@ -327,8 +328,8 @@ class ObjectStore:
         self._emit("ADDED", info, obj)
         return self._serve(info, obj)
 
-    def update(self, info: ResourceInfo, namespace: str, name: str, body: JSON, subresource: str = "",
-               opts: WriteOptions | None = None, _allow_create: bool = False) -> JSON:
+    def update(self, info: ResourceInfo, namespace: str, name: str, body: JSON, subresource: str = "",  # noqa: PLR0917
+               opts: WriteOptions | None = None) -> JSON:
         """PUT: replace the object (or its status with ``subresource="status"``)."""
         opts = opts or WriteOptions()
         if not isinstance(body, dict):
@@ -352,7 +353,7 @@ class ObjectStore:
                 "Invalid value: 0x0: must be specified for an update")])
         return self._replace(info, key, old, new, subresource, opts)
 
-    def _replace(self, info: ResourceInfo, key: Key, old: JSON, new: JSON, subresource: str,
+    def _replace(self, info: ResourceInfo, key: Key, old: JSON, new: JSON, subresource: str,  # noqa: PLR0917
                  opts: WriteOptions) -> JSON:
         name = key[3]
         old_meta = old["metadata"]
@@ -437,8 +438,8 @@ class ObjectStore:
             out["status"]["selector"] = _get_path(obj, str(scale["labelSelectorPath"]).lstrip(".").split("."))
         return out
 
-    def patch(self, info: ResourceInfo, namespace: str, name: str, patch_type: str, patch: Any,
-              subresource: str = "", opts: WriteOptions | None = None, force: bool = False) -> JSON:
+    def patch(self, info: ResourceInfo, namespace: str, name: str, patch_type: str, patch: Any,  # noqa: PLR0917
+              subresource: str = "", opts: WriteOptions | None = None, *, force: bool = False) -> JSON:
         """PATCH with one of the content types json-patch, merge-patch, strategic-merge-patch, apply-patch."""
         opts = opts or WriteOptions()
         key = self._key(info, namespace, name)
@@ -680,13 +681,13 @@ class ObjectStore:
                             self._remove(info, key)
                         changed = True
                         break
-                if key[1] == "namespaces" and not key[0] and meta.get("deletionTimestamp"):
-                    if not any(k[2] == key[3] for k in self.objects):
-                        info = self._any_info("", "namespaces")
-                        if info is not None:
-                            self._remove(info, key)
-                            changed = True
-                            break
+                if (key[1] == "namespaces" and not key[0] and meta.get("deletionTimestamp")
+                        and not any(k[2] == key[3] for k in self.objects)):
+                    info = self._any_info("", "namespaces")
+                    if info is not None:
+                        self._remove(info, key)
+                        changed = True
+                        break
 
     # --- CRDs --------------------------------------------------------------------------------------------------
 
@@ -829,6 +830,4 @@ def _builtin_defaults(store: ObjectStore, info: ResourceInfo, obj: JSON, old: JS
         spec.setdefault("progressDeadlineSeconds", 600)
         spec.setdefault("strategy", {"type": "RollingUpdate",
                                      "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}})
-    elif kind == ("", "serviceaccounts") or kind == ("", "configmaps"):
-        pass
     return obj

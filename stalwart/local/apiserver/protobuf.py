@@ -2,8 +2,9 @@
 
 Helm's release storage writes Secrets (or ConfigMaps) through client-go's typed client, which encodes request
 bodies as ``application/vnd.kubernetes.protobuf`` whatever the server answers in; so the emulator reads the
-``k8s\\0`` envelope (``runtime.Unknown``) and the messages of Secret, ConfigMap, ObjectMeta, OwnerReference,
-DeleteOptions, and the metadata of Namespace and ServiceAccount (``kubectl create namespace``) into JSON. Other kinds are answered with 415 Unsupported Media Type. Responses are
+``k8s\\0`` envelope (``runtime.Unknown``) and the messages of Secret, ConfigMap, ObjectMeta,
+OwnerReference, DeleteOptions, and the metadata of Namespace and ServiceAccount (``kubectl create
+namespace``) into JSON. Other kinds are answered with 415 Unsupported Media Type. Responses are
 always JSON, which these clients accept.
 """
 
@@ -153,7 +154,8 @@ def _delete_options(buf: bytes) -> JSON:
     out: JSON = {"kind": "DeleteOptions", "apiVersion": "v1"}
     for n, v in fields(buf):
         if n == 1:
-            out["gracePeriodSeconds"] = v if isinstance(v, int) and v < 2 ** 63 else int(v) - 2 ** 64  # type: ignore[arg-type]
+            if isinstance(v, int):  # int64 as a varint: two's complement
+                out["gracePeriodSeconds"] = v if v < 2 ** 63 else v - 2 ** 64
         elif n == 2:
             pre: JSON = {}
             for m, x in fields(_b(v)):

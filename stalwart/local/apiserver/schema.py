@@ -62,9 +62,9 @@ def apply_defaults(schema: JSON, value: Any) -> Any:
                 out[key] = apply_defaults(sub, out[key])
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict):
-            for key in out:
+            for key, item in out.items():
                 if key not in props:
-                    out[key] = apply_defaults(extra, out[key])
+                    out[key] = apply_defaults(extra, item)
         return out
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         return [apply_defaults(schema["items"], v) for v in value]
@@ -135,7 +135,7 @@ def _type_ok(schema: JSON, value: Any) -> bool:
     return True
 
 
-def validate(schema: JSON, value: Any, path: str = "", old: Any = None, has_old: bool = False,
+def validate(schema: JSON, value: Any, path: str = "", old: Any = None, *, has_old: bool = False,
              root: bool = True) -> list[Problem]:
     """All problems of ``value`` against ``schema``; ``old`` (with ``has_old``) enables transition rules."""
     problems: list[Problem] = []
@@ -196,7 +196,7 @@ def validate(schema: JSON, value: Any, path: str = "", old: Any = None, has_old:
             olds = old if has_old and isinstance(old, list) else []
             for i, item in enumerate(value):
                 problems += validate(schema["items"], item, f"{path}[{i}]",
-                                     olds[i] if i < len(olds) else None, i < len(olds), False)
+                                     olds[i] if i < len(olds) else None, has_old=i < len(olds), root=False)
     if isinstance(value, dict):
         for key in schema.get("required") or []:
             if key not in value:
@@ -217,8 +217,8 @@ def validate(schema: JSON, value: Any, path: str = "", old: Any = None, has_old:
                 continue
             sub_schema = props.get(key, extra if isinstance(extra, dict) else None)
             if sub_schema is not None:
-                problems += validate(sub_schema, sub, _join(path, key), olds_map.get(key), key in olds_map,
-                                     False)
+                problems += validate(sub_schema, sub, _join(path, key), olds_map.get(key),
+                                     has_old=key in olds_map, root=False)
     for keyword in ("allOf", "anyOf", "oneOf"):
         subs = schema.get(keyword) or []
         if not subs:
