@@ -20,7 +20,8 @@ Fault injection for demos and tests (environment): ``STALWART_EXAMPLE_FAIL_AT_ST
 ``STALWART_EXAMPLE_FAIL_RANK`` (default 0) raise :class:`InjectedFault` when it reaches step ``N``, once per
 checkpoint directory (a marker file records that it happened, so a restarted or replaced rank does not fail again).
 
-Output: one JSON object per line on stdout (``start``, ``resume``, ``step`` every ``--log-every`` steps, ``done``).
+Output: one JSON object per line on stdout, each with its ``time`` (``start``, ``resume``, ``fault``, ``step`` every
+``--log-every`` steps, ``done``).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def load_checkpoint(directory: Path, model: nn.Module) -> int:
 
 
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    # Wall-clock time, so that recovery can be measured across processes and pods (one machine, one clock).
+    print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
 
 
 def agree_on_state(state: TrainState, rank: int, world_size: int) -> int:

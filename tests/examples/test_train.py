@@ -47,6 +47,8 @@ def run_ranks(world: int, args: list[str], extra_env: dict[str, str] | None = No
     for proc in procs:
         out, err = proc.communicate(timeout=WAIT)
         events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        for event in events:
+            assert isinstance(event.pop("time"), float)
         results.append((proc.returncode, events, err))
     return results
 
