@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ["dev", "crd", "validate", "local", "agent", "operator"]
+COMMANDS = ["dev", "crd", "validate", "local", "agent", "operator", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
