@@ -11,7 +11,8 @@ real etcd server on this machine, with min = max = N:
 Metrics per implementation and N: ``seconds`` from the start signal until every node has its rank;
 ``writes_per_node``: etcd raft proposals committed during the run / N (stalwart, torch-etcd-v3), or
 compare-and-set attempts on the TCPStore / N (torch-c10d, which has no etcd); ``cas_failures`` for the torch
-anchors. Runs past ``--cap`` seconds are stopped and reported with ``"capped": true`` and the cap as value.
+anchors. A run whose nodes are not all through ``--cap`` seconds after the start signal is stopped and
+reported with ``"capped": true``, the cap as value and how many nodes were through (``nodes_done``).
 Also ``rerendezvous_seconds`` for stalwart at ``--rerdzv-nodes``: one member's lease expires; measured from
 etcd's deletion of its key (the expiry as the watch sees it) to the next round's manifest, with a hot spare
 standing by to take its place; ``rerendezvous_all_seconds`` is until every node has the new round.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +56,15 @@ def proposals(endpoint: str) -> int:
     raise RuntimeError("etcd_server_proposals_committed_total not found in /metrics")
 
 
+def join_within(threads: list[threading.Thread], deadline: float) -> bool:
+    """Join every thread by ``deadline``; ``False`` if some are still running then (the cap was reached)."""
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            return False
+    return True
+
+
 def start_together(n: int, target: Any) -> tuple[list[threading.Thread], threading.Event]:
     go = threading.Event()
     threads = [threading.Thread(target=target, args=(i, go), daemon=True) for i in range(n)]
@@ -65,7 +76,7 @@ def start_together(n: int, target: Any) -> tuple[list[threading.Thread], threadi
 # -- workers (one fresh process each) ------------------------------------------------------------------------
 
 
-def worker_stalwart(n: int, endpoint: str) -> dict[str, Any]:
+def worker_stalwart(n: int, endpoint: str, cap: float) -> dict[str, Any]:
     from stalwart.agent.rendezvous import Rendezvous, RendezvousSettings
     from stalwart.api.rendezvous import NodeRecord
     from stalwart.keys import JobKeys
@@ -88,8 +99,8 @@ def worker_stalwart(n: int, endpoint: str) -> dict[str, Any]:
     before = proposals(endpoint)
     t0 = time.monotonic()
     go.set()
-    for t in threads:
-        t.join()
+    if not join_within(threads, t0 + cap):
+        return {"capped": True, "done": len(ranks)}
     seconds = time.monotonic() - t0
     writes = proposals(endpoint) - before
     assert sorted(ranks.values()) == list(range(n)), "ranks are not 0..N-1"
@@ -231,8 +242,8 @@ def worker_torch(impl: str, n: int, endpoint: str, cap: float) -> dict[str, Any]
     before = proposals(endpoint) if impl == "torch-etcd-v3" else 0
     t0 = time.monotonic()
     go.set()
-    for t in threads:
-        t.join()
+    if not join_within(threads, t0 + cap):
+        return {"capped": True, "done": len(ranks), "cas_failures": counting.failures}
     seconds = time.monotonic() - t0
     assert sorted(ranks.values()) == list(range(n)), "ranks are not 0..N-1"
     writes = (proposals(endpoint) - before) if impl == "torch-etcd-v3" else counting.attempts
@@ -241,7 +252,7 @@ def worker_torch(impl: str, n: int, endpoint: str, cap: float) -> dict[str, Any]
 
 def worker_main(args: argparse.Namespace) -> int:
     if args.worker == "stalwart":
-        result = worker_stalwart(args.worker_nodes, args.endpoint)
+        result = worker_stalwart(args.worker_nodes, args.endpoint, args.cap)
     elif args.worker == "stalwart-rerdzv":
         result = worker_stalwart_rerdzv(args.worker_nodes, args.endpoint)
     else:
@@ -260,7 +271,7 @@ def run_worker(mode: str, n: int, endpoint: str, cap: float) -> tuple[dict[str, 
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
-            proc.wait(timeout=cap + 60)
+            proc.wait(timeout=cap + 120)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -291,6 +302,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         return worker_main(args)
+    # A terminated run still stops its etcd server (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     etcd = EtcdServer()
     etcd.start()
     try:
@@ -298,7 +311,12 @@ def main() -> int:
             for impl in args.impls:
                 result, why = run_worker(impl, n, etcd.endpoint, args.cap)
                 if result is None:
-                    emit(impl, n, "seconds", args.cap, capped=True, note=why if why != "cap reached" else None)
+                    emit(impl, n, "seconds", args.cap, capped=True, note=why)
+                    continue
+                if result.get("capped"):
+                    emit(impl, n, "seconds", args.cap, capped=True, nodes_done=result["done"])
+                    if "cas_failures" in result:
+                        emit(impl, n, "cas_failures", result["cas_failures"], capped=True)
                     continue
                 emit(impl, n, "seconds", result["seconds"])
                 emit(impl, n, "writes_per_node", result["writes_per_node"],

@@ -250,3 +250,10 @@ def test_etcd_restarted_during_a_rendezvous(private_etcd: EtcdServer) -> None:
     finally:
         r.shutdown()
         store.close()
+
+
+def test_the_operators_expected_set_seals_without_the_last_call(make_rdzv) -> None:
+    r = make_rdzv(RendezvousSettings(min_nodes=1, max_nodes=8, last_call_timeout=600, node_ttl=30))
+    r.set_expected(["a", "b"])
+    got = infos(join_all([r.node(record("a")), r.node(record("b"))]))
+    assert {i.world_size for i in got.values()} == {2}

@@ -256,3 +256,14 @@ def check_manifest(m: Manifest, present: int, max_nodes: int) -> None:
     assert ranks == list(range(m.world_size))
     assert len(m.spares) == present - len(m.members)
     assert m.master_addr == m.members[0].address
+
+
+def test_settings_from_the_operators_job_record() -> None:
+    from stalwart.api.job_record import JobRecord
+
+    rec = JobRecord(job_name="j", namespace="ns", uid="u", members=["a", "b"], min_nodes=1, max_nodes=2,
+                    nproc_per_node=4, join_timeout_seconds=90, last_call_seconds=3, lease_ttl_seconds=1,
+                    max_restarts=3, soft_timeout_seconds=10, hard_timeout_seconds=20,
+                    barrier_timeout_seconds=30, backoff_limit=2)
+    s = RendezvousSettings.from_job_record(rec)
+    assert (s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.node_ttl) == (1, 2, 3, 90, 2)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stalwart.api.job_record import JobRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,3 +42,11 @@ class RendezvousSettings:
             raise ValueError(f"join_timeout: must be > 0 seconds, got {self.join_timeout}")
         if not isinstance(self.node_ttl, int) or self.node_ttl < 2:
             raise ValueError(f"node_ttl: must be an integer number of seconds >= 2, got {self.node_ttl}")
+
+    @classmethod
+    def from_job_record(cls, record: JobRecord) -> RendezvousSettings:
+        """The settings the operator's :class:`JobRecord` gives. A lease TTL below 2 s becomes 2 s, which is
+        what etcd grants anyway (its minimum TTL is about 1.5 election timeouts)."""
+        return cls(min_nodes=record.min_nodes, max_nodes=record.max_nodes,
+                   last_call_timeout=record.last_call_seconds, join_timeout=record.join_timeout_seconds,
+                   node_ttl=max(2, record.lease_ttl_seconds))
