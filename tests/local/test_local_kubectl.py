@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from local_helpers import ensure_widget_crd, get_json, phase_is, wait_until
@@ -171,3 +172,17 @@ spec:
     table = local_cluster.kubectl("-n", k8s_namespace, "get", "pods").stdout.splitlines()
     assert table[0].split() == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
     assert table[1].split()[:4] == ["hello", "0/1", "Error", "0"]
+
+
+def test_the_repository_crd_and_examples_apply_and_explain(local_cluster: LocalCluster,
+                                                           k8s_namespace: str) -> None:
+    root = Path(__file__).resolve().parents[2]
+    local_cluster.kubectl("apply", "-f", str(root / "crds" / "trainingjob.yaml"))
+    wait_until(lambda: local_cluster.kubectl("get", "tj", "-A", check=False).returncode == 0, "tj served")
+    out = local_cluster.kubectl("explain", "trainingjob.spec.restartPolicy").stdout
+    assert "FIELD: restartPolicy" in out
+    for example in sorted((root / "examples").glob("*.yaml")):
+        local_cluster.kubectl("-n", k8s_namespace, "apply", "-f", str(example))
+    table = local_cluster.kubectl("-n", k8s_namespace, "get", "tj").stdout.splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "READY", "WORLD", "ROUND", "RESTARTS", "AGE"]
+    assert len(table) - 1 == len(list((root / "examples").glob("*.yaml")))

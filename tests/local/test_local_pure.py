@@ -113,6 +113,10 @@ def test_schema_defaults_and_pruning() -> None:
                                      "other": True})
     assert pruned == {"apiVersion": "v", "kind": "K", "metadata": {}, "spec": {"n": 2}}
     assert dropped == ["spec.x", "other"]
+    # metadata is never pruned, even when the schema declares it as a bare object
+    with_meta = {**SCHEMA, "properties": {**SCHEMA["properties"], "metadata": {"type": "object"}}}
+    pruned, dropped = prune(with_meta, {"metadata": {"name": "n", "labels": {"a": "b"}}})
+    assert pruned == {"metadata": {"name": "n", "labels": {"a": "b"}}} and dropped == []
 
 
 def test_unsupported_rules_are_reported() -> None:

@@ -260,8 +260,9 @@ class ObjectStore:
             if dropped and opts.field_validation == "Warn":
                 opts.warnings += [f'unknown field "{d}"' for d in dropped]
             obj = pruned
-            body = {k: v for k, v in obj.items() if k not in ("metadata",)}
-            old_body = {k: v for k, v in (old or {}).items() if k not in ("metadata",)}
+            # CEL rules at the root see only metadata.name and metadata.generateName, as on a real API.
+            body = {**obj, "metadata": _cel_metadata(obj)}
+            old_body = {**(old or {}), "metadata": _cel_metadata(old or {})}
             problems += schemas.validate(schema, body, old=old_body, has_old=old is not None)
         else:
             obj = _builtin_defaults(self, info, obj, old, problems)
@@ -732,6 +733,11 @@ class ObjectStore:
             if infos and key in self.objects:
                 self.objects.pop(key)
         self.registry.remove_group_resource(group, plural)
+
+
+def _cel_metadata(obj: JSON) -> JSON:
+    meta = obj.get("metadata") or {}
+    return {k: meta[k] for k in ("name", "generateName") if k in meta}
 
 
 def _get_path(obj: JSON, path: list[str]) -> Any:

@@ -86,11 +86,11 @@ def prune(schema: JSON, value: Any, path: str = "", root: bool = True) -> tuple[
         embedded = bool(schema.get("x-kubernetes-embedded-resource"))
         out: JSON = {}
         for key, sub in value.items():
-            if key in props:
+            if (root or embedded) and key in _ROOT_IMPLICIT:
+                out[key] = sub  # object metadata is never pruned by a CRD schema
+            elif key in props:
                 out[key], more = prune(props[key], sub, _join(path, key), False)
                 dropped += more
-            elif (root or embedded) and key in _ROOT_IMPLICIT:
-                out[key] = sub
             elif isinstance(extra, dict):
                 out[key], more = prune(extra, sub, _join(path, key), False)
                 dropped += more
@@ -213,7 +213,7 @@ def validate(schema: JSON, value: Any, path: str = "", old: Any = None, *, has_o
         extra = schema.get("additionalProperties")
         olds_map = old if has_old and isinstance(old, dict) else {}
         for key, sub in value.items():
-            if root and key in _ROOT_IMPLICIT and key not in props:
+            if root and key in _ROOT_IMPLICIT:
                 continue
             sub_schema = props.get(key, extra if isinstance(extra, dict) else None)
             if sub_schema is not None:
