@@ -154,6 +154,79 @@ def free_port() -> int:
         return port
 
 
+class Installation:
+    """stalwart installed on a local cluster the way a user installs it: the Helm chart (real Helm library),
+    and the operator pod its Deployment describes.
+
+    The local cluster has no Deployment controller, so :meth:`start_operator` creates the pod from the
+    Deployment's template, as that controller would: what runs is the chart's command line and environment.
+    """
+
+    def __init__(self, cluster: Any, release: str = RELEASE, namespace: str = OPERATOR_NAMESPACE) -> None:
+        import helm_python
+
+        self.cluster = cluster
+        self.release = release
+        self.namespace = namespace
+        self.helm = helm_python.Config(kubeconfig_path=str(cluster.kubeconfig), namespace=namespace)
+        self.operator_pod = f"{release}-operator-0"
+        self.health_port = 0
+
+    def install_chart(self, timeout: int = 120) -> JSON:
+        """``helm install``; returns Helm's release summary."""
+        self.health_port = free_port()
+        values = {
+            "operator": {
+                # Pods of the local cluster share the loopback interface: a free port, bound on loopback only.
+                "healthPort": self.health_port,
+                # They have no service account token mounted either: the operator uses the cluster's kubeconfig.
+                "extraArgs": [f"--kubeconfig={self.cluster.kubeconfig}", "--health-host=127.0.0.1"],
+            },
+            # Jobs naming no endpoints use the local cluster's etcd (on a real cluster: etcd.enabled=true).
+            "etcd": {"externalEndpoints": [self.cluster.etcd_endpoint]},
+        }
+        release: JSON = self.helm.install(CHART_DIR, self.release, values, namespace=self.namespace,
+                                          create_namespace=True, timeout=timeout)
+        return release
+
+    def start_operator(self) -> list[str]:
+        """Create the operator pod from the release's Deployment; returns the container's arguments."""
+        deployment = json.loads(self.cluster.kubectl("get", "deployment", f"{self.release}-operator", "-n",
+                                                     self.namespace, "-o", "json").stdout)
+        template = deployment["spec"]["template"]
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": self.operator_pod, "namespace": self.namespace,
+                            "labels": template["metadata"]["labels"],
+                            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
+                                                 "name": deployment["metadata"]["name"],
+                                                 "uid": deployment["metadata"]["uid"], "controller": True}]},
+               "spec": template["spec"]}
+        self.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        args: list[str] = template["spec"]["containers"][0]["args"]
+        return args
+
+    def operator_ready(self) -> bool:
+        """What the readiness probe checks: the health endpoint answers 200. A failed pod raises DemoError."""
+        got = json.loads(self.cluster.kubectl("get", "pod", self.operator_pod, "-n", self.namespace, "-o",
+                                              "json").stdout)
+        if (got.get("status") or {}).get("phase") == "Failed":
+            raise DemoError(f"the operator pod failed; see: kubectl logs -n {self.namespace} {self.operator_pod}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2.0) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def uninstall(self) -> None:
+        """``helm uninstall`` (the Deployment goes, and with it, by its owner reference, the operator pod)."""
+        try:
+            self.helm.uninstall(self.release, ignore_not_found=True, timeout=60)
+            self.cluster.kubectl("delete", "pod", self.operator_pod, "-n", self.namespace, "--ignore-not-found",
+                                 "--wait=false", check=False)
+        finally:
+            self.helm.close()
+
+
 @dataclass
 class DemoResult:
     phase: str
@@ -169,7 +242,7 @@ class Demo:
         self.out = out
         self.start = time.monotonic()
         self.cluster: Any = None
-        self.helm: Any = None
+        self.install: Installation | None = None
         self.job_name = ""
         self._last_row = ""
         # Events read so far, by (pod, time, event): a killed pod's log is gone once the pod is.
@@ -207,8 +280,14 @@ class Demo:
         self.say(f"starting the local cluster in {self.opts.directory}")
         self.cluster = LocalCluster.up(self.opts.directory, nodes=3, timeout=120.0)
         self.say(f"API {self.cluster.api_url}, etcd {self.cluster.etcd_endpoint}, nodes {self.cluster.nodes}")
-        self.install_chart()
-        self.start_operator()
+        self.install = Installation(self.cluster)
+        release = self.install.install_chart()
+        self.say(f"helm install {RELEASE} helm/stalwart -n {OPERATOR_NAMESPACE}: {release['status']} "
+                 f"(revision {release['revision']})")
+        args = self.install.start_operator()
+        self.say(f"operator pod started from the chart's Deployment: stalwart {' '.join(args)}")
+        self.wait_for("the operator's health endpoint", self.install.operator_ready, 120)
+        self.say("operator ready (/healthz answers)")
         job = demo_job(yaml.safe_load(EXAMPLE.read_text()), self.opts)
         self.job_name = job["metadata"]["name"]
         self.say(f"kubectl apply -f {EXAMPLE.relative_to(REPO)}  (+ rank {self.opts.fail_rank} raises at step "
@@ -248,61 +327,6 @@ class Demo:
         self.say(f"job {self.job_name}: {phase}")
         print(self.cluster.kubectl("get", "tj", "-n", JOB_NAMESPACE).stdout, file=self.out, flush=True)
         return DemoResult(phase=str(phase), recoveries=recoveries, final_status=status)
-
-    def install_chart(self) -> None:
-        import helm_python
-
-        health_port = free_port()
-        values = {
-            "operator": {
-                "healthPort": health_port,
-                # A pod of the local cluster has no service account token mounted: use its kubeconfig.
-                "extraArgs": [f"--kubeconfig={self.cluster.kubeconfig}", "--health-host=127.0.0.1"],
-            },
-            # Jobs naming no endpoints use the local cluster's etcd (a real cluster would use etcd.enabled).
-            "etcd": {"externalEndpoints": [self.cluster.etcd_endpoint]},
-        }
-        self.helm = helm_python.Config(kubeconfig_path=str(self.cluster.kubeconfig), namespace=OPERATOR_NAMESPACE)
-        release = self.helm.install(CHART_DIR, RELEASE, values, namespace=OPERATOR_NAMESPACE, create_namespace=True,
-                                    timeout=120)
-        self.say(f"helm install {RELEASE} helm/stalwart -n {OPERATOR_NAMESPACE}: {release['status']} "
-                 f"(revision {release['revision']})")
-
-    def start_operator(self) -> None:
-        """Create the operator pod from the chart's Deployment (what a Deployment controller would do) and wait
-        until its health endpoint answers (what the readiness probe would check)."""
-        deployment = json.loads(self.cluster.kubectl("get", "deployment", f"{RELEASE}-operator", "-n",
-                                                     OPERATOR_NAMESPACE, "-o", "json").stdout)
-        template = deployment["spec"]["template"]
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": f"{RELEASE}-operator-0", "namespace": OPERATOR_NAMESPACE,
-                            "labels": template["metadata"]["labels"],
-                            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
-                                                 "name": deployment["metadata"]["name"],
-                                                 "uid": deployment["metadata"]["uid"], "controller": True}]},
-               "spec": template["spec"]}
-        self.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-        container = template["spec"]["containers"][0]
-        port = next(p["containerPort"] for p in container["ports"] if p["name"] == "health")
-        self.say(f"operator pod started from the Deployment's template: {' '.join(container['args'])}")
-
-        def healthy() -> bool:
-            got = json.loads(self.cluster.kubectl("get", "pod", pod["metadata"]["name"], "-n", OPERATOR_NAMESPACE,
-                                                  "-o", "json").stdout)
-            ip = (got.get("status") or {}).get("podIP")
-            if (got.get("status") or {}).get("phase") == "Failed":
-                raise DemoError(f"the operator pod failed; see: kubectl logs -n {OPERATOR_NAMESPACE} "
-                                f"{pod['metadata']['name']}")
-            if not ip:
-                return False
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2.0) as resp:
-                    return bool(resp.status == 200)
-            except (urllib.error.URLError, OSError):
-                return False
-
-        self.wait_for("the operator's health endpoint", healthy, 120)
-        self.say("operator ready (/healthz answers)")
 
     # -- observations -----------------------------------------------------------------------------------------
 
@@ -359,11 +383,9 @@ class Demo:
             if self.job_name:
                 self.cluster.kubectl("delete", "tj", self.job_name, "-n", JOB_NAMESPACE, "--wait=false",
                                      check=False, timeout=30)
-        if self.helm is not None:
+        if self.install is not None:
             with contextlib.suppress(Exception):
-                self.helm.uninstall(RELEASE, ignore_not_found=True, timeout=60)
-            with contextlib.suppress(Exception):
-                self.helm.close()
+                self.install.uninstall()
         self.cluster.down()
 
 

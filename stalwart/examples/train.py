@@ -17,8 +17,9 @@ Recovery, in the order it is tried:
   rank 0 writes atomically every ``--checkpoint-every`` steps (tensors only; loaded with ``weights_only``).
 
 Fault injection for demos and tests (environment): ``STALWART_EXAMPLE_FAIL_AT_STEP=N`` makes rank
-``STALWART_EXAMPLE_FAIL_RANK`` (default 0) raise :class:`InjectedFault` when it reaches step ``N``, once per
-checkpoint directory (a marker file records that it happened, so a restarted or replaced rank does not fail again).
+``STALWART_EXAMPLE_FAIL_RANK`` (default 0) raise :class:`InjectedFault` when it reaches step ``N``, at most
+``STALWART_EXAMPLE_FAIL_TIMES`` times (default 1) per checkpoint directory (marker files count the faults, so a
+restarted or replaced rank fails again only while the count lasts).
 
 Output: one JSON object per line on stdout, each with its ``time`` (``start``, ``resume``, ``fault``, ``step`` every
 ``--log-every`` steps, ``done``).
@@ -49,6 +50,7 @@ log = logging.getLogger("stalwart.examples.train")
 
 FAIL_AT_STEP_ENV = "STALWART_EXAMPLE_FAIL_AT_STEP"
 FAIL_RANK_ENV = "STALWART_EXAMPLE_FAIL_RANK"
+FAIL_TIMES_ENV = "STALWART_EXAMPLE_FAIL_TIMES"
 CHECKPOINT_DIR_ENV = "STALWART_CHECKPOINT_DIR"
 CHECKPOINT_NAME = "checkpoint.pt"
 FAULT_MARKER = "fault-injected"
@@ -73,6 +75,7 @@ class Options:
     step_delay: float
     fail_at_step: int | None
     fail_rank: int
+    fail_times: int = 1
 
 
 @dataclass
@@ -127,13 +130,19 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
         fail_rank = int(env.get(FAIL_RANK_ENV, "0"))
     except ValueError:
         raise ValueError(f"{FAIL_RANK_ENV} must be an integer rank, got {env[FAIL_RANK_ENV]!r}") from None
+    try:
+        fail_times = int(env.get(FAIL_TIMES_ENV, "1"))
+    except ValueError:
+        fail_times = 0
+    if fail_times < 1:
+        raise ValueError(f"{FAIL_TIMES_ENV} must be a positive integer, got {env[FAIL_TIMES_ENV]!r}")
     if args.step_delay < 0:
         raise ValueError(f"--step-delay must be >= 0, got {args.step_delay}")
     return Options(steps=_positive("--steps", steps), batch_size=_positive("--batch-size", args.batch_size),
                    lr=args.lr, seed=args.seed, checkpoint_dir=Path(checkpoint_dir),
                    checkpoint_every=_positive("--checkpoint-every", args.checkpoint_every),
                    log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
-                   fail_at_step=fail_at, fail_rank=fail_rank)
+                   fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times)
 
 
 def build_model(seed: int) -> nn.Module:
@@ -196,14 +205,17 @@ def agree_on_state(state: TrainState, rank: int, world_size: int) -> int:
 def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
     if opts.fail_at_step is None or step != opts.fail_at_step or rank != opts.fail_rank:
         return
-    marker = opts.checkpoint_dir / FAULT_MARKER
     opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        # O_EXCL: exactly one injection per checkpoint directory, even when several processes race here.
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
+    for count in range(opts.fail_times):
+        try:
+            # O_EXCL: each marker is taken once, even when several processes race here.
+            os.close(os.open(opts.checkpoint_dir / f"{FAULT_MARKER}-{count}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            break
+        except FileExistsError:
+            continue
+    else:
         return
-    emit("fault", rank=rank, step=step)
+    emit("fault", rank=rank, step=step, count=count + 1)
     raise InjectedFault(f"injected fault at step {step} on rank {rank} ({FAIL_AT_STEP_ENV}={opts.fail_at_step})")
 
 

@@ -79,7 +79,7 @@ def test_injected_fault_then_resume_from_checkpoint(tmp_path: Path) -> None:
     first = run_ranks(2, args, env)
     code, events, err = first[1]
     assert code != 0 and "InjectedFault: injected fault at step 25 on rank 1" in err
-    assert of(events, "fault") == [{"event": "fault", "rank": 1, "step": 25}]
+    assert of(events, "fault") == [{"event": "fault", "rank": 1, "step": 25, "count": 1}]
     assert first[0][0] != 0, "rank 0 cannot finish without its peer"
     # A fresh start (what a replaced pod does) resumes from the last checkpoint; the fault is not injected again.
     second = run_ranks(2, args, env)
@@ -116,12 +116,24 @@ def test_batches_are_a_pure_function_of_step_and_rank() -> None:
     (["--steps", "0"], {}, "--steps must be a positive integer, got 0"),
     (["--epochs", "2", "--steps-per-epoch", "-1"], {}, "--steps-per-epoch must be a positive integer"),
     (["--step-delay", "-1"], {}, "--step-delay must be >= 0"),
+    ([], {train.FAIL_TIMES_ENV: "0"}, f"{train.FAIL_TIMES_ENV} must be a positive integer, got '0'"),
     ([], {train.FAIL_AT_STEP_ENV: "soon"}, f"{train.FAIL_AT_STEP_ENV} must be an integer step, got 'soon'"),
     ([], {train.FAIL_RANK_ENV: "x"}, f"{train.FAIL_RANK_ENV} must be an integer rank"),
 ])
 def test_bad_options_name_the_option(argv: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match="^" + message.replace("-", r"\-").replace("(", r"\(")):
         train.parse_options(argv, env)
+
+
+def test_fault_injection_count(tmp_path: Path) -> None:
+    opts = train.parse_options(["--checkpoint-dir", str(tmp_path)],
+                               {train.FAIL_AT_STEP_ENV: "3", train.FAIL_RANK_ENV: "1", train.FAIL_TIMES_ENV: "2"})
+    train.maybe_inject_fault(opts, rank=0, step=3)  # another rank
+    train.maybe_inject_fault(opts, rank=1, step=2)  # another step
+    for _ in range(2):
+        with pytest.raises(train.InjectedFault, match="injected fault at step 3 on rank 1"):
+            train.maybe_inject_fault(opts, rank=1, step=3)
+    train.maybe_inject_fault(opts, rank=1, step=3)  # the count is spent
 
 
 def test_options_from_arguments_and_environment(tmp_path: Path) -> None:
@@ -157,4 +169,4 @@ def test_in_process_restart_after_an_injected_fault(tmp_path: Path, etcd: Any, s
         # After the restart the ranks agree on the most advanced state in memory, not on the checkpoint (20).
         assert resumes[1]["step"] == 25
         assert of(events, "done")[0]["step"] == 40
-    assert of(results[1][1], "fault") == [{"event": "fault", "rank": 1, "step": 25}]
+    assert of(results[1][1], "fault") == [{"event": "fault", "rank": 1, "step": 25, "count": 1}]
