@@ -99,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await operate(config, lambda: kube_from_config(args.kubeconfig, args.concurrency), stop_flag=stop)
+        kube = kube_from_config(args.kubeconfig, args.concurrency)
+        try:
+            await operate(config, kube, stop_flag=stop)
+        finally:
+            kube.close()
 
     asyncio.run(main())
     return 0

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import random
 import threading
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,9 +66,9 @@ def _index_pod(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[s
     return {(namespace, job): (str(owner), view)}
 
 
-def build_registry(config: OperatorConfig, kube_factory: Any) -> kopf.OperatorRegistry:
-    """A kopf registry with the operator's handlers. ``kube_factory()`` returns the :class:`Kube` adapter
-    (created at startup, inside the operator's event loop)."""
+def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
+    """A kopf registry with the operator's handlers, calling the API through ``kube`` (kopf logs in with the
+    same credentials)."""
     registry = kopf.OperatorRegistry()
     state: dict[str, OperatorContext] = {}
     runners: dict[tuple[str, str], JobRunner] = {}
@@ -88,7 +87,7 @@ def build_registry(config: OperatorConfig, kube_factory: Any) -> kopf.OperatorRe
             settings.peering.name = config.peering
             settings.peering.mandatory = True
             settings.peering.clusterwide = not config.namespaces
-        ctx = OperatorContext(kube=kube_factory(), etcd=EtcdAccess(timeout=config.etcd_timeout),
+        ctx = OperatorContext(kube=kube, etcd=EtcdAccess(timeout=config.etcd_timeout),
                               settings=config.settings, default_endpoints=config.default_endpoints,
                               loop=asyncio.get_running_loop())
         ctx.etcd.on_change = ctx.wake_uid_threadsafe
@@ -99,12 +98,10 @@ def build_registry(config: OperatorConfig, kube_factory: Any) -> kopf.OperatorRe
         ctx = state.pop("ctx", None)
         if ctx is not None:
             await asyncio.to_thread(ctx.etcd.close)
-            await asyncio.to_thread(ctx.kube.close)
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
-        return info
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(kube.api_client.configuration)
 
     @kopf.on.probe(id="jobs", registry=registry)
     def probe_jobs(**_: Any) -> int:
@@ -212,11 +209,15 @@ def _scope(config: OperatorConfig) -> dict[str, Any]:
     return {"clusterwide": True}
 
 
-async def operate(config: OperatorConfig, kube_factory: Any, *,
+async def operate(config: OperatorConfig, kube: Kube, *,
                   stop_flag: asyncio.Event | threading.Event | None = None,
                   ready_flag: asyncio.Event | threading.Event | None = None) -> None:
     """Run the operator until ``stop_flag`` is set (or the task is cancelled)."""
-    registry = build_registry(config, kube_factory)
+    registry = build_registry(config, kube)
+    if not log.isEnabledFor(logging.DEBUG):
+        # kopf logs every handler call at INFO: one line per pod event is noise at scale.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     standalone = config.peering is None
     # kopf lets the peer with the highest priority work and pauses the others; equal priorities would all
     # work at once, so each replica draws its own unless told.
@@ -245,5 +246,14 @@ def kube_from_config(kubeconfig: str | None, concurrency: int) -> Kube:
     return Kube(client.ApiClient(cfg), concurrency=concurrency)
 
 
-def namespaces_arg(values: Collection[str] | None) -> tuple[str, ...]:
-    return tuple(sorted(set(values or ())))
+def connection_info(cfg: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials from a ``kubernetes.client.Configuration``, so both clients talk to the same
+    server the same way."""
+    token = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
+    scheme = None
+    if token:
+        scheme, _, token = token.partition(" ") if " " in token else ("Bearer", "", token)
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl, username=cfg.username or None,
+        password=cfg.password or None, scheme=scheme, token=token or None, certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file, expiration=None)

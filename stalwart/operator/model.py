@@ -109,13 +109,18 @@ class JobView:
 @dataclass(frozen=True, slots=True)
 class Observation:
     """Everything one reconcile looks at. ``now`` is Unix seconds; ``last_status_patch`` is when this
-    operator last patched the job's status (None if never)."""
+    operator last patched the job's status (None if never).
+
+    ``job.status`` is the status the previous reconcile *decided* (events and counters are relative to it, so
+    each fires once); ``written_status`` is the one last patched to the API, when that differs (a patch held
+    back by the rate limit). None means the two are the same."""
 
     job: JobView
     pods: tuple[PodView, ...]
     etcd: EtcdView
     now: float
     last_status_patch: float | None = None
+    written_status: TrainingJobStatus | None = None
     #: The job's headless Service and Secret were created (or found) by this operator already.
     owned_objects_ready: bool = False
 

@@ -254,7 +254,8 @@ def _finish(w: _Work) -> Decision:
     # Re-validate so derived fields (totalRestarts) follow the counters.
     status = TrainingJobStatus.model_validate(status.model_dump())
     actions: list[Action] = [*w.actions, *w.events]
-    changed = status != old
+    written = w.obs.written_status if w.obs.written_status is not None else old
+    changed = status != written
     if changed:
         last = w.obs.last_status_patch
         wait = 0.0 if last is None else w.settings.status_interval - (w.now - last)
@@ -611,7 +612,7 @@ def _phase(w: _Work, spec: TrainingJobSpec, live: Sequence[PodView], lost_now: b
         if gone and (lost_now or any(n not in {p.name for p in live} for n in gone)):
             restarting_reason = f"member(s) {', '.join(gone[:5])} lost"
         current = [p for p in etcd.progress if p.epoch == etcd.epoch]
-        if any(p.state == "restarting" for p in current):
+        if any(p.state == "restarting" and p.restarts_in_process > 0 for p in current):
             restarting_reason = restarting_reason or "in-process restart"
         if any(p.epoch < etcd.epoch and p.state == "joining" for p in etcd.progress) and not current:
             restarting_reason = restarting_reason or "new rendezvous round"

@@ -79,6 +79,7 @@ class JobRunner:
         self.ctx = ctx
         self.namespace = namespace
         self.name = name
+        self.decided_status: TrainingJobStatus | None = None
         self.written_status: TrainingJobStatus | None = None
         self.last_patch: float | None = None
         self.owned_ready = False
@@ -94,8 +95,8 @@ class JobRunner:
     async def observe(self, body: Mapping[str, Any], pods: Sequence[PodView]) -> Observation:
         now = time.time()
         job = job_view(body)
-        if self.written_status is not None:
-            job = replace(job, status=self.written_status)
+        if self.decided_status is not None:
+            job = replace(job, status=self.decided_status)
         etcd = EtcdView(reachable=False)
         endpoints = self.endpoints(job)
         if endpoints and job.uid and not job.deleting:
@@ -110,23 +111,28 @@ class JobRunner:
         for pod_name in [n for n, _ in self.deleted.items() if n not in watched or watched[n].deleting]:
             del self.deleted[pod_name]
         return Observation(job=job, pods=overlay(pods, self.created, self.deleted, now), etcd=etcd, now=now,
-                           last_status_patch=self.last_patch, owned_objects_ready=self.owned_ready)
+                           last_status_patch=self.last_patch, owned_objects_ready=self.owned_ready,
+                           written_status=self.written_status)
 
     async def step(self, body: Mapping[str, Any], pods: Sequence[PodView]) -> Decision:
         """One reconcile. Raises only on bugs; API and etcd failures are logged and retried next time."""
         started = time.perf_counter()
         obs = await self.observe(body, pods)
         decision = reconcile(obs, self.ctx.settings)
-        await self.apply(obs, decision, body)
+        if await self.apply(obs, decision, body):
+            self.decided_status = decision.status
+            if self.written_status is None:
+                self.written_status = obs.job.status
         metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
         return decision
 
     # -- applying ------------------------------------------------------------------------------------------
 
-    async def apply(self, obs: Observation, decision: Decision, body: Mapping[str, Any]) -> None:
-        """Apply the actions in order. A failed fence stops everything after it (no replacement may join
-        while a lost pod may still act); a failed pod creation withholds the status patch (its counters
-        assumed the pod exists), so the next reconcile decides again from the last written status."""
+    async def apply(self, obs: Observation, decision: Decision, body: Mapping[str, Any]) -> bool:
+        """Apply the actions in order; False when the decision must be taken again from the previous decided
+        status. A failed fence stops everything after it (no replacement may join while a lost pod may still
+        act); a failed pod creation withholds the status patch and Events (its counters assumed the pod
+        exists). A failed status patch or Event only logs: the next reconcile retries it."""
         job = obs.job
         endpoints = self.endpoints(job)
         keys = JobKeys(self.namespace, job.uid) if job.uid else None
@@ -142,6 +148,8 @@ class JobRunner:
                 j += 1
             batch = actions[i:j]
             i = j
+            if not ok and isinstance(action, (PatchStatus, EmitEvent)):
+                continue  # they describe pods that were not created; the next reconcile decides again
             try:
                 if isinstance(action, EnsureOwnedObjects):
                     await self._ensure_owned(job)
@@ -167,8 +175,7 @@ class JobRunner:
                     assert keys is not None
                     await asyncio.to_thread(self.ctx.etcd.close_rendezvous, endpoints, keys, action.reason)
                 elif isinstance(action, PatchStatus):
-                    if ok:
-                        await self._patch_status(obs, action.status)
+                    await self._patch_status(obs, action.status)
                 elif isinstance(action, EmitEvent):
                     await self._gather([kube.event(ns, self.name, job.uid, type_=a.type, reason=a.reason,
                                                    message=a.message)
@@ -179,8 +186,9 @@ class JobRunner:
             except (KubeError, StoreError, ValueError) as e:
                 log.warning("job %s/%s: %s failed: %s", ns, self.name, type(action).__name__, e)
                 if isinstance(action, (RevokeLease, EnsureOwnedObjects, WriteJobRecord)):
-                    return  # what follows depends on it
-                ok = False
+                    return False  # what follows depends on it
+                # A failed status patch or Event is retried by the next reconcile (decided != written).
+        return ok
 
     async def _gather(self, calls: Sequence[Any]) -> bool:
         results = await asyncio.gather(*calls, return_exceptions=True)
