@@ -1,5 +1,5 @@
-"""The local cluster's control-plane process: a real etcd, the API emulator and the process kubelet, run until
-SIGTERM/SIGINT. ``stalwart local up`` starts it in the background (``python -m stalwart.local.controlplane``);
+"""The local cluster's control-plane process: a real etcd, the API emulator, the process kubelet and the
+controllers of :mod:`.controllers`, run until SIGTERM/SIGINT. ``stalwart local up`` starts it in the background (``python -m stalwart.local.controlplane``);
 it starts from a clean ``<dir>/etcd`` and ``<dir>/pods``, writes ``<dir>/kubeconfig`` and, once everything
 serves, ``<dir>/state.json`` (see :mod:`.cluster`).
 
@@ -27,6 +27,7 @@ from aiohttp import web
 
 from stalwart.local.apiserver.http import ApiServer
 from stalwart.local.apiserver.objects import ObjectStore
+from stalwart.local.controllers import Controllers
 from stalwart.local.etcd import EtcdServer, free_port
 from stalwart.local.kubelet import ProcessKubelet
 
@@ -82,6 +83,7 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
     port = port or free_port()
     store = ObjectStore()
     kubelet = ProcessKubelet(store, directory, [f"local-{i}" for i in range(nodes)], api_port=port)
+    controllers = Controllers(store)
     server = ApiServer(store, kubelet)
     _add_admin_routes(server.app, kubelet)
     runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
@@ -90,6 +92,7 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
     try:
         await site.start()
         kubelet.start()
+        controllers.start()
         api_url = f"http://127.0.0.1:{port}"
         (directory / KUBECONFIG_FILE).write_text(yaml.safe_dump(kubeconfig(api_url)))
         state = {"pid": os.getpid(), "api_url": api_url, "etcd_endpoint": etcd.endpoint if etcd else None,
@@ -104,6 +107,7 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
         with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
             if json.loads((directory / STATE_FILE).read_text())["pid"] == os.getpid():
                 (directory / STATE_FILE).unlink()
+        await controllers.stop()
         await kubelet.shutdown()
         await runner.cleanup()
         if etcd is not None:

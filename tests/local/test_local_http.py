@@ -98,3 +98,8 @@ def test_follow_logs_with_the_client(kube_api: Any, k8s_namespace: str) -> None:
                "talker to start")
     text = core.read_namespaced_pod_log("talker", k8s_namespace, follow=True, _request_timeout=60)
     assert text == "0\n1\n2\n"
+
+
+def test_each_namespace_gets_a_default_service_account(local_cluster: LocalCluster, k8s_namespace: str) -> None:
+    wait_until(lambda: local_cluster.kubectl("-n", k8s_namespace, "get", "serviceaccount", "default",
+                                             check=False).returncode == 0, "the default ServiceAccount")

@@ -106,10 +106,12 @@ def test_helm_install_upgrade_uninstall(local_cluster: LocalCluster, k8s_namespa
         assert cfg.status("rel")["status"] == "deployed"
         assert get_json(local_cluster, "-n", ns, "configmap", "rel-config")["data"] == {"greeting": "hi"}
         assert get_json(local_cluster, "-n", ns, "deployment", "rel-op")["spec"]["replicas"] == 1
+        wait_until(lambda: ready_replicas(local_cluster, ns, "rel-op") == 1, "the Deployment's pod to be ready")
         cfg.upgrade(str(chart), "rel", {"greeting": "bye", "replicas": 2})
         assert cfg.status("rel")["revision"] == 2
         assert get_json(local_cluster, "-n", ns, "configmap", "rel-config")["data"] == {"greeting": "bye"}
         assert get_json(local_cluster, "-n", ns, "deployment", "rel-op")["spec"]["replicas"] == 2
+        wait_until(lambda: ready_replicas(local_cluster, ns, "rel-op") == 2, "two ready pods after the upgrade")
         secrets = get_json(local_cluster, "-n", ns, "secrets", "-l", "owner=helm")["items"]
         assert sorted(s["metadata"]["name"] for s in secrets) == ["sh.helm.release.v1.rel.v1",
                                                                   "sh.helm.release.v1.rel.v2"]
@@ -118,6 +120,15 @@ def test_helm_install_upgrade_uninstall(local_cluster: LocalCluster, k8s_namespa
     for kind in ("configmap/rel-config", "deployment/rel-op", "serviceaccount/rel-sa", "role/rel-role"):
         assert local_cluster.kubectl("-n", ns, "get", kind, check=False).returncode != 0, kind
     assert get_json(local_cluster, "-n", ns, "secrets", "-l", "owner=helm")["items"] == []
+    wait_until(lambda: not get_json(local_cluster, "-n", ns, "pods", "-l", "app=demo")["items"],
+               "the Deployment's pods to go with it")
+
+
+def ready_replicas(cluster: LocalCluster, ns: str, name: str) -> int:
+    status = get_json(cluster, "-n", ns, "deployment", name).get("status") or {}
+    pods = get_json(cluster, "-n", ns, "pods", "-l", "app=demo")["items"]
+    running = [p for p in pods if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+    return int(status.get("readyReplicas", 0)) if len(running) == int(status.get("readyReplicas", 0)) else -1
 
 
 def test_cli_up_status_down_leaves_no_process(tmp_path: Path) -> None:
