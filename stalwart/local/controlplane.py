@@ -1,7 +1,7 @@
 """The local cluster's control-plane process: a real etcd, the API emulator, the process kubelet and the
-controllers of :mod:`.controllers`, run until SIGTERM/SIGINT. ``stalwart local up`` starts it in the background (``python -m stalwart.local.controlplane``);
-it starts from a clean ``<dir>/etcd`` and ``<dir>/pods``, writes ``<dir>/kubeconfig`` and, once everything
-serves, ``<dir>/state.json`` (see :mod:`.cluster`).
+controllers of :mod:`.controllers`, run until SIGTERM/SIGINT. ``stalwart local up`` starts it in the background
+(``python -m stalwart.local.controlplane``); it starts from a clean ``<dir>/etcd`` and ``<dir>/pods``, writes
+``<dir>/kubeconfig`` and, once everything serves, ``<dir>/state.json`` (see :mod:`.cluster`).
 
 On shutdown it stops every pod (SIGTERM, SIGKILL after a short grace), the HTTP server and etcd, and removes
 ``state.json``. Containers are started with a parent-death signal, so even a killed control plane leaves no
