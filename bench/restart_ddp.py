@@ -33,13 +33,15 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["plain", "wrapped"], default="wrapped")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--fault", choices=["none", "exception", "sigkill", "hang", "exception-always"],
+    p.add_argument("--fault", choices=["none", "exception", "sigkill", "hang", "hang-hard", "exception-always"],
                    default="none")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=5)
     p.add_argument("--faults", type=int, default=1, help="how many times to inject the fault")
     p.add_argument("--second-fault", choices=["none", "exception", "sigkill"], default="none",
-                   help="a second fault, in the first step after the first restart (another rank)")
+                   help="a second fault during the first restart, before training resumes (another rank)")
+    p.add_argument("--leak-report", action="store_true",
+                   help="write threads, fds, child processes and etcd keys at the start of every iteration")
     p.add_argument("--marker-dir", default="")
     p.add_argument("--out", default="")
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -86,10 +88,55 @@ def inject(kind: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "hang":
         time.sleep(3600)
+    if kind == "hang-hard":
+        # Blocked in C with the wakeup signal masked: only the agent's hard timeout can end this.
+        import ctypes
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        ctypes.CDLL(None).pause()
+
+
+def leak_report(args: argparse.Namespace, rank: int, restarts: int) -> None:
+    import threading
+
+    from stalwart.store import Store
+
+    endpoints = os.environ["STALWART_ETCD_ENDPOINTS"].split(",")
+    uid = os.environ["STALWART_JOB_UID"]
+    ns = os.environ["STALWART_JOB"].partition("/")[0]
+    with Store(endpoints) as s:
+        keys = s.count_prefix(f"/stalwart/v1/{ns}/{uid}/")
+    native_threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
+    report = {"leak": True, "rank": rank, "iteration": restarts, "threads": threading.active_count(),
+              "native_threads": native_threads, "fds": len(os.listdir("/proc/self/fd")), "etcd_keys": keys,
+              "children": _children()}
+    with open(args.out, "a") as f:
+        f.write(json.dumps(report) + "\n")
+
+
+def _children() -> int:
+    me = str(os.getpid())
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] == me:
+                    n += 1
+        except OSError:
+            continue
+    return n
 
 
 def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.leak_report:
+        leak_report(args, rank, restarts)
+    if restarts == 1 and args.second_fault != "none" and rank == (args.fault_rank + 1) % world \
+            and fault_due(argparse.Namespace(**{**vars(args), "fault_rank": rank, "fault_step": 0, "faults": 1,
+                                                 "fault": args.second_fault}), "second", rank, 0):
+        inject(args.second_fault)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.hidden, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     # Agree on the state: the lowest rank among those with the most committed steps is the source.
@@ -114,11 +161,6 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
         t0 = time.perf_counter()
         if fault_due(args, "fault", rank, step):
             inject(args.fault)
-        if restarts >= 1 and args.second_fault != "none" and rank == (args.fault_rank + 1) % world \
-                and fault_due(argparse.Namespace(**{**vars(args), "fault_rank": rank, "fault_step": step,
-                                                     "faults": 1, "fault": args.second_fault}),
-                              "second", rank, step):
-            inject(args.second_fault)
         x, y = batch(step, rank, args.hidden)
         opt.zero_grad()
         loss = nn.functional.mse_loss(ddp(x), y)

@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar, overload
@@ -85,12 +86,26 @@ def _seconds(name: str, value: float) -> float:
 
 @dataclass(frozen=True)
 class RestartConfig:
-    """Every knob of :func:`restartable`, validated on construction (errors name the argument)."""
+    """Every knob of :func:`restartable`, validated on construction (errors name the argument).
+
+    * ``max_restarts``: in-process restarts allowed; one more fault exits ``RESTARTS_EXHAUSTED``.
+    * ``soft_timeout``: seconds without progress of the main thread (or ``ping()``) after which the
+      iteration is interrupted and restarted (progress is sampled with one-second resolution).
+    * ``hard_timeout``: seconds without progress after which the agent kills and respawns the process
+      (must exceed ``soft_timeout``).
+    * ``barrier_timeout``: how long an iteration barrier waits for missing processes before it seals
+      without them; ``start_timeout``: the same for the first iteration, when processes are still starting.
+    * ``completion_timeout``: how long a returned rank waits for the others to return.
+    * ``heartbeat_ttl``: TTL (seconds) of the process's etcd lease; ``monitor_interval``: the monitor's tick.
+    * ``initialize``, ``abort``, ``finalize``, ``health_check``, ``rank_assignment``: the policies.
+    * ``etcd_timeout``: deadline of each etcd call.
+    """
 
     max_restarts: int = 10
     soft_timeout: float = 60.0
     hard_timeout: float = 120.0
     barrier_timeout: float = 60.0
+    start_timeout: float = 300.0
     completion_timeout: float = 60.0
     heartbeat_ttl: int = 10
     monitor_interval: float = 0.1
@@ -104,7 +119,7 @@ class RestartConfig:
     def __post_init__(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts: expected an int >= 0, got {self.max_restarts!r}")
-        for name in ("soft_timeout", "hard_timeout", "barrier_timeout", "completion_timeout",
+        for name in ("soft_timeout", "hard_timeout", "barrier_timeout", "start_timeout", "completion_timeout",
                      "monitor_interval", "etcd_timeout"):
             _seconds(name, getattr(self, name))
         if self.hard_timeout <= self.soft_timeout:
@@ -224,6 +239,8 @@ class _Session:
             return max(view.arrivals, default=0)
         latest = max(view.seals)
         seal = view.seals[latest]
+        if seal.error:
+            raise RestartExit(ExitCode.WORLD_TOO_SMALL, seal.error)
         if latest + 1 in view.arrivals:
             return latest + 1
         if str(self.env.slot) in seal.ranks and latest not in view.faults:
@@ -257,7 +274,10 @@ class _Session:
         if not healthy:
             return SealRecord(iteration=iteration, world_size=0, ranks={}, sealed_by=self.env.slot,
                               error="unhealthy")
-        deadline = time.monotonic() + self.config.barrier_timeout
+        # Processes start at different speeds (imports, CUDA): the first barrier waits longer.
+        wait = self.config.barrier_timeout if iteration else max(self.config.barrier_timeout,
+                                                                 self.config.start_timeout)
+        deadline = time.monotonic() + wait
 
         def ready(view: EpochView) -> object:
             if iteration in view.seals:
@@ -379,6 +399,7 @@ class _Session:
                                                                 reason=repr(fault)[:2048], time=time.time()))
         self.monitor.update_status(state="restarting")
         self._abort(ctx)
+        _release(fault)
         return None
 
     def _abort(self, ctx: IterationContext) -> None:
@@ -397,6 +418,22 @@ class _Session:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _release(fault: BaseException) -> None:
+    """Drop what the failed iteration's frames still hold (model, DDP, the process group and its threads and
+    sockets) now, instead of at the next garbage collection: the traceback links those frames to the
+    exception, and the exception is referenced from a frame still running."""
+    tb = fault.__traceback__
+    if tb is not None:
+        traceback.clear_frames(tb)
+    fault.__traceback__ = None
+    ctx = fault.__context__
+    while ctx is not None:
+        if ctx.__traceback__ is not None:
+            traceback.clear_frames(ctx.__traceback__)
+            ctx.__traceback__ = None
+        ctx = ctx.__context__
 
 
 def _injection(fn: Callable[..., Any]) -> str | None:

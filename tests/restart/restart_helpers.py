@@ -1,0 +1,91 @@
+"""Launch the DDP test script (bench/restart_ddp.py) as rank processes with the environment an agent gives,
+against a real etcd, and read back what each rank wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stalwart.keys import JobKeys
+from stalwart.local.etcd import EtcdServer
+from stalwart.store import Store
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "bench" / "restart_ddp.py")
+TIMEOUT = 240
+
+
+@dataclass
+class Run:
+    codes: list[int]
+    results: list[dict[str, Any]]
+    leaks: list[dict[str, Any]]
+    work: Path
+    keys: JobKeys
+    stderr: list[str]
+
+    def by_rank(self) -> dict[int, dict[str, Any]]:
+        return {r["rank"]: r for r in self.results}
+
+
+def new_job(store: Store) -> tuple[JobKeys, int]:
+    """A fresh job prefix with a sealed-looking manifest key; its mod_revision is the epoch."""
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    epoch = store.put(keys.rendezvous + "manifest", b"{}")
+    return keys, epoch
+
+
+def rank_env(etcd: EtcdServer, keys: JobKeys, epoch: int, slot: int, slots: int, target: int,
+             work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "STALWART_ETCD_ENDPOINTS": etcd.endpoint, "STALWART_JOB": f"{keys.namespace}/job",
+        "STALWART_JOB_UID": keys.uid, "STALWART_NODE_ID": "node-0", "STALWART_EPOCH": str(epoch),
+        "STALWART_SLOT": str(slot), "STALWART_SLOTS": str(slots), "STALWART_TARGET_WORLD": str(target),
+        "STALWART_SPARE": "true" if slot >= target else "false",
+        "STALWART_STATUS_FILE": str(work / f"status-{slot}.json"), "LOCAL_RANK": str(slot),
+        "RANK": str(slot), "WORLD_SIZE": str(target), "OMP_NUM_THREADS": "1",
+    })
+    return env
+
+
+def run_ranks(etcd: EtcdServer, tmp: Path, *args: str, slots: int = 2, target: int | None = None) -> Run:
+    """Run ``slots`` rank processes of the script (``target`` of them active at first) to the end."""
+    target = slots if target is None else target
+    store = Store([etcd.endpoint])
+    try:
+        keys, epoch = new_job(store)
+    finally:
+        store.close()
+    out = tmp / "out.jsonl"
+    procs = []
+    for slot in range(slots):
+        cmd = [sys.executable, SCRIPT, "--mode", "wrapped", "--marker-dir", str(tmp), "--out", str(out), *args]
+        procs.append(subprocess.Popen(cmd, env=rank_env(etcd, keys, epoch, slot, slots, target, tmp),
+                                      stderr=subprocess.PIPE, text=True))
+    codes, errs = [], []
+    for p in procs:
+        _, err = p.communicate(timeout=TIMEOUT)
+        codes.append(p.returncode)
+        errs.append(err)
+    lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    results = [r for r in lines if not r.get("leak")]
+    leaks = [r for r in lines if r.get("leak")]
+    return Run(codes, results, leaks, tmp, keys, errs)
+
+
+def reference_checksum(etcd: EtcdServer, tmp: Path, *args: str, ranks: int = 2) -> float:
+    """The parameters' checksum after a fault-free run with the same arguments."""
+    ref = tmp / "reference"
+    ref.mkdir()
+    run = run_ranks(etcd, ref, *args, slots=ranks)
+    assert run.codes == [0] * ranks, run.stderr
+    sums = {r["checksum"] for r in run.results}
+    assert len(sums) == 1
+    return sums.pop()
