@@ -28,6 +28,7 @@ from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
 from stalwart.keys import JobKeys
 from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.kube import Kube
+from stalwart.operator.manifests import AGENT_COMMAND
 from stalwart.operator.model import DeleteJob, OperatorSettings, PodView
 from stalwart.operator.observe import job_view, pod_view
 from stalwart.operator.runner import JobRunner, OperatorContext
@@ -53,6 +54,8 @@ class OperatorConfig:
     priority: int | None = None
     health_endpoint: str | None = None  # e.g. http://0.0.0.0:8080/healthz
     etcd_timeout: float = 5.0
+    #: The pods' entrypoint prefix before the user's command (see ``manifests.pod_manifest``).
+    agent_command: tuple[str, ...] = AGENT_COMMAND
 
 
 def _index_pod(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], tuple[str, PodView]]:
@@ -89,6 +92,7 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
             settings.peering.clusterwide = not config.namespaces
         ctx = OperatorContext(kube=kube, etcd=EtcdAccess(timeout=config.etcd_timeout),
                               settings=config.settings, default_endpoints=config.default_endpoints,
+                              agent_command=config.agent_command,
                               loop=asyncio.get_running_loop())
         ctx.etcd.on_change = ctx.wake_uid_threadsafe
         state["ctx"] = ctx

@@ -63,11 +63,13 @@ def stalwart_env(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, s
 
 
 def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, name: str, role: str,
-                 index: int, endpoints: Sequence[str]) -> dict[str, Any]:
+                 index: int, endpoints: Sequence[str],
+                 agent_command: Sequence[str] = AGENT_COMMAND) -> dict[str, Any]:
     """The pod ``name`` of the job: the template, with the first container's command wrapped by the agent,
     the stalwart environment on every container, the job's labels, hostname/subdomain for DNS through the
     headless Service, the owner reference, and ``restartPolicy: Never`` (the agent restarts rank processes
-    itself; a pod that exits is replaced by the operator)."""
+    itself; a pod that exits is replaced by the operator). ``agent_command`` is the entrypoint prefix (an
+    empty one runs the user's command bare, for scale tests of the operator alone)."""
     if not endpoints:
         raise ValueError("endpoints: the job has no etcd endpoints (spec.rendezvous.endpoints) and the "
                          "operator has no default (--etcd-endpoints / STALWART_DEFAULT_ETCD_ENDPOINTS)")
@@ -81,7 +83,7 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
     ours = {e["name"] for e in env}
     for i, container in enumerate(pod_spec["containers"]):
         if i == 0:
-            command = [*AGENT_COMMAND, *(container.get("command") or []), *(container.get("args") or [])]
+            command = [*agent_command, *(container.get("command") or []), *(container.get("args") or [])]
             container["command"] = command
             container.pop("args", None)
         user_env = [e for e in container.get("env") or [] if e.get("name") not in ours]

@@ -23,7 +23,7 @@ from stalwart.keys import JobKeys
 from stalwart.operator import metrics
 from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.kube import Kube, KubeError, new_rpc_token
-from stalwart.operator.manifests import pod_manifest, secret_manifest, service_manifest
+from stalwart.operator.manifests import AGENT_COMMAND, pod_manifest, secret_manifest, service_manifest
 from stalwart.operator.model import (
     CloseRendezvous,
     CreatePod,
@@ -56,6 +56,7 @@ class OperatorContext:
     etcd: EtcdAccess
     settings: OperatorSettings = field(default_factory=OperatorSettings)
     default_endpoints: tuple[str, ...] = ()
+    agent_command: tuple[str, ...] = AGENT_COMMAND
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     names_by_uid: dict[str, tuple[str, str]] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None
@@ -211,7 +212,8 @@ class JobRunner:
     async def _create(self, job: JobView, endpoints: Sequence[str], action: CreatePod) -> None:
         assert job.spec is not None
         body = pod_manifest(job=self.name, namespace=self.namespace, uid=job.uid, spec=job.spec,
-                            name=action.name, role=action.role, index=action.index, endpoints=endpoints)
+                            name=action.name, role=action.role, index=action.index, endpoints=endpoints,
+                            agent_command=self.ctx.agent_command)
         self.deleted.pop(action.name, None)
         await self.ctx.kube.create_pod(self.namespace, body)
         self.created[action.name] = (PodView(name=action.name, role=action.role, index=action.index,

@@ -1,0 +1,292 @@
+"""The operator end to end on the local cluster: kopf unmodified, the real kubernetes client and kubectl, a real
+etcd, and (for the lifecycle tests) real agents running real torch ranks.
+
+Scale tests (a 64-pod job, 50 concurrent jobs) run the pods' command bare (``agent_command=()``, ``sleep``):
+64 agents each importing torch would not fit on a 2-core machine next to the other suites; what they
+exercise is the operator (concurrent creation, the pod index, status, deletion), not the agents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+from prometheus_client import REGISTRY
+
+from stalwart.api import naming
+from stalwart.keys import JobKeys
+from stalwart.local.cluster import LocalCluster
+from stalwart.store import Store
+
+pytestmark = pytest.mark.integration
+
+GROUP, VERSION, PLURAL = "stalwart.dev", "v1alpha1", "trainingjobs"
+TRAIN = ["python", "-m", "stalwart.examples.train", "--log-every", "5"]
+SLEEP = ["sleep", "900"]
+#: start_operator(namespace, **OperatorConfig fields) -> the embedded operator (tests/operator/conftest.py).
+OperatorFactory = Callable[..., Any]
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 180.0, interval: float = 0.5) -> Any:
+    """Poll ``fn`` until it returns something truthy; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(k8s.ApiException):
+            last = fn()
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
+
+
+def job_body(name: str, *, replicas: int, command: list[str], spares: int = 0,
+             **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {"replicas": replicas, "spares": spares,
+                 "template": {"spec": {"containers": [{"name": "trainer", "image": "stalwart/trainer",
+                                                       "command": command}]}},
+                 "rendezvous": {"lastCallSeconds": 1}, **spec},
+    }
+
+
+class Jobs:
+    """Small helpers over the API for one namespace."""
+
+    def __init__(self, api: Any, namespace: str) -> None:
+        self.ns = namespace
+        self.custom = k8s.CustomObjectsApi(api)
+        self.core = k8s.CoreV1Api(api)
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        created: dict[str, Any] = self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
+                                                                             body)
+        return created
+
+    def get(self, name: str) -> dict[str, Any]:
+        got: dict[str, Any] = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+        return got
+
+    def status(self, name: str) -> dict[str, Any]:
+        return self.get(name).get("status") or {}
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name, {"spec": spec})
+
+    def delete(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def gone(self, name: str) -> bool:
+        try:
+            self.get(name)
+        except k8s.ApiException as e:
+            return e.status == 404
+        return False
+
+    def pods(self, job: str) -> list[Any]:
+        items: list[Any] = self.core.list_namespaced_pod(self.ns, label_selector=naming.selector(job)).items
+        return items
+
+    def live_pods(self, job: str) -> list[Any]:
+        return [p for p in self.pods(job) if p.metadata.deletion_timestamp is None
+                and p.status.phase in ("Pending", "Running")]
+
+    def events(self, job: str) -> list[str]:
+        items = self.core.list_namespaced_event(self.ns).items
+        return [e.reason for e in items if e.involved_object.kind == "TrainingJob"
+                and e.involved_object.name == job]
+
+
+@pytest.fixture
+def jobs(kube_api: Any, k8s_namespace: str) -> Jobs:
+    return Jobs(kube_api, k8s_namespace)
+
+
+@pytest.fixture
+def etcd_store(local_cluster: LocalCluster) -> Any:
+    store = Store([str(local_cluster.etcd_endpoint)], timeout=5.0)
+    yield store
+    store.close()
+
+
+def phase_is(jobs: Jobs, name: str, *phases: str) -> Callable[[], dict[str, Any] | None]:
+    def check() -> dict[str, Any] | None:
+        st = jobs.status(name)
+        return st if st.get("phase") in phases else None
+    return check
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# -- real agents -----------------------------------------------------------------------------------------------
+
+
+def test_lifecycle_of_a_small_job_with_real_agents(start_operator: OperatorFactory, jobs: Jobs,
+                                                   etcd_store: Store) -> None:
+    port = free_port()
+    start_operator(jobs.ns, health_endpoint=f"http://127.0.0.1:{port}/healthz")
+    created = jobs.create(job_body("life", replicas=2, spares=1, command=[*TRAIN, "--steps", "40"]))
+    keys = JobKeys(jobs.ns, created["metadata"]["uid"])
+
+    pods = wait_for("three pods", lambda: len(jobs.pods("life")) == 3 and jobs.pods("life"))
+    names = sorted(p.metadata.name for p in pods)
+    assert names == ["life-spare-0", "life-worker-0", "life-worker-1"]
+    pod = next(p for p in pods if p.metadata.name == "life-worker-0")
+    container = pod.spec.containers[0]
+    assert container.command[:3] == ["stalwart", "agent", "--"] and container.command[3:5] == TRAIN[:2]
+    env = {e.name: e for e in container.env}
+    assert env["STALWART_JOB"].value == f"{jobs.ns}/life" and env["STALWART_SPARE"].value == "false"
+    assert env["STALWART_RPC_TOKEN"].value_from.secret_key_ref.name == naming.secret_name("life")
+    assert pod.metadata.owner_references[0].uid == created["metadata"]["uid"]
+    assert pod.metadata.labels[naming.LABEL_ROLE] == "worker" and pod.spec.restart_policy == "Never"
+    assert jobs.core.read_namespaced_service("life", jobs.ns).spec.cluster_ip == "None"
+    assert jobs.core.read_namespaced_secret(naming.secret_name("life"), jobs.ns).data["rpc-token"]
+
+    st = wait_for("Succeeded", phase_is(jobs, "life", "Succeeded", "Failed"), timeout=240)
+    assert st["phase"] == "Succeeded", st
+    assert st["worldSize"] == 2 and st["round"] >= 1 and st["progress"]["step"] == 40
+    assert st["observedGeneration"] == 1 and st["completionTime"] and st["startTime"]
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Succeeded"] == "True"
+    reasons = jobs.events("life")
+    assert "PhaseSucceeded" in reasons and reasons.count("PhaseSucceeded") == 1
+    assert etcd_store.get(keys.job) is not None  # the record stays until the job is deleted
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+        assert r.status == 200 and "jobs" in json.loads(r.read())
+    assert (REGISTRY.get_sample_value("stalwart_operator_api_calls_total",
+                                      {"verb": "create", "resource": "pods"}) or 0) >= 3
+
+    jobs.delete("life")
+    wait_for("the job to go", lambda: jobs.gone("life"), timeout=60)
+    wait_for("its pods to go", lambda: not jobs.pods("life"), timeout=60)
+    assert etcd_store.count_prefix(keys.prefix) == 0
+
+
+def test_lost_pod_is_fenced_and_replaced(start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store,
+                                         local_cluster: LocalCluster) -> None:
+    start_operator(jobs.ns)
+    created = jobs.create(job_body("loss", replicas=2, spares=1,
+                                   command=[*TRAIN, "--steps", "100000", "--step-delay", "0.05"]))
+    keys = JobKeys(jobs.ns, created["metadata"]["uid"])
+    wait_for("Running", phase_is(jobs, "loss", "Running"), timeout=240)
+    victim = next(p for p in jobs.pods("loss") if p.metadata.name == "loss-worker-1")
+    node = victim.spec.node_name
+    local_cluster.lose_node(node)
+    try:
+        st = wait_for("a replacement", lambda: (s := jobs.status("loss")).get("restarts", {}).get(
+            "podReplacements", 0) >= 1 and s)
+        assert st["lastFailure"]["pod"] == "loss-worker-1" and st["lastFailure"]["reason"] == "PodLost"
+        # The lost pod is fenced: its rendezvous key (bound to its lease) is gone.
+        assert etcd_store.get(keys.rendezvous + "nodes/loss-worker-1") is None
+        wait_for("the replacement spare", lambda: any(p.metadata.name == "loss-spare-1"
+                                                      for p in jobs.live_pods("loss")))
+        st = wait_for("a new round", lambda: (s := jobs.status("loss")).get("phase") == "Running"
+                      and s.get("round", 0) >= 2 and s, timeout=240)
+        assert st["worldSize"] == 2
+        assert "PodReplaced" in jobs.events("loss")
+    finally:
+        local_cluster.restore_node(node)
+    jobs.delete("loss")
+    wait_for("the job to go", lambda: jobs.gone("loss"), timeout=90)
+    assert etcd_store.count_prefix(keys.prefix) == 0
+
+
+def test_suspend_deletes_pods_keeps_etcd_and_resume_recreates(start_operator: OperatorFactory, jobs: Jobs,
+                                                              etcd_store: Store) -> None:
+    start_operator(jobs.ns)
+    created = jobs.create(job_body("pause", replicas=2, command=[*TRAIN, "--steps", "100000",
+                                                                  "--step-delay", "0.05"]))
+    keys = JobKeys(jobs.ns, created["metadata"]["uid"])
+    wait_for("Running", phase_is(jobs, "pause", "Running"), timeout=240)
+
+    jobs.patch_spec("pause", {"runPolicy": {"suspend": True}})
+    wait_for("Suspended", phase_is(jobs, "pause", "Suspended"))
+    wait_for("no pods", lambda: not jobs.pods("pause"), timeout=90)
+    assert etcd_store.get(keys.job) is not None
+    st = jobs.status("pause")
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Suspended"] == "True"
+    assert "startTime" not in st
+
+    jobs.patch_spec("pause", {"runPolicy": {"suspend": False}})
+    st = wait_for("Running again", phase_is(jobs, "pause", "Running"), timeout=240)
+    assert sorted(p.metadata.name for p in jobs.live_pods("pause")) == ["pause-worker-0", "pause-worker-1"]
+    assert st.get("restarts", {}).get("podReplacements", 0) == 0
+    assert {c["type"]: c["reason"] for c in st["conditions"]}["Suspended"] == "Resumed"
+
+
+# -- the operator alone, at scale ------------------------------------------------------------------------------
+
+
+def test_64_pod_job(start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster,
+                    etcd_store: Store) -> None:
+    start_operator(jobs.ns, agent_command=(), concurrency=16)
+    created = jobs.create(job_body("big", replicas=60, spares=4, command=SLEEP))
+    pods = wait_for("64 pods", lambda: len(p := jobs.pods("big")) == 64 and p, timeout=240)
+    assert {p.metadata.labels[naming.LABEL_ROLE] for p in pods} == {"worker", "spare"}
+    assert sum(p.metadata.labels[naming.LABEL_ROLE] == "spare" for p in pods) == 4
+    st = wait_for("64 pods running", lambda: (s := jobs.status("big")).get("phase") == "Starting"
+                  and s.get("readyReplicas", 0) + s.get("spareReplicas", 0) == 64 and s, timeout=240)
+    assert st["replicas"] == 60 and st["selector"] == naming.selector("big")
+    # The record for the agents lists every pod.
+    record = json.loads(etcd_store.get(JobKeys(jobs.ns, created["metadata"]["uid"]).job).value)  # type: ignore[union-attr]
+    assert len(record["members"]) == 60 and len(record["spares"]) == 4
+
+    # The scale subresource: kubectl scale tj/big --replicas=62 adds two workers.
+    local_cluster.kubectl("scale", "-n", jobs.ns, "trainingjob/big", "--replicas=62")
+    wait_for("66 pods", lambda: len(jobs.live_pods("big")) == 66, timeout=120)
+    assert {"big-worker-60", "big-worker-61"} <= {p.metadata.name for p in jobs.pods("big")}
+
+    jobs.delete("big")
+    wait_for("the job and its pods to go", lambda: jobs.gone("big") and not jobs.pods("big"), timeout=180)
+
+
+def test_50_concurrent_jobs(start_operator: OperatorFactory, jobs: Jobs) -> None:
+    start_operator(jobs.ns, agent_command=(), concurrency=16)
+    names = [f"many-{i}" for i in range(50)]
+    for name in names:
+        jobs.create(job_body(name, replicas=1, command=SLEEP))
+
+    def all_started() -> bool:
+        items = jobs.custom.list_namespaced_custom_object(GROUP, VERSION, jobs.ns, PLURAL)["items"]
+        return len(items) == 50 and all((i.get("status") or {}).get("phase") == "Starting" for i in items)
+
+    wait_for("50 jobs Starting", all_started, timeout=300, interval=1.0)
+    pods = jobs.core.list_namespaced_pod(jobs.ns).items
+    assert sorted(p.metadata.name for p in pods) == sorted(f"{n}-worker-0" for n in names)
+    for name in names:
+        jobs.delete(name)
+    wait_for("every job gone", lambda: not jobs.custom.list_namespaced_custom_object(
+        GROUP, VERSION, jobs.ns, PLURAL)["items"], timeout=180, interval=1.0)
+
+
+def test_finalizer_deletes_the_job_prefix_and_nothing_else(start_operator: OperatorFactory, jobs: Jobs,
+                                                           etcd_store: Store) -> None:
+    start_operator(jobs.ns, agent_command=())
+    created = jobs.create(job_body("fin", replicas=1, command=SLEEP))
+    keys = JobKeys(jobs.ns, created["metadata"]["uid"])
+    wait_for("the job record", lambda: etcd_store.get(keys.job) is not None)
+    neighbour = JobKeys(jobs.ns, created["metadata"]["uid"] + "x")  # a prefix that shares the uid's start
+    etcd_store.put(neighbour.job, b"{}")
+    etcd_store.put(keys.progress + "fin-worker-0", b"{}")
+    try:
+        assert jobs.get("fin")["metadata"]["finalizers"] == ["stalwart.dev/finalizer"]
+        jobs.delete("fin")
+        wait_for("the job to go", lambda: jobs.gone("fin"), timeout=60)
+        assert etcd_store.count_prefix(keys.prefix) == 0
+        assert etcd_store.get(neighbour.job) is not None
+    finally:
+        etcd_store.delete_prefix(neighbour.prefix)
