@@ -16,8 +16,9 @@ Contract, per pod:
   and terminates with reason ``ContainerCannotRun``. Volumes are not mounted.
 - Init containers run one by one before the containers; each container is restarted per ``restartPolicy`` with
   an exponential back-off (``CrashLoopBackOff`` while waiting). Status: phase, the PodScheduled, Initialized,
-  ContainersReady and Ready conditions (a container is ready while it runs), container statuses with state,
-  last state, exit code, signal and restart count.
+  ContainersReady and Ready conditions (a container is ready while it runs and passes its readiness probe:
+  exec, tcpSocket or httpGet; a failing liveness probe restarts it), container statuses with state, last state,
+  exit code, signal and restart count.
 - Deletion: SIGTERM to each container's process group, SIGKILL after the grace period, then the pod is removed.
 - :meth:`ProcessKubelet.lose_node` simulates losing a node: its processes are killed at once, its pods become
   Failed with reason ``NodeLost``, the node turns NotReady with the ``unreachable`` taint; a pod deleted there is
@@ -83,6 +84,7 @@ class ContainerRun:
     state: JSON = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
     last_state: JSON = field(default_factory=dict)
     done: bool = False  # terminated and will not restart
+    ready: bool = False  # running and, with a readiness probe, passing it
 
     @property
     def name(self) -> str:
@@ -409,9 +411,20 @@ class ProcessKubelet:
         except OSError as exc:
             return self._cannot_run(run, c, started, f"starting {argv[0]!r}: {exc}")
         c.state = {"running": {"startedAt": started}}
+        c.ready = not c.init and "readinessProbe" not in c.spec
         self._event(pod, "Normal", "Started", f"Started container {c.name}")
         self._write_pod_status(run)
-        code = await c.proc.wait()
+        probes = [asyncio.get_running_loop().create_task(self._probe(run, c, kind, env, cwd))
+                  for kind in ("readinessProbe", "livenessProbe") if not c.init and kind in c.spec]
+        try:
+            code = await c.proc.wait()
+        finally:
+            for task in probes:
+                task.cancel()
+            for task in probes:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        c.ready = False
         term: JSON = {"exitCode": code if code >= 0 else 128 - code, "startedAt": started,
                       "finishedAt": now_rfc3339(), "containerID": f"process://{c.proc.pid}"}
         if code < 0:
@@ -421,6 +434,82 @@ class ProcessKubelet:
         c.state = {"terminated": term}
         self._write_pod_status(run)
         return int(term["exitCode"])
+
+    async def _probe(self, run: PodRun, c: ContainerRun, kind: str, env: dict[str, str], cwd: Path) -> None:
+        """Run a readiness or liveness probe (exec, tcpSocket or httpGet) while the container runs. Readiness
+        sets ``c.ready``; a liveness failure past the threshold kills the container (it restarts per policy)."""
+        spec = c.spec[kind]
+        period = float(spec.get("periodSeconds", 10))
+        failures_allowed = int(spec.get("failureThreshold", 3))
+        successes_needed = int(spec.get("successThreshold", 1))
+        await asyncio.sleep(float(spec.get("initialDelaySeconds", 0)))
+        fails = oks = 0
+        while c.proc is not None and c.proc.returncode is None:
+            ok = await self._probe_once(run, c, spec, env, cwd)
+            fails, oks = (0, oks + 1) if ok else (fails + 1, 0)
+            if kind == "readinessProbe":
+                ready = c.ready
+                if ok and oks >= successes_needed:
+                    ready = True
+                elif not ok and fails >= failures_allowed:
+                    ready = False
+                if ready != c.ready:
+                    c.ready = ready
+                    self._write_pod_status(run)
+            elif fails >= failures_allowed:
+                pod = self._get_pod(run)
+                if pod is not None:
+                    self._event(pod, "Warning", "Unhealthy", f"Liveness probe failed; restarting {c.name}")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                return
+            await asyncio.sleep(period)
+
+    async def _probe_once(self, run: PodRun, c: ContainerRun, spec: JSON, env: dict[str, str], cwd: Path) -> bool:
+        timeout = float(spec.get("timeoutSeconds", 1))
+        def port_of(value: Any) -> int:
+            if isinstance(value, int):
+                return value
+            for p in c.spec.get("ports") or []:
+                if p.get("name") == value:
+                    return int(p["containerPort"])
+            return int(value)
+
+        try:
+            if "exec" in spec:
+                proc = await asyncio.create_subprocess_exec(
+                    *[str(a) for a in spec["exec"].get("command") or []], env=env, cwd=str(cwd),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+                try:
+                    return await asyncio.wait_for(proc.wait(), timeout) == 0
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    await proc.wait()
+                    return False
+            if "tcpSocket" in spec:
+                host = spec["tcpSocket"].get("host") or run.ip
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, port_of(spec["tcpSocket"].get("port"))), timeout)
+                writer.close()
+                return True
+            if "httpGet" in spec:
+                import aiohttp
+
+                http = spec["httpGet"]
+                url = (f"{str(http.get('scheme', 'HTTP')).lower()}://{http.get('host') or run.ip}:"
+                       f"{port_of(http.get('port'))}{http.get('path', '/')}")
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session, \
+                        session.get(url, headers={h["name"]: h["value"] for h in http.get("httpHeaders") or []}) \
+                        as resp:
+                    return 200 <= resp.status < 400
+        except (OSError, TimeoutError, ValueError):
+            return False
+        except Exception as exc:  # an aiohttp client error is a failed probe, like any other
+            log.debug("probe of %s/%s %s failed: %r", run.namespace, run.name, c.name, exc)
+            return False
+        return False
 
     def _cannot_run(self, run: PodRun, c: ContainerRun, started: str, message: str) -> int:
         term = {"exitCode": 128, "reason": "ContainerCannotRun", "message": message, "startedAt": started,
@@ -558,7 +647,7 @@ class ProcessKubelet:
 
     def _container_status(self, c: ContainerRun, image: str) -> JSON:
         running = "running" in c.state
-        st: JSON = {"name": c.name, "image": image, "imageID": f"local://{image}", "ready": running and not c.init,
+        st: JSON = {"name": c.name, "image": image, "imageID": f"local://{image}", "ready": running and c.ready,
                     "started": running, "restartCount": c.restarts, "state": copy.deepcopy(c.state)}
         if c.proc is not None:
             st["containerID"] = f"process://{c.proc.pid}"
@@ -582,7 +671,7 @@ class ProcessKubelet:
                 phase = "Running"
             else:
                 phase = "Pending"
-        ready = phase == "Running" and all("running" in c.state for c in cs)
+        ready = phase == "Running" and all("running" in c.state and c.ready for c in cs)
         images = {c.get("name"): c.get("image", "") for c in
                   ((pod.get("spec") or {}).get("containers") or []) + ((pod.get("spec") or {}).get("initContainers")
                                                                        or [])}

@@ -186,3 +186,40 @@ def test_pods_get_distinct_loopback_addresses(local_cluster: LocalCluster, k8s_n
     assert [p["status"]["phase"] for p in pods] == ["Succeeded"] * 3
     assert len({p["status"]["podIP"] for p in pods}) == 3
     assert local_cluster.kubectl("-n", ns, "logs", "-l", "app=ip0").stdout == "bound\n"
+
+
+def test_readiness_and_liveness_probes(local_cluster: LocalCluster, k8s_namespace: str, tmp_path: Path) -> None:
+    ns = k8s_namespace
+    flag = tmp_path / "ready"
+    script = ("import http.server, os\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200 if self.path == '/ok' else 500); self.end_headers()\n"
+              "    def log_message(self, *a): pass\n"
+              "http.server.HTTPServer((os.environ['IP'], 8080), H).serve_forever()\n")
+    probes = f"""    env:
+    - {{name: IP, valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}}}
+    ports: [{{name: http, containerPort: 8080}}]
+    readinessProbe:
+      exec: {{command: [test, -e, {flag}]}}
+      periodSeconds: 1
+      failureThreshold: 1
+    livenessProbe:
+      httpGet: {{path: /ok, port: http}}
+      periodSeconds: 1
+"""
+    local_cluster.kubectl("apply", "-f", "-", input=pod_manifest("probed", ns, script, restart="Always",
+                                                                 extra_container=probes))
+
+    def conditions() -> dict[str, str]:
+        pod = get_json(local_cluster, "-n", ns, "pod", "probed")
+        return {c["type"]: c["status"] for c in pod["status"].get("conditions") or []}
+
+    wait_until(lambda: phase_is(local_cluster, ns, "probed", "Running"), "probed to run")
+    assert conditions()["Ready"] == "False"  # the readiness file does not exist yet
+    flag.write_text("")
+    wait_until(lambda: conditions().get("Ready") == "True", "the readiness probe to pass")
+    flag.unlink()
+    wait_until(lambda: conditions().get("Ready") == "False", "the readiness probe to fail again")
+    pod = get_json(local_cluster, "-n", ns, "pod", "probed")
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0  # the liveness probe passes
