@@ -66,6 +66,17 @@ def test_strategic_merge_ports_by_port_or_container_port() -> None:
     assert out["spec"]["ports"] == [{"port": 80, "name": "web"}, {"port": 443}]
 
 
+def test_server_side_apply_removes_fields_a_manager_gives_up() -> None:
+    from stalwart.local.apiserver.patches import server_side_apply
+
+    live = server_side_apply({}, {"apiVersion": "v1", "spec": {"a": 1, "x": {"y": 1}}}, "m", "t")
+    live = server_side_apply(live, {"apiVersion": "v1", "spec": {"b": 2}}, "other", "t")
+    out = server_side_apply(live, {"apiVersion": "v1", "spec": {"a": 2}}, "m", "t")
+    assert out["spec"] == {"a": 2, "b": 2}  # x.y and the emptied x went; other's b stays
+    fields = {m["manager"]: m["fieldsV1"] for m in out["metadata"]["managedFields"]}
+    assert fields["m"]["f:spec"] == {"f:a": {}}
+
+
 # --- selectors -------------------------------------------------------------------------------------------------
 
 def test_selector_parse_errors_name_the_term() -> None:

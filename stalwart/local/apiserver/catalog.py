@@ -13,6 +13,10 @@ JSON = dict[str, Any]
 
 # Groups in kmock's catalogue that belong to add-ons rather than to kube-apiserver itself.
 _SKIPPED_GROUPS = ("gateway.networking.k8s.io", "metrics.k8s.io", "apiregistration.k8s.io")
+# The "all" category (``kubectl get all``), which the catalogue does not record.
+_CATEGORY_ALL = {("", "pods"), ("", "services"), ("", "replicationcontrollers"), ("apps", "deployments"),
+                 ("apps", "replicasets"), ("apps", "statefulsets"), ("apps", "daemonsets"), ("batch", "jobs"),
+                 ("batch", "cronjobs"), ("autoscaling", "horizontalpodautoscalers")}
 _ALL_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 
 
@@ -90,6 +94,8 @@ class Registry:
                     kind=r["kind"], namespaced=bool(r.get("namespaced")),
                     short_names=list(r.get("shortNames") or []), categories=list(r.get("categories") or []),
                     verbs=list(r.get("verbs") or []))
+                if (group, r["name"]) in _CATEGORY_ALL and "all" not in info.categories:
+                    info.categories.append("all")
                 for s in subs:
                     parent, _, sub = s["name"].partition("/")
                     if parent == r["name"] and sub in ("status", "scale", "log", "binding", "eviction"):

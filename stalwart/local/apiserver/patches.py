@@ -249,6 +249,16 @@ def remove_path(obj: JSON, path: Path) -> None:
             return
 
 
+def _lookup(obj: Any, path: Path) -> Any:
+    cur = obj
+    for step in path:
+        kind, _, rest = step.partition(":")
+        if kind != "f" or not isinstance(cur, dict) or rest not in cur:
+            return None
+        cur = cur[rest]
+    return cur
+
+
 def server_side_apply(live: JSON, applied: JSON, manager: str, now: str) -> JSON:
     """Merge an applied configuration into the live object for field manager ``manager`` (see module doc)."""
     managed: list[JSON] = [dict(m) for m in (live.get("metadata") or {}).get("managedFields") or []]
@@ -266,8 +276,15 @@ def server_side_apply(live: JSON, applied: JSON, manager: str, now: str) -> JSON
         elif entry.get("operation") == "Apply":
             others |= paths
     result = strategic_merge(live, body, directives=False)
-    for path in sorted(old_paths - new_paths - others, key=len, reverse=True):
+    kept = new_paths | others
+    for path in sorted(old_paths - kept, key=len, reverse=True):
         remove_path(result, path)
+        # A map this manager owned only through the removed field goes too once it is empty.
+        for cut in range(len(path) - 1, 0, -1):
+            parent = path[:cut]
+            if any(p[:cut] == parent for p in kept) or _lookup(result, parent) != {}:
+                break
+            remove_path(result, parent)
     entry = {"manager": manager, "operation": "Apply", "apiVersion": applied.get("apiVersion", ""),
              "time": now, "fieldsType": "FieldsV1", "fieldsV1": paths_to_fieldsv1(new_paths)}
     managed = [m for m in managed if not (m.get("manager") == manager and m.get("operation") == "Apply")]

@@ -110,7 +110,8 @@ _BUILTIN: dict[tuple[str, str], tuple[list[JSON], Callable[[JSON], list[Any]]]] 
         o.get("type", ""), len(o.get("data") or {})]),
     ("", "configmaps"): ([_col("Data", "integer")], lambda o: [len(o.get("data") or {})
                                                                + len(o.get("binaryData") or {})]),
-    ("", "events"): ([_col("Type"), _col("Reason"), _col("Object"), _col("Message")], lambda o: [
+    ("", "events"): ([_col("Last Seen"), _col("Type"), _col("Reason"), _col("Object"), _col("Message")], lambda o: [
+        age(o.get("lastTimestamp") or (o.get("metadata") or {}).get("creationTimestamp")),
         o.get("type", ""), o.get("reason", ""),
         f"{str((o.get('involvedObject') or {}).get('kind', '')).lower()}/"
         f"{(o.get('involvedObject') or {}).get('name', '')}", o.get("message", "")]),
@@ -136,7 +137,7 @@ def columns_for(group: str, plural: str, crd_version: JSON | None) -> tuple[list
         return [_col("Age", "string")], lambda o: [age((o.get("metadata") or {}).get("creationTimestamp"))]
     if (group, plural) in _BUILTIN:
         defs, row = _BUILTIN[(group, plural)]
-        if (group, plural) == ("apiextensions.k8s.io", "customresourcedefinitions"):
+        if (group, plural) in (("apiextensions.k8s.io", "customresourcedefinitions"), ("", "events")):
             return defs, row
         return ([*defs[:3], _col("Age"), *defs[3:]] if (group, plural) == ("", "pods") else [*defs, _col("Age")],
                 (lambda o: [*row(o)[:3], age((o.get("metadata") or {}).get("creationTimestamp")), *row(o)[3:]])
@@ -153,9 +154,12 @@ def table(objs: list[JSON], group: str, plural: str, crd_version: JSON | None, r
           include_object: str = "Metadata", with_columns: bool = True) -> JSON:
     """A ``meta.k8s.io/v1`` Table of ``objs``; ``include_object`` is None, Metadata or Object."""
     defs, row = columns_for(group, plural, crd_version)
+    # Events lead with LAST SEEN and keep their generated names out of sight, as kube-apiserver prints them.
+    name_last = (group, plural) == ("", "events")
     rows = []
     for obj in objs:
-        entry: JSON = {"cells": [(obj.get("metadata") or {}).get("name", ""), *row(obj)]}
+        name = (obj.get("metadata") or {}).get("name", "")
+        entry: JSON = {"cells": [*row(obj), name] if name_last else [name, *row(obj)]}
         if include_object == "Object":
             entry["object"] = obj
         elif include_object != "None":
@@ -163,6 +167,7 @@ def table(objs: list[JSON], group: str, plural: str, crd_version: JSON | None, r
         rows.append(entry)
     out: JSON = {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": resource_version},
                  "rows": rows}
-    out["columnDefinitions"] = ([_col("Name", description="Name must be unique within a namespace."), *defs]
-                                if with_columns else [])
+    name_col = _col("Name", description="Name must be unique within a namespace.", priority=1 if name_last else 0)
+    columns = [*defs, name_col] if name_last else [name_col, *defs]
+    out["columnDefinitions"] = columns if with_columns else []
     return out
