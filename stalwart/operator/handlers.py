@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import random
 import threading
@@ -37,9 +38,12 @@ from stalwart.store import StoreError
 log = logging.getLogger(__name__)
 
 FINALIZER = "stalwart.dev/finalizer"
-#: Retries of the etcd prefix deletion before the finalizer lets the job go anyway (the keys are then left
-#: for an operator to remove by hand; an Event says so). Bounded so a dead etcd cannot pin a job forever.
-FINALIZER_RETRIES = 12
+#: How long the finalizer keeps trying to delete the etcd prefix before it lets the job go anyway (the keys
+#: are then left for an operator to remove by hand; an Event says so). Bounded so a dead etcd cannot pin a
+#: job forever.
+ETCD_CLEANUP_SECONDS = 300.0
+#: How long the finalizer waits for the job's pods to terminate gracefully before it force-deletes them.
+POD_DRAIN_SECONDS = 60.0
 
 
 @dataclass
@@ -168,10 +172,22 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
             runner.forget()
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
-    async def delete_job(*, body: kopf.Body, name: str, namespace: str | None, uid: str, retry: int,
-                         **_: Any) -> None:
+    async def delete_job(*, body: kopf.Body, name: str, namespace: str | None, uid: str,
+                         runtime: datetime.timedelta, **kwargs: Any) -> None:
         ctx = state["ctx"]
         namespace = namespace or "default"
+        stalwart_pods: kopf.Index[tuple[str, str], tuple[str, PodView]] = kwargs["stalwart_pods"]
+        elapsed = runtime.total_seconds()
+        # The pods go first: an agent still running would write its progress again after the prefix is gone.
+        # (Owner references would delete them only once the job itself is gone, after this finalizer.)
+        pods = [view for owner, view in stalwart_pods.get((namespace, name), []) if owner in (uid, "")]
+        if pods:
+            force = elapsed > POD_DRAIN_SECONDS
+            grace = 0 if force else ctx.settings.delete_grace_seconds
+            await asyncio.gather(*[ctx.kube.delete_pod(namespace, p.name, grace) for p in pods
+                                   if force or not p.deleting], return_exceptions=True)
+            raise kopf.TemporaryError(f"waiting for {len(pods)} pod(s) to terminate before deleting the "
+                                      "job's etcd keys", delay=1.0)
         job = job_view(body)
         endpoints = (tuple(job.spec.rendezvous.endpoints) if job.spec is not None and job.spec.rendezvous.endpoints
                      else ctx.default_endpoints)
@@ -182,14 +198,14 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
         try:
             deleted = await asyncio.to_thread(ctx.etcd.delete_job, endpoints, keys)
         except StoreError as e:
-            if retry + 1 >= FINALIZER_RETRIES:
-                message = (f"could not delete etcd prefix {keys.prefix} after {retry + 1} tries ({e}); "
+            if elapsed > ETCD_CLEANUP_SECONDS:
+                message = (f"could not delete etcd prefix {keys.prefix} for {elapsed:.0f}s ({e}); "
                            "leaving the keys behind")
                 log.error("job %s/%s: %s", namespace, name, message)
                 kopf.warn(body, reason="EtcdCleanupFailed", message=message)
                 return
             raise kopf.TemporaryError(f"etcd prefix deletion failed: {e}",
-                                      delay=min(30.0, 2.0 * 2 ** retry) * random.uniform(0.8, 1.2)) from e
+                                      delay=random.uniform(2.0, 6.0)) from e
         log.info("job %s/%s: deleted %d etcd key(s) under %s", namespace, name, deleted, keys.prefix)
 
     return registry

@@ -235,10 +235,11 @@ class JobRunner:
     async def _patch_status(self, obs: Observation, status: TrainingJobStatus) -> None:
         new = status.to_wire()
         # A merge patch keeps fields it does not mention: clear the ones that went away explicitly.
-        for key in obs.job.status.to_wire():
+        written = obs.written_status if obs.written_status is not None else obs.job.status
+        for key in written.to_wire():
             new.setdefault(key, None)
         await self.ctx.kube.patch_status(self.namespace, self.name, new)
-        self._count(obs.job.status, status)
+        self._count(written, status)
         self.written_status = status
         self.last_patch = time.time()
 
