@@ -389,3 +389,24 @@ def test_secret_string_data_is_encoded(store: ObjectStore) -> None:
     secrets = store.info("", "v1", "secrets")
     s = store.create(secrets, "default", {"metadata": {"name": "s"}, "stringData": {"k": "v"}})
     assert s["data"] == {"k": "dg=="} and s["type"] == "Opaque" and "stringData" not in s
+
+
+def test_dry_run_validates_without_storing(store: ObjectStore) -> None:
+    rv = store.rv
+    obj = store.create(jobs(store), "default", job(), WriteOptions(dry_run=True))
+    assert obj["spec"]["replicas"] == 2  # defaulted as a real create would be
+    assert store.rv == rv
+    with expect(404):
+        store.get(jobs(store), "default", "j")
+    with expect(422):
+        store.create(jobs(store), "default", job(replicas=0), WriteOptions(dry_run=True))
+
+
+def test_pod_node_and_restart_policy_are_immutable(store: ObjectStore) -> None:
+    pods = store.info("", "v1", "pods")
+    store.create(pods, "default", {"metadata": {"name": "p"}, "spec": {
+        "nodeName": "n1", "containers": [{"name": "c", "image": "i"}]}})
+    with expect(422):
+        store.patch(pods, "default", "p", "strategic", {"spec": {"nodeName": "n2"}})
+    with expect(422):
+        store.patch(pods, "default", "p", "merge", {"spec": {"restartPolicy": "Never"}})

@@ -821,10 +821,10 @@ def _builtin_defaults(store: ObjectStore, info: ResourceInfo, obj: JSON, old: JS
         spec.setdefault("enableServiceLinks", True)
         if old is None:
             obj["status"] = {"phase": "Pending", "qosClass": "BestEffort"}
-        elif old is not None and (old.get("spec") or {}).get("containers") is not None:
+        else:
             old_spec = old.get("spec") or {}
-            for fld in ("containers", "restartPolicy", "nodeName"):
-                if old_spec.get(fld) and spec.get(fld) != old_spec.get(fld) and fld != "containers":
+            for fld in ("restartPolicy", "nodeName"):
+                if old_spec.get(fld) and spec.get(fld) != old_spec.get(fld):
                     problems.append(schemas.Problem(f"spec.{fld}", "FieldValueForbidden",
                                                     "Forbidden: pod updates may not change fields other than "
                                                     "`spec.containers[*].image`, `spec.activeDeadlineSeconds`, "
