@@ -211,7 +211,10 @@ def test_deleting_a_crd_stops_serving_it_and_removes_its_objects(store: ObjectSt
     crd = store.get(crds, "", "jobs.example.dev")
     assert {c["type"]: c["status"] for c in crd["status"]["conditions"]} == {"NamesAccepted": "True",
                                                                               "Established": "True"}
+    w = store.watch(jobs(store), "default", str(store.rv), [], [])
     store.delete(crds, "", "jobs.example.dev")
+    deleted, end = w.queue.get_nowait(), w.queue.get_nowait()
+    assert deleted is not None and deleted.type == "DELETED" and end is None  # then the watch ends
     with expect(404):
         store.info("example.dev", "v1", "jobs")
     store.create(crds, "", copy.deepcopy(CRD))

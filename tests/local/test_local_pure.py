@@ -181,6 +181,12 @@ def test_table_uses_printer_columns() -> None:
     assert t["metadata"]["resourceVersion"] == "7"
 
 
+def test_json_path_filters() -> None:
+    obj = {"status": {"conditions": [{"type": "A", "status": "x"}, {"type": "Ready", "status": "True"}]}}
+    assert tables.json_path(obj, '.status.conditions[?(@.type=="Ready")].status') == "True"
+    assert tables.json_path(obj, ".status.conditions[?(@.type=='Gone')].status") is None
+
+
 def test_age_formatting() -> None:
     import datetime
 

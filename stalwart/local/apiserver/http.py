@@ -189,7 +189,7 @@ class ApiServer:
                 return _json(tables.table([obj], info.group, info.plural, info.crd, str(self.store.rv),
                                           include_object=q.get("includeObject", "Metadata")))
             return _json(obj)
-        opts = WriteOptions(dry_run=q.get("dryRun") == "All", field_validation=q.get("fieldValidation", "Ignore"),
+        opts = WriteOptions(dry_run=q.get("dryRun") == "All", field_validation=q.get("fieldValidation", "Warn"),
                             field_manager=q.get("fieldManager", ""))
         if opts.field_validation not in ("Ignore", "Warn", "Strict"):
             raise ApiError(400, "BadRequest", f"fieldValidation: invalid value {opts.field_validation!r}: "

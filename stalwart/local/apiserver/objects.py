@@ -728,10 +728,15 @@ class ObjectStore:
     def _unserve_crd(self, crd: JSON) -> None:
         spec = crd.get("spec") or {}
         group, plural = spec.get("group", ""), (spec.get("names") or {}).get("plural", "")
+        infos = self.registry.versions_of(group, plural)
         for key in [k for k in self.objects if k[0] == group and k[1] == plural]:
-            infos = self.registry.versions_of(group, plural)
-            if infos and key in self.objects:
-                self.objects.pop(key)
+            obj = copy.deepcopy(self.objects.pop(key))
+            if infos:
+                obj["metadata"]["resourceVersion"] = self._next_rv()
+                self._emit("DELETED", infos[0], obj)
+        for w in [w for w in self.watchers if (w.group, w.plural) == (group, plural)]:
+            w.queue.put_nowait(None)  # the resource is gone: end its watches, as the API server does
+            self.watchers.discard(w)
         self.registry.remove_group_resource(group, plural)
 
 

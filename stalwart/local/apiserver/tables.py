@@ -36,10 +36,20 @@ def age(timestamp: str | None, now: datetime.datetime | None = None) -> str:
 
 
 def json_path(obj: Any, path: str) -> Any:
-    """Evaluate the simple JSONPath of printer columns: ``.a.b``, ``.a[0].b``, ``.a['k.x']``."""
+    """Evaluate the JSONPath of printer columns: ``.a.b``, ``.a[0].b``, ``.a['k.x']`` and the filter
+    ``.conditions[?(@.type=="Ready")].status`` (its first match)."""
     cur = obj
-    for m in re.finditer(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]|\['([^']*)'\]|\[\"([^\"]*)\"\]", path):
-        name, idx, q1, q2 = m.groups()
+    pattern = (r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]|\['([^']*)'\]|\[\"([^\"]*)\"\]"
+               r"|\[\?\(@\.([A-Za-z0-9_\-]+)\s*==\s*[\"']([^\"']*)[\"']\)\]")
+    for m in re.finditer(pattern, path):
+        name, idx, q1, q2, fkey, fval = m.groups()
+        if fkey is not None:
+            if not isinstance(cur, list):
+                return None
+            cur = next((x for x in cur if isinstance(x, dict) and str(x.get(fkey)) == fval), None)
+            if cur is None:
+                return None
+            continue
         if idx is not None:
             if not isinstance(cur, list) or int(idx) >= len(cur):
                 return None
