@@ -41,7 +41,7 @@ def new_job(store: Store) -> tuple[JobKeys, int]:
     return keys, epoch
 
 
-def rank_env(etcd: EtcdServer, keys: JobKeys, epoch: int, slot: int, slots: int, target: int,
+def rank_env(etcd: EtcdServer, keys: JobKeys, epoch: int, *, slot: int, slots: int, target: int,
              work: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
@@ -67,8 +67,8 @@ def run_ranks(etcd: EtcdServer, tmp: Path, *args: str, slots: int = 2, target: i
     procs = []
     for slot in range(slots):
         cmd = [sys.executable, SCRIPT, "--mode", "wrapped", "--marker-dir", str(tmp), "--out", str(out), *args]
-        procs.append(subprocess.Popen(cmd, env=rank_env(etcd, keys, epoch, slot, slots, target, tmp),
-                                      stderr=subprocess.PIPE, text=True))
+        env = rank_env(etcd, keys, epoch, slot=slot, slots=slots, target=target, work=tmp)
+        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
     codes, errs = [], []
     for p in procs:
         _, err = p.communicate(timeout=TIMEOUT)

@@ -1,0 +1,89 @@
+"""The agent's decisions about its rank processes (pure) and its settings from the pod environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.agent.settings import AgentSettings, SettingsError
+from stalwart.agent.supervision import ProcView, supervise
+from stalwart.api.exit_codes import ExitCode
+
+
+def kinds(actions: list) -> list[str]:
+    return [a.kind for a in actions]
+
+
+def test_all_returned_finishes_ok() -> None:
+    [a] = supervise([ProcView(0, 0), ProcView(1, 0)], restarts_used=0, max_restarts=3)
+    assert (a.kind, a.exit_code) == ("finish", 0)
+
+
+def test_running_ranks_are_left_alone_and_a_finished_one_waits_for_the_rest() -> None:
+    assert kinds(supervise([ProcView(0, None), ProcView(1, 0)], restarts_used=0, max_restarts=3)) == ["wait"]
+
+
+def test_dead_wrapped_rank_is_respawned_alone() -> None:
+    [a] = supervise([ProcView(0, None, wrapped=True), ProcView(1, -9, wrapped=True)], restarts_used=0,
+                    max_restarts=3)
+    assert (a.kind, a.local_ranks) == ("respawn", (1,))
+
+
+def test_dead_plain_rank_restarts_everything_like_torchrun() -> None:
+    [a] = supervise([ProcView(0, None), ProcView(1, 1)], restarts_used=0, max_restarts=3)
+    assert a.kind == "restart_all"
+
+
+def test_budget_exhausted_finishes_with_the_rank_code() -> None:
+    [a] = supervise([ProcView(0, None), ProcView(1, 3)], restarts_used=3, max_restarts=3)
+    assert (a.kind, a.exit_code) == ("finish", 3)
+    [a] = supervise([ProcView(0, None), ProcView(1, -9)], restarts_used=3, max_restarts=3)
+    assert (a.kind, a.exit_code) == ("finish", int(ExitCode.FAILED))
+
+
+@pytest.mark.parametrize("code", [ExitCode.RESTARTS_EXHAUSTED, ExitCode.NON_RETRYABLE, ExitCode.UNHEALTHY,
+                                  ExitCode.WORLD_TOO_SMALL])
+def test_wrapper_give_up_codes_end_the_pod_with_that_code(code: ExitCode) -> None:
+    [a] = supervise([ProcView(0, None, wrapped=True), ProcView(1, int(code), wrapped=True)], restarts_used=0,
+                    max_restarts=3)
+    assert (a.kind, a.exit_code) == ("finish", int(code))
+
+
+def test_hung_rank_is_killed_after_its_hard_timeout() -> None:
+    procs = [ProcView(0, None, wrapped=True, heartbeat_age=5.0, hard_timeout=10.0),
+             ProcView(1, None, wrapped=True, heartbeat_age=11.0, hard_timeout=10.0)]
+    [a] = supervise(procs, restarts_used=0, max_restarts=3)
+    assert (a.kind, a.local_ranks, a.exit_code) == ("kill", (1,), int(ExitCode.HARD_TIMEOUT))
+
+
+def test_stale_epoch_rejoins() -> None:
+    [a] = supervise([ProcView(0, int(ExitCode.STALE_EPOCH), wrapped=True)], restarts_used=0, max_restarts=3)
+    assert a.kind == "restart_all"
+
+
+POD_ENV = {
+    "STALWART_JOB": "team/train", "STALWART_JOB_UID": "uid-1", "STALWART_NODE_ID": "train-worker-0",
+    "STALWART_POD_IP": "10.0.0.5", "STALWART_SPARE": "false", "STALWART_NPROC_PER_NODE": "4",
+    "STALWART_MIN_NODES": "2", "STALWART_MAX_NODES": "3", "STALWART_ETCD_ENDPOINTS": "etcd-0:2379,etcd-1:2379",
+    "STALWART_RPC_TOKEN": "s3cret",
+}
+
+
+def test_settings_from_the_pod_environment() -> None:
+    s = AgentSettings.from_env(POD_ENV)
+    assert s.nproc_per_node == 4 and s.etcd_endpoints == ["etcd-0:2379", "etcd-1:2379"]
+    assert s.keys.prefix == "/stalwart/v1/team/uid-1/"
+    assert s.rpc_token is not None and "s3cret" not in repr(s)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"STALWART_POD_IP": None}, "STALWART_POD_IP: is required"),
+    ({"STALWART_NPROC_PER_NODE": "0"}, "STALWART_NPROC_PER_NODE"),
+    ({"STALWART_MAX_NODES": "1"}, "STALWART_MAX_NODES \\(1\\) must be >= STALWART_MIN_NODES"),
+    ({"STALWART_ETCD_ENDPOINTS": "etcd-0"}, "STALWART_ETCD_ENDPOINTS"),
+    ({"STALWART_JOB": "train"}, "STALWART_JOB"),
+    ({"STALWART_SPARE": "maybe"}, "STALWART_SPARE"),
+])
+def test_settings_errors_name_the_variable(change: dict, message: str) -> None:
+    env = {k: v for k, v in {**POD_ENV, **change}.items() if v is not None}
+    with pytest.raises(SettingsError, match=message):
+        AgentSettings.from_env(env)

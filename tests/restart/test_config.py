@@ -1,0 +1,150 @@
+"""Validation on construction (policies, the wrapper's config, the rank environment) and the exit codes."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from stalwart.api.exit_codes import Disposition, ExitCode, disposition
+from stalwart.restart import (
+    AbortProcessGroup,
+    CallWrapper,
+    Compose,
+    CudaHealthCheck,
+    FaultCounter,
+    InitProcessGroup,
+    IterationContext,
+    RestartConfig,
+    Unhealthy,
+    restartable,
+)
+from stalwart.restart.environment import EnvironmentError_, RankEnvironment
+from stalwart.restart.wrapper import _injection
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_restarts": -1}, "max_restarts"),
+    ({"soft_timeout": 0}, "soft_timeout"),
+    ({"soft_timeout": float("nan")}, "soft_timeout"),
+    ({"soft_timeout": 10, "hard_timeout": 5}, "hard_timeout: must exceed soft_timeout"),
+    ({"barrier_timeout": -1}, "barrier_timeout"),
+    ({"heartbeat_ttl": 1}, "heartbeat_ttl"),
+    ({"initialize": lambda ctx: None}, "initialize: expected a Initialize policy"),
+    ({"health_check": AbortProcessGroup()}, "health_check: expected a HealthCheck policy"),
+])
+def test_restart_config_is_validated(kwargs: dict, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        RestartConfig(**kwargs)
+
+
+def test_decorator_validates_at_decoration_time() -> None:
+    with pytest.raises(ValueError, match="max_restarts"):
+        restartable(max_restarts=-5)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        restartable(no_such_option=1)
+
+
+def test_importing_stalwart_does_not_import_torch() -> None:
+    import subprocess
+
+    code = "import stalwart, sys; stalwart.restartable; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("policy", "message"), [
+    (lambda: InitProcessGroup("mpi"), "InitProcessGroup.backend"),  # type: ignore[arg-type]
+    (lambda: InitProcessGroup(timeout=0), "InitProcessGroup.timeout"),
+    (lambda: CudaHealthCheck(timeout=-1), "CudaHealthCheck.timeout"),
+    (lambda: FaultCounter(-1), "FaultCounter.max_faults"),
+    (Compose, "Compose: give at least one policy"),
+    (lambda: Compose(AbortProcessGroup(), 3), "policy #1"),  # type: ignore[arg-type]
+])
+def test_policies_are_validated(policy: object, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        policy()  # type: ignore[operator]
+
+
+def _ctx(**kw: object) -> IterationContext:
+    return IterationContext(iteration=0, slot=0, rank=0, world_size=1, store=None, **kw)  # type: ignore[arg-type]
+
+
+def test_fault_counter_and_compose() -> None:
+    FaultCounter(1)(_ctx(own_faults=1))
+    with pytest.raises(Unhealthy, match="2 faults"):
+        Compose(CudaHealthCheck(), FaultCounter(1))(_ctx(own_faults=2))
+
+
+def test_abort_chain_runs_every_member_then_raises_the_first_error() -> None:
+    ran: list[str] = []
+
+    class Failing(AbortProcessGroup):
+        def __call__(self, ctx: IterationContext) -> None:
+            ran.append("failing")
+            raise RuntimeError("first")
+
+    class Recording(AbortProcessGroup):
+        def __call__(self, ctx: IterationContext) -> None:
+            ran.append("recording")
+
+    with pytest.raises(RuntimeError, match="first"):
+        Compose(Failing(), Recording())(_ctx())
+    assert ran == ["failing", "recording"]
+
+
+def test_call_wrapper_is_injected_by_name_or_annotation() -> None:
+    def by_name(call_wrapper):  # type: ignore[no-untyped-def]
+        return call_wrapper
+
+    def by_annotation(cw: CallWrapper) -> None:
+        return None
+
+    def neither(x: int) -> None:
+        return None
+
+    assert _injection(by_name) == "call_wrapper"
+    assert _injection(by_annotation) == "cw"
+    assert _injection(neither) is None
+
+
+def test_exit_code_dispositions() -> None:
+    assert disposition(ExitCode.OK) is Disposition.SUCCEEDED
+    assert disposition(ExitCode.RESTARTS_EXHAUSTED) is Disposition.JOB_FAILURE
+    assert disposition(ExitCode.NON_RETRYABLE) is Disposition.JOB_FAILURE
+    assert disposition(ExitCode.UNHEALTHY) is Disposition.POD_REPLACEMENT
+    assert disposition(ExitCode.WORLD_TOO_SMALL) is Disposition.POD_REPLACEMENT
+    assert disposition(ExitCode.HARD_TIMEOUT) is Disposition.LOCAL_RESPAWN
+    assert disposition(-9) is Disposition.LOCAL_RESPAWN
+    assert disposition(137) is Disposition.LOCAL_RESPAWN
+    assert disposition(1) is Disposition.JOB_FAILURE
+    codes = [int(c) for c in ExitCode]
+    assert len(codes) == len(set(codes))
+    assert all(c in {0, 1} or 79 <= c <= 125 for c in codes)
+
+
+GOOD_ENV = {
+    "STALWART_ETCD_ENDPOINTS": "127.0.0.1:2379, 127.0.0.1:2380", "STALWART_JOB": "ns/job",
+    "STALWART_JOB_UID": "abc-123", "STALWART_NODE_ID": "pod-0", "STALWART_EPOCH": "7", "STALWART_SLOT": "1",
+    "STALWART_SLOTS": "3", "STALWART_TARGET_WORLD": "2", "STALWART_SPARE": "false",
+}
+
+
+def test_rank_environment_round_trips() -> None:
+    env = RankEnvironment.from_env(GOOD_ENV)
+    assert env.etcd_endpoints == ["127.0.0.1:2379", "127.0.0.1:2380"]
+    assert env.keys.prefix == "/stalwart/v1/ns/abc-123/"
+    assert RankEnvironment.from_env(env.to_env()) == env
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"STALWART_EPOCH": None}, "STALWART_EPOCH: is required"),
+    ({"STALWART_EPOCH": "zero"}, "STALWART_EPOCH"),
+    ({"STALWART_JOB": "nojob"}, "STALWART_JOB"),
+    ({"STALWART_SLOT": "5"}, "must be below STALWART_SLOTS"),
+    ({"STALWART_ETCD_ENDPOINTS": None, "STALWART_SLOT": "x"}, "STALWART_ETCD_ENDPOINTS: is required"),
+])
+def test_rank_environment_errors_name_the_variable(change: dict, message: str) -> None:
+    env = {k: v for k, v in {**GOOD_ENV, **change}.items() if v is not None}
+    with pytest.raises(EnvironmentError_, match=message):
+        RankEnvironment.from_env(env)

@@ -1,0 +1,90 @@
+"""The etcd side of restart against a real etcd: fencing, one seal per iteration, bounded keys."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from stalwart.agent.rendezvous.errors import StaleEpoch
+from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
+from stalwart.keys import JobKeys
+from stalwart.restart.coordination import CoordinationTimeout, Coordinator
+from stalwart.store import Store
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def job(store: Store) -> tuple[JobKeys, int]:
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    epoch = store.put(keys.rendezvous + "manifest", b"{}")
+    yield keys, epoch
+    store.delete_prefix(keys.prefix)
+
+
+def _fault(slot: int, iteration: int) -> FaultRecord:
+    return FaultRecord(slot=slot, node_id="n", iteration=iteration, kind="exception", reason="x", time=time.time())
+
+
+def test_writes_are_fenced_by_the_epoch(store: Store, job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    c = Coordinator(store, keys, epoch, slot=0, node_id="n", lease_ttl=5)
+    c.start()
+    c.report_fault(_fault(0, 0))
+    store.put(keys.rendezvous + "manifest", b"{}")  # a newer round: the epoch moves on
+    with pytest.raises(StaleEpoch):
+        c.report_fault(_fault(0, 1))
+    assert c.view().faults.keys() == {0}
+    c.stop()
+
+
+def test_one_seal_per_iteration_whoever_races(store: Store, job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    coords = [Coordinator(store, keys, epoch, slot=s, node_id="n") for s in range(4)]
+    results: list[SealRecord] = []
+    barrier = threading.Barrier(4)
+
+    def seal(c: Coordinator) -> None:
+        barrier.wait(30)
+        mine = SealRecord(iteration=3, world_size=1, ranks={str(c.slot): 0}, sealed_by=c.slot)
+        results.append(c.try_seal(mine))
+
+    threads = [threading.Thread(target=seal, args=(c,)) for c in coords]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 4
+    assert len({r.sealed_by for r in results}) == 1
+
+
+def test_sealing_deletes_iterations_before_the_previous(store: Store, job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    c = Coordinator(store, keys, epoch, slot=0, node_id="n", lease_ttl=5)
+    c.start()
+    for it in range(6):
+        c.arrive(it, ArrivalRecord(slot=0, node_id="n"))
+        c.try_seal(SealRecord(iteration=it, world_size=1, ranks={"0": 0}, sealed_by=0))
+        store.put(c.torch_store_prefix(it) + "addr", b"x")
+        c.report_fault(_fault(0, it))
+    view = c.view()
+    assert set(view.seals) == {4, 5}
+    assert set(view.faults) == {4, 5}
+    assert set(view.arrivals) == {4, 5}
+    assert store.count_prefix(keys.torch_store(epoch)) == 2
+    c.stop()
+    assert c.view().alive == {}  # the heartbeat key went with the lease
+
+
+def test_wait_until_wakes_on_a_write_and_times_out(store: Store, job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    c = Coordinator(store, keys, epoch, slot=0, node_id="n")
+    other = Coordinator(store, keys, epoch, slot=1, node_id="n")
+    threading.Timer(0.2, lambda: other.report_fault(_fault(1, 0))).start()
+    _view, found = c.wait_until(lambda v: v.first_fault(0), time.monotonic() + 60)
+    assert isinstance(found, FaultRecord) and found.slot == 1
+    with pytest.raises(CoordinationTimeout):
+        c.wait_until(lambda v: 2 in v.faults, time.monotonic() + 0.3)

@@ -1,0 +1,78 @@
+"""Interrupting the main thread from another thread: into sleeps, deferred by atomic(), cancelled on leave."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from stalwart.restart.interrupt import Interrupter, RestartInterrupt
+
+
+def _request_soon(interrupter: Interrupter, started: threading.Event) -> threading.Thread:
+    def go() -> None:
+        started.wait(30)
+        interrupter.request("test")
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def test_interrupt_breaks_a_sleep_in_the_main_thread() -> None:
+    it = Interrupter()
+    started = threading.Event()
+    t = _request_soon(it, started)
+    it.enter_user_code()
+    try:
+        with pytest.raises(RestartInterrupt):
+            started.set()
+            time.sleep(120)  # pytest's timeout would fail the test long before this returns
+    finally:
+        it.leave_user_code()
+        t.join()
+        it.close()
+    assert it.requested == "test"
+
+
+def test_interrupt_waits_for_the_end_of_an_atomic_section() -> None:
+    it = Interrupter()
+    it.enter_user_code()
+    finished_section = False
+    try:
+        with pytest.raises(RestartInterrupt), it.atomic():
+            assert it.request("from another part") is False  # deferred: not delivered inside
+            time.sleep(0.05)
+            finished_section = True
+    finally:
+        it.leave_user_code()
+        it.close()
+    assert finished_section
+
+
+def test_no_interrupt_outside_user_code() -> None:
+    it = Interrupter()
+    assert it.request("before") is False  # not in user code: nothing delivered
+    assert it.requested == "before"
+    it.enter_user_code()  # a new iteration starts clean
+    assert it.requested is None
+    it.leave_user_code()
+    assert it.request("after") is False
+    for _ in range(1000):
+        pass  # bytecodes run here; a stray interrupt would be raised now
+    it.close()
+
+
+def test_only_one_interrupt_per_iteration() -> None:
+    it = Interrupter()
+    it.enter_user_code()
+    try:
+        with pytest.raises(RestartInterrupt):
+            assert it.request("one") is True
+            for _ in range(1000):
+                pass
+    finally:
+        assert it.request("two") is False
+        it.leave_user_code()
+        it.close()

@@ -1,0 +1,77 @@
+"""The gloo abort: shutting down the process group's connections frees a rank blocked in a collective."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+
+import pytest
+
+from stalwart.restart.sockets import SocketSnapshot, shutdown_sockets_since, socket_inodes
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+
+def _group_pair() -> tuple[object, object, SocketSnapshot]:
+    """Two gloo process groups (ranks 0 and 1 of one world) in this process, over a HashStore."""
+    store = dist.HashStore()
+    before = SocketSnapshot()
+    groups: list[object] = [None, None]
+
+    def build(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=120))
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return groups[0], groups[1], before
+
+
+def test_shutdown_frees_a_rank_blocked_in_allreduce() -> None:
+    pg0, pg1, before = _group_pair()
+    outcome: list[BaseException | None] = []
+    ready = threading.Event()
+
+    def blocked() -> None:
+        x = torch.ones(4)
+        work = pg0.allreduce([x])  # type: ignore[attr-defined]
+        ready.set()
+        try:
+            work.wait()
+            outcome.append(None)
+        except RuntimeError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    assert ready.wait(60)
+    # Rank 1 never joins the collective (it "failed"); its connections are shut down instead. The collective
+    # timeout is 120 s and the thread is joined well before: only the shutdown can have freed it.
+    n = shutdown_sockets_since(before)
+    t.join(60)
+    assert not t.is_alive()
+    assert n >= 1  # gloo closes the other end itself once it sees this one shut down
+    assert outcome and isinstance(outcome[0], RuntimeError)
+    assert pg1 is not None
+
+
+def test_listening_and_excluded_sockets_are_left_alone() -> None:
+    before = SocketSnapshot()
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server_side, _ = listener.accept()
+    try:
+        kept = [listener.getsockname()]
+        assert shutdown_sockets_since(before, keep_peers=kept) == 1  # only the accepted side (peer = client)
+        assert server_side.recv(1) == b""  # that side was shut down: end of stream at once
+        # The listener still accepts (a shut-down listener would have failed this).
+        other = socket.create_connection(listener.getsockname())
+        other.close()
+        assert len(socket_inodes()) >= 3
+    finally:
+        for s in (client, server_side, listener):
+            s.close()
