@@ -201,8 +201,12 @@ def stop_process(pid: int, timeout: float) -> None:
 
 
 def kill_leftover_containers(directory: Path) -> None:
-    """Kill any process whose working directory is a pod directory of this cluster (a belt to the
-    parent-death-signal braces, for containers that changed their own parent-death setting)."""
+    """Kill any process marked as a container process of this cluster, or whose working directory is one of
+    its pod directories (a belt to the parent-death-signal braces, for processes that left their container's
+    process group or changed their parent-death setting)."""
+    from stalwart.local.kubelet import CLUSTER_MARKER, signal_marked
+
+    signal_marked(CLUSTER_MARKER, str(directory.resolve()), signal.SIGKILL)
     pods = str((directory / "pods").resolve())
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

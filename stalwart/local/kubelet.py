@@ -62,6 +62,39 @@ def _pdeathsig() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+# Environment markers: they let the kubelet find every process of a container, including those that left its
+# process group (a container runtime would use the container's cgroup).
+POD_MARKER = "STALWART_LOCAL_POD_UID"
+CONTAINER_MARKER = "STALWART_LOCAL_CONTAINER"
+CLUSTER_MARKER = "STALWART_LOCAL_CLUSTER"
+
+
+def marked_pids(name: str, value: str) -> list[int]:
+    """Processes whose environment has ``name=value`` (those of other users are not readable: skipped)."""
+    needle = f"{name}={value}".encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            out.append(int(entry.name))
+    return out
+
+
+def signal_marked(name: str, value: str, sig: int) -> int:
+    """Send ``sig`` to every process marked ``name=value``; return how many were signalled."""
+    n = 0
+    for pid in marked_pids(name, value):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+            n += 1
+    return n
+
+
 def _open_log(cwd: Path, log: Path) -> BinaryIO:
     """Create the working directory and open the container's log for appending (the child inherits it)."""
     cwd.mkdir(parents=True, exist_ok=True)
@@ -208,6 +241,7 @@ class ProcessKubelet:
                 if c.proc is not None and c.proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(c.proc.pid, signal.SIGKILL)
+            signal_marked(POD_MARKER, run.uid, signal.SIGKILL)
         for run in lost:
             if run.task is not None:
                 run.task.cancel()
@@ -425,6 +459,8 @@ class ProcessKubelet:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         c.ready = False
+        # The container is over when its main process is: whatever it left running goes with it.
+        await asyncio.to_thread(signal_marked, CONTAINER_MARKER, f"{run.uid}/{c.name}", signal.SIGKILL)
         term: JSON = {"exitCode": code if code >= 0 else 128 - code, "startedAt": started,
                       "finishedAt": now_rfc3339(), "containerID": f"process://{c.proc.pid}"}
         if code < 0:
@@ -532,6 +568,7 @@ class ProcessKubelet:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
+        await asyncio.to_thread(signal_marked, POD_MARKER, run.uid, signal.SIGTERM)
         if procs:
             try:
                 await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), max(grace, 0.0) or 0.01)
@@ -540,10 +577,11 @@ class ProcessKubelet:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(p.pid, signal.SIGKILL)
                 await asyncio.gather(*(p.wait() for p in procs))
-        # Children the container left in its process group go too.
+        # Whatever the containers left behind, in their process groups or elsewhere, goes too.
         for p in procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
+        await asyncio.to_thread(signal_marked, POD_MARKER, run.uid, signal.SIGKILL)
         if run.task is not None and not run.task.done():
             run.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -575,6 +613,9 @@ class ProcessKubelet:
             "HOSTNAME": meta["name"],
             "KUBERNETES_SERVICE_HOST": "127.0.0.1",
             "KUBERNETES_SERVICE_PORT": str(self.api_port),
+            POD_MARKER: run.uid,
+            CONTAINER_MARKER: f"{run.uid}/{container.get('name', '')}",
+            CLUSTER_MARKER: str(self.workdir.resolve()),
         }
         for k in _PASSTHROUGH:
             if k in os.environ:

@@ -223,3 +223,25 @@ def test_readiness_and_liveness_probes(local_cluster: LocalCluster, k8s_namespac
     wait_until(lambda: conditions().get("Ready") == "False", "the readiness probe to fail again")
     pod = get_json(local_cluster, "-n", ns, "pod", "probed")
     assert pod["status"]["containerStatuses"][0]["restartCount"] == 0  # the liveness probe passes
+
+
+def test_processes_a_container_leaves_behind_end_with_it(local_cluster: LocalCluster, k8s_namespace: str,
+                                                          tmp_path: Path) -> None:
+    ns = k8s_namespace
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, pathlib\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+              "start_new_session=True)\n"
+              f"pathlib.Path({str(pid_file)!r}).write_text(str(child.pid))\n")
+    local_cluster.kubectl("apply", "-f", "-", input=pod_manifest("leaver", ns, script))
+    wait_until(lambda: phase_is(local_cluster, ns, "leaver", "Succeeded"), "leaver to finish")
+    child = int(pid_file.read_text())
+
+    def gone() -> bool:
+        status = Path(f"/proc/{child}/status")
+        try:
+            return "zombie" in status.read_text()
+        except OSError:
+            return True
+
+    wait_until(gone, "the detached child to be killed")
