@@ -177,6 +177,9 @@ class ProcessKubelet:
         self._closing = True
         await asyncio.gather(*(self._stop_run(r, grace) for r in list(self.runs.values())),
                              return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -232,6 +235,7 @@ class ProcessKubelet:
         """Simulate losing node ``name``; returns the ``namespace/name`` of the pods that failed with it."""
         if name not in self.nodes:
             raise KeyError(f"no node {name!r}; nodes are {sorted(self.nodes)}")
+        log.warning("node %s lost: killing its pods' processes", name)
         self.nodes[name] = False
         self._write_node_status(name)
         lost = [r for r in self.runs.values() if r.node == name]
@@ -446,6 +450,8 @@ class ProcessKubelet:
             return self._cannot_run(run, c, started, f"starting {argv[0]!r}: {exc}")
         c.state = {"running": {"startedAt": started}}
         c.ready = not c.init and "readinessProbe" not in c.spec
+        log.info("pod %s/%s on %s (%s): container %s started, pid %d, restarts %d", run.namespace, run.name,
+                 run.node, run.ip, c.name, c.proc.pid, c.restarts)
         self._event(pod, "Normal", "Started", f"Started container {c.name}")
         self._write_pod_status(run)
         probes = [asyncio.get_running_loop().create_task(self._probe(run, c, kind, env, cwd))
@@ -468,6 +474,7 @@ class ProcessKubelet:
         term["reason"] = "Completed" if code == 0 else "Error"
         c.last_state = {"terminated": term}
         c.state = {"terminated": term}
+        log.info("pod %s/%s: container %s exited with %s", run.namespace, run.name, c.name, term["exitCode"])
         self._write_pod_status(run)
         return int(term["exitCode"])
 

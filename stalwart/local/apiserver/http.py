@@ -1,6 +1,7 @@
 """The HTTP face of the emulator: kube-apiserver's URL layout over :class:`~.objects.ObjectStore`.
 
-Serves JSON only (every client used here asks for JSON or accepts it as an alternative), legacy discovery
+Answers in JSON only (every client used here asks for JSON or accepts it as an alternative) and reads JSON,
+YAML (apply patches) and the protobuf bodies of :mod:`.protobuf`; serves legacy discovery
 (clients fall back to it from aggregated discovery), OpenAPI (:mod:`.openapi`), list/get/watch (with label and
 field selectors, ``resourceVersion``, ``timeoutSeconds``, bookmarks and ``sendInitialEvents``), Table output,
 create/update/patch/delete/deletecollection, the status and scale subresources, ``pods/log`` and
