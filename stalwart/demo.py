@@ -1,9 +1,8 @@
 """``stalwart demo``: the whole user path on the local cluster, with two faults, as it happens.
 
 1. start the local cluster (API emulator, process kubelet, real etcd);
-2. install the Helm chart with the real Helm library, and run the operator pod its Deployment describes (the
-   local cluster has no Deployment controller, so the demo creates that pod from the Deployment's template: the
-   chart's command line, environment and service account are what runs);
+2. install the Helm chart with the real Helm library; the local cluster's Deployment controller runs the
+   operator pod from the chart's template (its command line, environment and service account);
 3. apply ``examples/minimal.yaml`` (2 workers + 1 hot spare) with fault injection set: one rank raises an
    exception at a step (recovered in process), and later the demo kills one worker pod (its ranks move to the
    spare);
@@ -24,8 +23,6 @@ import logging
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,12 +152,8 @@ def free_port() -> int:
 
 
 class Installation:
-    """stalwart installed on a local cluster the way a user installs it: the Helm chart (real Helm library),
-    and the operator pod its Deployment describes.
-
-    The local cluster has no Deployment controller, so :meth:`start_operator` creates the pod from the
-    Deployment's template, as that controller would: what runs is the chart's command line and environment.
-    """
+    """stalwart installed on a local cluster the way a user installs it: ``helm install`` with the real Helm
+    library; the local cluster's Deployment controller then runs the operator pod from the chart's template."""
 
     def __init__(self, cluster: Any, release: str = RELEASE, namespace: str = OPERATOR_NAMESPACE) -> None:
         import helm_python
@@ -169,18 +162,17 @@ class Installation:
         self.release = release
         self.namespace = namespace
         self.helm = helm_python.Config(kubeconfig_path=str(cluster.kubeconfig), namespace=namespace)
-        self.operator_pod = f"{release}-operator-0"
-        self.health_port = 0
 
     def install_chart(self, timeout: int = 120) -> JSON:
         """``helm install``; returns Helm's release summary."""
-        self.health_port = free_port()
         values = {
             "operator": {
-                # Pods of the local cluster share the loopback interface: a free port, bound on loopback only.
-                "healthPort": self.health_port,
+                # Pods of the local cluster share one network namespace (each has its own loopback address):
+                # a free port, bound on the pod's address, where the kubelet's probes call it.
+                "healthPort": free_port(),
+                "extraEnv": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                 # They have no service account token mounted either: the operator uses the cluster's kubeconfig.
-                "extraArgs": [f"--kubeconfig={self.cluster.kubeconfig}", "--health-host=127.0.0.1"],
+                "extraArgs": [f"--kubeconfig={self.cluster.kubeconfig}", "--health-host=$(POD_IP)"],
             },
             # Jobs naming no endpoints use the local cluster's etcd (on a real cluster: etcd.enabled=true).
             "etcd": {"externalEndpoints": [self.cluster.etcd_endpoint]},
@@ -189,40 +181,37 @@ class Installation:
                                           create_namespace=True, timeout=timeout)
         return release
 
-    def start_operator(self) -> list[str]:
-        """Create the operator pod from the release's Deployment; returns the container's arguments."""
-        deployment = json.loads(self.cluster.kubectl("get", "deployment", f"{self.release}-operator", "-n",
-                                                     self.namespace, "-o", "json").stdout)
-        template = deployment["spec"]["template"]
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": self.operator_pod, "namespace": self.namespace,
-                            "labels": template["metadata"]["labels"],
-                            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
-                                                 "name": deployment["metadata"]["name"],
-                                                 "uid": deployment["metadata"]["uid"], "controller": True}]},
-               "spec": template["spec"]}
-        self.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-        args: list[str] = template["spec"]["containers"][0]["args"]
-        return args
+    def operator_pods(self) -> list[JSON]:
+        selector = f"app.kubernetes.io/instance={self.release},app.kubernetes.io/component=operator"
+        got = json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", selector, "-o",
+                                              "json").stdout)
+        items: list[JSON] = got["items"]
+        return items
 
     def operator_ready(self) -> bool:
-        """What the readiness probe checks: the health endpoint answers 200. A failed pod raises DemoError."""
-        got = json.loads(self.cluster.kubectl("get", "pod", self.operator_pod, "-n", self.namespace, "-o",
-                                              "json").stdout)
-        if (got.get("status") or {}).get("phase") == "Failed":
-            raise DemoError(f"the operator pod failed; see: kubectl logs -n {self.namespace} {self.operator_pod}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2.0) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        """An operator pod is Ready (the kubelet's readiness probe got 200 from its /healthz). An operator pod
+        that failed or restarted raises DemoError."""
+        pods = self.operator_pods()
+        for pod in pods:
+            st = pod.get("status") or {}
+            crashed = [c for c in st.get("containerStatuses") or [] if (c.get("lastState") or {}).get("terminated")]
+            if st.get("phase") == "Failed" or crashed:
+                raise DemoError(f"the operator pod failed; see: kubectl logs -n {self.namespace} "
+                                f"{pod['metadata']['name']} --previous")
+        return any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for p in pods for c in (p.get("status") or {}).get("conditions") or [])
+
+    def operator_command(self) -> str:
+        pods = self.operator_pods()
+        if not pods:
+            return ""
+        container = pods[0]["spec"]["containers"][0]
+        return " ".join([*container.get("command", []), *container.get("args", [])])
 
     def uninstall(self) -> None:
-        """``helm uninstall`` (the Deployment goes, and with it, by its owner reference, the operator pod)."""
+        """``helm uninstall``: the Deployment goes, and its pods with it (owner references)."""
         try:
             self.helm.uninstall(self.release, ignore_not_found=True, timeout=60)
-            self.cluster.kubectl("delete", "pod", self.operator_pod, "-n", self.namespace, "--ignore-not-found",
-                                 "--wait=false", check=False)
         finally:
             self.helm.close()
 
@@ -284,10 +273,8 @@ class Demo:
         release = self.install.install_chart()
         self.say(f"helm install {RELEASE} helm/stalwart -n {OPERATOR_NAMESPACE}: {release['status']} "
                  f"(revision {release['revision']})")
-        args = self.install.start_operator()
-        self.say(f"operator pod started from the chart's Deployment: stalwart {' '.join(args)}")
         self.wait_for("the operator's health endpoint", self.install.operator_ready, 120)
-        self.say("operator ready (/healthz answers)")
+        self.say(f"operator pod Ready (its readiness probe on /healthz passes): {self.install.operator_command()}")
         job = demo_job(yaml.safe_load(EXAMPLE.read_text()), self.opts)
         self.job_name = job["metadata"]["name"]
         self.say(f"kubectl apply -f {EXAMPLE.relative_to(REPO)}  (+ rank {self.opts.fail_rank} raises at step "
