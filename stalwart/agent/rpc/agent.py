@@ -34,7 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from stalwart.agent.rpc import errors as E
-from stalwart.agent.rpc.codec import Blobs, Frame, decode_frame, decode_payload, encode_frame, encode_payload
+from stalwart.agent.rpc.codec import (
+    Blobs,
+    Frame,
+    decode_frame,
+    decode_payload,
+    encode_frame,
+    encode_payload,
+    header_json,
+)
 from stalwart.agent.rpc.dedup import CompletionTable, Verdict
 from stalwart.agent.rpc.membership import Member, Membership, MembershipEvent, View, ViewChanged, WorkerInfo, WorkerLeft
 from stalwart.agent.rpc.registry import REGISTRY, Registry
@@ -455,11 +463,11 @@ class RpcAgent:
         call.attempt += 1
         n = call.attempt
         call.retry_timer = None
-        header = Envelope.model_construct(
+        header = header_json(
             kind="req", type=call.mtype, id=call.id, src=self.name, inc=self.incarnation,
             epoch=self._epoch if call.restamp else call.epoch, ack=self._low_water(), fn=call.fn,
             rref=call.rref, fork=call.fork, payload=call.payload,
-            blobs=call.blobs.meta if call.blobs is not None else [])
+            blobs=call.blobs.meta if call.blobs is not None else None)
         try:
             frame = encode_frame(header, call.blobs)
         except E.RpcError as e:
@@ -633,8 +641,8 @@ class RpcAgent:
             self._book.users.pop(handle.fork_id, None)
 
     def _create_local(self, handle: RRef[Any], fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._book.create(handle.rref_id, None, self.name)
         self._book.handle_added(handle.rref_id)
+        self._book.create(handle.rref_id, None, self.name)
         self._loop.create_task(self._compute(handle.rref_id, fn, args, kwargs))
 
     async def _compute(self, rref: str, fn: str, args: Any, kwargs: Any) -> None:
@@ -760,9 +768,9 @@ class RpcAgent:
 
     def _send_reply(self, h: Envelope, channel: ReplyChannel, err: ErrorInfo | None, *,
                     record: bool, blobs: Blobs | None = None, payload: Any = None) -> None:
-        header = Envelope.model_construct(
+        header = header_json(
             kind="rep", type=h.type, id=h.id, src=self.name, inc=self.incarnation, epoch=self._epoch, err=err,
-            payload=payload, blobs=blobs.meta if blobs is not None else [])
+            payload=payload, blobs=blobs.meta if blobs is not None else None)
         frame = encode_frame(header, blobs)
         if record:
             self._incoming -= 1
@@ -809,8 +817,10 @@ class RpcAgent:
                 if h.rref is None or h.fork is None:
                     self._reply_error(h, channel, "bad_request", "remote needs rref and fork")
                     return
-                self._book.create(h.rref, h.fork, h.src)
-                self._loop.create_task(self._compute(h.rref, entry.name, payload["a"], payload["k"]))
+                if self._book.create(h.rref, h.fork, h.src):
+                    self._wake_values([h.rref])  # its creator already let go of it: nothing to compute
+                else:
+                    self._loop.create_task(self._compute(h.rref, entry.name, payload["a"], payload["k"]))
                 self._send_reply(h, channel, None, record=True)
             case "fetch":
                 timeout = h.payload.get("timeout") if isinstance(h.payload, dict) else None

@@ -14,6 +14,7 @@ dtype and shape, and only plain numeric dtypes are accepted.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import struct
 import sys
@@ -101,9 +102,25 @@ def encode_payload(value: Any, blobs: Blobs, rref_encoder: RRefEncoder | None, p
         "tuples, bytes, CPU tensors and RRefs (register a function and send its arguments instead of objects)")
 
 
-def encode_frame(header: Envelope, blobs: Blobs | None = None) -> bytes:
+def header_json(**fields: Any) -> bytes:
+    """The JSON of an :class:`Envelope` with these fields, built without a model instance.
+
+    Outgoing headers are made from values the agent itself produced, so they skip pydantic (a measurable
+    share of a small call's latency); ``None`` fields are left out. Incoming headers are always validated.
+    """
+    blobs = fields.pop("blobs", None)
+    if blobs:
+        fields["blobs"] = [b.model_dump(exclude_none=True) for b in blobs]
+    err = fields.get("err")
+    if err is not None:
+        fields["err"] = err.model_dump()
+    return json.dumps({k: v for k, v in fields.items() if v is not None},
+                      separators=(",", ":"), allow_nan=False).encode()
+
+
+def encode_frame(header: Envelope | bytes, blobs: Blobs | None = None) -> bytes:
     """One frame: the header (with the blobs' metadata already in it) then the blobs' bytes."""
-    head = header.model_dump_json(exclude_defaults=True).encode()
+    head = header if isinstance(header, bytes) else header.model_dump_json(exclude_defaults=True).encode()
     if len(head) > MAX_HEADER_BYTES:
         raise PayloadError(f"message header is {len(head)} bytes of JSON; the limit is {MAX_HEADER_BYTES} "
                            "(send bulk data as tensors or bytes)")

@@ -53,8 +53,12 @@ def backoff_delay(options: RetryOptions, retry: int, rng: random.Random) -> floa
     """Seconds to wait before retry number ``retry`` (1 for the first retry), jitter applied."""
     if retry < 1:
         raise ValueError(f"retry must be >= 1, got {retry}")
-    base = options.initial_delay * options.multiplier ** min(retry - 1, 1000)
-    base = min(options.max_delay, base)
+    exponent = retry - 1
+    if options.multiplier > 1.0:
+        # beyond this exponent the delay is capped anyway; stopping there avoids float overflow
+        exponent = min(exponent, math.ceil(math.log(options.max_delay / options.initial_delay)
+                                           / math.log(options.multiplier)) + 1)
+    base = min(options.max_delay, options.initial_delay * options.multiplier ** exponent)
     if options.jitter:
         base *= 1.0 + options.jitter * (2.0 * rng.random() - 1.0)
     return max(0.0, min(options.max_delay, base))

@@ -99,13 +99,15 @@ class RRefBook:
             rec = self.owners[rref] = OwnerRecord(rref, creator)
         return rec
 
-    def create(self, rref: str, fork: str | None, holder: str) -> OwnerRecord:
-        """The value ``rref`` is being created here for ``holder`` (``fork`` None: a local creation)."""
+    def create(self, rref: str, fork: str | None, holder: str) -> list[str]:
+        """The value ``rref`` is being created here for ``holder`` (``fork`` None: a local creation, whose
+        handle must be added first). Returns ``[rref]`` if it is freed at once (its only fork was deleted
+        before the creation arrived)."""
         rec = self._record(rref, holder)
         rec.created = True
         if fork is not None:
             self._add_fork(rec, fork, holder)
-        return rec
+        return self._maybe_free(rec)
 
     def _add_fork(self, rec: OwnerRecord, fork: str, holder: str) -> None:
         parked = self.parked.get(rec.rref)

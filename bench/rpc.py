@@ -1,0 +1,195 @@
+"""RPC benchmark: stalwart's RPC vs torch.distributed.rpc (TensorPipe), side by side, two processes each.
+
+Prints one JSON object per line:
+
+* ``latency_us`` -- mean ``rpc_sync`` round trip of a 1 KiB ``bytes`` payload echoed back;
+* ``throughput_mib_s`` -- MiB/s of 1 MiB float32 tensors sent with sequential ``rpc_sync`` calls (the callee
+  returns the tensor's element count, so only the request carries the tensor);
+* ``scheduler_us_per_op`` -- cost of one schedule + one cancel + its share of firing on stalwart's retry
+  heap while 100,000 retries are pending (in process; asyncio's ``call_later`` with the same load is
+  printed beside it for reference).
+
+Usage: ``python bench/rpc.py [--calls N] [--tensor-calls N]``. torch needs numpy for TensorPipe's start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import sys
+import time
+from typing import Any
+
+TOKEN = "bench-token-0123456789abcdef"
+PAYLOAD = b"x" * 1024
+TENSOR_ELEMS = 256 * 1024  # 1 MiB of float32
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def numel(t: Any) -> int:
+    return int(t.numel())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _measure(call: Any, make_tensor: Any, calls: int, tensor_calls: int) -> dict[str, float]:
+    for _ in range(max(50, calls // 10)):
+        call(echo, PAYLOAD)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call(echo, PAYLOAD)
+    latency = (time.perf_counter() - t0) / calls * 1e6
+    tensor = make_tensor()
+    for _ in range(10):
+        call(numel, tensor)
+    t0 = time.perf_counter()
+    for _ in range(tensor_calls):
+        call(numel, tensor)
+    mib_s = tensor_calls * tensor.numel() * 4 / (1 << 20) / (time.perf_counter() - t0)
+    return {"latency_us": latency, "throughput_mib_s": mib_s}
+
+
+# -- stalwart ---------------------------------------------------------------------------------------------
+
+def _stalwart_worker(rank: int, addr_q: Any, view_q: Any, out_q: Any, calls: int, tensor_calls: int) -> None:
+    import torch
+
+    from stalwart.agent.rpc import REGISTRY, RpcAgent, StaticMembership, View
+
+    REGISTRY.register(echo, "bench.echo", inline=False)
+    REGISTRY.register(numel, "bench.numel", inline=False)
+    agent = RpcAgent(f"w{rank}", rank, token=TOKEN)
+    addr_q.put((rank, agent.start(), agent.incarnation))
+    members = view_q.get()
+    from stalwart.agent.rpc import Member
+
+    agent.join(StaticMembership(View.of(1, [Member(*m) for m in members])))
+    if rank == 0:
+        result = _measure(lambda fn, arg: agent.rpc_sync("w1", fn, (arg,)),
+                          lambda: torch.ones(TENSOR_ELEMS), calls, tensor_calls)
+        out_q.put(result)
+    agent.shutdown(graceful=True, timeout=60)
+
+
+def bench_stalwart(calls: int, tensor_calls: int) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    addr_q, out_q = ctx.Queue(), ctx.Queue()
+    view_qs = [ctx.Queue(), ctx.Queue()]
+    procs = [ctx.Process(target=_stalwart_worker, args=(r, addr_q, view_qs[r], out_q, calls, tensor_calls))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(addr_q.get(timeout=120) for _ in procs)
+    members = [(f"w{r}", r, addr, inc) for r, addr, inc in got]
+    for q in view_qs:
+        q.put(members)
+    result: dict[str, float] = out_q.get(timeout=600)
+    for p in procs:
+        p.join(timeout=120)
+    return result
+
+
+# -- torch.distributed.rpc (TensorPipe) -------------------------------------------------------------------
+
+def _torch_worker(rank: int, port: int, out_q: Any, calls: int, tensor_calls: int) -> None:
+    import torch
+    import torch.distributed.rpc as rpc
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    if rank == 0:
+        out_q.put(_measure(lambda fn, arg: rpc.rpc_sync("w1", fn, args=(arg,)),
+                           lambda: torch.ones(TENSOR_ELEMS), calls, tensor_calls))
+    rpc.shutdown()
+
+
+def bench_torch(calls: int, tensor_calls: int) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_torch_worker, args=(r, port, out_q, calls, tensor_calls)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result: dict[str, float] = out_q.get(timeout=600)
+    for p in procs:
+        p.join(timeout=120)
+    return result
+
+
+# -- the retry scheduler ----------------------------------------------------------------------------------
+
+def bench_scheduler(pending: int = 100_000, ops: int = 100_000) -> dict[str, float]:
+    """Per operation: schedule one retry and cancel one (its reply came), with ``pending`` others waiting;
+    then fire everything in due order. Both costs are divided over the operations."""
+    from stalwart.agent.rpc.timers import TimerHeap
+
+    rng = random.Random(0)
+    heap = TimerHeap()
+    live = [heap.schedule(rng.uniform(0, 60), lambda: None) for _ in range(pending)]
+    t0 = time.perf_counter()
+    for i in range(ops):
+        live.append(heap.schedule(rng.uniform(0, 60), lambda: None))
+        j = rng.randrange(len(live))
+        live[j], live[-1] = live[-1], live[j]
+        heap.cancel(live.pop())
+    fired = len(heap.pop_due(float("inf")))
+    ours = (time.perf_counter() - t0) / (ops + fired) * 1e6
+
+    async def asyncio_anchor() -> float:
+        loop = asyncio.get_running_loop()
+        handles = [loop.call_later(rng.uniform(100, 160), lambda: None) for _ in range(pending)]
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            handles.append(loop.call_later(rng.uniform(100, 160), lambda: None))
+            j = rng.randrange(len(handles))
+            handles[j], handles[-1] = handles[-1], handles[j]
+            handles.pop().cancel()
+        elapsed = time.perf_counter() - t0
+        for h in handles:
+            h.cancel()
+        return elapsed / ops * 1e6
+
+    return {"stalwart": ours, "asyncio-call_later": asyncio.run(asyncio_anchor())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=3000, help="1 KiB round trips to time")
+    parser.add_argument("--tensor-calls", type=int, default=300, help="1 MiB tensor calls to time")
+    parser.add_argument("--skip-torch", action="store_true")
+    args = parser.parse_args()
+
+    def emit(impl: str, metric: str, value: float, **extra: Any) -> None:
+        print(json.dumps({"bench": "rpc", "impl": impl, "metric": metric, "value": round(value, 2), **extra}),
+              flush=True)
+
+    ours = bench_stalwart(args.calls, args.tensor_calls)
+    theirs = None if args.skip_torch else bench_torch(args.calls, args.tensor_calls)
+    for metric in ("latency_us", "throughput_mib_s"):
+        emit("stalwart", metric, ours[metric])
+        if theirs is not None:
+            emit("torch-rpc", metric, theirs[metric])
+            ratio = ours[metric] / theirs[metric]
+            emit("stalwart/torch-rpc", metric + "_ratio", ratio)
+    sched = bench_scheduler()
+    for impl, value in sched.items():
+        emit(impl, "scheduler_us_per_op", value, pending=100_000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
