@@ -556,7 +556,8 @@ class ObjectStore:
             return self._remove(info, key)
         if nmeta.get("deletionTimestamp") and finalizers == list(meta.get("finalizers") or []) and new == obj:
             return self._serve(info, obj)
-        nmeta["finalizers"] = finalizers
+        if finalizers or "finalizers" in nmeta:
+            nmeta["finalizers"] = finalizers
         if not nmeta.get("deletionTimestamp"):
             nmeta["deletionTimestamp"] = now_rfc3339()
             nmeta.setdefault("deletionGracePeriodSeconds", 0)
