@@ -63,7 +63,8 @@ def _measure(call: Any, make_tensor: Any, calls: int, tensor_calls: int) -> dict
 
 # -- stalwart ---------------------------------------------------------------------------------------------
 
-def _stalwart_worker(rank: int, addr_q: Any, view_q: Any, out_q: Any, calls: int, tensor_calls: int) -> None:
+def _stalwart_worker(rank: int, queues: tuple[Any, Any, Any], calls: int, tensor_calls: int) -> None:
+    addr_q, view_q, out_q = queues
     import torch
 
     from stalwart.agent.rpc import REGISTRY, RpcAgent, StaticMembership, View
@@ -87,7 +88,7 @@ def bench_stalwart(calls: int, tensor_calls: int) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     addr_q, out_q = ctx.Queue(), ctx.Queue()
     view_qs = [ctx.Queue(), ctx.Queue()]
-    procs = [ctx.Process(target=_stalwart_worker, args=(r, addr_q, view_qs[r], out_q, calls, tensor_calls))
+    procs = [ctx.Process(target=_stalwart_worker, args=(r, (addr_q, view_qs[r], out_q), calls, tensor_calls))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -105,7 +106,7 @@ def bench_stalwart(calls: int, tensor_calls: int) -> dict[str, float]:
 
 def _torch_worker(rank: int, port: int, out_q: Any, calls: int, tensor_calls: int) -> None:
     import torch
-    import torch.distributed.rpc as rpc
+    from torch.distributed import rpc
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -141,7 +142,7 @@ def bench_scheduler(pending: int = 100_000, ops: int = 100_000) -> dict[str, flo
     heap = TimerHeap()
     live = [heap.schedule(rng.uniform(0, 60), lambda: None) for _ in range(pending)]
     t0 = time.perf_counter()
-    for i in range(ops):
+    for _ in range(ops):
         live.append(heap.schedule(rng.uniform(0, 60), lambda: None))
         j = rng.randrange(len(live))
         live[j], live[-1] = live[-1], live[j]

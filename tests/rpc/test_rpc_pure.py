@@ -39,7 +39,7 @@ def test_retry_options_cross_field_rules_name_both_arguments() -> None:
 
 @given(initial=st.floats(0.001, 5), mult=st.floats(1, 10), cap=st.floats(0.001, 60), jitter=st.floats(0, 1),
        retry=st.integers(1, 5000), seed=st.integers(0, 2**32))
-def test_backoff_is_bounded_and_grows(initial: float, mult: float, cap: float, jitter: float, retry: int,
+def test_backoff_is_bounded_and_grows(initial: float, mult: float, cap: float, jitter: float, *, retry: int,
                                       seed: int) -> None:
     cap = max(cap, initial)
     opts = RetryOptions(initial_delay=initial, multiplier=mult, max_delay=cap, jitter=jitter)
