@@ -177,7 +177,8 @@ def table(objs: list[JSON], group: str, plural: str, crd_version: JSON | None, r
         rows.append(entry)
     out: JSON = {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": resource_version},
                  "rows": rows}
-    name_col = _col("Name", description="Name must be unique within a namespace.", priority=1 if name_last else 0)
+    name_col = _col("Name", description="Name must be unique within a namespace.", priority=1 if name_last else 0,
+                    fmt="name")
     columns = [*defs, name_col] if name_last else [name_col, *defs]
     out["columnDefinitions"] = columns if with_columns else []
     return out
