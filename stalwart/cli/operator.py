@@ -6,10 +6,14 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import signal
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+#: Kept here (not imported from the operator package) so that ``stalwart --help`` stays light.
+AGENT_COMMAND_DEFAULT = ("stalwart", "agent", "--")
 
 
 def _endpoints(text: str) -> tuple[str, ...]:
@@ -67,6 +71,10 @@ def register(sub: Any) -> None:
                    help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--concurrency", type=int, default=16,
                    help="Kubernetes API calls in flight at most (default 16)")
+    p.add_argument("--agent-command", default=" ".join(AGENT_COMMAND_DEFAULT), metavar="CMD",
+                   help="entrypoint prefix put before the user's command in every pod (default: "
+                        f"{' '.join(AGENT_COMMAND_DEFAULT)!r}; an empty string runs the command bare, which only "
+                        "tests of the operator itself want)")
     p.add_argument("--status-interval", type=_positive, default=1.0,
                    help="at most one status patch per job per this many seconds (default 1)")
     p.set_defaults(func=run)
@@ -87,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         peering=args.peering,
         priority=args.priority,
         health_endpoint=f"http://{args.health_host}:{args.health_port}/healthz",
+        agent_command=tuple(shlex.split(args.agent_command)),
     )
     if args.metrics_port is not None:
         from prometheus_client import start_http_server

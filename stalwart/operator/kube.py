@@ -64,6 +64,7 @@ class Kube:
         self.concurrency = concurrency
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kube")
         self._slots: asyncio.Semaphore | None = None
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
         self.calls: Counter[tuple[str, str]] = Counter()
 
     def close(self) -> None:
@@ -72,12 +73,13 @@ class Kube:
 
     async def _call(self, verb: str, resource: str, name: str, fn: Callable[[], T], *,
                     ok_status: tuple[int, ...] = ()) -> T | None:
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.concurrency)
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots_loop is not loop:
+            # A semaphore belongs to one event loop; the adapter may be used from another (tests, tools).
+            self._slots, self._slots_loop = asyncio.Semaphore(self.concurrency), loop
         async with self._slots:
             self.calls[(verb, resource)] += 1
             metrics.API_CALLS.labels(verb, resource).inc()
-            loop = asyncio.get_running_loop()
             try:
                 return await loop.run_in_executor(self._pool, fn)
             except ApiException as e:
@@ -94,13 +96,13 @@ class Kube:
     async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> None:
         name = str(body["metadata"]["name"])
         await self._call("create", "pods", name, lambda: self.core.create_namespaced_pod(
-            namespace, body, _request_timeout=self.timeout), ok_status=(409,))
+            namespace, body, _request_timeout=self.timeout, _preload_content=False), ok_status=(409,))
 
     async def delete_pod(self, namespace: str, name: str, grace: int) -> None:
         opts = k8s.V1DeleteOptions(grace_period_seconds=grace, propagation_policy="Background")
         await self._call("delete", "pods", name, lambda: self.core.delete_namespaced_pod(
-            name, namespace, body=opts, grace_period_seconds=grace, _request_timeout=self.timeout),
-            ok_status=(404,))
+            name, namespace, body=opts, grace_period_seconds=grace, _request_timeout=self.timeout,
+            _preload_content=False), ok_status=(404,))
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         """The pods matching ``selector`` as plain dicts (used where no watch index is at hand)."""
@@ -132,7 +134,7 @@ class Kube:
         await self._call("patch", "trainingjobs/status", name,
                          lambda: self.custom.patch_namespaced_custom_object_status(
                              GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)},
-                             _request_timeout=self.timeout))
+                             _request_timeout=self.timeout, _preload_content=False))
 
     async def delete_job(self, namespace: str, name: str) -> None:
         await self._call("delete", "trainingjobs", name, lambda: self.custom.delete_namespaced_custom_object(
@@ -154,7 +156,7 @@ class Kube:
             "lastTimestamp": now.isoformat().replace("+00:00", "Z"), "count": 1,
         }
         await self._call("create", "events", job, lambda: self.core.create_namespaced_event(
-            namespace, body, _request_timeout=self.timeout))
+            namespace, body, _request_timeout=self.timeout, _preload_content=False))
 
 
 def new_rpc_token() -> str:

@@ -120,6 +120,8 @@ class JobRunner:
         started = time.perf_counter()
         obs = await self.observe(body, pods)
         decision = reconcile(obs, self.ctx.settings)
+        log.debug("job %s/%s: observed in %.3fs; %d action(s)", self.namespace, self.name,
+                  time.perf_counter() - started, len(decision.actions))
         if await self.apply(obs, decision, body):
             self.decided_status = decision.status
             if self.written_status is None:
@@ -151,6 +153,7 @@ class JobRunner:
             i = j
             if not ok and isinstance(action, (PatchStatus, EmitEvent)):
                 continue  # they describe pods that were not created; the next reconcile decides again
+            t0 = time.perf_counter()
             try:
                 if isinstance(action, EnsureOwnedObjects):
                     await self._ensure_owned(job)
@@ -184,6 +187,8 @@ class JobRunner:
                 elif isinstance(action, DeleteJob):
                     log.info("job %s/%s: ttlSecondsAfterFinished passed; deleting it", ns, self.name)
                     await kube.delete_job(ns, self.name)
+                log.debug("job %s/%s: %s x%d in %.3fs", ns, self.name, type(action).__name__, len(batch),
+                          time.perf_counter() - t0)
             except (KubeError, StoreError, ValueError) as e:
                 log.warning("job %s/%s: %s failed: %s", ns, self.name, type(action).__name__, e)
                 if isinstance(action, (RevokeLease, EnsureOwnedObjects, WriteJobRecord)):
