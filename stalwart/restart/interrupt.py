@@ -75,6 +75,11 @@ class Interrupter:
         """Why an interrupt was requested in this iteration, or ``None``."""
         return self._requested
 
+    @property
+    def in_user_code(self) -> bool:
+        """Whether the training function is running (between enter and leave)."""
+        return self._in_user_code
+
     def enter_user_code(self) -> None:
         """Called by the wrapper (its own thread) just before the training function starts."""
         with self._lock:
@@ -102,6 +107,17 @@ class Interrupter:
                 with contextlib.suppress(OSError):
                     signal.pthread_kill(self._thread_id, _SIGNAL)
             return True
+
+    def nudge(self) -> None:
+        """Signal the thread again while a delivered interrupt has not ended the training function yet.
+
+        A signal that lands just before the thread enters a blocking call is handled only after that call
+        returns; the monitor nudges on every tick, so such a call is broken by the next signal instead.
+        """
+        with self._lock:
+            if self._delivered and self._in_user_code and self._use_signal:
+                with contextlib.suppress(OSError):
+                    signal.pthread_kill(self._thread_id, _SIGNAL)
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:

@@ -219,6 +219,7 @@ class Monitor:
                 watch.cancel()
 
     def _tick(self) -> None:
+        self.interrupter.nudge()
         now = time.monotonic()
         if self._probe is not None:
             seen = self._probe.main_seen()

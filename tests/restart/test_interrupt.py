@@ -14,6 +14,10 @@ def _request_soon(interrupter: Interrupter, started: threading.Event) -> threadi
     def go() -> None:
         started.wait(30)
         interrupter.request("test")
+        # As the monitor does: signal again until the interrupt has ended the sleep.
+        while interrupter.requested is not None and interrupter.in_user_code:
+            interrupter.nudge()
+            time.sleep(0.05)
 
     t = threading.Thread(target=go)
     t.start()
