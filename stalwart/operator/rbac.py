@@ -37,6 +37,9 @@ PERMISSIONS: tuple[Permission, ...] = (
                "ttlSecondsAfterFinished deletes a finished job"),
     Permission("stalwart.dev", "trainingjobs/status", ("patch",), "namespace", "always",
                "the rate-limited status patches"),
+    Permission("stalwart.dev", "trainingjobs/finalizers", ("update",), "namespace", "always",
+               "pods, Service and Secret carry blockOwnerDeletion owner references to the job, which the "
+               "OwnerReferencesPermissionEnforcement admission plugin allows only with this"),
     Permission("", "pods", ("list", "watch"), "namespace", "always",
                "kopf's pod index (the job's pods, without a list call per reconcile)"),
     Permission("", "pods", ("create", "delete"), "namespace", "always",
