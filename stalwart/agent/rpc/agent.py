@@ -429,8 +429,9 @@ class RpcAgent:
             return
         try:
             blobs = Blobs()
-            call.payload = encode_payload({"a": list(args), "k": kwargs}, blobs,
-                                          self._rref_encoder(member.name, created))
+            encoder = self._rref_encoder(member.name, created)
+            call.payload = {"a": encode_payload(list(args), blobs, encoder, "args"),
+                            "k": encode_payload(kwargs, blobs, encoder, "kwargs")}
             call.blobs = blobs
         except E.RpcError as e:
             done(None, e)
