@@ -2,8 +2,9 @@
 container's ``command`` + ``args`` as a local process.
 
 Contract, per pod:
-- Binding: a pod without ``spec.nodeName`` goes to the Ready node with the fewest pods among those matching its
-  ``nodeSelector``; a pod naming a node is run there if that node is Ready.
+- Binding: a pod without ``spec.nodeName`` goes to the Ready, schedulable node with the fewest pods among those
+  matching its ``nodeSelector`` whose NoSchedule/NoExecute taints it tolerates; a pod naming a node is run there
+  if that node is Ready.
 - Each pod gets its own loopback address 127.0.x.y as ``status.podIP`` (Linux routes all of 127/8 to ``lo``),
   and a directory ``<workdir>/pods/<namespace>_<name>_<uid>/`` that is the default working directory and holds
   the container logs (``<container>.log``, the previous instance's as ``<container>.previous.log``).
@@ -93,6 +94,19 @@ def signal_marked(name: str, value: str, sig: int) -> int:
             os.kill(pid, sig)
             n += 1
     return n
+
+
+def tolerated(taint: JSON, tolerations: list[JSON]) -> bool:
+    """Whether a pod with ``tolerations`` tolerates ``taint`` (key, operator Equal/Exists, value, effect)."""
+    for t in tolerations:
+        if t.get("effect") and t.get("effect") != taint.get("effect"):
+            continue
+        if t.get("operator") == "Exists":
+            if not t.get("key") or t.get("key") == taint.get("key"):
+                return True
+        elif t.get("key") == taint.get("key") and (t.get("value") or "") == (taint.get("value") or ""):
+            return True
+    return False
 
 
 def _open_log(cwd: Path, log: Path) -> BinaryIO:
@@ -223,10 +237,13 @@ class ProcessKubelet:
             "allocatable": {"cpu": str(os.cpu_count() or 1), "pods": "110"},
         }
         spec = node.setdefault("spec", {})
-        if ready:
-            spec.pop("taints", None)
+        taints = [t for t in spec.get("taints") or [] if t.get("key") != "node.kubernetes.io/unreachable"]
+        if not ready:
+            taints.append({"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": now})
+        if taints:
+            spec["taints"] = taints
         else:
-            spec["taints"] = [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": now}]
+            spec.pop("taints", None)
         self.store.update(info, "", name, node)
         self.store.update(info, "", name, {**node, "metadata": self.store.get(info, "", name)["metadata"]},
                           "status")
@@ -334,13 +351,19 @@ class ProcessKubelet:
         for r in self.runs.values():
             if r.node in load:
                 load[r.node] += 1
+        tolerations = (pod.get("spec") or {}).get("tolerations") or []
         candidates = []
         for name in load:
             try:
-                labels = self.store.get(info, "", name)["metadata"].get("labels") or {}
+                node = self.store.get(info, "", name)
             except ApiError:
                 continue
-            if all(labels.get(k) == v for k, v in selector.items()):
+            labels = node["metadata"].get("labels") or {}
+            spec = node.get("spec") or {}
+            if spec.get("unschedulable") or not all(labels.get(k) == v for k, v in selector.items()):
+                continue
+            if all(tolerated(t, tolerations) for t in spec.get("taints") or []
+                   if t.get("effect") in ("NoSchedule", "NoExecute")):
                 candidates.append(name)
         return min(candidates, key=lambda n: (load[n], n)) if candidates else None
 

@@ -245,3 +245,29 @@ def test_processes_a_container_leaves_behind_end_with_it(local_cluster: LocalClu
             return True
 
     wait_until(gone, "the detached child to be killed")
+
+
+def test_scheduling_honours_cordon_taints_and_node_selectors(local_cluster: LocalCluster,
+                                                             k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    first, *others = local_cluster.nodes
+    for node in others:
+        local_cluster.kubectl("cordon", node)
+    try:
+        local_cluster.kubectl("apply", "-f", "-", input=pod_manifest("a", ns, "print(1)"))
+        assert wait_until(lambda: phase_is(local_cluster, ns, "a", "Succeeded"), "a")["spec"]["nodeName"] == first
+        local_cluster.kubectl("taint", "node", first, "dedicated=x:NoSchedule")
+        try:
+            local_cluster.kubectl("apply", "-f", "-", input=pod_manifest("b", ns, "print(1)"))
+            pod = get_json(local_cluster, "-n", ns, "pod", "b")
+            assert not pod["spec"].get("nodeName") and pod["status"]["phase"] == "Pending"
+            tolerant = ("  tolerations: [{key: dedicated, operator: Equal, value: x, effect: NoSchedule}]\n"
+                        f"  nodeSelector: {{kubernetes.io/hostname: {first}}}\n")
+            local_cluster.kubectl("apply", "-f", "-", input=pod_manifest("c", ns, "print(1)", extra_spec=tolerant))
+            assert wait_until(lambda: phase_is(local_cluster, ns, "c", "Succeeded"), "c")["spec"]["nodeName"] == first
+        finally:
+            local_cluster.kubectl("taint", "node", first, "dedicated=x:NoSchedule-")
+    finally:
+        for node in others:
+            local_cluster.kubectl("uncordon", node)
+    wait_until(lambda: phase_is(local_cluster, ns, "b", "Succeeded"), "b to run once a node is free")
