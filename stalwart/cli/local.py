@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-DEFAULT_DIR = ".stalwart-local"
+DEFAULT_DIR = ".local-cluster"
 
 
 def register(sub: Any) -> None:
