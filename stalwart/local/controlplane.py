@@ -79,7 +79,7 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
     etcd: EtcdServer | None = None
     if with_etcd:
         etcd = EtcdServer(directory / "etcd")
-        await asyncio.to_thread(etcd.start)
+        await asyncio.to_thread(etcd.start, 90.0)  # generous: CI machines may be heavily loaded
     port = port or free_port()
     store = ObjectStore()
     kubelet = ProcessKubelet(store, directory, [f"local-{i}" for i in range(nodes)], api_port=port)
