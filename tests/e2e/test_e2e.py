@@ -139,6 +139,14 @@ def test_invalid_manifest_is_refused_by_kubectl_apply_with_the_schema_message(
     assert result.returncode != 0 and 'unknown field "spec.replica"' in result.stderr, result.stderr
 
 
+def test_every_example_manifest_is_accepted_by_the_api_server(stalwart_cluster: LocalCluster) -> None:
+    for manifest in sorted((REPO / "examples").glob("*.yaml")):
+        result = stalwart_cluster.kubectl("apply", "--dry-run=server", "-n", NAMESPACE, "-f", str(manifest),
+                                          check=False)
+        assert result.returncode == 0, f"{manifest.name}: {result.stderr}"
+        assert "(server dry run)" in result.stdout
+
+
 def test_kubectl_explain_prints_the_field_docs(stalwart_cluster: LocalCluster) -> None:
     out = stalwart_cluster.kubectl("explain", "trainingjob.spec.restartPolicy").stdout
     assert "KIND:       TrainingJob" in out or "KIND:     TrainingJob" in out

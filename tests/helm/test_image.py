@@ -147,3 +147,18 @@ def test_every_copied_file_is_in_the_build_context(dockerfile: tuple[dict[str, s
                 for match in matches:
                     rel = match.relative_to(REPO).as_posix()
                     assert not ignored(rel, patterns), f"{rel} is copied but .dockerignore leaves it out"
+
+
+def test_the_chart_and_the_examples_name_the_images_the_dockerfile_builds() -> None:
+    """The build commands at the top of the Dockerfile tag the two targets; the chart runs the operator one
+    and the example TrainingJobs the trainer one."""
+    header = (REPO / "Dockerfile").read_text()
+    tags = dict(re.findall(r"docker build --target (\w+)\s+-t (\S+) \.", header))
+    assert set(tags) == {"operator", "trainer"}
+    chart = yaml.safe_load((REPO / "helm" / "stalwart" / "Chart.yaml").read_text())
+    values = yaml.safe_load((REPO / "helm" / "stalwart" / "values.yaml").read_text())
+    assert tags["operator"] == f"{values['image']['repository']}:{chart['appVersion']}"
+    for manifest in sorted((REPO / "examples").glob("*.yaml")):
+        for job in yaml.safe_load_all(manifest.read_text()):
+            for container in job["spec"]["template"]["spec"]["containers"]:
+                assert container["image"] == tags["trainer"], f"{manifest.name}: {container['image']}"
