@@ -75,6 +75,9 @@ def register(sub: Any) -> None:
                    help="entrypoint prefix put before the user's command in every pod (default: "
                         f"{' '.join(AGENT_COMMAND_DEFAULT)!r}; an empty string runs the command bare, which only "
                         "tests of the operator itself want)")
+    p.add_argument("--gang-scheduler", choices=["volcano", "coscheduling"], default=None,
+                   help="create a PodGroup per job (minMember = minReplicas) for this gang scheduler and point "
+                        "the job's pods at it (default: none; the operator's own gang start still applies)")
     p.add_argument("--status-interval", type=_positive, default=1.0,
                    help="at most one status patch per job per this many seconds (default 1)")
     p.set_defaults(func=run)
@@ -96,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         priority=args.priority,
         health_endpoint=f"http://{args.health_host}:{args.health_port}/healthz",
         agent_command=tuple(shlex.split(args.agent_command)),
+        gang_scheduler=args.gang_scheduler,
     )
     if args.metrics_port is not None:
         from prometheus_client import start_http_server

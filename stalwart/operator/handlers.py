@@ -60,6 +60,8 @@ class OperatorConfig:
     etcd_timeout: float = 5.0
     #: The pods' entrypoint prefix before the user's command (see ``manifests.pod_manifest``).
     agent_command: tuple[str, ...] = AGENT_COMMAND
+    #: "volcano" or "coscheduling" to gang-schedule each job's pods through a PodGroup; None: none.
+    gang_scheduler: str | None = None
 
 
 def _index_pod(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], tuple[str, PodView]]:
@@ -96,7 +98,7 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
             settings.peering.clusterwide = not config.namespaces
         ctx = OperatorContext(kube=kube, etcd=EtcdAccess(timeout=config.etcd_timeout),
                               settings=config.settings, default_endpoints=config.default_endpoints,
-                              agent_command=config.agent_command,
+                              agent_command=config.agent_command, gang_scheduler=config.gang_scheduler,
                               loop=asyncio.get_running_loop())
         ctx.etcd.on_change = ctx.wake_uid_threadsafe
         state["ctx"] = ctx

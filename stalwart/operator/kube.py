@@ -127,6 +127,13 @@ class Kube:
                                                                     _request_timeout=self.timeout),
                          ok_status=(409,))
 
+    async def create_pod_group(self, namespace: str, body: Mapping[str, Any]) -> None:
+        group, _, version = str(body["apiVersion"]).partition("/")
+        await self._call("create", "podgroups", str(body["metadata"]["name"]),
+                         lambda: self.custom.create_namespaced_custom_object(
+                             group, version, namespace, "podgroups", body, _request_timeout=self.timeout,
+                             _preload_content=False), ok_status=(409,))
+
     # -- the TrainingJob ------------------------------------------------------------------------------------
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:

@@ -62,14 +62,41 @@ def stalwart_env(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, s
     return env
 
 
+#: Gang schedulers the operator can make a PodGroup for: (apiVersion, plural, pod scheduler name or None).
+GANG_SCHEDULERS: dict[str, tuple[str, str, str | None]] = {
+    "volcano": ("scheduling.volcano.sh/v1beta1", "podgroups", "volcano"),
+    "coscheduling": ("scheduling.x-k8s.io/v1alpha1", "podgroups", None),
+}
+
+
+def _check_gang(gang: str | None) -> None:
+    if gang is not None and gang not in GANG_SCHEDULERS:
+        raise ValueError(f"gang scheduler: expected one of {sorted(GANG_SCHEDULERS)}, got {gang!r}")
+
+
+def pod_group_manifest(*, gang: str, job: str, namespace: str, uid: str, min_member: int) -> dict[str, Any]:
+    """The PodGroup that makes ``gang`` (``volcano`` or ``coscheduling``) schedule the job's pods all or
+    nothing: none is bound until ``min_member`` (spec.minReplicas) of them fit."""
+    _check_gang(gang)
+    api_version, _, _ = GANG_SCHEDULERS[gang]
+    if min_member < 1:
+        raise ValueError(f"min_member: must be >= 1, got {min_member}")
+    return {"apiVersion": api_version, "kind": "PodGroup",
+            "metadata": {"name": job, "namespace": namespace, "labels": {naming.LABEL_JOB_NAME: job},
+                         "ownerReferences": [owner_reference(job, uid)]},
+            "spec": {"minMember": min_member}}
+
+
 def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, name: str, role: str,
-                 index: int, endpoints: Sequence[str],
-                 agent_command: Sequence[str] = AGENT_COMMAND) -> dict[str, Any]:
+                 index: int, endpoints: Sequence[str], agent_command: Sequence[str] = AGENT_COMMAND,
+                 gang: str | None = None) -> dict[str, Any]:
     """The pod ``name`` of the job: the template, with the first container's command wrapped by the agent,
     the stalwart environment on every container, the job's labels, hostname/subdomain for DNS through the
     headless Service, the owner reference, and ``restartPolicy: Never`` (the agent restarts rank processes
     itself; a pod that exits is replaced by the operator). ``agent_command`` is the entrypoint prefix (an
-    empty one runs the user's command bare, for scale tests of the operator alone)."""
+    empty one runs the user's command bare, for scale tests of the operator alone). With ``gang``, the pod
+    names the job's PodGroup the way that scheduler expects (and its scheduler, for Volcano)."""
+    _check_gang(gang)
     if not endpoints:
         raise ValueError("endpoints: the job has no etcd endpoints (spec.rendezvous.endpoints) and the "
                          "operator has no default (--etcd-endpoints / STALWART_DEFAULT_ETCD_ENDPOINTS)")
@@ -96,6 +123,11 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
         volumes = list(pod_spec.get("volumes") or [])
         volumes.append({"name": ETCD_SECRET_VOLUME, "secret": {"secretName": spec.rendezvous.secret_ref.name}})
         pod_spec["volumes"] = volumes
+    if gang == "volcano":
+        annotations["scheduling.k8s.io/group-name"] = job
+        pod_spec["schedulerName"] = GANG_SCHEDULERS[gang][2]
+    elif gang == "coscheduling":
+        labels["scheduling.x-k8s.io/pod-group"] = job
     pod_spec["restartPolicy"] = "Never"
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = naming.service_name(job)

@@ -14,13 +14,13 @@ from typing import Literal
 class Permission:
     """``verbs`` on ``resource`` of ``api_group`` (``""`` = core). ``scope``: ``cluster`` for cluster-scoped
     resources, ``namespace`` for those in the namespaces the operator serves. ``when``: ``always``, or
-    ``peering`` (only with more than one replica)."""
+    ``peering`` (only with more than one replica), or the gang scheduler it needs (``--gang-scheduler``)."""
 
     api_group: str
     resource: str
     verbs: tuple[str, ...]
     scope: Literal["cluster", "namespace"]
-    when: Literal["always", "peering"]
+    when: Literal["always", "peering", "volcano", "coscheduling"]
     why: str
 
 
@@ -48,6 +48,10 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("", "secrets", ("create",), "namespace", "always", "the job's Secret with the RPC token"),
     Permission("", "events", ("create",), "namespace", "always",
                "Events on the TrainingJob (restarts, replacements, phase changes) and kopf's own"),
+    Permission("scheduling.volcano.sh", "podgroups", ("create",), "namespace", "volcano",
+               "the job's PodGroup for Volcano (--gang-scheduler=volcano)"),
+    Permission("scheduling.x-k8s.io", "podgroups", ("create",), "namespace", "coscheduling",
+               "the job's PodGroup for the coscheduling plugin (--gang-scheduler=coscheduling)"),
     Permission("kopf.dev", "clusterkopfpeerings", ("list", "watch", "patch"), "cluster", "peering",
                "kopf peering between replicas serving every namespace"),
     Permission("kopf.dev", "kopfpeerings", ("list", "watch", "patch"), "namespace", "peering",
@@ -55,12 +59,12 @@ PERMISSIONS: tuple[Permission, ...] = (
 )
 
 
-def required(*, peering: bool, clusterwide: bool) -> dict[tuple[str, str], set[str]]:
+def required(*, peering: bool, clusterwide: bool, gang: str | None = None) -> dict[tuple[str, str], set[str]]:
     """The verbs needed per ``(api_group, resource)`` for a deployment with (or without) peering, serving
-    every namespace (``clusterwide``) or a list of them."""
+    every namespace (``clusterwide``) or a list of them, with ``gang`` scheduler (or none)."""
     out: dict[tuple[str, str], set[str]] = {}
     for p in PERMISSIONS:
-        if p.when == "peering" and not peering:
+        if (p.when == "peering" and not peering) or (p.when in ("volcano", "coscheduling") and p.when != gang):
             continue
         if p.resource == "clusterkopfpeerings" and not clusterwide:
             continue

@@ -23,7 +23,13 @@ from stalwart.keys import JobKeys
 from stalwart.operator import metrics
 from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.kube import Kube, KubeError, new_rpc_token
-from stalwart.operator.manifests import AGENT_COMMAND, pod_manifest, secret_manifest, service_manifest
+from stalwart.operator.manifests import (
+    AGENT_COMMAND,
+    pod_group_manifest,
+    pod_manifest,
+    secret_manifest,
+    service_manifest,
+)
 from stalwart.operator.model import (
     CloseRendezvous,
     CreatePod,
@@ -57,6 +63,8 @@ class OperatorContext:
     settings: OperatorSettings = field(default_factory=OperatorSettings)
     default_endpoints: tuple[str, ...] = ()
     agent_command: tuple[str, ...] = AGENT_COMMAND
+    #: "volcano" or "coscheduling": create a PodGroup per job and point its pods at it; None: no gang scheduler.
+    gang_scheduler: str | None = None
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     names_by_uid: dict[str, tuple[str, str]] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None
@@ -208,17 +216,22 @@ class JobRunner:
 
     async def _ensure_owned(self, job: JobView) -> None:
         ns = self.namespace
-        await asyncio.gather(
+        calls = [
             self.ctx.kube.create_service(ns, service_manifest(job=self.name, namespace=ns, uid=job.uid)),
             self.ctx.kube.create_secret(ns, secret_manifest(job=self.name, namespace=ns, uid=job.uid,
-                                                            token=new_rpc_token())))
+                                                            token=new_rpc_token()))]
+        if self.ctx.gang_scheduler is not None and job.spec is not None:
+            calls.append(self.ctx.kube.create_pod_group(ns, pod_group_manifest(
+                gang=self.ctx.gang_scheduler, job=self.name, namespace=ns, uid=job.uid,
+                min_member=job.spec.min_nodes)))
+        await asyncio.gather(*calls)
         self.owned_ready = True
 
     async def _create(self, job: JobView, endpoints: Sequence[str], action: CreatePod) -> None:
         assert job.spec is not None
         body = pod_manifest(job=self.name, namespace=self.namespace, uid=job.uid, spec=job.spec,
                             name=action.name, role=action.role, index=action.index, endpoints=endpoints,
-                            agent_command=self.ctx.agent_command)
+                            agent_command=self.ctx.agent_command, gang=self.ctx.gang_scheduler)
         self.deleted.pop(action.name, None)
         await self.ctx.kube.create_pod(self.namespace, body)
         self.created[action.name] = (PodView(name=action.name, role=action.role, index=action.index,

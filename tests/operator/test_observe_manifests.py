@@ -13,7 +13,13 @@ from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import Phase
 from stalwart.keys import JobKeys
 from stalwart.operator import rbac
-from stalwart.operator.manifests import AGENT_COMMAND, pod_manifest, secret_manifest, service_manifest
+from stalwart.operator.manifests import (
+    AGENT_COMMAND,
+    pod_group_manifest,
+    pod_manifest,
+    secret_manifest,
+    service_manifest,
+)
 from stalwart.operator.model import PatchStatus, PodView
 from stalwart.operator.observe import etcd_view, job_view, overlay, parse_time, pod_view
 from stalwart.operator.reconcile import reconcile
@@ -185,3 +191,25 @@ def test_rbac_list_is_least_privilege_and_covers_the_adapter() -> None:
     assert ("kopf.dev", "clusterkopfpeerings") in rbac.required(peering=True, clusterwide=True)
     assert ("kopf.dev", "kopfpeerings") in rbac.required(peering=True, clusterwide=False)
 
+
+
+@pytest.mark.parametrize(("gang", "api_version"), [("volcano", "scheduling.volcano.sh/v1beta1"),
+                                                    ("coscheduling", "scheduling.x-k8s.io/v1alpha1")])
+def test_pod_group_and_gang_pods(gang: str, api_version: str) -> None:
+    group = pod_group_manifest(gang=gang, job=JOB, namespace="ns", uid="u", min_member=3)
+    assert group["apiVersion"] == api_version and group["spec"] == {"minMember": 3}
+    assert group["metadata"]["ownerReferences"][0]["uid"] == "u"
+    s = TrainingJobSpec.model_validate(spec())
+    pod = pod_manifest(job=JOB, namespace="ns", uid="u", spec=s, name=f"{JOB}-worker-0", role="worker", index=0,
+                       endpoints=["e:1"], gang=gang)
+    if gang == "volcano":
+        assert pod["spec"]["schedulerName"] == "volcano"
+        assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == JOB
+    else:
+        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == JOB
+        assert "schedulerName" not in pod["spec"]
+    assert ("scheduling.volcano.sh", "podgroups") in rbac.required(peering=False, clusterwide=True,
+                                                                  gang="volcano")
+    assert ("scheduling.volcano.sh", "podgroups") not in rbac.required(peering=False, clusterwide=True)
+    with pytest.raises(ValueError, match="gang scheduler"):
+        pod_group_manifest(gang="kueue", job=JOB, namespace="ns", uid="u", min_member=1)

@@ -290,3 +290,38 @@ def test_finalizer_deletes_the_job_prefix_and_nothing_else(start_operator: Opera
         assert etcd_store.get(neighbour.job) is not None
     finally:
         etcd_store.delete_prefix(neighbour.prefix)
+
+
+PODGROUP_CRD = """
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: podgroups.scheduling.x-k8s.io
+spec:
+  group: scheduling.x-k8s.io
+  scope: Namespaced
+  names: {kind: PodGroup, plural: podgroups, singular: podgroup, listKind: PodGroupList}
+  versions:
+    - name: v1alpha1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema:
+          type: object
+          properties:
+            spec:
+              type: object
+              properties:
+                minMember: {type: integer}
+"""
+
+
+def test_gang_scheduler_pod_group(start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster) -> None:
+    local_cluster.kubectl("apply", "-f", "-", input=PODGROUP_CRD)
+    start_operator(jobs.ns, agent_command=(), gang_scheduler="coscheduling")
+    jobs.create(job_body("gang", replicas=3, minReplicas=2, command=SLEEP))
+    wait_for("three pods", lambda: len(jobs.pods("gang")) == 3)
+    group = jobs.custom.get_namespaced_custom_object("scheduling.x-k8s.io", "v1alpha1", jobs.ns, "podgroups",
+                                                     "gang")
+    assert group["spec"]["minMember"] == 2
+    assert all(p.metadata.labels["scheduling.x-k8s.io/pod-group"] == "gang" for p in jobs.pods("gang"))
