@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from stalwart.agent.rendezvous.protocol import (
     KeyDeleted,
     KeyPut,
-    LocalNodes,
+    LocalNode,
     Observed,
     Seal,
     SealFailed,
@@ -192,7 +192,7 @@ def test_sealer_takes_over_when_the_oldest_dies() -> None:
     st1, acts = run(st0, Observed((etcd.delete("nodes/a"),), 0.0), s)
     assert st1.view.oldest == "b"
     assert acts == [WakeAt(s.last_call_timeout)]
-    _, acts = run(st1, LocalNodes(frozenset(), 1.0), s)
+    _, acts = run(st1, LocalNode("b", False, 1.0), s)
     assert acts == []
 
 

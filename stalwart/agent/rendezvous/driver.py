@@ -35,7 +35,7 @@ from stalwart.agent.rendezvous.protocol import (
     KeyDeleted,
     KeyEvent,
     KeyPut,
-    LocalNodes,
+    LocalNode,
     Observed,
     Reloaded,
     Role,
@@ -83,15 +83,12 @@ class RoundInfo:
     role: Role
     manifest: Manifest
     node_revision: int
+    #: This node's member entry, ``None`` unless ``role == "member"``.
+    member: Member | None = None
 
     @property
     def round(self) -> int:
         return self.manifest.round
-
-    @property
-    def member(self) -> Member | None:
-        """This node's member entry, ``None`` unless ``role == "member"``."""
-        return self.manifest.member(self.node_id) if self.role == "member" else None
 
     @property
     def world_size(self) -> int:
@@ -230,14 +227,10 @@ class Rendezvous:
     # -- the driver thread ---------------------------------------------------------------------------------
 
     def _set_local(self, node_id: str, present: bool) -> None:
-        with self._lock:
-            local = set(self._state.local)
-            if present:
-                local.add(node_id)
-            else:
-                local.discard(node_id)
+        if not present:
+            with self._lock:
                 self._handles.pop(node_id, None)
-        self._feed(LocalNodes(frozenset(local), time.monotonic()))
+        self._feed(LocalNode(node_id, present, time.monotonic()))
 
     def _run(self) -> None:
         backoff = 0.1
@@ -388,7 +381,6 @@ class NodeHandle:
     def _register(self, deadline: float) -> None:
         """Grant a lease and create the node key under it (only if absent); retries while etcd is unreachable."""
         store, settings = self.rdzv.store, self.rdzv.settings
-        self.rdzv._set_local(self.node_id, True)
         value = self.record.to_json_bytes()
         backoff = 0.1
         while True:
@@ -399,21 +391,41 @@ class NodeHandle:
                                 [Get(self.key)])
                 if res.succeeded:
                     self.create_revision = res.revision
+                    self.rdzv._set_local(self.node_id, True)
                     return
                 existing = res.responses[0]
                 if existing and existing[0].lease == self.lease:
                     # Our own earlier attempt landed although its answer was lost.
                     self.create_revision = existing[0].create_revision
+                    self.rdzv._set_local(self.node_id, True)
                     return
-                store.lease_revoke(self.lease)
-                self.lease = None
-                raise DuplicateNode(f"node id {self.node_id!r} is already registered by another live node")
+                holder = existing[0].lease if existing else 0
+                if not self._wait_key_released(holder, deadline):
+                    store.lease_revoke(self.lease)
+                    self.lease = None
+                    raise DuplicateNode(f"node id {self.node_id!r} is held by another live node (lease "
+                                        f"{holder:x}) and was not released before the join deadline")
             except StoreUnavailable as e:
                 if time.monotonic() + backoff >= deadline:
                     raise RendezvousTimeout(f"node {self.node_id}: etcd unreachable while joining: {e}") from e
                 log.warning("node %s: etcd unreachable while joining, retrying: %s", self.node_id, e)
                 time.sleep(backoff * (0.5 + random.random()))
                 backoff = min(2.0, backoff * 2)
+
+    def _wait_key_released(self, holder: int, deadline: float) -> bool:
+        """Wait (on the watch) until the node key held under lease ``holder`` is gone: a restarted node's
+        previous incarnation keeps its key until its lease expires. ``False`` if the deadline comes first."""
+        log.info("node %s: id still held by lease %x (a previous incarnation?); waiting for it to go",
+                 self.node_id, holder)
+        while True:
+            self._wake.clear()
+            entry = self.rdzv.view().nodes.get(self.node_id)
+            if entry is None or entry.lease != holder:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.rdzv._stop.is_set():
+                return False
+            self._wake.wait(min(remaining, 1.0))
 
     def _own_entry_ok(self, view: View) -> bool:
         """False once the view shows this node's key gone or re-created since we registered."""
@@ -436,7 +448,8 @@ class NodeHandle:
 
         Raises :class:`RendezvousClosed` if the rendezvous is closed before a round includes this node,
         :class:`RendezvousTimeout` after ``timeout`` (default: ``settings.join_timeout``) seconds, and
-        :class:`DuplicateNode` if another live node holds this id. On timeout the node leaves (its key goes).
+        :class:`DuplicateNode` if another live node holds this id until the deadline (a dead previous
+        incarnation's key is waited out: it goes when its lease expires). On timeout the node leaves.
         """
         if self._left:
             raise RendezvousError(f"node {self.node_id} has left; get a new handle to join again")
@@ -444,6 +457,7 @@ class NodeHandle:
         deadline = time.monotonic() + limit
         last_epoch = 0 if self.info is None else self.info.epoch
         while True:
+            self._check_running()
             view = self.rdzv.view()
             if self.lease is None or not self._own_entry_ok(view) or self.lease in self.rdzv.store.lost_leases():
                 if self.lease is not None:
@@ -470,13 +484,18 @@ class NodeHandle:
                     + (f"; last etcd error: {err}" if err else ""))
             self._wake.wait(min(remaining, 1.0))
 
+    def _check_running(self) -> None:
+        if self.rdzv._stop.is_set():
+            raise RendezvousError(f"node {self.node_id}: the rendezvous client was shut down")
+
     def _round_info(self, view: View, after_epoch: int) -> RoundInfo | None:
         sealed = view.sealed
         if sealed is None or sealed.epoch <= after_epoch or not round_status(view).live:
             return None
         role = role_of(view, self.node_id)
         assert role is not None and self.create_revision is not None
-        return RoundInfo(self.node_id, sealed.epoch, role, sealed.manifest, self.create_revision)
+        return RoundInfo(self.node_id, sealed.epoch, role, sealed.manifest, self.create_revision,
+                         sealed.members.get(self.node_id) if role == "member" else None)
 
     def wait_round_end(self, timeout: float) -> RoundEnd | None:
         """Block until the round last returned by :meth:`join` is over for this node; ``None`` if
@@ -487,6 +506,7 @@ class NodeHandle:
             raise RendezvousError(f"node {self.node_id}: wait_round_end before join")
         deadline = time.monotonic() + timeout
         while True:
+            self._check_running()
             self._wake.clear()
             end = self.round_end()
             if end is not None:

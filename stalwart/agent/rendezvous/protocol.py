@@ -59,10 +59,16 @@ class NodeEntry:
 
 @dataclass(frozen=True, slots=True)
 class SealedRound:
-    """A manifest and its epoch (the manifest key's mod_revision)."""
+    """A manifest and its epoch (the manifest key's mod_revision), with its members indexed by node id."""
 
     manifest: Manifest
     epoch: int
+    members: Mapping[str, Member] = field(default_factory=dict, compare=False, repr=False)
+    spares: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    @classmethod
+    def of(cls, manifest: Manifest, epoch: int) -> SealedRound:
+        return cls(manifest, epoch, {m.node_id: m for m in manifest.members}, frozenset(manifest.spares))
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,8 @@ class View:
     expected: frozenset[str] | None = None
     oldest: str | None = None
     problems: Mapping[str, str] = field(default_factory=dict)
+    #: Memo of :func:`round_status` for this (immutable) view: a thousand waiting nodes ask the same view.
+    memo: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def epoch(self) -> int:
@@ -154,7 +162,7 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
                 if current is None or ev.create_revision < current.create_revision:
                     oldest = node_id
             elif key == MANIFEST:
-                sealed = None if isinstance(ev, KeyDeleted) else SealedRound(
+                sealed = None if isinstance(ev, KeyDeleted) else SealedRound.of(
                     parse_record(Manifest, key, ev.value), ev.mod_revision)
             elif key == REQUEST:
                 request = None if isinstance(ev, KeyDeleted) else parse_record(RerendezvousRequest, key, ev.value)
@@ -184,6 +192,15 @@ class RoundStatus:
 def round_status(view: View) -> RoundStatus:
     """Live while the manifest exists, all its members are present in the incarnation it sealed, and no
     request names its epoch."""
+    cached = view.memo.get("status")
+    if isinstance(cached, RoundStatus):
+        return cached
+    status = _round_status(view)
+    view.memo["status"] = status
+    return status
+
+
+def _round_status(view: View) -> RoundStatus:
     if view.sealed is None:
         return RoundStatus(False, "first round")
     epoch = view.epoch
@@ -208,10 +225,9 @@ def role_of(view: View, node_id: str) -> Role | None:
     if entry is None:
         return None
     if view.sealed is not None and entry.create_revision < view.sealed.epoch:
-        m = view.sealed.manifest
-        if m.member(node_id) is not None:
+        if node_id in view.sealed.members:
             return "member"
-        if node_id in m.spares:
+        if node_id in view.sealed.spares:
             return "spare"
     return "waiting"
 
@@ -324,10 +340,11 @@ class Tick:
 
 
 @dataclass(frozen=True, slots=True)
-class LocalNodes:
-    """The set of nodes this process runs changed."""
+class LocalNode:
+    """This process started (``present``) or stopped running node ``node_id``."""
 
-    local: frozenset[str]
+    node_id: str
+    present: bool
     now: float
 
 
@@ -338,7 +355,7 @@ class SealFailed:
     now: float
 
 
-Event = Observed | Reloaded | Tick | LocalNodes | SealFailed
+Event = Observed | Reloaded | Tick | LocalNode | SealFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,8 +385,9 @@ def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[Stat
         state = replace(state, view=apply(state.view, event.events))
     elif isinstance(event, Reloaded):
         state = replace(state, view=event.view, sealing_at=None)
-    elif isinstance(event, LocalNodes):
-        state = replace(state, local=event.local)
+    elif isinstance(event, LocalNode):
+        local = state.local | {event.node_id} if event.present else state.local - {event.node_id}
+        state = replace(state, local=local)
     elif isinstance(event, SealFailed):
         state = replace(state, sealing_at=None)
     now = event.now
