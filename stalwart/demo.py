@@ -162,10 +162,11 @@ class Installation:
         self.release = release
         self.namespace = namespace
         self.helm = helm_python.Config(kubeconfig_path=str(cluster.kubeconfig), namespace=namespace)
+        self.values: JSON = {}
 
     def install_chart(self, timeout: int = 120) -> JSON:
         """``helm install``; returns Helm's release summary."""
-        values = {
+        self.values = {
             "operator": {
                 # Pods of the local cluster share one network namespace (each has its own loopback address):
                 # a free port, bound on the pod's address, where the kubelet's probes call it.
@@ -177,8 +178,15 @@ class Installation:
             # Jobs naming no endpoints use the local cluster's etcd (on a real cluster: etcd.enabled=true).
             "etcd": {"externalEndpoints": [self.cluster.etcd_endpoint]},
         }
-        release: JSON = self.helm.install(CHART_DIR, self.release, values, namespace=self.namespace,
+        release: JSON = self.helm.install(CHART_DIR, self.release, self.values, namespace=self.namespace,
                                           create_namespace=True, timeout=timeout)
+        return release
+
+    def set_operator_replicas(self, replicas: int, timeout: int = 120) -> JSON:
+        """``helm upgrade`` with the install's values and ``operator.replicas``; returns the release summary."""
+        self.values["operator"]["replicas"] = replicas
+        release: JSON = self.helm.upgrade(CHART_DIR, self.release, self.values, namespace=self.namespace,
+                                          timeout=timeout)
         return release
 
     def operator_pods(self) -> list[JSON]:
@@ -188,9 +196,9 @@ class Installation:
         items: list[JSON] = got["items"]
         return items
 
-    def operator_ready(self) -> bool:
-        """An operator pod is Ready (the kubelet's readiness probe got 200 from its /healthz). An operator pod
-        that failed or restarted raises DemoError."""
+    def operator_ready(self, count: int = 1) -> bool:
+        """``count`` operator pods are Ready (the kubelet's readiness probe got 200 from their /healthz). An
+        operator pod that failed or restarted raises DemoError."""
         pods = self.operator_pods()
         for pod in pods:
             st = pod.get("status") or {}
@@ -198,8 +206,9 @@ class Installation:
             if st.get("phase") == "Failed" or crashed:
                 raise DemoError(f"the operator pod failed; see: kubectl logs -n {self.namespace} "
                                 f"{pod['metadata']['name']} --previous")
-        return any(c.get("type") == "Ready" and c.get("status") == "True"
-                   for p in pods for c in (p.get("status") or {}).get("conditions") or [])
+        ready = [p for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
+                                        for c in (p.get("status") or {}).get("conditions") or [])]
+        return len(ready) >= count
 
     def operator_command(self) -> str:
         pods = self.operator_pods()

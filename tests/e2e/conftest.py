@@ -15,7 +15,7 @@ READY_WAIT = 180.0
 
 
 @pytest.fixture(scope="session")
-def stalwart_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def stalwart_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installation]:
     """Its own cluster, not the shared ``local_cluster``: an operator watching every namespace must not meet
     TrainingJobs of other tests (or another operator)."""
     cluster = LocalCluster.up(tmp_path_factory.mktemp("e2e-cluster"), nodes=3, timeout=120.0)
@@ -24,11 +24,17 @@ def stalwart_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local
         install.install_chart()
         deadline = time.monotonic() + READY_WAIT
         while not install.operator_ready():
-            assert time.monotonic() < deadline, "the operator's health endpoint did not answer"
+            assert time.monotonic() < deadline, "the operator pod did not become Ready"
             time.sleep(0.5)
-        yield cluster
+        yield install
     finally:
         try:
             install.uninstall()
         finally:
             cluster.down()
+
+
+@pytest.fixture
+def stalwart_cluster(stalwart_install: Installation) -> LocalCluster:
+    cluster: LocalCluster = stalwart_install.cluster
+    return cluster
