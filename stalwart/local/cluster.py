@@ -72,9 +72,10 @@ class LocalCluster:
 
     @classmethod
     def up(cls, directory: str | Path, *, nodes: int = 3, port: int = 0, etcd: bool = True,
-           timeout: float = 60.0) -> LocalCluster:
+           timeout: float = 60.0, owner_pid: int | None = None) -> LocalCluster:
         """Start a cluster in ``directory`` and wait until its API serves. Raise :class:`ClusterError` if one
-        already runs there or it does not come up within ``timeout`` seconds."""
+        already runs there or it does not come up within ``timeout`` seconds. With ``owner_pid``, the cluster
+        shuts itself down once that process is gone (so a killed test session leaves nothing running)."""
         d = Path(directory).resolve()
         d.mkdir(parents=True, exist_ok=True)
         try:
@@ -90,6 +91,8 @@ class LocalCluster:
                "--port", str(port)]
         if not etcd:
             cmd.append("--no-etcd")
+        if owner_pid:
+            cmd += ["--owner-pid", str(owner_pid)]
         try:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=str(d))

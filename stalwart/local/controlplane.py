@@ -114,12 +114,28 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
             await asyncio.to_thread(etcd.stop)
 
 
+async def _watch_owner(pid: int, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("owner process %d is gone: shutting down", pid)
+            stop.set()
+            return
+        except PermissionError:
+            pass
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stalwart.local.controlplane")
     parser.add_argument("--dir", required=True, type=Path, help="state directory")
     parser.add_argument("--nodes", type=int, default=3, help="number of virtual nodes (default 3)")
     parser.add_argument("--port", type=int, default=0, help="API port (default: a free one)")
     parser.add_argument("--no-etcd", action="store_true", help="do not start etcd")
+    parser.add_argument("--owner-pid", type=int, default=0,
+                        help="shut down when this process is gone (a test session that was killed)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -129,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        watcher = loop.create_task(_watch_owner(args.owner_pid, stop)) if args.owner_pid > 1 else None
         await serve(args.dir, nodes=args.nodes, port=args.port, with_etcd=not args.no_etcd, stop=stop)
+        if watcher is not None:
+            watcher.cancel()
 
     asyncio.run(run())
     return 0

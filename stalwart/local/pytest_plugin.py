@@ -12,6 +12,7 @@ Enable with ``pytest_plugins = ["stalwart.local.pytest_plugin"]`` in the top-lev
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,8 @@ from stalwart.local.cluster import LocalCluster
 
 @pytest.fixture(scope="session")
 def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    cluster = LocalCluster.up(tmp_path_factory.mktemp("local-cluster"), nodes=3, timeout=120.0)
+    cluster = LocalCluster.up(tmp_path_factory.mktemp("local-cluster"), nodes=3, timeout=120.0,
+                              owner_pid=os.getpid())
     try:
         yield cluster
     finally:

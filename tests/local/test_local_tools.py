@@ -162,3 +162,20 @@ def test_cli_up_status_down_leaves_no_process(tmp_path: Path) -> None:
     status = subprocess.run([*run, "status", "--dir", str(d)], capture_output=True, text=True, env=env,
                             timeout=60, check=False)
     assert status.returncode == 1 and "not running" in status.stdout
+
+
+def test_a_cluster_with_an_owner_stops_when_the_owner_is_gone(tmp_path: Path) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        cluster = LocalCluster.up(tmp_path / "owned", nodes=1, owner_pid=owner.pid, timeout=120)
+    finally:
+        owner.kill()
+        owner.wait()
+
+    def gone(pid: int) -> bool:
+        try:
+            return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        except OSError:
+            return True
+
+    wait_until(lambda: gone(cluster.pid) and gone(cluster.etcd_pid or 0), "the cluster to stop", timeout=60)
