@@ -193,8 +193,18 @@ def main() -> int:
     if args.mode == "plain":
         import datetime
 
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        timeout = datetime.timedelta(seconds=args.timeout)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun 2.13 can hand a restarted attempt the previous attempt's gloo addresses (its workers'
+            # store is not scoped by attempt), so the new group connects to dead ports and fails; scope it.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restarts}/", store),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timeout)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
         result = train(args, restarts)
         dist.destroy_process_group()
         write(args, result)
