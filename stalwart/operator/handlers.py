@@ -62,6 +62,8 @@ class OperatorConfig:
     agent_command: tuple[str, ...] = AGENT_COMMAND
     #: "volcano" or "coscheduling" to gang-schedule each job's pods through a PodGroup; None: none.
     gang_scheduler: str | None = None
+    #: This replica's name among its peers (default: kopf's, from $POD_ID or host and process).
+    identity: str | None = None
 
 
 def _index_pod(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], tuple[str, PodView]]:
@@ -244,7 +246,10 @@ async def operate(config: OperatorConfig, kube: Kube, *,
     # kopf lets the peer with the highest priority work and pauses the others; equal priorities would all
     # work at once, so each replica draws its own unless told.
     priority = config.priority if config.priority is not None else random.randint(1, 2**31 - 1)
-    await kopf.operator(registry=registry, standalone=standalone, peering_name=config.peering,
+    extra: dict[str, Any] = {}
+    if config.identity is not None:
+        extra["identity"] = config.identity  # kopf's Identity is a NewType of str
+    await kopf.operator(registry=registry, standalone=standalone, peering_name=config.peering, **extra,
                         priority=priority, liveness_endpoint=config.health_endpoint, stop_flag=stop_flag,
                         ready_flag=ready_flag, **_scope(config))
 

@@ -14,6 +14,7 @@ import socket
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,8 @@ from stalwart.local.cluster import LocalCluster
 from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
 
 GROUP, VERSION, PLURAL = "stalwart.dev", "v1alpha1", "trainingjobs"
 TRAIN = ["python", "-m", "stalwart.examples.train", "--log-every", "5"]
@@ -325,3 +328,22 @@ def test_gang_scheduler_pod_group(start_operator: OperatorFactory, jobs: Jobs, l
                                                      "gang")
     assert group["spec"]["minMember"] == 2
     assert all(p.metadata.labels["scheduling.x-k8s.io/pod-group"] == "gang" for p in jobs.pods("gang"))
+
+
+def test_two_replicas_with_peering_one_works_and_the_other_takes_over(
+        start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster) -> None:
+    local_cluster.kubectl("apply", "-f", str(REPO / "helm" / "stalwart" / "crds" / "kopfpeering.yaml"))
+    local_cluster.kubectl("apply", "-n", jobs.ns, "-f", "-",
+                          input="apiVersion: kopf.dev/v1\nkind: KopfPeering\nmetadata: {name: stalwart}\n")
+    active = start_operator(jobs.ns, agent_command=(), peering="stalwart", priority=200, identity="replica-a")
+    standby = start_operator(jobs.ns, agent_command=(), peering="stalwart", priority=100, identity="replica-b")
+    jobs.create(job_body("first", replicas=2, command=SLEEP))
+    wait_for("the first job's pods", lambda: len(jobs.pods("first")) == 2)
+    wait_for("the first job Starting", phase_is(jobs, "first", "Starting"))
+    # Only the active replica acted: the standby made no API call at all.
+    assert sum(active.kube.calls.values()) > 0 and sum(standby.kube.calls.values()) == 0
+
+    active.stop()
+    jobs.create(job_body("second", replicas=1, command=SLEEP))
+    wait_for("the standby to take over", lambda: len(jobs.pods("second")) == 1, timeout=240)
+    assert sum(standby.kube.calls.values()) > 0
