@@ -205,6 +205,17 @@ def test_transition_rule_runs_on_update_only(store: ObjectStore) -> None:
     assert "image is immutable" in err.value.message
 
 
+def test_rules_outside_the_cel_subset_are_reported_as_warnings(store: ObjectStore) -> None:
+    crd = copy.deepcopy(CRD)
+    crd["metadata"]["name"] = "others.example.dev"
+    crd["spec"]["names"] = {"plural": "others", "singular": "other", "kind": "Other"}
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["x-kubernetes-validations"] = [
+        {"rule": "self.metadata.name.quantity() > 1"}]
+    opts = WriteOptions()
+    store.create(store.info("apiextensions.k8s.io", "v1", "customresourcedefinitions"), "", crd, opts)
+    assert len(opts.warnings) == 1 and "not enforced" in opts.warnings[0] and "quantity" in opts.warnings[0]
+
+
 def test_deleting_a_crd_stops_serving_it_and_removes_its_objects(store: ObjectStore) -> None:
     store.create(jobs(store), "default", job())
     crds = store.info("apiextensions.k8s.io", "v1", "customresourcedefinitions")

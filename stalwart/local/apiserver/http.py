@@ -53,7 +53,8 @@ def _json(data: Any, status: int = 200, warnings: list[str] | None = None) -> we
     resp = web.Response(body=json.dumps(data, separators=(",", ":")).encode(), status=status,
                         content_type="application/json")
     for w in warnings or []:
-        resp.headers.add("Warning", f'299 - "{w}"')
+        text = " ".join(w.split()).replace("\\", "\\\\").replace('"', '\\"')
+        resp.headers.add("Warning", f'299 - "{text}"')
     return resp
 
 

@@ -266,6 +266,12 @@ class ObjectStore:
             problems += schemas.validate(schema, body, old=old_body, has_old=old is not None)
         else:
             obj = _builtin_defaults(self, info, obj, old, problems)
+        if info.group == CRD_GROUP and info.plural == CRD_PLURAL:
+            for version in (obj.get("spec") or {}).get("versions") or []:
+                root = ((version.get("schema") or {}).get("openAPIV3Schema")) or {}
+                for rule in schemas.unsupported_rules(root):
+                    opts.warnings.append(f"{name} {version.get('name')}: x-kubernetes-validations rule not "
+                                         f"enforced by the local cluster: {rule}")
         if problems:
             raise invalid(info, name, problems)
         return obj
