@@ -9,6 +9,7 @@ gives (never unpickled here), capped at the store adapter's :data:`~stalwart.sto
 
 from __future__ import annotations
 
+import builtins
 import random
 import time
 from collections.abc import Sequence
@@ -173,34 +174,37 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
         :class:`StaleEpoch` as soon as the round is seen to be over."""
         limit = self._timeout if timeout is None else timeout.total_seconds()
         deadline = time.monotonic() + limit
-        missing = {self._key(k) for k in keys}
-        while missing:
-            self._check_epoch()
-            revision = 0
-            for k in sorted(missing):
-                kv = self.etcd.get(k)
-                if kv is not None:
-                    missing.discard(k)
-            if not missing:
-                return
-            revision = self.etcd.revision()
-            with self.etcd.watch(self.prefix, prefix=True, start_revision=revision + 1) as w:
-                # Keys may have appeared between the reads and the watch's start revision.
-                missing = {k for k in missing if self.etcd.get(k) is None}
-                next_check = time.monotonic() + _EPOCH_CHECK_INTERVAL
-                while missing:
-                    now = time.monotonic()
-                    if now >= deadline:
-                        names = sorted(k[len(self.prefix):] for k in missing)
-                        raise dist.DistStoreError(
-                            f"wait timed out after {limit:.1f}s for keys {names} (epoch {self.epoch})")
-                    if now >= next_check:
-                        self._check_epoch()
-                        next_check = now + _EPOCH_CHECK_INTERVAL
-                    ev = w.next(min(deadline, next_check) - now)
-                    if ev is not None and ev.type == "put":
-                        missing.discard(ev.kv.key)
+        self._check_epoch()
+        missing, revision = self._absent([self._key(k) for k in keys])
+        if not missing:
             return
+        # Watching from just after the reads' revision: a key set in between is not missed.
+        with self.etcd.watch(self.prefix, prefix=True, start_revision=revision + 1) as w:
+            next_check = time.monotonic() + _EPOCH_CHECK_INTERVAL
+            while missing:
+                now = time.monotonic()
+                if now >= deadline:
+                    names = sorted(k[len(self.prefix):] for k in missing)
+                    raise dist.DistStoreError(
+                        f"wait timed out after {limit:.1f}s for keys {names} (epoch {self.epoch})")
+                if now >= next_check:
+                    self._check_epoch()
+                    next_check = now + _EPOCH_CHECK_INTERVAL
+                ev = w.next(min(deadline, next_check) - now)
+                if ev is not None and ev.type == "put":
+                    missing.discard(ev.kv.key)
+
+    def _absent(self, keys: list[str]) -> tuple[builtins.set[str], int]:
+        """The keys that do not exist, and the lowest revision they were read at (reads batched in
+        transactions within etcd's default limit of 128 operations)."""
+        absent: builtins.set[str] = builtins.set()
+        revision: int | None = None
+        for start in range(0, len(keys), 100):
+            chunk = keys[start:start + 100]
+            res = self.etcd.txn([], [Get(k) for k in chunk])
+            revision = res.revision if revision is None else min(revision, res.revision)
+            absent.update(k for k, found in zip(chunk, res.responses, strict=True) if not found)
+        return absent, revision or 0
 
 
 __all__ = ["EtcdTorchStore", "StaleEpoch"]
