@@ -10,8 +10,10 @@ training function wherever it is. Three mechanisms, together:
   ``time.sleep``, so the pending exception is raised from inside it.
 
 An interrupt is delivered at most once per iteration and only while the main thread is inside the
-training function and outside :meth:`Interrupter.atomic` sections; an interrupt requested during an
-atomic section is raised when the section ends. Leaving the training function cancels a pending
+training function, outside :meth:`Interrupter.atomic` sections and outside ``import`` statements (an
+exception there would leave a half-initialised module in ``sys.modules`` for every later iteration); an
+interrupt requested during an atomic section is raised when the section ends, one requested during an
+import at the next monitor tick after it. Leaving the training function cancels a pending
 interrupt under the same lock, so the wrapper's own code never sees a stray one.
 """
 
@@ -21,6 +23,7 @@ import contextlib
 import ctypes
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -48,6 +51,16 @@ def _noop_handler(signum: int, frame: FrameType | None) -> None:
 def set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
     obj = ctypes.py_object(exc) if exc is not None else None
     return int(ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), obj))
+
+
+def _importing(thread_id: int) -> bool:
+    """Whether the thread is executing an ``import`` (a frame of importlib's bootstrap is on its stack)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Interrupter:
@@ -99,23 +112,30 @@ class Interrupter:
         with self._lock:
             if self._requested is None:
                 self._requested = reason
-            if self._delivered or not self._in_user_code or self._atomic_depth:
-                return False
-            self._delivered = True
-            set_async_exc(self._thread_id, RestartInterrupt)
-            if self._use_signal:
-                with contextlib.suppress(OSError):
-                    signal.pthread_kill(self._thread_id, _SIGNAL)
-            return True
+            return self._try_deliver()
+
+    def _try_deliver(self) -> bool:
+        if self._delivered or self._requested is None or not self._in_user_code or self._atomic_depth:
+            return False
+        if _importing(self._thread_id):
+            return False  # an exception inside an import leaves a half-initialised module behind; retry
+        self._delivered = True
+        set_async_exc(self._thread_id, RestartInterrupt)
+        if self._use_signal:
+            with contextlib.suppress(OSError):
+                signal.pthread_kill(self._thread_id, _SIGNAL)
+        return True
 
     def nudge(self) -> None:
-        """Signal the thread again while a delivered interrupt has not ended the training function yet.
-
-        A signal that lands just before the thread enters a blocking call is handled only after that call
-        returns; the monitor nudges on every tick, so such a call is broken by the next signal instead.
-        """
+        """Called on every monitor tick: deliver a deferred interrupt (the thread was importing), or signal
+        the thread again while a delivered one has not ended the training function yet -- a signal that
+        lands just before the thread enters a blocking call is handled only after that call returns."""
         with self._lock:
-            if self._delivered and self._in_user_code and self._use_signal:
+            if not self._in_user_code or self._requested is None:
+                return
+            if not self._delivered:
+                self._try_deliver()
+            elif self._use_signal:
                 with contextlib.suppress(OSError):
                     signal.pthread_kill(self._thread_id, _SIGNAL)
 

@@ -80,3 +80,26 @@ def test_only_one_interrupt_per_iteration() -> None:
         assert it.request("two") is False
         it.leave_user_code()
         it.close()
+
+
+def test_interrupt_waits_until_an_import_has_finished(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    (tmp_path / "slow_module_for_interrupt.py").write_text(
+        "import time\nSTARTED = time.monotonic()\ntime.sleep(0.5)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    it = Interrupter()
+    started = threading.Event()
+    t = _request_soon(it, started)
+    it.enter_user_code()
+    try:
+        with pytest.raises(RestartInterrupt):
+            started.set()
+            import slow_module_for_interrupt  # noqa: F401
+            time.sleep(120)
+    finally:
+        it.leave_user_code()
+        t.join()
+        it.close()
+    module = sys.modules["slow_module_for_interrupt"]
+    assert module.DONE is True  # the import ran to its end; the interrupt came after it

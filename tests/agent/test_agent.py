@@ -1,0 +1,151 @@
+"""The per-pod agent end to end: real etcd, real rendezvous, real rank processes (torch CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "restart"))
+from restart_helpers import SCRIPT, expected_checksum
+
+from stalwart.api.exit_codes import ExitCode
+from stalwart.api.restart import ProgressRecord
+from stalwart.keys import JobKeys
+from stalwart.local.etcd import EtcdServer
+from stalwart.store import Store
+
+pytestmark = pytest.mark.integration
+TIMEOUT = 240
+
+
+def agent_env(etcd: EtcdServer, keys: JobKeys, nproc: int = 2) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "STALWART_ETCD_ENDPOINTS": etcd.endpoint, "STALWART_JOB": f"{keys.namespace}/job",
+        "STALWART_JOB_UID": keys.uid, "STALWART_NODE_ID": "job-worker-0", "STALWART_POD_IP": "127.0.0.1",
+        "STALWART_SPARE": "false", "STALWART_NPROC_PER_NODE": str(nproc), "STALWART_MIN_NODES": "1",
+        "STALWART_MAX_NODES": "1",
+    })
+    return env
+
+
+def start_agent(etcd: EtcdServer, tmp: Path, *script_args: str, mode: str = "wrapped",
+                agent_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], JobKeys]:
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    cmd = [sys.executable, "-m", "stalwart", "agent", "--last-call", "0.1", *agent_args, "--", sys.executable,
+           SCRIPT, "--mode", mode, "--marker-dir", str(tmp), "--out", str(tmp / "out.jsonl"), *script_args]
+    return subprocess.Popen(cmd, env=agent_env(etcd, keys), stderr=subprocess.PIPE, text=True), keys
+
+
+def results(tmp: Path) -> list[dict[str, Any]]:
+    out = tmp / "out.jsonl"
+    return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+
+
+def progress(etcd: EtcdServer, keys: JobKeys) -> ProgressRecord | None:
+    with Store([etcd.endpoint]) as s:
+        kv = s.get(keys.progress + "job-worker-0")
+    return None if kv is None else ProgressRecord.from_json_bytes(kv.value)
+
+
+def test_killed_rank_is_respawned_and_rejoins_in_process(etcd: EtcdServer, tmp_path: Path) -> None:
+    agent, keys = start_agent(etcd, tmp_path, "--steps", "8", "--fault", "sigkill", "--fault-step", "4")
+    _, err = agent.communicate(timeout=TIMEOUT)
+    assert agent.returncode == 0, err[-3000:]
+    res = results(tmp_path)
+    assert sorted(r["rank"] for r in res) == [0, 1]
+    reference = expected_checksum(steps=8)
+    for r in res:
+        assert r["step"] == 8 and r["restarts"] >= 1
+        assert r["checksum"] == pytest.approx(reference, abs=1e-6)
+    # Rank 0 kept its process (in-process restart); rank 1's process is a new one.
+    pids = {r["rank"]: r["pid"] for r in res}
+    assert "respawning local rank 1" in err
+    assert pids[0] != pids[1]
+    rec = progress(etcd, keys)
+    assert rec is not None
+    assert rec.state == "succeeded" and rec.step == 8
+    assert rec.process_restarts == 1 and rec.restarts_in_process >= 1
+    assert rec.last_failure is not None and "exited -9" in rec.last_failure.reason
+
+
+def test_plain_script_gets_pod_local_restarts_like_torchrun(etcd: EtcdServer, tmp_path: Path) -> None:
+    agent, keys = start_agent(etcd, tmp_path, "--steps", "6", "--fault", "exception", "--fault-step", "3",
+                              mode="plain", agent_args=("--max-restarts", "2"))
+    _, err = agent.communicate(timeout=TIMEOUT)
+    assert agent.returncode == 0, err[-3000:]
+    res = results(tmp_path)
+    # Every rank ran again from the start in new processes (TORCHELASTIC_RESTART_COUNT=1), to the right end.
+    assert sorted(r["rank"] for r in res) == [0, 1]
+    reference = expected_checksum(steps=6)
+    for r in res:
+        assert r["restarts"] == 1 and r["step"] == 6
+        assert r["checksum"] == pytest.approx(reference, abs=1e-6)
+    rec = progress(etcd, keys)
+    assert rec is not None and rec.state == "succeeded" and rec.process_restarts == 1
+
+
+def test_hang_beyond_the_soft_timeout_ends_with_the_hard_timeout_kill(etcd: EtcdServer, tmp_path: Path) -> None:
+    # The hung rank blocks in C with the wakeup signal masked: the soft timeout restarts the others, and
+    # only the agent's hard timeout (2 x soft here) can end the hung process; its respawn rejoins.
+    agent, _ = start_agent(etcd, tmp_path, "--steps", "8", "--fault", "hang-hard", "--fault-step", "3",
+                           "--soft-timeout", "4")
+    _, err = agent.communicate(timeout=TIMEOUT)
+    assert agent.returncode == 0, err[-3000:]
+    assert "made no progress within its hard timeout" in err
+    res = results(tmp_path)
+    assert sorted(r["rank"] for r in res) == [0, 1]
+    reference = expected_checksum(steps=8)
+    assert all(r["step"] == 8 and r["checksum"] == pytest.approx(reference, abs=1e-6) for r in res)
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def test_sigterm_is_forwarded_and_the_ranks_are_gone(etcd: EtcdServer, tmp_path: Path) -> None:
+    agent, keys = start_agent(etcd, tmp_path, "--steps", "100000", "--step-sleep", "0.05",
+                              agent_args=("--term-grace", "20"))
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        rec = progress(etcd, keys)
+        if rec is not None and rec.step is not None and rec.step >= 2:
+            break
+        assert time.monotonic() < deadline, "training never reported progress"
+        assert agent.poll() is None, agent.communicate()[1][-3000:]
+        time.sleep(0.2)
+    ranks = _children(agent.pid)
+    assert len(ranks) == 2
+    agent.send_signal(signal.SIGTERM)
+    _, err = agent.communicate(timeout=TIMEOUT)
+    assert agent.returncode == int(ExitCode.TERMINATED), err[-3000:]
+    for pid in ranks:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_bad_pod_environment_is_reported_by_variable(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_")}
+    env["STALWART_NPROC_PER_NODE"] = "zero"
+    out = subprocess.run([sys.executable, "-m", "stalwart", "agent", "--", "true"], env=env, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 2
+    assert "STALWART_JOB: is required" in out.stderr
+    assert "STALWART_NPROC_PER_NODE" in out.stderr
