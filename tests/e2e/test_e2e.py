@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from jobs import (
+from e2e_jobs import (
     NAMESPACE,
     REPO,
     apply,
@@ -36,8 +36,8 @@ def test_demo_path(tmp_path_factory: pytest.TempPathFactory) -> None:
     """`stalwart demo`: the job survives a rank exception and a killed worker pod and ends Succeeded."""
     directory = tmp_path_factory.mktemp("demo")
     out = io.StringIO()
-    result = run_demo(DemoOptions(directory=directory, steps=160, step_delay=0.05, fail_at_step=30,
-                                  kill_at_step=80, timeout=540.0), out)
+    result = run_demo(DemoOptions(directory=directory, steps=120, step_delay=0.05, fail_at_step=20,
+                                  kill_at_step=60, timeout=540.0), out)
     text = out.getvalue()
     assert result.phase == "Succeeded", text
     assert [r.what for r in result.recoveries] == ["a rank exception", "a worker pod killed"]

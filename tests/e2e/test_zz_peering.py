@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from jobs import apply, delete, example_job, wait_for, wait_phase
+from e2e_jobs import apply, delete, example_job, wait_for, wait_phase
 
 from stalwart.demo import Installation
 from stalwart.local.cluster import LocalCluster

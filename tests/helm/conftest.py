@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import helm_python
 import pytest
-from helm_render import CHART_DIR, documents, render_files
-
-Render = Callable[..., list[dict[str, Any]]]
+from helm_render import CHART_DIR, Render, documents, render_files
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,9 @@ from helm_python import _native
 CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "stalwart"
 RELEASE = "demo"
 NAMESPACE = "stalwart-system"
+
+#: The ``render`` fixture: values (and capabilities' API versions) -> the rendered YAML documents.
+Render = Callable[..., list[dict[str, Any]]]
 
 
 def render_files(chart: helm_python.Chart, values: dict[str, Any] | None = None,

@@ -11,8 +11,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import Render
-from helm_render import CHART_DIR, NAMESPACE, documents, find, one, render_files
+from helm_render import CHART_DIR, NAMESPACE, Render, documents, find, one, render_files
 
 from stalwart.cli import build_parser
 from stalwart.operator import rbac
