@@ -51,6 +51,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--soft-timeout", type=float, default=60.0)
     p.add_argument("--barrier-timeout", type=float, default=60.0)
     p.add_argument("--min-world", type=int, default=1)
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     return p.parse_args()
 
 
@@ -60,7 +61,7 @@ def batch(step: int, rank: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def checksum(model: nn.Module) -> float:
-    return float(sum(p.detach().double().sum() for p in model.parameters()))
+    return float(sum(p.detach().double().cpu().sum() for p in model.parameters()))
 
 
 def fault_due(args: argparse.Namespace, name: str, rank: int, step: int, index: int = 0) -> bool:
@@ -139,12 +140,17 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
         inject(args.second_fault)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.hidden, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        model = model.to(device)
     # Agree on the state: the lowest rank among those with the most committed steps is the source.
-    have = torch.tensor([STATE["step"] if STATE["params"] is not None else -1, -rank], dtype=torch.int64)
+    have = torch.tensor([STATE["step"] if STATE["params"] is not None else -1, -rank], dtype=torch.int64,
+                        device=device)
     best = have.clone()
     dist.all_reduce(best, op=dist.ReduceOp.MAX)
     src_step = int(best[0])
-    cand = torch.tensor([rank if int(have[0]) == src_step else world], dtype=torch.int64)
+    cand = torch.tensor([rank if int(have[0]) == src_step else world], dtype=torch.int64, device=device)
     dist.all_reduce(cand, op=dist.ReduceOp.MIN)
     if src_step >= 0:
         if STATE["params"] is not None and int(have[0]) == src_step:
@@ -162,6 +168,7 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
         if fault_due(args, "fault", rank, step):
             inject(args.fault)
         x, y = batch(step, rank, args.hidden)
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
@@ -215,7 +222,7 @@ def main() -> int:
 
     @stalwart.restartable(max_restarts=args.max_restarts, soft_timeout=args.soft_timeout,
                           hard_timeout=args.soft_timeout * 2, barrier_timeout=args.barrier_timeout,
-                          initialize=InitProcessGroup("gloo", timeout=args.timeout),
+                          initialize=InitProcessGroup(args.backend, timeout=args.timeout),
                           rank_assignment=RankAssignment(min_world_size=args.min_world))
     def run(call_wrapper: stalwart.CallWrapper) -> dict[str, Any]:
         STATE["ping"] = lambda s: call_wrapper.ping(step=s)

@@ -22,7 +22,7 @@ from stalwart.api.restart import FailureInfo, FaultRecord, RankStatus
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
-from stalwart.store import StoreError, Watch
+from stalwart.store import StoreError, Watch, WatchEvent
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class Monitor:
         self._stop = threading.Event()
         self._iteration = -1
         self._ctx: IterationContext | None = None
+        self._active: frozenset[int] = frozenset()
         self._running = False
         self._timed_out = False
         self._faults: dict[int, FaultRecord] = {}
@@ -121,11 +122,13 @@ class Monitor:
         self._thread.join(timeout=10)
         self._flush_status(force=True)
 
-    def begin(self, iteration: int, ctx: IterationContext) -> None:
-        """The iteration's run starts (before Initialize). A fault already seen for it interrupts at once."""
+    def begin(self, iteration: int, ctx: IterationContext, active: frozenset[int] = frozenset()) -> None:
+        """The iteration's run starts (before Initialize); ``active`` are the slots running it. A fault already
+        seen for it interrupts at once."""
         with self._lock:
             self._iteration = iteration
             self._ctx = ctx
+            self._active = active
             self._running = True
             self._timed_out = False
             self.last_progress = time.monotonic()
@@ -185,7 +188,31 @@ class Monitor:
             for _, rec in sorted(faults, key=lambda f: f[0]):
                 self._on_fault(rec)
                 break
-        return self.coord.store.watch(self.coord.base + "fault/", prefix=True, start_revision=view.revision + 1)
+        return self.coord.store.watch(self.coord.base, prefix=True, start_revision=view.revision + 1)
+
+    def _on_event(self, ev: WatchEvent) -> None:
+        rel = ev.kv.key[len(self.coord.base):]
+        if ev.type == "put" and rel.startswith("fault/"):
+            try:
+                self._on_fault(FaultRecord.from_json_bytes(ev.kv.value))
+            except ValueError as e:
+                log.warning("ignoring invalid fault record at %s: %s", ev.kv.key, e)
+        elif ev.type == "delete" and rel.startswith("alive/"):
+            with contextlib.suppress(ValueError):
+                self._on_peer_lost(int(rel[len("alive/"):]))
+
+    def _on_peer_lost(self, slot: int) -> None:
+        """A peer's heartbeat lease ended (it died without closing its connections, or was cut off)."""
+        with self._lock:
+            ctx, running, iteration, active = self._ctx, self._running, self._iteration, self._active
+        if not running or ctx is None or slot == self.coord.slot or slot not in active:
+            return
+        reason = f"the heartbeat lease of slot {slot} ended"
+        rec = FaultRecord(slot=self.coord.slot, rank=ctx.rank, node_id=self.coord.node_id, iteration=iteration,
+                          kind="peer_lost", reason=reason, time=time.time())
+        with contextlib.suppress(Exception):  # interrupting matters more than reporting
+            self.coord.report_fault(rec)
+        self._interrupt(reason)
 
     def _run(self) -> None:
         watch: Watch | None = None
@@ -208,11 +235,8 @@ class Monitor:
                     watch.cancel()
                     watch = None
                     continue
-                if ev is not None and ev.type == "put":
-                    try:
-                        self._on_fault(FaultRecord.from_json_bytes(ev.kv.value))
-                    except ValueError as e:
-                        log.warning("ignoring invalid fault record at %s: %s", ev.kv.key, e)
+                if ev is not None:
+                    self._on_event(ev)
                 self._tick()
         finally:
             if watch is not None:

@@ -163,6 +163,7 @@ class InitProcessGroup(Initialize):
         if backend == "nccl":
             torch.cuda.set_device(int(ctx.extra.get("local_rank", 0)) % max(1, torch.cuda.device_count()))
         ctx.sockets_before = SocketSnapshot()
+        ctx.extra["backend"] = backend
         dist.init_process_group(backend, store=ctx.store, rank=ctx.rank, world_size=ctx.world_size,
                                 timeout=datetime.timedelta(seconds=self.timeout))
 
@@ -170,9 +171,10 @@ class InitProcessGroup(Initialize):
 class AbortProcessGroup(Abort):
     """Frees peers and tears the default process group down without waiting on any peer.
 
-    1. shuts down the group's TCP connections (gloo; see :mod:`stalwart.restart.sockets`);
-    2. aborts NCCL communicators (``ProcessGroup.abort``) when the backend is NCCL;
-    3. destroys the default group so the next iteration can build a new one.
+    1. shuts down the group's TCP connections (gloo; see :mod:`stalwart.restart.sockets`) and aborts its
+       NCCL communicators (``ProcessGroup.abort``) when the backend is NCCL (:func:`free_blocked_peers`,
+       which the monitor thread also calls the moment it interrupts the iteration);
+    2. destroys the default group so the next iteration can build a new one.
     """
 
     def __call__(self, ctx: IterationContext) -> None:
@@ -181,20 +183,23 @@ class AbortProcessGroup(Abort):
 
         if not dist.is_initialized():
             return
-        try:
-            if dist.get_backend() == "nccl":
-                _abort_nccl()
-        finally:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def free_blocked_peers(ctx: IterationContext) -> int:
-    """Shut down the process group's connections (safe from any thread, idempotent)."""
+    """Free this process and its peers from blocked collectives, from any thread, without waiting: shut down
+    the process group's TCP connections (gloo) and abort its NCCL communicators. Idempotent."""
     if ctx.sockets_before is None:
         return 0
     n = shutdown_sockets_since(ctx.sockets_before, keep_peers=ctx.keep_peers)
     if n:
         log.debug("iteration %d: shut down %d process-group connection(s)", ctx.iteration, n)
+    if ctx.extra.get("backend") == "nccl" and not ctx.extra.get("nccl_aborted"):
+        ctx.extra["nccl_aborted"] = True
+        try:
+            _abort_nccl()
+        except Exception as e:
+            log.warning("iteration %d: NCCL abort failed: %s", ctx.iteration, e)
     return n
 
 

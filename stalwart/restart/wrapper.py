@@ -225,7 +225,8 @@ class _Session:
                 iteration += 1
                 continue
             done = self._run_iteration(fn, args, kwargs, inject, iteration=iteration, rank=rank,
-                                       world_size=seal.world_size)
+                                       world_size=seal.world_size,
+                                       active=frozenset(int(s) for s in seal.ranks))
             if isinstance(done, _Finished):
                 self.monitor.update_status(state="done")
                 return done.result
@@ -334,7 +335,8 @@ class _Session:
         self.coord.report_fault(rec)
 
     def _run_iteration(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                       inject: str | None, *, iteration: int, rank: int, world_size: int) -> _Finished | None:
+                       inject: str | None, *, iteration: int, rank: int, world_size: int,
+                       active: frozenset[int]) -> _Finished | None:
         from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
 
         store = EtcdTorchStore(self.store, self.env.keys, self.env.epoch, scope=f"{iteration}/",
@@ -352,7 +354,7 @@ class _Session:
         fault: BaseException | None = None
         result: Any = None
         self.interrupter.enter_user_code()
-        self.monitor.begin(iteration, ctx)
+        self.monitor.begin(iteration, ctx, active)
         try:
             try:
                 self.config.initialize(ctx)
