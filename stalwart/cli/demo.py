@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -43,4 +44,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0 if result.phase == "Succeeded" else 1
+    if result.phase != "Succeeded":
+        print(f"stalwart demo: the job ended {result.phase} (cluster files and logs: {directory})", file=sys.stderr)
+        return 1
+    if args.dir is None and not args.keep:
+        # A temporary directory of our own, with nothing left running in it.
+        shutil.rmtree(directory, ignore_errors=True)
+    return 0
