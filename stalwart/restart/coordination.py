@@ -135,7 +135,17 @@ class Coordinator:
         """Publish a fault of this process in ``rec.iteration`` (overwrites its earlier one there)."""
         self.fence.put(self.fault_key(rec.iteration, self.slot), rec.to_json_bytes())
 
+    def ensure_lease(self) -> None:
+        """Re-grant the heartbeat lease and re-publish the ``alive`` key if etcd dropped the lease (this
+        process was cut off for longer than its TTL, or the lease was revoked): the peers saw it leave and
+        restarted without it; it comes back at the next barrier."""
+        if self.lease and self.lease not in self.store.lost_leases() and self.store.lease_ttl(self.lease) > 0:
+            return
+        log.warning("slot %d: heartbeat lease lost; granting a new one", self.slot)
+        self.start()
+
     def arrive(self, iteration: int, rec: ArrivalRecord) -> None:
+        self.ensure_lease()
         self.fence.put(self.arrive_key(iteration, self.slot), rec.to_json_bytes(), lease=self.lease)
 
     def mark_done(self, iteration: int) -> None:

@@ -55,14 +55,15 @@ def rank_env(etcd: EtcdServer, keys: JobKeys, epoch: int, *, slot: int, slots: i
     return env
 
 
-def run_ranks(etcd: EtcdServer, tmp: Path, *args: str, slots: int = 2, target: int | None = None) -> Run:
-    """Run ``slots`` rank processes of the script (``target`` of them active at first) to the end."""
+def run_ranks(etcd: EtcdServer, tmp: Path, *args: str, slots: int = 2, target: int | None = None,
+              job: tuple[JobKeys, int] | None = None) -> Run:
+    """Run ``slots`` rank processes of the script (``target`` of them active at first) to the end, in
+    ``job`` (keys and epoch, see :func:`new_job`) or a new one."""
     target = slots if target is None else target
-    store = Store([etcd.endpoint])
-    try:
-        keys, epoch = new_job(store)
-    finally:
-        store.close()
+    if job is None:
+        with Store([etcd.endpoint]) as store:
+            job = new_job(store)
+    keys, epoch = job
     out = tmp / "out.jsonl"
     procs = []
     for slot in range(slots):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from restart_helpers import expected_checksum, run_ranks
+from restart_helpers import expected_checksum, new_job, run_ranks
 
 from stalwart.api.exit_codes import ExitCode
 from stalwart.local.etcd import EtcdServer
@@ -119,3 +119,36 @@ def test_twenty_restarts_leak_nothing(etcd: EtcdServer, tmp_path: Path, referenc
     iterations = {int(kv.key.split("/")[-2]) for kv in kvs if "/seal/" not in kv.key and "/alive/" not in kv.key}
     assert iterations <= {19, 20}
     assert not [kv for kv in kvs if "/alive/" in kv.key]
+
+
+def test_a_peer_whose_heartbeat_lease_ends_interrupts_the_iteration(etcd: EtcdServer, tmp_path: Path,
+                                                                   reference: float) -> None:
+    # Fault injection on the real etcd: slot 1's heartbeat lease is revoked while it trains (as if it had
+    # been cut off past its TTL). Slot 0 notices by watch and restarts; slot 1 gets a new lease and rejoins.
+    import threading
+
+    from stalwart.api.restart import RankStatus
+
+    with Store([etcd.endpoint]) as s:
+        keys, epoch = new_job(s)
+
+    def revoke_when_training() -> None:
+        status = tmp_path / "status-1.json"
+        alive = f"{keys.restart}{epoch}/alive/1"
+        with Store([etcd.endpoint]) as s:
+            for _ in range(2400):
+                try:
+                    st = RankStatus.from_json_bytes(status.read_bytes())
+                except (OSError, ValueError):
+                    st = None
+                kv = s.get(alive)
+                if st is not None and st.state == "running" and (st.step or 0) >= 2 and kv is not None:
+                    s.lease_revoke(kv.lease)
+                    return
+                threading.Event().wait(0.1)
+
+    t = threading.Thread(target=revoke_when_training, daemon=True)
+    t.start()
+    run = run_ranks(etcd, tmp_path, "--steps", "8", "--step-sleep", "0.3", job=(keys, epoch))
+    t.join(30)
+    assert_recovered(run.codes, run.results, reference)
