@@ -316,14 +316,21 @@ class _Session:
                           sealed_by=self.env.slot, timed_out=timed_out)
 
     def _wait_end(self, iteration: int, seal: SealRecord, deadline: float | None) -> str:
-        """Wait until ``iteration`` ends: ``"done"`` (every active process returned) or ``"fault"``."""
+        """Wait until ``iteration`` ends: ``"done"`` (every active process returned) or ``"fault"`` (a fault
+        was reported, or an active process that had not returned lost its heartbeat lease)."""
         active = {int(s) for s in seal.ranks}
 
         def ended(view: EpochView) -> object:
             if view.faults.get(iteration):
                 return "fault"
-            if active <= view.done.get(iteration, set()):
+            done = view.done.get(iteration, set())
+            if active <= done:
                 return "done"
+            lost = sorted(s for s in active - done if s not in view.alive)
+            if lost:
+                self._report(iteration, seal.ranks.get(str(self.env.slot)), "peer_lost",
+                             f"the heartbeat lease of slot(s) {lost} ended")
+                return "fault"
             return None
 
         _, result = self.coord.wait_until(ended, deadline)
@@ -397,11 +404,14 @@ class _Session:
             if seen is None or seen.slot == self.env.slot:
                 log.warning("slot %d rank %d iteration %d: fault: %r", self.env.slot, rank, iteration, fault)
             self._report(iteration, rank, "exception", repr(fault))
-            self.monitor.update_status(last_failure=FailureInfo(rank=rank, pod=self.env.node_id,
-                                                                reason=repr(fault)[:2048], time=time.time()))
         self.monitor.update_status(state="restarting")
         self._abort(ctx)
         _release(fault)
+        # The iteration's cause is its first fault in etcd (this process's error may be a consequence).
+        first = self.coord.view().first_fault(iteration)
+        if first is not None:
+            self.monitor.update_status(last_failure=FailureInfo(
+                rank=first.rank, pod=first.node_id, reason=f"{first.kind}: {first.reason}"[:2048], time=first.time))
         return None
 
     def _abort(self, ctx: IterationContext) -> None:
