@@ -113,7 +113,10 @@ def manifests(namespace: str, job: str, pods: int, endpoint: str) -> list[dict[s
 
 
 def clear_namespace(cluster: LocalCluster, namespace: str) -> None:
-    cluster.kubectl("delete", "namespace", namespace, "--wait=false", "--ignore-not-found", check=False)
+    """Delete the namespace and wait until it is gone, so the kubelet's clean-up of one run (64 processes to
+    stop) does not overlap the next measurement."""
+    cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=180s", "--ignore-not-found",
+                    check=False, timeout=200)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -264,10 +267,15 @@ def main(argv: list[str] | None = None) -> int:
             ours: list[dict[str, Any]] = []
             direct: list[float] = []
             seq: list[float] = []
-            for _ in range(args.repeat):
+            for i in range(args.repeat):
+                # Alternate the order so that neither side always runs on a machine warmed by the other.
+                if i % 2:
+                    seq.append(run_sequential(cluster, api, args.pods))
+                    direct.append(run_create_only(cluster, api, args.pods, args.concurrency))
+                else:
+                    direct.append(run_create_only(cluster, api, args.pods, args.concurrency))
+                    seq.append(run_sequential(cluster, api, args.pods))
                 ours.append(run_stalwart(cluster, api, args.pods, args.concurrency))
-                direct.append(run_create_only(cluster, api, args.pods, args.concurrency))
-                seq.append(run_sequential(cluster, api, args.pods))
             s = statistics.median(r["seconds"] for r in ours)
             c = statistics.median(direct)
             q = statistics.median(seq)

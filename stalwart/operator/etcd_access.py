@@ -11,6 +11,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from stalwart.api.job_record import JobRecord
@@ -29,6 +30,23 @@ T = TypeVar("T")
 OnChange = Callable[[str, str], None]
 
 
+@dataclass(frozen=True, slots=True)
+class EtcdTarget:
+    """An etcd cluster and how to log in to it: TLS material and/or a user (from the job's
+    ``spec.rendezvous.secretRef``). Secrets are left out of ``repr`` so they never reach a log line."""
+
+    endpoints: tuple[str, ...]
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_cert: bytes | None = field(default=None, repr=False)
+    client_cert: bytes | None = field(default=None, repr=False)
+    client_key: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("endpoints: at least one etcd endpoint (host:port) is required")
+
+
 class EtcdAccess:
     """The etcd side of the operator. ``on_change`` (optional) is called from a watch thread."""
 
@@ -37,19 +55,21 @@ class EtcdAccess:
             raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
         self.timeout = timeout
         self.on_change = on_change
-        self._stores: dict[tuple[str, ...], Store] = {}
+        self._stores: dict[EtcdTarget, Store] = {}
         self._watchers: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-    def store(self, endpoints: Sequence[str]) -> Store:
-        key = tuple(endpoints)
+    def store(self, target: EtcdTarget | Sequence[str]) -> Store:
+        """The Store for ``target`` (endpoints alone mean no TLS, no user), created on first use."""
+        key = target if isinstance(target, EtcdTarget) else EtcdTarget(tuple(target))
         with self._lock:
             if self._stop.is_set():
                 raise StoreError("the operator's etcd access is closed")
             store = self._stores.get(key)
             if store is None:
-                store = Store(list(key), timeout=self.timeout)
+                store = Store(list(key.endpoints), timeout=self.timeout, user=key.user, password=key.password,
+                              ca_cert=key.ca_cert, client_cert=key.client_cert, client_key=key.client_key)
                 self._stores[key] = store
                 if self.on_change is not None:
                     t = threading.Thread(target=self._watch, args=(store,), name=f"etcd-watch-{len(self._stores)}",
@@ -60,7 +80,7 @@ class EtcdAccess:
 
     # -- reads ---------------------------------------------------------------------------------------------
 
-    def read(self, endpoints: Sequence[str], keys: JobKeys) -> EtcdView:
+    def read(self, endpoints: EtcdTarget | Sequence[str], keys: JobKeys) -> EtcdView:
         """The job's records (JobRecord, rendezvous, progress) read at one revision, in one round trip."""
         store = self.store(endpoints)
         try:
@@ -73,7 +93,7 @@ class EtcdAccess:
 
     # -- writes --------------------------------------------------------------------------------------------
 
-    def write_record(self, endpoints: Sequence[str], keys: JobKeys, record: JobRecord,
+    def write_record(self, endpoints: EtcdTarget | Sequence[str], keys: JobKeys, record: JobRecord,
                      expected: Sequence[str]) -> None:
         """Write the JobRecord and (when non-empty) the expected nodes, atomically."""
         ops = [Put(keys.job, record.to_json_bytes())]
@@ -81,15 +101,15 @@ class EtcdAccess:
             ops.append(Put(keys.rendezvous + "expected", ExpectedNodes(node_ids=list(expected)).to_json_bytes()))
         self._write("write record", lambda: self.store(endpoints).txn([], ops))
 
-    def revoke(self, endpoints: Sequence[str], lease_id: int) -> None:
+    def revoke(self, endpoints: EtcdTarget | Sequence[str], lease_id: int) -> None:
         """Revoke a lost node's lease (fencing): its node key goes at once, so it cannot join a new round."""
         self._write("revoke", lambda: self.store(endpoints).lease_revoke(lease_id))
 
-    def close_rendezvous(self, endpoints: Sequence[str], keys: JobKeys, reason: str) -> None:
+    def close_rendezvous(self, endpoints: EtcdTarget | Sequence[str], keys: JobKeys, reason: str) -> None:
         self._write("close", lambda: self.store(endpoints).put(
             keys.rendezvous + "closed", ClosedRecord(reason=reason[:1024]).to_json_bytes()))
 
-    def delete_job(self, endpoints: Sequence[str], keys: JobKeys) -> int:
+    def delete_job(self, endpoints: EtcdTarget | Sequence[str], keys: JobKeys) -> int:
         """Delete every key under the job's prefix and nothing else; returns how many went."""
         deleted: int = self._write("delete prefix", lambda: self.store(endpoints).delete_prefix(keys.prefix))
         return deleted

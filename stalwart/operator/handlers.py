@@ -28,11 +28,11 @@ from stalwart.api import naming
 from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
 from stalwart.keys import JobKeys
 from stalwart.operator.etcd_access import EtcdAccess
-from stalwart.operator.kube import Kube
+from stalwart.operator.kube import Kube, KubeError
 from stalwart.operator.manifests import AGENT_COMMAND
 from stalwart.operator.model import DeleteJob, OperatorSettings, PodView
 from stalwart.operator.observe import job_view, pod_view
-from stalwart.operator.runner import JobRunner, OperatorContext
+from stalwart.operator.runner import JobRunner, OperatorContext, etcd_target
 from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -193,15 +193,14 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(f"waiting for {len(pods)} pod(s) to terminate before deleting the "
                                       "job's etcd keys", delay=1.0)
         job = job_view(body)
-        endpoints = (tuple(job.spec.rendezvous.endpoints) if job.spec is not None and job.spec.rendezvous.endpoints
-                     else ctx.default_endpoints)
-        if not endpoints or not uid:
-            log.warning("job %s/%s: no etcd endpoints; nothing to clean up in etcd", namespace, name)
-            return
         keys = JobKeys(namespace, uid)
         try:
-            deleted = await asyncio.to_thread(ctx.etcd.delete_job, endpoints, keys)
-        except StoreError as e:
+            target = await etcd_target(ctx, namespace, job)
+            if target is None:
+                log.warning("job %s/%s: no etcd endpoints; nothing to clean up in etcd", namespace, name)
+                return
+            deleted = await asyncio.to_thread(ctx.etcd.delete_job, target, keys)
+        except (StoreError, KubeError) as e:
             if elapsed > ETCD_CLEANUP_SECONDS:
                 message = (f"could not delete etcd prefix {keys.prefix} for {elapsed:.0f}s ({e}); "
                            "leaving the keys behind")

@@ -12,6 +12,7 @@ repeat, and the API is the source of truth.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import secrets
@@ -112,6 +113,15 @@ class Kube:
             return []
         items: list[dict[str, Any]] = json.loads(result.data)["items"]
         return items
+
+    async def get_secret_data(self, namespace: str, name: str) -> dict[str, bytes]:
+        """The decoded ``data`` of a Secret (for the etcd credentials a job names)."""
+        result = await self._call("get", "secrets", name, lambda: self.core.read_namespaced_secret(
+            name, namespace, _request_timeout=self.timeout, _preload_content=False))
+        if result is None:
+            return {}
+        data = json.loads(result.data).get("data") or {}
+        return {str(k): base64.b64decode(v) for k, v in data.items()}
 
     # -- owned objects -------------------------------------------------------------------------------------
 

@@ -46,6 +46,8 @@ PERMISSIONS: tuple[Permission, ...] = (
                "creating workers/spares/replacements; deleting on suspend, clean-up, scale-down, loss"),
     Permission("", "services", ("create",), "namespace", "always", "the job's headless Service"),
     Permission("", "secrets", ("create",), "namespace", "always", "the job's Secret with the RPC token"),
+    Permission("", "secrets", ("get",), "namespace", "always",
+               "the etcd credentials (TLS, user) a job names in spec.rendezvous.secretRef"),
     Permission("", "events", ("create",), "namespace", "always",
                "Events on the TrainingJob (restarts, replacements, phase changes) and kopf's own"),
     Permission("scheduling.volcano.sh", "podgroups", ("create",), "namespace", "volcano",

@@ -21,7 +21,7 @@ from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import TrainingJob
 from stalwart.keys import JobKeys
 from stalwart.operator import metrics
-from stalwart.operator.etcd_access import EtcdAccess
+from stalwart.operator.etcd_access import EtcdAccess, EtcdTarget
 from stalwart.operator.kube import Kube, KubeError, new_rpc_token
 from stalwart.operator.manifests import (
     AGENT_COMMAND,
@@ -81,6 +81,32 @@ class OperatorContext:
             self.loop.call_soon_threadsafe(self.wake, *target)
 
 
+async def etcd_target(ctx: OperatorContext, namespace: str, job: JobView) -> EtcdTarget | None:
+    """Where the job's etcd is and how to log in: its spec's endpoints (else the operator's default) and, with
+    ``spec.rendezvous.secretRef``, the Secret's ``ca.crt``/``tls.crt``/``tls.key`` (when ``tls``) and
+    ``username``/``password``. None when there are no endpoints at all. Raises KubeError when the Secret
+    cannot be read."""
+    spec = job.spec
+    endpoints = tuple(spec.rendezvous.endpoints) if spec is not None and spec.rendezvous.endpoints \
+        else ctx.default_endpoints
+    if not endpoints:
+        return None
+    if spec is None or spec.rendezvous.secret_ref is None:
+        return EtcdTarget(endpoints)
+    data = await ctx.kube.get_secret_data(namespace, spec.rendezvous.secret_ref.name)
+    user = data.get("username")
+    password = data.get("password")
+    tls = spec.rendezvous.tls
+    if tls and "ca.crt" not in data:
+        log.warning("job %s/%s: Secret %s has no ca.crt; connecting to etcd without TLS", namespace, job.name,
+                    spec.rendezvous.secret_ref.name)
+    return EtcdTarget(endpoints, user=user.decode() if user else None,
+                      password=password.decode() if password else None,
+                      ca_cert=data.get("ca.crt") if tls else None,
+                      client_cert=data.get("tls.crt") if tls else None,
+                      client_key=data.get("tls.key") if tls else None)
+
+
 class JobRunner:
     """Reconciles one TrainingJob: :meth:`step` = observe, decide, apply."""
 
@@ -95,11 +121,13 @@ class JobRunner:
         self.created: dict[str, tuple[PodView, float]] = {}
         self.deleted: dict[str, tuple[int, float]] = {}
         self.phase: str | None = None
+        self._target: tuple[int, EtcdTarget | None] | None = None  # (generation, target)
 
-    def endpoints(self, job: JobView) -> tuple[str, ...]:
-        if job.spec is not None and job.spec.rendezvous.endpoints:
-            return tuple(job.spec.rendezvous.endpoints)
-        return self.ctx.default_endpoints
+    async def target(self, job: JobView) -> EtcdTarget | None:
+        """The job's etcd target, resolved once per spec generation (and again after an etcd error)."""
+        if self._target is None or self._target[0] != job.generation:
+            self._target = (job.generation, await etcd_target(self.ctx, self.namespace, job))
+        return self._target[1]
 
     async def observe(self, body: Mapping[str, Any], pods: Sequence[PodView]) -> Observation:
         now = time.time()
@@ -107,12 +135,14 @@ class JobRunner:
         if self.decided_status is not None:
             job = replace(job, status=self.decided_status)
         etcd = EtcdView(reachable=False)
-        endpoints = self.endpoints(job)
-        if endpoints and job.uid and not job.deleting:
+        if job.uid and not job.deleting:
             try:
-                etcd = await asyncio.to_thread(self.ctx.etcd.read, endpoints, JobKeys(self.namespace, job.uid))
-            except (StoreError, ValueError) as e:
-                log.warning("job %s/%s: etcd %s unreachable: %s", self.namespace, self.name, ",".join(endpoints), e)
+                target = await self.target(job)
+                if target is not None:
+                    etcd = await asyncio.to_thread(self.ctx.etcd.read, target, JobKeys(self.namespace, job.uid))
+            except (StoreError, KubeError, ValueError) as e:
+                self._target = None
+                log.warning("job %s/%s: etcd unreachable: %s", self.namespace, self.name, e)
         # Forget overlay entries the watch has caught up with.
         watched = {p.name: p for p in pods}
         for pod_name in [n for n in self.created if n in watched]:
@@ -145,7 +175,13 @@ class JobRunner:
         act); a failed pod creation withholds the status patch and Events (its counters assumed the pod
         exists). A failed status patch or Event only logs: the next reconcile retries it."""
         job = obs.job
-        endpoints = self.endpoints(job)
+        try:
+            target = await self.target(job) if job.spec is not None else None
+        except (KubeError, ValueError) as e:
+            self._target = None
+            log.warning("job %s/%s: cannot resolve its etcd: %s", self.namespace, self.name, e)
+            return False
+        endpoints = target.endpoints if target is not None else ()
         keys = JobKeys(self.namespace, job.uid) if job.uid else None
         ns, kube = self.namespace, self.ctx.kube
         actions = list(decision.actions)
@@ -168,7 +204,7 @@ class JobRunner:
                 elif isinstance(action, RevokeLease):
                     for a in batch:
                         assert isinstance(a, RevokeLease)
-                        await asyncio.to_thread(self.ctx.etcd.revoke, endpoints, a.lease_id)
+                        await asyncio.to_thread(self.ctx.etcd.revoke, _need(target), a.lease_id)
                         log.info("job %s/%s: fenced node %s (revoked lease %x)", ns, self.name, a.node_id,
                                  a.lease_id)
                 elif isinstance(action, DeletePod):
@@ -178,14 +214,16 @@ class JobRunner:
                     for a in batch:
                         assert isinstance(a, WriteJobRecord)
                         record = self._record(body, job, a)
-                        await asyncio.to_thread(self.ctx.etcd.write_record, endpoints, keys, record, a.expected)
+                        await asyncio.to_thread(self.ctx.etcd.write_record, _need(target), keys, record,
+                                                a.expected)
                 elif isinstance(action, CreatePod):
                     if not await self._gather([self._create(job, endpoints, a) for a in batch
                                                if isinstance(a, CreatePod)]):
                         ok = False
                 elif isinstance(action, CloseRendezvous):
                     assert keys is not None
-                    await asyncio.to_thread(self.ctx.etcd.close_rendezvous, endpoints, keys, action.reason)
+                    await asyncio.to_thread(self.ctx.etcd.close_rendezvous, _need(target), keys,
+                                            action.reason)
                 elif isinstance(action, PatchStatus):
                     await self._patch_status(obs, action.status)
                 elif isinstance(action, EmitEvent):
@@ -283,3 +321,9 @@ class JobRunner:
         if self.phase is not None:
             metrics.JOBS.labels(self.phase).dec()
             self.phase = None
+
+
+def _need(target: EtcdTarget | None) -> EtcdTarget:
+    if target is None:
+        raise ValueError("no etcd endpoints: set spec.rendezvous.endpoints or the operator's --etcd-endpoints")
+    return target
