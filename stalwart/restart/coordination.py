@@ -8,14 +8,17 @@ The key layout is documented in :mod:`stalwart.api.restart`. This module only do
 from __future__ import annotations
 
 import logging
+import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from stalwart.agent.rendezvous.fence import Fence
 from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
 from stalwart.keys import JobKeys
-from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, Watch
+from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTimeout, StoreUnavailable, Watch
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +48,21 @@ class EpochView:
 IterationOutcome = str  # "done" | "fault"
 
 
+T = TypeVar("T")
+
+
 class Coordinator:
     """One rank process's view of its epoch's restart prefix. Thread-safe (etcd calls only).
 
     ``lease_ttl`` is the heartbeat: the process's ``alive`` key and its barrier arrivals are bound to a
-    lease of that many seconds, kept alive by the Store.
+    lease of that many seconds, kept alive by the Store. Each etcd call that fails because etcd is
+    unreachable (``StoreUnavailable``, ``StoreTimeout``) is retried with jittered exponential backoff for up
+    to ``retry_for`` seconds, then the error is raised: every call here may be repeated safely (puts of
+    the same value; the seal is create-if-absent and reads back whichever seal won).
     """
 
     def __init__(self, store: Store, keys: JobKeys, epoch: int, *, slot: int, node_id: str,
-                 lease_ttl: int = 10) -> None:
+                 lease_ttl: int = 10, retry_for: float = 30.0) -> None:
         self.store = store
         self.keys = keys
         self.epoch = epoch
@@ -63,6 +72,20 @@ class Coordinator:
         self.fence = Fence(store, keys, epoch)
         self.base = f"{keys.restart}{epoch}/"
         self.lease = 0
+        self.retry_for = retry_for
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.retry_for
+        backoff = 0.05
+        while True:
+            try:
+                return fn()
+            except (StoreUnavailable, StoreTimeout) as e:
+                if time.monotonic() + backoff > deadline:
+                    raise
+                log.warning("slot %d epoch %d: %s failed, retrying: %s", self.slot, self.epoch, what, e)
+                time.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 1.0)
 
     # -- keys -----------------------------------------------------------------------------------------------
 
@@ -87,7 +110,7 @@ class Coordinator:
     # -- reading ----------------------------------------------------------------------------------------------
 
     def view(self) -> EpochView:
-        kvs, revision = self.store.get_prefix(self.base)
+        kvs, revision = self._retry("read", lambda: self.store.get_prefix(self.base))
         return self.parse(kvs, revision)
 
     def parse(self, kvs: list[KeyValue], revision: int) -> EpochView:
@@ -116,11 +139,10 @@ class Coordinator:
 
     def start(self) -> None:
         """Grant the heartbeat lease and publish this process's ``alive`` key."""
-        self.lease = self.store.lease_grant(self.lease_ttl)
-        import os
-
+        self.lease = self._retry("lease grant", lambda: self.store.lease_grant(self.lease_ttl))
         rec = AliveRecord(slot=self.slot, node_id=self.node_id, pid=os.getpid())
-        self.fence.put(self.alive_key(self.slot), rec.to_json_bytes(), lease=self.lease)
+        self._retry("heartbeat put", lambda: self.fence.put(self.alive_key(self.slot), rec.to_json_bytes(),
+                                                             lease=self.lease))
 
     def stop(self) -> None:
         """Revoke the lease: the ``alive`` key and pending arrivals go at once."""
@@ -133,24 +155,28 @@ class Coordinator:
 
     def report_fault(self, rec: FaultRecord) -> None:
         """Publish a fault of this process in ``rec.iteration`` (overwrites its earlier one there)."""
-        self.fence.put(self.fault_key(rec.iteration, self.slot), rec.to_json_bytes())
+        self._retry("fault report", lambda: self.fence.put(self.fault_key(rec.iteration, self.slot),
+                                                           rec.to_json_bytes()))
 
     def ensure_lease(self) -> None:
         """Re-grant the heartbeat lease and re-publish the ``alive`` key if etcd dropped the lease (this
         process was cut off for longer than its TTL, or the lease was revoked): the peers saw it leave and
         restarted without it; it comes back at the next barrier."""
-        if self.lease and self.lease not in self.store.lost_leases() and self.store.lease_ttl(self.lease) > 0:
+        if self.lease and self.lease not in self.store.lost_leases() \
+                and self._retry("lease ttl", lambda: self.store.lease_ttl(self.lease)) > 0:
             return
         log.warning("slot %d: heartbeat lease lost; granting a new one", self.slot)
         self.start()
 
     def arrive(self, iteration: int, rec: ArrivalRecord) -> None:
         self.ensure_lease()
-        self.fence.put(self.arrive_key(iteration, self.slot), rec.to_json_bytes(), lease=self.lease)
+        self._retry("arrival", lambda: self.fence.put(self.arrive_key(iteration, self.slot), rec.to_json_bytes(),
+                                                      lease=self.lease))
 
     def mark_done(self, iteration: int) -> None:
         rec = DoneRecord(slot=self.slot, iteration=iteration)
-        self.fence.put(self.done_key(iteration, self.slot), rec.to_json_bytes())
+        self._retry("completion", lambda: self.fence.put(self.done_key(iteration, self.slot),
+                                                         rec.to_json_bytes()))
 
     def try_seal(self, seal: SealRecord) -> SealRecord:
         """Write ``seal`` unless one exists for its iteration; return the seal that holds (mine or theirs).
@@ -159,7 +185,7 @@ class Coordinator:
         """
         key = self.seal_key(seal.iteration)
         ops: list[Put | Delete] = [Put(key, seal.to_json_bytes())]
-        res = self.fence.txn([Compare(key, "create", "==", 0)], ops, [Get(key)])
+        res = self._retry("seal", lambda: self.fence.txn([Compare(key, "create", "==", 0)], ops, [Get(key)]))
         if not res.succeeded:
             return SealRecord.from_json_bytes(res.responses[0][0].value)
         self._cleanup_before(seal.iteration - 1)
@@ -181,6 +207,9 @@ class Coordinator:
 
     # -- waiting ----------------------------------------------------------------------------------------------
 
+    def _watch(self, sub: str, start: int) -> Watch:
+        return self._retry("watch", lambda: self.store.watch(self.base + sub, prefix=True, start_revision=start))
+
     def wait_until(self, done: Callable[[EpochView], object], deadline: float | None,
                    sub: str = "") -> tuple[EpochView, object]:
         """Re-read the prefix whenever something under ``base + sub`` changes, until ``done(view)`` returns a
@@ -190,13 +219,24 @@ class Coordinator:
         result = done(view)
         if result:
             return view, result
-        watch: Watch = self.store.watch(self.base + sub, prefix=True, start_revision=view.revision + 1)
+        watch = self._watch(sub, view.revision + 1)
         try:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise CoordinationTimeout("deadline passed")
-                ev = watch.next(timeout=min(left, 1.0) if left is not None else 1.0)
+                try:
+                    ev = watch.next(timeout=min(left, 1.0) if left is not None else 1.0)
+                except (StoreUnavailable, StoreTimeout) as e:
+                    # The stream broke (etcd restarting): re-read and watch again from there.
+                    log.warning("slot %d epoch %d: watch broke, re-reading: %s", self.slot, self.epoch, e)
+                    watch.cancel()
+                    view = self.view()
+                    result = done(view)
+                    if result:
+                        return view, result
+                    watch = self._watch(sub, view.revision + 1)
+                    continue
                 if ev is None:
                     continue
                 # Drain what else arrived before re-reading once.

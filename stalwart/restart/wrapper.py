@@ -98,7 +98,8 @@ class RestartConfig:
     * ``completion_timeout``: how long a returned rank waits for the others to return.
     * ``heartbeat_ttl``: TTL (seconds) of the process's etcd lease; ``monitor_interval``: the monitor's tick.
     * ``initialize``, ``abort``, ``finalize``, ``health_check``, ``rank_assignment``: the policies.
-    * ``etcd_timeout``: deadline of each etcd call.
+    * ``etcd_timeout``: deadline of each etcd call; ``coordination_timeout``: how long etcd may stay
+      unreachable (calls are retried) before the process exits ``COORDINATION_LOST``.
     """
 
     max_restarts: int = 10
@@ -115,12 +116,13 @@ class RestartConfig:
     health_check: HealthCheck | None = field(default_factory=CudaHealthCheck)
     rank_assignment: RankAssignment = field(default_factory=RankAssignment)
     etcd_timeout: float = 5.0
+    coordination_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts: expected an int >= 0, got {self.max_restarts!r}")
         for name in ("soft_timeout", "hard_timeout", "barrier_timeout", "start_timeout", "completion_timeout",
-                     "monitor_interval", "etcd_timeout"):
+                     "monitor_interval", "etcd_timeout", "coordination_timeout"):
             _seconds(name, getattr(self, name))
         if self.hard_timeout <= self.soft_timeout:
             raise ValueError(f"hard_timeout: must exceed soft_timeout ({self.soft_timeout}s), "
@@ -176,7 +178,7 @@ class _Session:
         self.config = config
         self.store = Store(env.etcd_endpoints, timeout=config.etcd_timeout)
         self.coord = Coordinator(self.store, env.keys, env.epoch, slot=env.slot, node_id=env.node_id,
-                                 lease_ttl=config.heartbeat_ttl)
+                                 lease_ttl=config.heartbeat_ttl, retry_for=config.coordination_timeout)
         self.interrupter = Interrupter()
         main = threading.current_thread() is threading.main_thread()
         self.monitor = Monitor(self.coord, self.interrupter, soft_timeout=config.soft_timeout,

@@ -152,3 +152,36 @@ def test_a_peer_whose_heartbeat_lease_ends_interrupts_the_iteration(etcd: EtcdSe
     run = run_ranks(etcd, tmp_path, "--steps", "8", "--step-sleep", "0.3", job=(keys, epoch))
     t.join(30)
     assert_recovered(run.codes, run.results, reference)
+
+
+def test_etcd_restarting_mid_training_and_a_fault_after_it(private_etcd: EtcdServer, tmp_path: Path) -> None:
+    # etcd goes away for a while during training (the monitors' watches break and reconnect); a fault
+    # afterwards is handled through the restarted server as usual.
+    import threading
+
+    from stalwart.api.restart import RankStatus
+
+    def bounce_etcd() -> None:
+        status = tmp_path / "status-0.json"
+        for _ in range(2400):
+            try:
+                st = RankStatus.from_json_bytes(status.read_bytes())
+            except (OSError, ValueError):
+                st = None
+            if st is not None and (st.step or 0) >= 2:
+                private_etcd.stop()
+                threading.Event().wait(1.0)  # the outage being injected, not a synchronisation
+                private_etcd.start()
+                return
+            threading.Event().wait(0.1)
+
+    t = threading.Thread(target=bounce_etcd, daemon=True)
+    t.start()
+    run = run_ranks(private_etcd, tmp_path, "--steps", "12", "--step-sleep", "0.3", "--fault", "exception",
+                    "--fault-step", "9")
+    t.join(60)
+    assert run.codes == [0, 0], run.stderr
+    reference = expected_checksum(steps=12)
+    for r in run.results:
+        assert r["step"] == 12 and r["restarts"] == 1
+        assert r["checksum"] == pytest.approx(reference, abs=1e-6)
