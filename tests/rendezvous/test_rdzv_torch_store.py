@@ -46,6 +46,10 @@ def test_store_follows_torch_semantics(sealed) -> None:
     assert s.delete_key("k") and not s.delete_key("k")
     s.multi_set(["m1", "m2"], [b"1", b"2"])
     assert s.multi_get(["m1", "m2"]) == [b"1", b"2"]
+    many = [f"many/{i}" for i in range(250)]  # more than one etcd transaction holds
+    s.multi_set(many, [str(i).encode() for i in range(250)])
+    s.wait(many, timedelta(seconds=30))
+    assert s.get("many/249") == b"249"
     s.append("log", b"a")
     s.append("log", b"b")
     assert s.get("log") == b"ab"

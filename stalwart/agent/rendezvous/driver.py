@@ -493,7 +493,8 @@ class NodeHandle:
         if sealed is None or sealed.epoch <= after_epoch or not round_status(view).live:
             return None
         role = role_of(view, self.node_id)
-        assert role is not None and self.create_revision is not None
+        if role is None or self.create_revision is None:
+            return None  # our key went meanwhile: the caller's loop registers again
         return RoundInfo(self.node_id, sealed.epoch, role, sealed.manifest, self.create_revision,
                          sealed.members.get(self.node_id) if role == "member" else None)
 

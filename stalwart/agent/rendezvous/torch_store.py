@@ -135,7 +135,10 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        self._txn(success=[Put(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)])
+        puts = [Put(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)]
+        # etcd refuses transactions of more than 128 operations (its default --max-txn-ops).
+        for start in range(0, len(puts), 100):
+            self._txn(success=puts[start:start + 100])
 
     # -- reads ---------------------------------------------------------------------------------------------
 
