@@ -285,7 +285,12 @@ class _Session:
         def ready(view: EpochView) -> object:
             if iteration in view.seals:
                 return view.seals[iteration]
-            return len(view.arrivals.get(iteration, {})) >= self.env.slots
+            expected = set(range(self.env.slots))
+            previous = view.arrivals.get(iteration - 1)
+            if previous is not None:
+                # A slot missing from the last barrier and without a live process is not waited for again.
+                expected -= {s for s in expected if s not in previous and s not in view.alive}
+            return expected <= set(view.arrivals.get(iteration, {}))
 
         timed_out = False
         try:
