@@ -12,6 +12,10 @@ POD_REPLACEMENTS = Counter("stalwart_operator_pod_replacements_total",
 RECONCILE_SECONDS = Histogram(
     "stalwart_operator_reconcile_seconds", "Time of one reconcile: observe, decide, apply.",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+POD_BATCH_SECONDS = Histogram(
+    "stalwart_operator_pod_batch_seconds",
+    "Time to create one reconcile's batch of pods (issued concurrently), from the first call to the last reply.",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
 API_CALLS = Counter("stalwart_operator_api_calls_total", "Kubernetes API calls made by the operator.",
                     ["verb", "resource"])
 API_ERRORS = Counter("stalwart_operator_api_errors_total",

@@ -220,6 +220,7 @@ class JobRunner:
                     if not await self._gather([self._create(job, endpoints, a) for a in batch
                                                if isinstance(a, CreatePod)]):
                         ok = False
+                    metrics.POD_BATCH_SECONDS.observe(time.perf_counter() - t0)
                 elif isinstance(action, CloseRendezvous):
                     assert keys is not None
                     await asyncio.to_thread(self.ctx.etcd.close_rendezvous, _need(target), keys,
