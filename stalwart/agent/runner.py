@@ -43,6 +43,7 @@ class AgentOptions:
     max_restarts: int = 10
     poll_interval: float = 0.1
     progress_interval: float = 1.0
+    status_interval: float = 0.5
     term_grace: float = 30.0
     finish_grace: float = 60.0
     join_timeout: float = 600.0
@@ -53,7 +54,8 @@ class AgentOptions:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: expected >= 0, got {self.max_restarts}")
-        for name in ("poll_interval", "progress_interval", "term_grace", "finish_grace", "join_timeout"):
+        for name in ("poll_interval", "progress_interval", "status_interval", "term_grace", "finish_grace",
+                     "join_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)}")
 
@@ -65,6 +67,7 @@ class _Proc:
     status_file: Path
     killed_hung: bool = False
     exit_code: int | None = None
+    status_read: float = 0.0
 
 
 @dataclass(slots=True)
@@ -98,6 +101,7 @@ class Agent:
             spare=settings.spare, master_port=self.master_port))
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"stalwart-agent-{settings.node_id}-"))
         self.procs: dict[int, _Proc] = {}
+        self._wrapped: set[int] = set()
         self.progress = _Progress()
         self.info: RoundInfo | None = None
         self._terminate = threading.Event()
@@ -261,6 +265,7 @@ class Agent:
         status = self.run_dir / f"rank-{local_rank}.json"
         with contextlib.suppress(FileNotFoundError):
             status.unlink()
+        self.progress.statuses.pop(local_rank, None)  # the old process's status must not judge the new one
         popen = subprocess.Popen(self.command, env=self._rank_env(info, local_rank), start_new_session=False)
         self.procs[local_rank] = _Proc(local_rank, popen, status)
         log.info("%s: started local rank %d (pid %d)", self._ctx, local_rank, popen.pid)
@@ -288,13 +293,16 @@ class Agent:
                 p.exit_code = p.popen.poll()
 
     def _read_status(self, p: _Proc) -> RankStatus | None:
+        # Exits are polled every tick (cheap); status files, which only feed the hard timeout and progress,
+        # at most every status_interval, to keep the agent's share of the CPU negligible.
+        now = time.monotonic()
+        if now - p.status_read < self.options.status_interval:
+            return self.progress.statuses.get(p.local_rank)
+        p.status_read = now
         try:
-            data = p.status_file.read_bytes()
-        except OSError:
-            return None
-        try:
-            st = RankStatus.from_json_bytes(data)
-        except ValueError:
+            st = RankStatus.from_json_bytes(p.status_file.read_bytes())
+        except (OSError, ValueError):
+            self.progress.statuses.pop(p.local_rank, None)
             return None
         self.progress.statuses[p.local_rank] = st
         return st
@@ -302,8 +310,10 @@ class Agent:
     def _view(self, p: _Proc) -> ProcView:
         st = self._read_status(p)
         if st is None:
-            return ProcView(p.local_rank, p.exit_code)
-        age = time.monotonic() - st.heartbeat if st.state in ("running",) else None
+            # Once a script has shown it runs the restart wrapper, its respawns are treated as such too.
+            return ProcView(p.local_rank, p.exit_code, wrapped=p.local_rank in self._wrapped)
+        self._wrapped.add(p.local_rank)
+        age = time.monotonic() - st.heartbeat if st.state == "running" else None
         return ProcView(p.local_rank, p.exit_code, wrapped=True, heartbeat_age=age, hard_timeout=st.hard_timeout)
 
     def _stop_all(self, grace: float) -> None:
