@@ -28,6 +28,7 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "peering": {"operator": {"replicas": 2}},
     "namespaced": {"operator": {"watchNamespaces": ["team-a", "team-b"]}},
     "namespaced-peering": {"operator": {"replicas": 3, "watchNamespaces": ["team-a"]}},
+    "volcano": {"operator": {"gangScheduler": "volcano"}},
     "metrics": {"metrics": {"enabled": True}},
     "etcd-1": {"etcd": {"enabled": True}},
     "etcd-3": {"etcd": {"enabled": True, "replicas": 3, "persistence": {"size": "10Gi", "storageClassName": "fast"}}},
@@ -176,12 +177,6 @@ def test_watch_namespaces_limits_rbac_to_them(render: Render) -> None:
     assert granted == {"customresourcedefinitions", "namespaces"}
 
 
-# Granted beyond the operator's own calls, with the reason: pods are created with owner references that set
-# blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plugin allows only to a client
-# that may update the owner's finalizers.
-CHART_ONLY = {("stalwart.dev", "trainingjobs/finalizers"): {"update"}}
-
-
 def granted(docs: list[dict[str, Any]], kinds: set[str]) -> dict[tuple[str, str], set[str]]:
     out: dict[tuple[str, str], set[str]] = {}
     for role in (d for d in docs if d["kind"] in kinds):
@@ -192,14 +187,16 @@ def granted(docs: list[dict[str, Any]], kinds: set[str]) -> dict[tuple[str, str]
     return out
 
 
+@pytest.mark.parametrize("gang", ["", "volcano", "coscheduling"])
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("namespaces", [[], ["team-a", "team-b"]], ids=["clusterwide", "namespaced"])
-def test_rbac_is_exactly_what_the_operator_calls(render: Render, replicas: int, namespaces: list[str]) -> None:
-    docs = render({"operator": {"replicas": replicas, "watchNamespaces": namespaces}})
-    wanted = rbac.required(peering=replicas > 1, clusterwide=not namespaces)
-    for key, verbs in CHART_ONLY.items():
-        wanted.setdefault(key, set()).update(verbs)
+def test_rbac_is_exactly_what_the_operator_calls(render: Render, replicas: int, namespaces: list[str],
+                                                 gang: str) -> None:
+    docs = render({"operator": {"replicas": replicas, "watchNamespaces": namespaces, "gangScheduler": gang}})
+    wanted = rbac.required(peering=replicas > 1, clusterwide=not namespaces, gang=gang or None)
     assert granted(docs, {"ClusterRole", "Role"}) == wanted
+    args = operator_container(docs)["args"]
+    assert (f"--gang-scheduler={gang}" in args) == bool(gang)
     cluster_scoped = {(p.api_group, p.resource) for p in rbac.PERMISSIONS if p.scope == "cluster"}
     if namespaces:
         # Namespaced permissions come from a Role in each served namespace, and from nothing cluster-wide.
@@ -218,8 +215,9 @@ def test_rbac_is_least_privilege(render: Render) -> None:
                 assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
                 assert not {"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"])
                 if "secrets" in rule["resources"]:
-                    # The operator creates one Secret per job; it never rewrites or patches others'.
-                    assert not {"update", "patch"} & set(rule["verbs"])
+                    # The operator creates one Secret per job and reads named ones; it never lists, rewrites or
+                    # patches Secrets.
+                    assert not {"update", "patch", "list", "watch"} & set(rule["verbs"])
     docs = render()
     sa = one(docs, "ServiceAccount")
     for binding in find(docs, "ClusterRoleBinding"):
@@ -320,6 +318,7 @@ def test_image_by_tag_or_digest(render: Render, chart: helm_python.Chart) -> Non
     ({"etcd": {"externalEndpoints": ["http://etcd:2379"]}}, "/etcd/externalEndpoints/0"),
     ({"image": {"digest": "latest"}}, "/image/digest"),
     ({"metrics": {"enabled": "yes"}}, "/metrics/enabled"),
+    ({"operator": {"gangScheduler": "kueue"}}, "/operator/gangScheduler"),
 ])
 def test_schema_refuses_bad_values_naming_the_field(chart: helm_python.Chart, values: dict[str, Any],
                                                     message: str) -> None:
@@ -380,3 +379,4 @@ def test_operator_command_line_is_what_stalwart_operator_accepts(render: Render,
     assert parsed.namespace == operator.get("watchNamespaces", [])
     assert (parsed.peering is not None) == (operator.get("replicas", 1) > 1)
     assert parsed.metrics_port == (9090 if values.get("metrics", {}).get("enabled") else None)
+    assert parsed.gang_scheduler == (operator.get("gangScheduler") or None)

@@ -1,6 +1,6 @@
 {{/*
 The operator's permissions: exactly the resources and verbs it calls, as listed in stalwart/operator/rbac.py
-(tests/helm compares the rendered rules with that list). Argument: a dict with "peering" (bool).
+(tests/helm compares the rendered rules with that list). Argument: a dict with "peering" (bool) and "gang" (the gang scheduler, or "").
 */}}
 {{- define "stalwart.rbac.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
@@ -32,11 +32,24 @@ The operator's permissions: exactly the resources and verbs it calls, as listed 
   resources: ["pods"]
   verbs: ["list", "watch", "create", "delete"]
 - apiGroups: [""]
-  resources: ["services", "secrets"]
+  resources: ["services"]
   verbs: ["create"]
+# Creating the job's RPC-token Secret, and reading the etcd credentials a job names in spec.rendezvous.secretRef.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create", "get"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if eq .gang "volcano" }}
+- apiGroups: ["scheduling.volcano.sh"]
+  resources: ["podgroups"]
+  verbs: ["create"]
+{{- else if eq .gang "coscheduling" }}
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["create"]
+{{- end }}
 {{- if .peering }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
