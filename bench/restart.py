@@ -96,6 +96,7 @@ def main() -> int:
     p.add_argument("--fault-step", type=int, default=6)
     p.add_argument("--overhead-steps", type=int, default=300)
     p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--what", nargs="+", choices=["restart", "overhead"], default=["restart", "overhead"])
     args = p.parse_args()
     fault = ["--steps", str(args.steps), "--fault", "exception", "--fault-rank", "1",
              "--fault-step", str(args.fault_step), "--timeout", "30", "--hidden", str(args.hidden)]
@@ -104,7 +105,7 @@ def main() -> int:
         etcd.start()
         try:
             n = 0
-            for ranks in args.ranks:
+            for ranks in args.ranks if "restart" in args.what else []:
                 for impl in ("stalwart", "torchrun"):
                     values = []
                     for _ in range(args.runs):
@@ -117,6 +118,8 @@ def main() -> int:
                     print(json.dumps({"bench": "restart", "impl": impl, "ranks": ranks, "metric": "seconds",
                                       "value": round(statistics.median(values), 4),
                                       "runs": [round(v, 4) for v in values]}), flush=True)
+            if "overhead" not in args.what:
+                return 0
             ranks = args.ranks[0]
             plain = ["--steps", str(args.overhead_steps), "--timeout", "30", "--hidden", str(args.hidden)]
             skip = min(20, args.overhead_steps // 4)
