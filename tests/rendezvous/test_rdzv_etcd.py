@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from dataclasses import replace
 
 import pytest
 from rdzv_helpers import JOIN_TIMEOUT, infos, join_all, record
@@ -91,10 +92,11 @@ def test_late_joiner_waits_for_the_next_round(make_rdzv) -> None:
 
 
 def test_lease_expiry_removes_a_dead_node_and_starts_a_new_round(make_rdzv, etcd: EtcdServer) -> None:
-    settings = RendezvousSettings(min_nodes=2, max_nodes=3, last_call_timeout=0.3, node_ttl=2)
+    # Only the doomed node has a short lease, so a loaded machine cannot expire a survivor's by accident.
+    settings = RendezvousSettings(min_nodes=2, max_nodes=3, last_call_timeout=0.3, node_ttl=30)
     r = make_rdzv(settings)
     doomed_store = Store([etcd.endpoint])
-    doomed_rdzv = make_rdzv(settings, on=doomed_store)
+    doomed_rdzv = make_rdzv(replace(settings, node_ttl=2), on=doomed_store)
     events: queue.Queue[RoundEvent] = queue.Queue()
     r.subscribe(events.put)
     a, b, c = r.node(record("a")), r.node(record("b")), doomed_rdzv.node(record("c"))
@@ -261,9 +263,9 @@ def test_the_operators_expected_set_seals_without_the_last_call(make_rdzv) -> No
 
 
 def test_a_restarted_node_waits_out_its_dead_incarnation(make_rdzv, etcd: EtcdServer) -> None:
-    settings = RendezvousSettings(min_nodes=1, max_nodes=1, node_ttl=2)
+    settings = RendezvousSettings(min_nodes=1, max_nodes=1, node_ttl=30)
     old_store = Store([etcd.endpoint])
-    old = make_rdzv(settings, on=old_store).node(record("pod-0"))
+    old = make_rdzv(replace(settings, node_ttl=2), on=old_store).node(record("pod-0"))
     first = old.join(timeout=JOIN_TIMEOUT)
     # The pod's process dies without leaving; the new process registers the same id at once.
     old.rdzv.shutdown()
