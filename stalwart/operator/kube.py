@@ -105,15 +105,6 @@ class Kube:
             name, namespace, body=opts, grace_period_seconds=grace, _request_timeout=self.timeout,
             _preload_content=False), ok_status=(404,))
 
-    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        """The pods matching ``selector`` as plain dicts (used where no watch index is at hand)."""
-        result = await self._call("list", "pods", selector, lambda: self.core.list_namespaced_pod(
-            namespace, label_selector=selector, _request_timeout=self.timeout, _preload_content=False))
-        if result is None:
-            return []
-        items: list[dict[str, Any]] = json.loads(result.data)["items"]
-        return items
-
     async def get_secret_data(self, namespace: str, name: str) -> dict[str, bytes]:
         """The decoded ``data`` of a Secret (for the etcd credentials a job names)."""
         result = await self._call("get", "secrets", name, lambda: self.core.read_namespaced_secret(
