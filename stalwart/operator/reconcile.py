@@ -390,7 +390,8 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
         st.last_failure = FailureRecord(pod=pod.name, reason=reason.value, message=detail, time=to_time(w.now))
         w.fence(pod.name)
         # A node that is gone cannot confirm a graceful deletion.
-        w.actions.append(DeletePod(pod.name, 0 if lost_node else w.settings.delete_grace_seconds,
+        node_gone = lost_node or pod.reason == "NodeLost"
+        w.actions.append(DeletePod(pod.name, 0 if node_gone else w.settings.delete_grace_seconds,
                                    reason.value))
         if action == FailureAction.FAIL_JOB:
             why = (REASON_FAIL_RULE if any(_rule_matches(r, reason, pod.exit_code)

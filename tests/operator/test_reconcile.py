@@ -219,6 +219,13 @@ def test_lost_node_waits_then_force_deletes_fences_and_replaces() -> None:
     assert d.status.phase == Phase.RESTARTING
 
 
+def test_pod_failed_with_its_node_is_deleted_without_grace() -> None:
+    pods = [pod("worker-0"), pod("worker-1", "Failed", reason="NodeLost", exit_code=137)]
+    d = reconcile(observe(job(status(Phase.RUNNING)), pods, etcd("worker-0", "worker-1")))
+    assert of(d, DeletePod) == [DeletePod(f"{JOB}-worker-1", 0, "PodLost")]
+    assert names(of(d, CreatePod)) == ["spare-0"]
+
+
 def test_pod_deleted_by_someone_else_is_fenced_and_replaced() -> None:
     gone = pod("worker-1", deleting_since=NOW - 1, deletion_grace=30)
     d = reconcile(observe(job(status(Phase.RUNNING)), [pod("worker-0"), gone],
