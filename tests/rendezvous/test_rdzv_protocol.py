@@ -267,3 +267,104 @@ def test_settings_from_the_operators_job_record() -> None:
                     barrier_timeout_seconds=30, backoff_limit=2)
     s = RendezvousSettings.from_job_record(rec)
     assert (s.min_nodes, s.max_nodes, s.last_call_timeout, s.join_timeout, s.node_ttl) == (1, 2, 3, 90, 2)
+
+
+class SimEtcd(Etcd):
+    """Etcd's transaction rule for the seal, over the same revision counter, with an event log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[KeyPut | KeyDeleted] = []
+        self.leases: dict[str, int] = {}
+        self.mods: dict[str, int] = {}
+
+    def record(self, ev: KeyPut | KeyDeleted) -> None:
+        self.log.append(ev)
+        if isinstance(ev, KeyPut):
+            self.mods[ev.key] = ev.mod_revision
+        else:
+            self.mods.pop(ev.key, None)
+
+    def seal_txn(self, seal: Seal) -> bool:
+        sealer_key = "nodes/" + seal.sealer
+        if (self.mods.get("manifest", 0) != seal.over_epoch or "closed" in self.mods
+                or self.created.get(sealer_key, 0) != seal.sealer_revision):
+            return False
+        self.record(self.seal(seal))
+        return True
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["join", "die", "deliver", "tick", "request"]),
+                           st.integers(0, 7)), min_size=1, max_size=60),
+    min_nodes=st.integers(1, 3),
+    extra=st.integers(0, 3),
+)
+def test_processes_agree_on_rounds_whatever_the_interleaving(
+        ops: list[tuple[str, int]], min_nodes: int, extra: int) -> None:
+    """Three processes of two or three nodes each, fed etcd's events in any interleaving: every manifest
+    etcd accepts is sealed by the oldest node over the round it replaces, with unique ranks; at the end a live
+    round holds every present node (up to max) once enough are present."""
+    s = RendezvousSettings(min_nodes=min_nodes, max_nodes=min_nodes + extra, last_call_timeout=5)
+    etcd = SimEtcd()
+    owner = {f"n{i}": i % 3 for i in range(8)}
+    procs = [State(local=frozenset(n for n, p in owner.items() if p == i)) for i in range(3)]
+    cursors = [0, 0, 0]
+    now = 0.0
+    sealed_over: set[int] = set()
+
+    def act(i: int, actions: list[object]) -> None:
+        for a in actions:
+            if isinstance(a, Seal):
+                view = procs[i].view
+                assert a.sealer == view.oldest and a.sealer in procs[i].local
+                assert {m.node_id for m in a.manifest.members} <= set(view.nodes)
+                check_manifest(a.manifest, len(view.nodes), s.max_nodes)
+                if etcd.seal_txn(a):
+                    assert a.over_epoch not in sealed_over  # one round per epoch it replaces
+                    sealed_over.add(a.over_epoch)
+                else:
+                    # Refused (another view was newer): the driver reports it; a retry comes later.
+                    procs[i], _ = step(procs[i], SealFailed(now), s)
+
+    def deliver(i: int) -> None:
+        events = tuple(etcd.log[cursors[i]:])
+        cursors[i] = len(etcd.log)
+        if events:
+            procs[i], actions = step(procs[i], Observed(events, now), s)
+            act(i, list(actions))
+
+    for op, arg in ops:
+        node = f"n{arg}"
+        if op == "join" and "nodes/" + node not in etcd.mods:
+            etcd.record(etcd.node(node))
+        elif op == "die" and "nodes/" + node in etcd.mods:
+            etcd.record(etcd.delete("nodes/" + node))
+        elif op == "deliver":
+            deliver(arg % 3)
+        elif op == "tick":
+            now += 3.0
+            procs[arg % 3], actions = step(procs[arg % 3], Tick(now), s)
+            act(arg % 3, list(actions))
+        elif op == "request" and "manifest" in etcd.mods:
+            req = RerendezvousRequest(epoch=etcd.mods["manifest"], node_id=node)
+            etcd.record(etcd.put("request", req.to_json_bytes()))
+    # Quiesce: deliver everything and let every last call run out, until nothing changes.
+    for _ in range(10):
+        now += 10.0
+        for i in range(3):
+            deliver(i)
+            procs[i], actions = step(procs[i], SealFailed(now), s)
+            act(i, list(actions))
+    for i in range(3):
+        deliver(i)
+    view = procs[0].view
+    present = len(view.nodes)
+    if present >= min_nodes:
+        assert round_status(view).live
+        assert view.sealed is not None
+        m = view.sealed.manifest
+        assert len(m.members) == min(present, s.max_nodes)
+        assert {x.node_id for x in m.members} | set(m.spares) == set(view.nodes)
+    assert all(p.view.epoch == view.epoch for p in procs)
