@@ -304,8 +304,9 @@ class SimEtcd(Etcd):
 def test_processes_agree_on_rounds_whatever_the_interleaving(
         ops: list[tuple[str, int]], min_nodes: int, extra: int) -> None:
     """Three processes of two or three nodes each, fed etcd's events in any interleaving: every manifest
-    etcd accepts is sealed by the oldest node over the round it replaces, with unique ranks; at the end a live
-    round holds every present node (up to max) once enough are present."""
+    etcd accepts is sealed by the oldest node over the round it replaces, with unique ranks; at the end, once
+    enough nodes are present, a live round holds every node present at its seal, all processes agree on it,
+    and only nodes that arrived after it wait."""
     s = RendezvousSettings(min_nodes=min_nodes, max_nodes=min_nodes + extra, last_call_timeout=5)
     etcd = SimEtcd()
     owner = {f"n{i}": i % 3 for i in range(8)}
@@ -365,6 +366,9 @@ def test_processes_agree_on_rounds_whatever_the_interleaving(
         assert round_status(view).live
         assert view.sealed is not None
         m = view.sealed.manifest
-        assert len(m.members) == min(present, s.max_nodes)
-        assert {x.node_id for x in m.members} | set(m.spares) == set(view.nodes)
+        listed = {x.node_id for x in m.members} | set(m.spares)
+        # Nodes outside the round are exactly the late arrivals (they wait for a requested next round).
+        late = {n for n, e in view.nodes.items() if e.create_revision > view.epoch}
+        assert set(view.nodes) - listed == late - listed
+        assert set(waiting_nodes(view)) == late | (set(view.nodes) - listed)
     assert all(p.view.epoch == view.epoch for p in procs)
