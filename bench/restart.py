@@ -5,8 +5,10 @@ rank 1 raises once at a fixed step. Measured: seconds from the raise to the firs
 after recovery, on the slowest rank (median of ``--runs`` runs). stalwart runs under ``stalwart agent``
 (one pod, ``--ranks`` rank processes, a real etcd server); torchrun runs standalone (its c10d rendezvous).
 
-Also ``step_overhead``: the steady-state per-step time with the wrapper over the plain script (median step
-time of a fault-free run of each; ``value`` is the ratio minus one, as a fraction).
+Also ``step_overhead``: the steady-state per-step time with the wrapper over the plain script, both run by
+``stalwart agent`` so that only the wrapper differs (median step time of a fault-free run of each, median
+over ``--runs`` alternating pairs; ``value`` is the ratio minus one, as a fraction); and, for reference,
+the plain script's step time under torchrun.
 
 Prints one JSON object per line, e.g.
 ``{"bench": "restart", "impl": "stalwart", "ranks": 2, "metric": "seconds", "value": 0.1}``.
@@ -42,15 +44,15 @@ def _raise_time(markers: Path) -> float:
     return float((markers / "fault-0").read_text())
 
 
-def run_stalwart(etcd: EtcdServer, ranks: int, script_args: list[str],
-                 run_id: str) -> tuple[list[dict[str, Any]], Path]:
+def run_stalwart(etcd: EtcdServer, ranks: int, script_args: list[str], run_id: str,
+                 mode: str = "wrapped") -> tuple[list[dict[str, Any]], Path]:
     work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     out = work / "out.jsonl"
     env = dict(os.environ, STALWART_ETCD_ENDPOINTS=etcd.endpoint, STALWART_JOB="bench/restart",
                STALWART_JOB_UID=run_id, STALWART_NODE_ID="pod-0", STALWART_POD_IP="127.0.0.1",
                STALWART_NPROC_PER_NODE=str(ranks), STALWART_MIN_NODES="1", STALWART_MAX_NODES="1")
     cmd = [sys.executable, "-m", "stalwart", "--log-level", "WARNING", "agent", "--last-call", "0.1", "--",
-           sys.executable, SCRIPT, "--mode", "wrapped", "--marker-dir", str(work), "--out", str(out),
+           sys.executable, SCRIPT, "--mode", mode, "--marker-dir", str(work), "--out", str(out),
            *script_args]
     subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
     return _results(out), work
@@ -125,10 +127,12 @@ def main() -> int:
             skip = min(20, args.overhead_steps // 4)
             ratios, ws, bs = [], [], []
             for _ in range(args.runs):
-                # Alternate the two, so that load from elsewhere on the machine falls on both alike.
+                # The same launcher for both (the agent), alternating, so that only the wrapper differs and
+                # load from elsewhere on the machine falls on both alike.
                 n += 1
                 wrapped_res, _ = run_stalwart(etcd, ranks, plain, f"run-{n}")
-                plain_res, _ = run_torchrun(ranks, plain)
+                n += 1
+                plain_res, _ = run_stalwart(etcd, ranks, plain, f"run-{n}", mode="plain")
                 w, b = median_step(wrapped_res, skip), median_step(plain_res, skip)
                 ratios.append(w / b - 1.0)
                 ws.append(w)
@@ -138,6 +142,9 @@ def main() -> int:
                               "step_seconds": round(statistics.median(ws), 6),
                               "plain_step_seconds": round(statistics.median(bs), 6),
                               "runs": [round(r, 4) for r in ratios]}), flush=True)
+            torchrun_res, _ = run_torchrun(ranks, plain)
+            print(json.dumps({"bench": "restart", "impl": "torchrun", "ranks": ranks, "metric": "step_seconds",
+                              "value": round(median_step(torchrun_res, skip), 6)}), flush=True)
         finally:
             etcd.cleanup()
     return 0
