@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shutil
 import sys
@@ -30,13 +31,14 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from stalwart.demo import DemoError, DemoOptions, run_demo
 
-    directory = args.dir or Path(tempfile.mkdtemp(prefix="stalwart-demo-"))
     try:
-        opts = DemoOptions(directory=directory, keep=args.keep, steps=args.steps, timeout=args.timeout,
-                           fail_at_step=args.steps // 5, kill_at_step=args.steps // 2)
+        opts = DemoOptions(directory=args.dir or Path("."), keep=args.keep, steps=args.steps,
+                           timeout=args.timeout, fail_at_step=args.steps // 5, kill_at_step=args.steps // 2)
     except ValueError as e:
         print(f"stalwart demo: {e}", file=sys.stderr)
         return 2
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="stalwart-demo-"))
+    opts = dataclasses.replace(opts, directory=directory)
     try:
         result = run_demo(opts)
     except DemoError as e:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from e2e_jobs import (
@@ -157,7 +159,9 @@ def test_kubectl_explain_prints_the_field_docs(stalwart_cluster: LocalCluster) -
     assert "maxRestarts" in deeper
 
 
-def test_stalwart_demo_command_line_refuses_bad_options() -> None:
-    result = subprocess.run([sys.executable, "-m", "stalwart", "demo", "--steps", "2"], cwd=REPO,
+def test_stalwart_demo_command_line_refuses_bad_options(tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "stalwart", "demo", "--steps", "2"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and "steps: expected at least 3" in result.stderr
+    assert list(tmp_path.iterdir()) == [], "a refused demo must not leave a directory behind"
