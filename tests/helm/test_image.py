@@ -162,3 +162,15 @@ def test_the_chart_and_the_examples_name_the_images_the_dockerfile_builds() -> N
         for job in yaml.safe_load_all(manifest.read_text()):
             for container in job["spec"]["template"]["spec"]["containers"]:
                 assert container["image"] == tags["trainer"], f"{manifest.name}: {container['image']}"
+
+
+def test_the_operator_image_default_command_is_a_valid_stalwart_command(
+        dockerfile: tuple[dict[str, str], dict[str, Stage]]) -> None:
+    import json
+
+    from stalwart.cli import build_parser
+
+    _, stages = dockerfile
+    (cmd,) = stages["operator"].all("CMD")
+    args = build_parser().parse_args(json.loads(cmd))
+    assert args.command == "operator" and args.all_namespaces
