@@ -102,3 +102,93 @@ def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+# -- worker processes (the multi-process tests) --------------------------------------------------------------
+
+CONTROL = ("fork", "accept", "delete")
+
+
+def _agent() -> RpcAgent:
+    from stalwart.agent.rpc import current_agent
+
+    return current_agent()
+
+
+def _send_retry() -> Any:
+    from stalwart.agent.rpc import RetryOptions
+
+    return RetryOptions(max_retries=100, initial_delay=0.01, max_delay=0.2, deadline=60, attempt_timeout=2.0)
+
+
+@rpc_function("p.make")
+def p_make(key: str, owner: str) -> str:
+    ref = _agent().remote(owner, "t.value", (key,))
+    HELD[key] = ref
+    return ref.rref_id
+
+
+@rpc_function("p.send")
+def p_send(key: str, new_key: str, dst: str) -> str:
+    return _agent().rpc_sync(dst, "t.hold", (new_key, HELD[key]), idempotent=True,  # type: ignore[no-any-return]
+                             retry=_send_retry())
+
+
+@rpc_function("p.drop")
+def p_drop(key: str) -> None:
+    HELD.pop(key).release()
+
+
+@rpc_function("p.get")
+def p_get(key: str) -> Any:
+    return HELD[key].to_here(timeout=30)
+
+
+@rpc_function("p.drop_all")
+def p_drop_all() -> int:
+    n = len(HELD)
+    for ref in list(HELD.values()):
+        ref.release()
+    HELD.clear()
+    return n
+
+
+@rpc_function("p.state")
+def p_state() -> dict[str, Any]:
+    return _agent().debug_state()
+
+
+@rpc_function("p.faults")
+def p_faults(seed: int, spec: dict[str, dict[str, Any]]) -> None:
+    """Replace the worker's faults: ``spec`` maps a message type to Faults fields (requests and replies)."""
+    from stalwart.agent.rpc.faults import Faults, FaultyTransport
+
+    transport = _agent()._transport
+    assert isinstance(transport, FaultyTransport)
+    table = {k: Faults(**{**v, "delay_range": tuple(v.get("delay_range", (0.001, 0.05)))})
+             for k, v in spec.items()}
+    _agent()._loop.call_soon_threadsafe(lambda: transport.configure(seed=seed, requests=table, replies=table))
+
+
+def worker_main(who: tuple[str, int], endpoint: str, job: tuple[str, str], world_size: int, stop: Any) -> None:
+    """A worker process: joins the job's RPC membership in etcd (lease TTL 2 s) with a fault-injecting
+    transport, serves until ``stop`` is set, then shuts down."""
+    import logging
+
+    from stalwart.agent.rpc import RetryOptions, init_rpc, shutdown
+    from stalwart.agent.rpc.faults import FaultyTransport
+    from stalwart.keys import JobKeys
+    from stalwart.store import Store
+
+    logging.basicConfig(level=logging.WARNING)
+    namespace, uid = job
+    name, rank = who
+    store = Store([endpoint], timeout=5.0)
+    control = RetryOptions(max_retries=1000, initial_delay=0.01, max_delay=0.2, deadline=60, attempt_timeout=0.5)
+    agent = init_rpc(name, rank, store=store, keys=JobKeys(namespace, uid), epoch=1, world_size=world_size,
+                     lease_ttl=2, transport=FaultyTransport(GrpcTransport(TOKEN), seed=rank),
+                     control_retry=control)
+    agent.book.freed_log = []
+    stop.wait()
+    shutdown(graceful=True, timeout=20)
+    store.close()

@@ -35,17 +35,18 @@ def test_g2_parent_keeps_its_reference_until_the_child_is_accepted() -> None:
     a, b = RRefBook("a"), RRefBook("b")
     a.new_user("a-fork", "r", "o", "o", confirmed=True)
     handle = object()
-    parent = a.fork_for("b", "r", "o", "b-fork", handle)
+    parent = a.fork_for("b", "r", "o", "b-fork", handle, own_fork="a-fork")
     assert parent == "a" and a.children["b-fork"].keep is handle
     rec, controls = b.received("r", "b-fork", "o", "a")
     assert rec is not None and not rec.confirmed
     assert controls == [Control("o", "fork", "r", "b-fork")]
-    # the user drops A's handle now: A still tells the owner, but keeps the child's anchor
-    assert a.released("a-fork") == [Control("o", "delete", "r", "a-fork")]
-    assert "b-fork" in a.children
+    # the user releases A's handle now: the delete waits until the child is confirmed
+    assert a.released("a-fork") == []
+    assert "b-fork" in a.children and "a-fork" in a.deferred
     follow = b.fork_confirmed("b-fork", "r", "a")
     assert follow == [Control("a", "accept", "r", "b-fork")]
-    assert a.child_accepted("b-fork") is not None and not a.children
+    assert a.child_accepted("b-fork") == ([Control("o", "delete", "r", "a-fork")], [])
+    assert a.is_quiescent()
 
 
 def test_owner_forks_directly_and_the_child_needs_no_handshake() -> None:
@@ -56,6 +57,16 @@ def test_owner_forks_directly_and_the_child_needs_no_handshake() -> None:
     assert o.owners["r"].forks == {"f1": "b"}
     rec, controls = b.received("r", "f1", "o", "o")
     assert rec is not None and rec.confirmed and controls == []
+
+
+def test_a_fork_to_ourselves_keeps_the_owned_value() -> None:
+    o = RRefBook("o")
+    o.handle_added("r")
+    o.create("r", None, "o")
+    o.fork_for("o", "r", "o", "f-self", object())
+    assert o.handle_dropped("r") == []  # the pending child to ourselves still holds it
+    o.received("r", "f-self", "o", "o")
+    assert o.handle_dropped("r") == ["r"]
 
 
 def test_worker_death_fate_sharing() -> None:

@@ -183,6 +183,7 @@ class RpcAgent:
         self._creation_errors: dict[str, BaseException] = {}  # fork id -> why its remote() failed
         self._done_from: set[str] = set()
         self._progress: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._incoming = 0
         self._view = View(0)
         self._epoch = 0
@@ -367,6 +368,12 @@ class RpcAgent:
             self._armed_at = due
             self._armed = self._loop.call_at(due, self._fire)
 
+    def _spawn(self, coro: Any) -> None:
+        """Run ``coro`` as a task of ours (shutdown cancels what is left of them, and only them)."""
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _cancel(self, timer: Timer | None) -> None:
         if timer is not None:
             self._timers.cancel(timer)
@@ -380,7 +387,8 @@ class RpcAgent:
             if handle.released:
                 raise E.RRefDeleted(f"RRef {handle.rref_id} was released; it cannot be sent")
             fork = self._new_id()
-            parent = self._book.fork_for(dst, handle.rref_id, handle.owner_name, fork, handle)
+            parent = self._book.fork_for(dst, handle.rref_id, handle.owner_name, fork, handle,
+                                         own_fork=None if handle.owner_name == self.name else handle.fork_id)
             created.append(fork)
             return RRefWire(owner=handle.owner_name, rref=handle.rref_id, fork=fork, parent=parent)
 
@@ -401,7 +409,9 @@ class RpcAgent:
                     self._creation_failed(handle, exc)
                 if isinstance(exc, E.TransportError | E.PayloadError) and call.attempt <= 1:
                     for fork in created:
-                        self._book.fork_abandoned(fork)
+                        controls, freed = self._book.fork_abandoned(fork)
+                        self._send_controls(controls)
+                        self._wake_values(freed)
                 if not fut.done():
                     fut.set_exception(exc)
                 return
@@ -480,7 +490,7 @@ class RpcAgent:
                 lambda: self._attempt_failed(call, n, E.RpcTimeout(
                     f"no reply from {call.dst} within attempt_timeout={call.retry.attempt_timeout}s"
                     if call.retry else "no reply")))
-        self._loop.create_task(self._send(call, n, frame))
+        self._spawn(self._send(call, n, frame))
 
     async def _send(self, call: _Call, n: int, frame: bytes) -> None:
         try:
@@ -585,6 +595,10 @@ class RpcAgent:
             if not isinstance(exc, E.WorkerDied):
                 log.warning("%s: RRef %s %s of %s to %s failed: %s", self.name, c.kind, c.fork, c.rref, c.dst,
                             exc)
+            if c.kind == "fork":  # never confirmed: the parent must not wait for it forever
+                parent = self._fork_parents.pop(c.fork, "")
+                if parent:
+                    self._send_controls(self._book.accepted_by_child(c.fork, parent, c.rref))
 
         now = self._loop.time()
         retry = self._control_retry
@@ -644,7 +658,7 @@ class RpcAgent:
     def _create_local(self, handle: RRef[Any], fn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._book.handle_added(handle.rref_id)
         self._book.create(handle.rref_id, None, self.name)
-        self._loop.create_task(self._compute(handle.rref_id, fn, args, kwargs))
+        self._spawn(self._compute(handle.rref_id, fn, args, kwargs))
 
     async def _compute(self, rref: str, fn: str, args: Any, kwargs: Any) -> None:
         try:
@@ -757,7 +771,7 @@ class RpcAgent:
             self._dup_waiters.setdefault((h.src, h.inc, h.id), []).append(channel)
         elif verdict == Verdict.DONE:
             assert stored is not None
-            self._loop.create_task(self._transport.send_reply(channel, stored, h.type))
+            self._spawn(self._transport.send_reply(channel, stored, h.type))
         else:
             self._send_reply(h, channel, ErrorInfo(kind="expired", message="duplicate of a finished "
                                                          "request"), record=False)
@@ -781,7 +795,7 @@ class RpcAgent:
         else:
             waiters = []
         for ch in [channel, *waiters]:
-            self._loop.create_task(self._transport.send_reply(ch, frame, h.type))
+            self._spawn(self._transport.send_reply(ch, frame, h.type))
 
     def _reply_value(self, h: Envelope, channel: ReplyChannel, value: Any) -> None:
         blobs = Blobs()
@@ -813,7 +827,7 @@ class RpcAgent:
                     self._reply_error(h, channel, "bad_request", str(e))
                     return
                 if h.type == "call":
-                    self._loop.create_task(self._run_call(h, channel, entry.name, payload["a"], payload["k"]))
+                    self._spawn(self._run_call(h, channel, entry.name, payload["a"], payload["k"]))
                     return
                 if h.rref is None or h.fork is None:
                     self._reply_error(h, channel, "bad_request", "remote needs rref and fork")
@@ -821,14 +835,14 @@ class RpcAgent:
                 if self._book.create(h.rref, h.fork, h.src):
                     self._wake_values([h.rref])  # its creator already let go of it: nothing to compute
                 else:
-                    self._loop.create_task(self._compute(h.rref, entry.name, payload["a"], payload["k"]))
+                    self._spawn(self._compute(h.rref, entry.name, payload["a"], payload["k"]))
                 self._send_reply(h, channel, None, record=True)
             case "fetch":
                 timeout = h.payload.get("timeout") if isinstance(h.payload, dict) else None
                 if not isinstance(timeout, int | float) or not 0 < timeout <= 86400:
                     self._reply_error(h, channel, "bad_request", "fetch: payload.timeout must be in (0, 86400]")
                     return
-                self._loop.create_task(self._run_fetch(h, channel, h.rref or "", float(timeout)))
+                self._spawn(self._run_fetch(h, channel, h.rref or "", float(timeout)))
             case "fork":
                 ok = self._book.fork_request(h.rref or "", h.fork or "", h.src)
                 if ok:
@@ -836,7 +850,9 @@ class RpcAgent:
                 else:
                     self._reply_error(h, channel, "rref_deleted", f"RRef {h.rref} is already deleted")
             case "accept":
-                self._book.child_accepted(h.fork or "")
+                controls, freed = self._book.child_accepted(h.fork or "")
+                self._send_controls(controls)
+                self._wake_values(freed)
                 self._send_reply(h, channel, None, record=True)
             case "delete":
                 self._wake_values(self._book.delete_request(h.rref or "", h.fork or "", h.src))
@@ -904,6 +920,8 @@ class RpcAgent:
         log.warning("%s: worker %s is gone (%s); failing its calls and dropping its references",
                     self.name, name, reason)
         self._wake_values(self._book.worker_died(name))
+        self._send_controls(self._book.after_death)
+        self._book.after_death = []
         for call in [c for c in self._pending.values() if c.dst == name]:
             self._finish(call, None, E.OwnerDied(name, reason) if call.mtype == "fetch"
                          else E.WorkerDied(name, reason))
@@ -912,7 +930,7 @@ class RpcAgent:
             del self._dup_waiters[key]
         self._done_from.add(name)
         if member is not None:
-            self._loop.create_task(self._transport.disconnect(member.address))
+            self._spawn(self._transport.disconnect(member.address))
         self._poke()
 
     # -- introspection ------------------------------------------------------------------------------------
@@ -928,6 +946,7 @@ class RpcAgent:
             state["timers"] = len(self._timers)
             state["epoch"] = self._epoch
             state["dead"] = sorted(self._dead)
+            state["freed_log"] = list(self._book.freed_log or [])
             return state
 
         return self._run(snap(), timeout=30)  # type: ignore[no-any-return]
@@ -992,8 +1011,10 @@ class RpcAgent:
             self._armed = None
         self._wake_values(list(self._value_waiters))
         await self._transport.stop(grace)
-        # let cancelled stream tasks and pending sends finish
-        tasks = [t for t in asyncio.all_tasks(self._loop) if t is not asyncio.current_task()]
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t not in self._tasks]
+        if others:  # gRPC's own stream tasks wind down after the server stopped
+            await asyncio.wait(others, timeout=2.0)
+        tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -24,12 +24,13 @@ _own_membership: Membership | None = None
 
 def init_rpc(name: str, rank: int, *, membership: Membership | None = None, store: Store | None = None,
              keys: JobKeys | None = None, epoch: int | None = None, world_size: int | None = None,
-             timeout: float = 60.0, **agent_options: Any) -> RpcAgent:
+             timeout: float = 60.0, lease_ttl: int = 10, **agent_options: Any) -> RpcAgent:
     """Start this process's agent and join the job's RPC membership.
 
     Either pass a ``membership``, or ``store`` + ``keys`` + ``epoch`` (the rendezvous round's epoch): the
-    worker then registers in etcd under a lease and, with ``world_size``, waits up to ``timeout`` seconds for
-    that many workers. ``agent_options`` go to :class:`RpcAgent` (``token``, ``host``, ``port``...).
+    worker then registers in etcd under a lease of ``lease_ttl`` seconds (peers learn of its death that long
+    after it) and, with ``world_size``, waits up to ``timeout`` seconds for that many workers.
+    ``agent_options`` go to :class:`RpcAgent` (``token``, ``host``, ``port``...).
     """
     global _agent, _own_membership
     with _lock:
@@ -38,18 +39,21 @@ def init_rpc(name: str, rank: int, *, membership: Membership | None = None, stor
         agent = RpcAgent(name, rank, **agent_options)
         agent.start()
         own: Membership | None = None
+        _agent = agent  # functions peers call as soon as we are visible may need current_agent()
         try:
             if membership is None:
                 if store is None or keys is None or epoch is None:
                     raise ValueError("init_rpc: pass membership=, or store=, keys= and epoch=")
-                etcd = EtcdMembership(store, keys, epoch=epoch)
+                etcd = EtcdMembership(store, keys, epoch=epoch, lease_ttl=lease_ttl)
                 own = etcd
+                agent.join(etcd)  # be in the round before peers can see us: their first call is in epoch
                 etcd.register(agent.member)
                 if world_size is not None:
                     etcd.wait_for(world_size, timeout)
-                membership = etcd
-            agent.join(membership)
+            else:
+                agent.join(membership)
         except BaseException:
+            _agent = None
             agent.shutdown(graceful=False)
             if own is not None:
                 own.close()

@@ -69,6 +69,7 @@ class PendingChild:
     rref: str
     dst: str
     keep: Any  # the parent's own handle, held alive until the child is accepted (G2)
+    parent_fork: str | None = None  # the parent's own fork id (None when the parent is the owner)
 
 
 def creator_of(rref_id: str) -> str:
@@ -85,11 +86,13 @@ class RRefBook:
         self.parked: dict[str, dict[str, str]] = {}  # rref -> {fork id: holder} deleted before known
         self.users: dict[str, UserRecord] = {}
         self.children: dict[str, PendingChild] = {}
+        self.deferred: dict[str, UserRecord] = {}  # released forks whose delete waits for their children
         self.dead: set[str] = set()
         self.freed: OrderedDict[str, None] = OrderedDict()  # recently freed ids, to answer late fetches
         self._freed_memory = freed_memory
         self.generation = 0  # number of values freed so far (tests compare it against live handles)
         self.freed_log: list[str] | None = None  # set to a list to record every freed id (tests)
+        self.after_death: list[Control] = []  # deferred deletes that a death released (see worker_died)
 
     # -- owner side -------------------------------------------------------------------------------------
 
@@ -122,6 +125,12 @@ class RRefBook:
 
     def fork_request(self, rref: str, fork: str, holder: str) -> bool:
         """``holder`` asks to add ``fork``. False when ``rref`` was already freed (a protocol violation)."""
+        parked = self.parked.get(rref)
+        if parked is not None and fork in parked:
+            del parked[fork]  # the fork's delete came first: it is already over
+            if not parked:
+                del self.parked[rref]
+            return True
         if rref not in self.owners and rref in self.freed:
             return False
         self._add_fork(self._record(rref, creator_of(rref)), fork, holder)
@@ -163,7 +172,8 @@ class RRefBook:
         return self._maybe_free(rec)
 
     def _maybe_free(self, rec: OwnerRecord) -> list[str]:
-        if rec.created and not rec.forks and rec.handles <= 0:
+        if (rec.created and not rec.forks and rec.handles <= 0
+                and not any(c.rref == rec.rref for c in self.children.values())):
             del self.owners[rec.rref]
             rec.value = None
             self.generation += 1
@@ -211,12 +221,31 @@ class RRefBook:
             return []
         return [Control(parent, "accept", rref, fork)]
 
-    def child_accepted(self, fork: str) -> PendingChild | None:
-        """The child of ``fork`` is confirmed by the owner: stop keeping our own reference for it."""
-        return self.children.pop(fork, None)
+    def child_accepted(self, fork: str) -> tuple[list[Control], list[str]]:
+        """The child of ``fork`` is confirmed by the owner: stop keeping our own reference for it.
 
-    def fork_for(self, dst: str, rref: str, owner: str, new_fork: str, keep: Any) -> str:
-        """Pass our reference to ``rref`` on to ``dst`` as ``new_fork``; returns the wire parent."""
+        Returns the deferred delete of our own fork, if the user released it while children were pending,
+        and the ids freed here (when we are the owner)."""
+        child = self.children.pop(fork, None)
+        if child is None:
+            return [], []
+        return self._child_gone(child)
+
+    def _child_gone(self, child: PendingChild) -> tuple[list[Control], list[str]]:
+        if child.parent_fork is None:
+            rec = self.owners.get(child.rref)
+            return [], (self._maybe_free(rec) if rec is not None else [])
+        pf = child.parent_fork
+        if pf in self.deferred and not any(c.parent_fork == pf for c in self.children.values()):
+            user = self.deferred.pop(pf)
+            if not (user.owner_dead or user.owner in self.dead):
+                return [Control(user.owner, "delete", user.rref, pf)], []
+        return [], []
+
+    def fork_for(self, dst: str, rref: str, owner: str, new_fork: str, keep: Any, *,
+                 own_fork: str | None = None) -> str:
+        """Pass our reference to ``rref`` (our fork ``own_fork``; None on the owner) on to ``dst`` as
+        ``new_fork``; returns the wire parent."""
         if owner == self.me:
             if dst != self.me:
                 self._add_fork(self._record(rref, creator_of(rref)), new_fork, dst)
@@ -224,25 +253,30 @@ class RRefBook:
             # to ourselves: keep the value alive until the new handle exists
             self.children[new_fork] = PendingChild(new_fork, rref, dst, keep)
             return self.me
-        self.children[new_fork] = PendingChild(new_fork, rref, dst, keep)
+        self.children[new_fork] = PendingChild(new_fork, rref, dst, keep, own_fork)
         return self.me
 
-    def fork_abandoned(self, fork: str) -> list[str]:
-        """A fork we created was never delivered (its call failed before sending): undo it."""
-        self.children.pop(fork, None)
-        freed: list[str] = []
+    def fork_abandoned(self, fork: str) -> tuple[list[Control], list[str]]:
+        """A fork we created was never delivered (its call failed before sending): undo it. Returns the
+        deferred delete it releases and the ids freed."""
+        child = self.children.pop(fork, None)
+        controls, freed = self._child_gone(child) if child is not None else ([], [])
         for rec in list(self.owners.values()):
             if rec.forks.pop(fork, None) is not None:
                 freed += self._maybe_free(rec)
-        return freed
+        return controls, freed
 
     def released(self, fork: str) -> list[Control]:
-        """The user handle of ``fork`` was dropped: tell the owner (G1)."""
+        """The user handle of ``fork`` was dropped: tell the owner (G1) -- once no child forked from it is
+        still waiting for the owner's confirmation (G2), even when the user released the handle explicitly."""
         rec = self.users.pop(fork, None)
         if rec is None or rec.released:
             return []
         rec.released = True
         if rec.owner_dead or rec.owner in self.dead:
+            return []
+        if any(c.parent_fork == fork for c in self.children.values()):
+            self.deferred[fork] = rec
             return []
         return [Control(rec.owner, "delete", rec.rref, fork)]
 
@@ -250,7 +284,8 @@ class RRefBook:
 
     def worker_died(self, name: str) -> list[str]:
         """``name`` is dead: drop its forks and parked deletes, its pending children and creations; mark the
-        references to its values. Returns the ids freed here as a result."""
+        references to its values. Returns the ids freed here as a result; deletes that waited for children
+        sent to ``name`` are left in :attr:`after_death` for the caller to send."""
         if name == self.me:
             return []
         self.dead.add(name)
@@ -268,8 +303,14 @@ class RRefBook:
                 rec.created = True  # it will never arrive
                 rec.state, rec.error = "failed", ("rref_failed", f"its creator {name} died before creating it")
             freed += self._maybe_free(rec)
+        controls: list[Control] = []
         for fork in [f for f, c in self.children.items() if c.dst == name]:
-            del self.children[fork]
+            more, also_freed = self._child_gone(self.children.pop(fork))
+            controls += more
+            freed += also_freed
+        for fork in [f for f, u in self.deferred.items() if u.owner == name]:
+            del self.deferred[fork]
+        self.after_death = controls
         for user in self.users.values():
             if user.owner == name:
                 user.owner_dead = True
@@ -277,7 +318,7 @@ class RRefBook:
 
     def is_quiescent(self) -> bool:
         """No owned value, parked delete, pending child or live user reference remains."""
-        return not (self.owners or self.parked or self.children or self.users)
+        return not (self.owners or self.parked or self.children or self.users or self.deferred)
 
     def summary(self) -> dict[str, Any]:
         """Plain-data state for leak reports and tests."""
@@ -286,6 +327,7 @@ class RRefBook:
                        for r, rec in self.owners.items()},
             "parked": {r: sorted(f) for r, f in self.parked.items()},
             "children": sorted(self.children),
+            "deferred": sorted(self.deferred),
             "users": sorted(self.users),
             "generation": self.generation,
         }
