@@ -8,8 +8,9 @@ after recovery, on the slowest rank (median of ``--runs`` runs). stalwart runs u
 Also ``step_overhead``: the steady-state per-step time with the wrapper over the plain script, both run by
 ``stalwart agent`` so that only the wrapper differs (median step time of a fault-free run of each, median
 over ``--runs`` alternating pairs of the first quartile of each run's step times, the undisturbed steps;
-``value`` is the ratio minus one, as a fraction); and, for reference, the plain script's step time under
-torchrun.
+``value`` is the ratio minus one, as a fraction); ``cpu_overhead``, the same for the process CPU time per
+step (every thread, so the monitor thread and the etcd client are counted; far less sensitive to other load
+on the machine than wall time); and, for reference, the plain script's step time under torchrun.
 
 Prints one JSON object per line, e.g.
 ``{"bench": "restart", "impl": "stalwart", "ranks": 2, "metric": "seconds", "value": 0.1}``.
@@ -91,6 +92,12 @@ def median_step(results: list[dict[str, Any]], skip: int) -> float:
     return statistics.median(times)
 
 
+def cpu_per_step(results: list[dict[str, Any]], skip: int) -> float:
+    """Process CPU time (all threads: training, gloo, the wrapper's monitor and etcd client) per step."""
+    per = [(r["cpu_marks"][-1] - r["cpu_marks"][skip]) / (len(r["cpu_marks"]) - 1 - skip) for r in results]
+    return statistics.mean(per)
+
+
 def quiet_step(results: list[dict[str, Any]], skip: int) -> float:
     """The first quartile of the step times: on a shared machine the steps that other work did not
     disturb, which is what the wrapper's own cost shows in."""
@@ -133,7 +140,7 @@ def main() -> int:
             ranks = args.ranks[0]
             plain = ["--steps", str(args.overhead_steps), "--timeout", "30", "--hidden", str(args.hidden)]
             skip = min(20, args.overhead_steps // 4)
-            ratios, ws, bs = [], [], []
+            ratios, ws, bs, wc, bc = [], [], [], [], []
             for _ in range(args.runs):
                 # The same launcher for both (the agent), alternating, so that only the wrapper differs and
                 # load from elsewhere on the machine falls on both alike.
@@ -145,11 +152,17 @@ def main() -> int:
                 ratios.append(w / b - 1.0)
                 ws.append(w)
                 bs.append(b)
+                wc.append(cpu_per_step(wrapped_res, skip))
+                bc.append(cpu_per_step(plain_res, skip))
             print(json.dumps({"bench": "restart", "impl": "stalwart", "ranks": ranks, "metric": "step_overhead",
                               "value": round(statistics.median(ws) / statistics.median(bs) - 1.0, 4),
                               "step_seconds": round(statistics.median(ws), 6),
                               "plain_step_seconds": round(statistics.median(bs), 6),
                               "runs": [round(r, 4) for r in ratios]}), flush=True)
+            print(json.dumps({"bench": "restart", "impl": "stalwart", "ranks": ranks, "metric": "cpu_overhead",
+                              "value": round(statistics.median(wc) / statistics.median(bc) - 1.0, 4),
+                              "cpu_seconds_per_step": round(statistics.median(wc), 6),
+                              "plain_cpu_seconds_per_step": round(statistics.median(bc), 6)}), flush=True)
             torchrun_res, _ = run_torchrun(ranks, plain)
             print(json.dumps({"bench": "restart", "impl": "torchrun", "ranks": ranks, "metric": "step_seconds",
                               "value": round(median_step(torchrun_res, skip), 6)}), flush=True)

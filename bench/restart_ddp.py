@@ -162,7 +162,8 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
     step = max(src_step, 0)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    times = []
+    times: list[float] = []
+    cpu: list[float] = []  # process CPU time (every thread) at the end of each step
     while step < args.steps:
         t0 = time.perf_counter()
         if fault_due(args, "fault", rank, step):
@@ -181,11 +182,12 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time())
         ping = STATE.get("ping")
         if ping is not None:
             ping(step)
     return {"rank": rank, "world": world, "step": step, "checksum": checksum(model), "restarts": restarts,
-            "first_after_restart": STATE["first_after_restart"], "step_times": times}
+            "first_after_restart": STATE["first_after_restart"], "step_times": times, "cpu_marks": cpu}
 
 
 def write(args: argparse.Namespace, result: dict[str, Any] | None) -> None:
