@@ -195,6 +195,7 @@ def test_every_pending_retry_waits_in_one_heap_not_in_tasks() -> None:
     try:
         nowhere = Member("w9", 9, "127.0.0.1:1")  # nothing listens there: every attempt fails
         membership.set_view(View.of(1, [a.member, nowhere]))
+        wait_for(lambda: a.worker_info("w9").rank == 9 if "w9" in a._view.members else False, what="new view")
         retry = RetryOptions(max_retries=1000, initial_delay=5.0, max_delay=5.0, jitter=0.0, deadline=60)
         futures = [a.rpc_async("w9", "t.echo", (i,), idempotent=True, retry=retry) for i in range(300)]
         wait_for(lambda: a.debug_state()["timers"] >= 600, what="300 calls waiting to retry")

@@ -3,6 +3,7 @@ and a worker killed in the middle of the protocol."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rpc_helpers import CONTROL, TOKEN, wait_for, worker_main
 
-from stalwart.agent.rpc import EtcdMembership, RemoteError, RpcAgent, WorkerDied
+from stalwart.agent.rpc import EtcdMembership, RemoteError, RetryOptions, RpcAgent, WorkerDied
 from stalwart.keys import JobKeys
 from stalwart.local.etcd import EtcdServer
 from stalwart.store import Store
@@ -44,12 +45,16 @@ class Cluster:
 def start_cluster(etcd: EtcdServer) -> Cluster:
     ctx = mp.get_context("spawn")
     uid = uuid.uuid4().hex[:12]
-    stop = ctx.Event()
+    stop = []  # one pipe per worker: an Event's lock would be left broken by the worker we kill
     procs = {}
     for rank, name in enumerate(WORKERS, start=1):
-        p = ctx.Process(target=worker_main, args=((name, rank), etcd.endpoint, ("test", uid), len(WORKERS) + 1, stop),
+        receiver, sender = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=worker_main,
+                        args=((name, rank), etcd.endpoint, ("test", uid), len(WORKERS) + 1, receiver),
                         name=f"rpc-{name}")
         p.start()
+        receiver.close()
+        stop.append(sender)
         procs[name] = p
     store = Store([etcd.endpoint], timeout=5.0)
     driver = RpcAgent("w0", 0, token=TOKEN)
@@ -70,8 +75,11 @@ def start_cluster(etcd: EtcdServer) -> Cluster:
     return Cluster(driver, membership, procs, stop, store)
 
 
-def _stop_procs(stop: Any, procs: dict[str, Any]) -> None:
-    stop.set()
+def _stop_procs(stop: list[Any], procs: dict[str, Any]) -> None:
+    for sender in stop:
+        with contextlib.suppress(OSError):
+            sender.send("stop")
+        sender.close()
     for p in procs.values():
         p.join(timeout=60)
         if p.is_alive():
@@ -80,7 +88,6 @@ def _stop_procs(stop: Any, procs: dict[str, Any]) -> None:
 
 
 def stop_cluster(cluster: Cluster) -> None:
-    cluster.stop.set()
     try:
         cluster.driver.shutdown(graceful=True, timeout=20)
     finally:
@@ -158,10 +165,12 @@ def test_worker_killed_mid_protocol(etcd_server: EtcdServer) -> None:
         c.call("w3", "p.faults", 7, {"accept": {"delay": 1.0, "delay_range": [1.0, 1.5]}})
         c.call("w1", "p.send", "A", "A3", "w3")
         assert c.states(("w1",))["w1"]["children"]  # w1 still keeps A for the unconfirmed child
-        slow = c.driver.rpc_async("w1", "t.wait_gate", ("dying",), timeout=120)
+        # an idempotent call survives the broken stream by retrying, and fails when w1's lease expires
+        retry = RetryOptions(max_retries=10_000, initial_delay=0.05, max_delay=0.5, deadline=120)
+        slow = c.driver.rpc_async("w1", "t.wait_gate", ("dying",), timeout=120, idempotent=True, retry=retry)
         os.kill(c.procs["w1"].pid, signal.SIGKILL)
         with pytest.raises(WorkerDied):
-            slow.wait(60)  # the pending call fails when w1's lease expires, not at its timeout
+            slow.wait(60)
 
         def reclaimed() -> bool:
             owners = c.states(("w2",))["w2"]["owners"]
