@@ -17,6 +17,11 @@ Also the API calls of the operator: those of the first reconcile (Service, Secre
 and the average per reconcile until every pod runs (later reconciles mostly make none). The calls of kopf
 itself (its watch streams, finalizer patch) are not counted: they are the same for any kopf operator.
 
+With ``--latency-ms`` (default 5), ``stalwart-create`` and ``sequential`` run again through a proxy that adds
+that latency to every request: the emulator answers on loopback in about 3 ms of CPU, with nothing to
+overlap, while a real API server's round trip (network, admission, an etcd write) is what concurrent creation
+hides.
+
 The pods run ``sleep`` without the agent (``agent_command=()``): 64 agents importing torch would measure the
 machine, not the operator. Prints one JSON object per line. Usage:
 ``python bench/operator.py [--pods 64] [--concurrency 16] [--repeat 3]``.
@@ -215,12 +220,14 @@ def run_stalwart(cluster: LocalCluster, api: k8s.ApiClient, pods: int, concurren
             "by_kind": by_kind}
 
 
-def run_create_only(cluster: LocalCluster, api: k8s.ApiClient, pods: int, concurrency: int) -> float:
-    """The operator's creation step alone, in this process: its Kubernetes adapter creating the pods."""
+def run_create_only(cluster: LocalCluster, api: k8s.ApiClient, pods: int, concurrency: int,
+                    kubeconfig: str) -> float:
+    """The operator's creation step alone, in this process: its Kubernetes adapter creating the pods through
+    ``kubeconfig`` (the cluster's, or the delaying proxy's)."""
     ns = f"bench-cr-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
     counter = PodCounter(api, ns)
-    kube = kube_from_config(str(cluster.kubeconfig), concurrency)
+    kube = kube_from_config(kubeconfig, concurrency)
     try:
         bodies = manifests(ns, "bench", pods, str(cluster.etcd_endpoint))
 
@@ -237,20 +244,76 @@ def run_create_only(cluster: LocalCluster, api: k8s.ApiClient, pods: int, concur
         clear_namespace(cluster, ns)
 
 
-def run_sequential(cluster: LocalCluster, api: k8s.ApiClient, pods: int) -> float:
+def run_sequential(cluster: LocalCluster, api: k8s.ApiClient, pods: int, kubeconfig: str) -> float:
+    """The anchor: one create after another with the kubernetes client, through ``kubeconfig``."""
     ns = f"bench-seq-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
     counter = PodCounter(api, ns)
+    from kubernetes import config as kconfig
+
+    cfg = k8s.Configuration()
+    kconfig.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    client = k8s.ApiClient(cfg)
     try:
-        core = k8s.CoreV1Api(api)
+        core = k8s.CoreV1Api(client)
         bodies = manifests(ns, "bench", pods, str(cluster.etcd_endpoint))
         t0 = time.monotonic()
         for body in bodies:
             core.create_namespaced_pod(ns, body)
         return counter.wait(pods) - t0
     finally:
+        client.close()
         counter.close()
         clear_namespace(cluster, ns)
+
+
+class DelayProxy:
+    """A TCP proxy in front of the API emulator that holds every client-to-server chunk for ``delay``
+    seconds: the network and API-server latency a real cluster has and a loopback emulator does not (fault
+    injection on top of the real emulator; both sides of the comparison go through it)."""
+
+    def __init__(self, upstream: str, delay: float) -> None:
+        host, _, port = upstream.removeprefix("http://").partition(":")
+        self.upstream = (host, int(port))
+        self.delay = delay
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        started.wait(10)
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        started.set()
+        self.loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    if delay:
+                        await asyncio.sleep(delay)
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, self.delay), pipe(up_reader, writer, 0.0))
+
+    def kubeconfig(self, original: Path, directory: Path) -> str:
+        """A copy of ``original`` that points at the proxy."""
+        text = original.read_text().replace(f"{self.upstream[0]}:{self.upstream[1]}", f"127.0.0.1:{self.port}")
+        path = directory / "kubeconfig-delayed"
+        path.write_text(text)
+        return str(path)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pods", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--latency-ms", type=float, default=5.0,
+                        help="also compare through a proxy adding this request latency (0: skip)")
     args = parser.parse_args(argv)
     from kubernetes import config as kconfig
 
@@ -273,12 +338,13 @@ def main(argv: list[str] | None = None) -> int:
             seq: list[float] = []
             for i in range(args.repeat):
                 # Alternate the order so that neither side always runs on a machine warmed by the other.
+                kc = str(cluster.kubeconfig)
                 if i % 2:
-                    seq.append(run_sequential(cluster, api, args.pods))
-                    direct.append(run_create_only(cluster, api, args.pods, args.concurrency))
+                    seq.append(run_sequential(cluster, api, args.pods, kc))
+                    direct.append(run_create_only(cluster, api, args.pods, args.concurrency, kc))
                 else:
-                    direct.append(run_create_only(cluster, api, args.pods, args.concurrency))
-                    seq.append(run_sequential(cluster, api, args.pods))
+                    direct.append(run_create_only(cluster, api, args.pods, args.concurrency, kc))
+                    seq.append(run_sequential(cluster, api, args.pods, kc))
                 ours.append(run_stalwart(cluster, api, args.pods, args.concurrency))
             s = statistics.median(r["seconds"] for r in ours)
             c = statistics.median(direct)
@@ -302,6 +368,19 @@ def main(argv: list[str] | None = None) -> int:
                  last["calls"] / max(1.0, last["reconciles"]), reconciles=last["reconciles"],
                  calls=last["calls"], by_kind=last["by_kind"], until="every pod ready")
             emit("sequential", args.pods, "api_calls", args.pods, note="one create per pod")
+            if args.latency_ms > 0:
+                proxy = DelayProxy(cluster.api_url, args.latency_ms / 1000)
+                try:
+                    kc = proxy.kubeconfig(Path(cluster.kubeconfig), Path(tmp))
+                    dl = [run_create_only(cluster, api, args.pods, args.concurrency, kc) for _ in range(args.repeat)]
+                    sl = [run_sequential(cluster, api, args.pods, kc) for _ in range(args.repeat)]
+                finally:
+                    proxy.close()
+                d, q2 = statistics.median(dl), statistics.median(sl)
+                emit("stalwart-create", args.pods, "seconds", d, concurrency=args.concurrency, runs=args.repeat,
+                     latency_ms=args.latency_ms)
+                emit("sequential", args.pods, "seconds", q2, runs=args.repeat, latency_ms=args.latency_ms)
+                emit("stalwart-create/sequential", args.pods, "ratio", d / q2, latency_ms=args.latency_ms)
             api.close()
         finally:
             cluster.down()
