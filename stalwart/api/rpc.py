@@ -126,6 +126,8 @@ class RpcWorkerRecord(ApiModel):
     address: str = Field(min_length=3, max_length=300, description="host:port of the worker's RPC server.")
     epoch: int = Field(ge=0, description="The rendezvous epoch the worker registered in.")
     incarnation: str = Field(max_length=64, description="Random per agent start: tells restarts apart.")
+    node: str = Field(default="", max_length=253,
+                      description="Rendezvous node id (pod) the worker runs on; its loss ends the worker.")
 
     @field_validator("name")
     @classmethod

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from stalwart.api.rpc import RpcWorkerRecord, check_worker_name
 from stalwart.keys import JobKeys
@@ -156,8 +157,8 @@ class EtcdMembership(Membership):
     """Membership from lease-bound worker records in etcd (one key per worker under ``JobKeys.rpc``).
 
     ``register`` puts this worker's record with ``lease`` (granted here with ``lease_ttl`` when not given);
-    a watch thread keeps the view and reports deletions as :class:`WorkerLeft`. The view holds the records
-    whose epoch equals the current epoch.
+    a watch thread keeps the view and reports deletions as :class:`WorkerLeft`. The view holds every live
+    record not excluded by the rendezvous; its epoch is this worker's round.
     """
 
     def __init__(self, store: Store, keys: JobKeys, *, epoch: int, lease: int | None = None,
@@ -171,6 +172,9 @@ class EtcdMembership(Membership):
         self._me: RpcWorkerRecord | None = None
         self._stop = threading.Event()
         self._changed = threading.Condition()
+        self._reregister = False
+        self._excluded: set[str] = set()
+        self._epoch = epoch
         kvs, revision = store.get_prefix(self._prefix)
         for kv in kvs:
             self._absorb_put(kv.key, kv.value)
@@ -183,23 +187,43 @@ class EtcdMembership(Membership):
     def lease(self) -> int:
         return self._lease
 
-    def register(self, member: Member) -> None:
-        """Publish this worker's record (bound to the lease) in the current epoch."""
+    def register(self, member: Member, node: str = "") -> None:
+        """Publish this worker's record (bound to the lease) in the current epoch; ``node`` is the
+        rendezvous node it runs on (see :meth:`exclude_nodes`)."""
         record = RpcWorkerRecord(name=member.name, rank=member.rank, address=member.address,
-                                 epoch=self._view.epoch, incarnation=member.incarnation)
+                                 epoch=self._epoch, incarnation=member.incarnation, node=node)
         self._me = record
         self._store.put(self._prefix + member.name, record.to_json_bytes(), lease=self._lease)
 
-    def advance(self, epoch: int) -> None:
-        """Move to the round ``epoch`` (from the rendezvous): re-register in it; others follow or drop out."""
-        if epoch < self._view.epoch:
-            raise ValueError(f"epoch: {epoch} is older than the current {self._view.epoch}")
+    def advance(self, epoch: int, keep_nodes: set[str] | None = None) -> None:
+        """Move to the round ``epoch`` (from the rendezvous). Workers on nodes outside ``keep_nodes`` (the
+        round's members) are reported gone. Does no I/O, so it may run in another component's watch
+        thread: our record is re-registered in the new epoch by our own watch thread."""
+        if epoch < self._epoch:
+            raise ValueError(f"epoch: {epoch} is older than the current {self._epoch}")
+        if keep_nodes is not None:
+            self.exclude_nodes({r.node for r in self._records.values() if r.node and r.node not in keep_nodes},
+                               f"not a member of the round of epoch {epoch}")
         with self._changed:
-            self._view = View(epoch, self._view.members)
-        if self._me is not None:
-            self._store.put(self._prefix + self._me.name,
-                            self._me.model_copy(update={"epoch": epoch}).to_json_bytes(), lease=self._lease)
+            self._epoch = epoch
+            self._reregister = True
         self._publish()
+
+    def exclude_nodes(self, nodes: set[str] | tuple[str, ...], reason: str) -> None:
+        """Report every worker on ``nodes`` gone (the rendezvous lost those nodes). No I/O."""
+        for record in list(self._records.values()):
+            if record.node and record.node in nodes and record.name not in self._excluded:
+                self._excluded.add(record.name)
+                self._emit(WorkerLeft(record.name, reason))
+
+    def _reregister_if_needed(self) -> None:
+        with self._changed:
+            if not self._reregister or self._me is None:
+                return
+            self._reregister = False
+            self._me = self._me.model_copy(update={"epoch": self._epoch})
+            me = self._me
+        self._store.put(self._prefix + me.name, me.to_json_bytes(), lease=self._lease)
 
     def wait_for(self, count: int, timeout: float) -> View:
         """Block until ``count`` workers are in the view; raises TimeoutError after ``timeout`` seconds."""
@@ -218,11 +242,13 @@ class EtcdMembership(Membership):
         self._records[record.name] = record
 
     def _publish(self) -> None:
-        epoch = self._view.epoch
+        epoch = self._epoch
+        # every live record, of any epoch: a peer not yet moved to our round is still reachable (its
+        # messages are fenced by epoch); the excluded ones are not
         members = [Member(r.name, r.rank, r.address, r.incarnation)
-                   for r in self._records.values() if r.epoch == epoch]
+                   for r in self._records.values() if r.name not in self._excluded]
         view = View.of(epoch, members)
-        if dict(view.members) != dict(self._view.members) or not self._view.members:
+        if view.epoch != self._view.epoch or dict(view.members) != dict(self._view.members):
             self._emit(ViewChanged(view))
         with self._changed:
             self._changed.notify_all()
@@ -232,14 +258,15 @@ class EtcdMembership(Membership):
             try:
                 with self._store.watch(self._prefix, prefix=True, start_revision=start_revision) as watch:
                     while not self._stop.is_set():
-                        event = watch.next(timeout=0.5)
+                        self._reregister_if_needed()
+                        event = watch.next(timeout=0.2)
                         if event is None:
                             continue
                         start_revision = event.kv.mod_revision + 1
                         name = event.kv.key[len(self._prefix):]
                         if event.type == "put":
                             self._absorb_put(event.kv.key, event.kv.value)
-                        elif self._records.pop(name, None) is not None:
+                        elif self._records.pop(name, None) is not None and name not in self._excluded:
                             self._emit(WorkerLeft(name, "its lease expired or it left"))
                         self._publish()
             except WatchCompacted:
@@ -268,3 +295,20 @@ class EtcdMembership(Membership):
                 self._store.delete(self._prefix + self._me.name)
         except StoreError as e:
             log.warning("could not remove our RPC worker record: %s", e)
+
+
+def follow_rendezvous(rendezvous: Any, membership: EtcdMembership) -> Callable[[], None]:
+    """Drive ``membership`` from a :class:`stalwart.agent.rendezvous.Rendezvous`: a sealed round moves it to
+    the round's epoch and excludes workers on nodes outside it; a round that ended because nodes were lost
+    reports their workers gone at once (without waiting for their RPC leases). Returns the unsubscriber."""
+    from stalwart.agent.rendezvous import RoundEnded, RoundSealed
+
+    def on_event(event: Any) -> None:
+        if isinstance(event, RoundSealed):
+            membership.advance(event.epoch, {m.node_id for m in event.manifest.members})
+        elif isinstance(event, RoundEnded) and event.lost:
+            membership.exclude_nodes(tuple(event.lost), f"node lost in the round of epoch {event.epoch}: "
+                                                        f"{event.reason}")
+
+    unsubscribe: Callable[[], None] = rendezvous.subscribe(on_event)
+    return unsubscribe
