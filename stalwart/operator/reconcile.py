@@ -367,8 +367,10 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
             elif pod.deletion_grace > 0:
                 w.wake_in(overdue)
 
-    # Failed and lost pods: fence, delete, decide.
+    # Failed and lost pods: fence, delete, decide. ``leaving`` are pods being deleted (by someone else, or by
+    # us for a scale-down or a suspension): they count as losses only once the job has started.
     casualties: list[PodView] = []
+    leaving: list[PodView] = []
     for pod in obs.pods:
         lost_node = pod.unreachable_since is not None and not pod.finished
         if lost_node and pod.unreachable_since is not None \
@@ -376,9 +378,8 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
             w.wake_in(pod.unreachable_since + w.settings.node_lost_after - w.now)
             continue
         if pod.deleting and not pod.finished:
-            # Deleted by someone else (or by us for scale-down): it is leaving, fence it.
             w.fence(pod.name)
-            casualties.append(pod)
+            leaving.append(pod)
             continue
         if pod.phase != "Failed" and not lost_node:
             continue
@@ -424,8 +425,9 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     deficit = desired - len(live)
     created: list[CreatePod] = []
     if deficit > 0 and not any_succeeded:
-        counted = min(deficit, len(casualties)) if st.phase in (Phase.STARTING, Phase.RUNNING,
-                                                                 Phase.RESTARTING) else 0
+        job_started = st.phase in (Phase.STARTING, Phase.RUNNING, Phase.RESTARTING)
+        casualties += leaving if job_started else []
+        counted = min(deficit, len(casualties))
         if counted and not obs.etcd.reachable:
             # Fencing needs etcd: a replacement must not join while the lost pod may still hold its lease.
             w.wake_in(w.settings.status_interval)
@@ -455,7 +457,7 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
         w.actions.insert(0, EnsureOwnedObjects())
 
     _record(w, live, created)
-    _phase(w, spec, live, bool(casualties))
+    _phase(w, spec, live, bool(casualties or leaving))
 
 
 def _keep_rank(w: _Work, pod: PodView) -> tuple[int, int, int, int]:

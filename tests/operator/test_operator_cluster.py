@@ -378,3 +378,34 @@ def test_etcd_credentials_come_from_the_jobs_secret(jobs: Jobs, local_cluster: L
         assert plain is not None and plain.endpoints == ("default:2379",) and plain.user is None
     finally:
         kube.close()
+
+
+# -- failure paths and life-cycle policies, with bare commands ---------------------------------------------------
+
+
+def test_ttl_after_success_deletes_the_job(start_operator: OperatorFactory, jobs: Jobs) -> None:
+    start_operator(jobs.ns, agent_command=())
+    jobs.create(job_body("ttl", replicas=2, command=["true"], runPolicy={"ttlSecondsAfterFinished": 1}))
+    wait_for("the job to succeed and be deleted", lambda: jobs.gone("ttl"), timeout=120)
+    assert "PhaseSucceeded" in jobs.events("ttl")
+
+
+def test_deadline_and_exit_code_rules_fail_the_job(start_operator: OperatorFactory, jobs: Jobs) -> None:
+    start_operator(jobs.ns, agent_command=())
+    jobs.create(job_body("late", replicas=1, command=SLEEP, runPolicy={"activeDeadlineSeconds": 2}))
+    rules = [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [3]}}]
+    jobs.create(job_body("rule", replicas=1, command=["sh", "-c", "exit 3"], restartPolicy={"rules": rules}))
+    jobs.create(job_body("flaky", replicas=1, command=["sh", "-c", "exit 1"], restartPolicy={"backoffLimit": 2}))
+
+    def reason(name: str) -> str | None:
+        st = jobs.status(name)
+        if st.get("phase") != "Failed":
+            return None
+        return next(c["reason"] for c in st["conditions"] if c["type"] == "Failed")
+
+    assert wait_for("late fails", lambda: reason("late")) == "DeadlineExceeded"
+    wait_for("late's pod to go", lambda: not jobs.live_pods("late"), timeout=90)
+    assert wait_for("rule fails", lambda: reason("rule")) == "FailJobRule"
+    assert wait_for("flaky fails", lambda: reason("flaky")) == "BackoffLimitExceeded"
+    assert jobs.status("flaky")["restarts"]["podReplacements"] == 2
+    assert "PodReplaced" in jobs.events("flaky")

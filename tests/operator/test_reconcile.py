@@ -119,6 +119,12 @@ def test_failed_worker_is_fenced_then_replaced_by_a_new_spare() -> None:
     assert {"PodFailed", "PodReplaced", "PhaseRestarting"} <= set(reasons(d))
 
 
+def test_a_pod_failing_before_the_job_started_counts_too() -> None:
+    pods = [pod("worker-0", "Failed", exit_code=1)]
+    d = reconcile(observe(job(status(Phase.PENDING), replicas=1, restartPolicy={"backoffLimit": 0}), pods))
+    assert d.status.phase == Phase.FAILED and not of(d, CreatePod)
+
+
 def test_replacement_names_never_repeat() -> None:
     # Two replacements happened before (spare-0, spare-1 existed and are gone); the next is spare-2.
     pods = [pod("worker-0"), pod("worker-1", "Failed", exit_code=1)]
