@@ -69,6 +69,16 @@ def test_a_fork_to_ourselves_keeps_the_owned_value() -> None:
     assert o.handle_dropped("r") == ["r"]
 
 
+def test_a_deferred_delete_goes_out_when_a_child_sent_to_ourselves_arrives() -> None:
+    a = RRefBook("a")
+    a.new_user("a-fork", "r", "o", "o", confirmed=True)
+    a.fork_for("a", "r", "o", "a-fork-2", object(), own_fork="a-fork")
+    assert a.released("a-fork") == []  # deferred: a child is in flight
+    _, controls = a.received("r", "a-fork-2", "o", "a")
+    assert controls == [Control("o", "fork", "r", "a-fork-2")]
+    assert a.fork_confirmed("a-fork-2", "r", "a") == [Control("o", "delete", "r", "a-fork")]
+
+
 def test_worker_death_fate_sharing() -> None:
     o = RRefBook("o")
     o.create("r1", "f-dead", "dead")

@@ -149,7 +149,16 @@ def test_random_fork_trees_reach_quiescence_without_early_frees(cluster: Cluster
         assert not (live & freed), f"freed while referenced: {live & freed}"
     for w in WORKERS:
         cluster.call(w, "p.drop_all")
-    wait_for(lambda: quiescent(cluster.states()), timeout=90, what="quiescence")
+    last: list[Any] = [None]
+
+    def settled() -> bool:
+        last[0] = cluster.states()
+        return quiescent(last[0])
+
+    try:
+        wait_for(settled, timeout=60, what="quiescence")
+    except AssertionError:
+        raise AssertionError(f"not quiescent: {last[0]}") from None
     states = cluster.states()
     freed_now = [r for w, s in states.items() for r in s["freed_log"] if r not in freed_before[w]]
     assert sorted(freed_now) == sorted(labels.values())  # every value freed, exactly once

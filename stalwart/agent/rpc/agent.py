@@ -232,9 +232,9 @@ class RpcAgent:
         if not self.address:
             raise RuntimeError("start() the agent before join()")
         self._membership = membership
-        first = membership.view()
-        self._loop.call_soon_threadsafe(self._apply_event, ViewChanged(first))
+        # subscribe first: a change between reading the view and subscribing would otherwise be missed
         self._unsubscribe = membership.subscribe(self._membership_event)
+        self._loop.call_soon_threadsafe(self._apply_event, ViewChanged(membership.view()))
         self._accepting = True
         self._run(self._noop())
 
@@ -273,6 +273,8 @@ class RpcAgent:
                 raise E.UnknownWorker(f"to: no worker of rank {to} in round {view.epoch}")
             return m
         m = view.members.get(to)
+        if m is None and self._membership is not None:
+            m = self._membership.view().members.get(to)  # newer than ours until the loop applies it
         if m is None:
             if to in self._dead:
                 raise E.WorkerDied(to)
@@ -899,7 +901,8 @@ class RpcAgent:
         if isinstance(event, WorkerLeft):
             self._worker_left(event.name, event.reason)
             return
-        view = event.view
+        # the latest view, not the event's snapshot: events from several threads may arrive out of order
+        view = self._membership.view() if self._membership is not None else event.view
         if view.epoch < self._epoch:
             return
         for name, m in view.members.items():

@@ -215,8 +215,9 @@ class RRefBook:
     def accepted_by_child(self, fork: str, parent: str, rref: str) -> list[Control]:
         """We (the child of ``fork``) are settled with the owner: release the parent's pending child."""
         if parent == self.me:
-            self.children.pop(fork, None)
-            return []
+            child = self.children.pop(fork, None)
+            # our own handle may have been released meanwhile: its deferred delete goes out now
+            return self._child_gone(child)[0] if child is not None else []
         if parent in self.dead:
             return []
         return [Control(parent, "accept", rref, fork)]
