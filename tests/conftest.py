@@ -11,6 +11,9 @@ import pytest
 from stalwart.local.etcd import EtcdServer
 from stalwart.store import Store
 
+# The local cluster's fixtures (local_cluster, k8s_namespace, kube_api), one session cluster for every directory.
+pytest_plugins = ["stalwart.local.pytest_plugin"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:

@@ -22,8 +22,3 @@ def render(chart: helm_python.Chart) -> Render:
     def _render(values: dict[str, Any] | None = None, api_versions: list[str] | None = None) -> list[dict[str, Any]]:
         return documents(render_files(chart, values, api_versions))
     return _render
-
-
-# The local cluster's fixtures (local_cluster, k8s_namespace, kube_api), until the top-level conftest loads the
-# plugin for every directory.
-from stalwart.local.pytest_plugin import k8s_namespace, kube_api, local_cluster  # noqa: E402, F401

@@ -11,12 +11,9 @@ from typing import Any
 import pytest
 
 from stalwart.local.cluster import LocalCluster
-from stalwart.local.pytest_plugin import k8s_namespace, kube_api, local_cluster
 from stalwart.operator.embedded import EmbeddedOperator
 from stalwart.operator.handlers import OperatorConfig
 from stalwart.operator.model import OperatorSettings
-
-__all__ = ["k8s_namespace", "kube_api", "local_cluster"]
 
 REPO = Path(__file__).resolve().parents[2]
 
