@@ -288,8 +288,15 @@ class _Session:
             expected = set(range(self.env.slots))
             previous = view.arrivals.get(iteration - 1)
             if previous is not None:
-                # A slot missing from the last barrier and without a live process is not waited for again.
-                expected -= {s for s in expected if s not in previous and s not in view.alive}
+                # A slot that took no part in the last iteration and has no live process is not waited for
+                # again. Arrivals are bound to their process's lease and vanish with it, so the last seal
+                # (which is not) also says who took part: a process cut off from etcd for a moment is waited
+                # for, and comes back with a new lease, instead of being dropped from the world.
+                took_part = set(previous)
+                last_seal = view.seals.get(iteration - 1)
+                if last_seal is not None:
+                    took_part |= {int(s) for s in last_seal.ranks} | set(last_seal.inactive)
+                expected -= {s for s in expected if s not in took_part and s not in view.alive}
             return expected <= set(view.arrivals.get(iteration, {}))
 
         timed_out = False
@@ -447,8 +454,12 @@ def _release(fault: BaseException) -> None:
     if tb is not None:
         traceback.clear_frames(tb)
     fault.__traceback__ = None
+    # Exception contexts can form a cycle (an interrupt delivered while another exception is being handled),
+    # so the walk stops at the first exception it has already seen.
+    seen = {id(fault)}
     ctx = fault.__context__
-    while ctx is not None:
+    while ctx is not None and id(ctx) not in seen:
+        seen.add(id(ctx))
         if ctx.__traceback__ is not None:
             traceback.clear_frames(ctx.__traceback__)
             ctx.__traceback__ = None
