@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Any
 
 from stalwart.agent.rpc import RpcAgent, StaticMembership, View, rpc_function
-from stalwart.agent.rpc.transport import GrpcTransport
+from stalwart.agent.rpc.streams import StreamTransport
 
 TOKEN = "test-token-0123456789abcdef"
 
@@ -69,7 +69,7 @@ def world(n: int, *, epoch: int = 1, token: str = TOKEN, wrap: Any = None,
     """``n`` started agents ``w0..`` in one process, joined to one static membership."""
     agents = []
     for i in range(n):
-        transport = GrpcTransport(token)
+        transport = StreamTransport(token)
         if wrap is not None:
             transport = wrap(i, transport)
         agents.append(RpcAgent(f"w{i}", i, transport=transport, **options))
@@ -187,7 +187,7 @@ def worker_main(who: tuple[str, int], endpoint: str, job: tuple[str, str], world
     store = Store([endpoint], timeout=5.0)
     control = RetryOptions(max_retries=1000, initial_delay=0.01, max_delay=0.2, deadline=60, attempt_timeout=0.5)
     agent = init_rpc(name, rank, store=store, keys=JobKeys(namespace, uid), epoch=1, world_size=world_size,
-                     lease_ttl=2, transport=FaultyTransport(GrpcTransport(TOKEN), seed=rank),
+                     lease_ttl=2, transport=FaultyTransport(StreamTransport(TOKEN), seed=rank),
                      control_retry=control)
     agent.book.freed_log = []
     with contextlib.suppress(EOFError):

@@ -36,7 +36,8 @@ from stalwart.agent.rpc import (
     WorkerDied,
 )
 from stalwart.agent.rpc.faults import Faults, FaultyTransport
-from stalwart.agent.rpc.transport import GrpcTransport
+from stalwart.agent.rpc.streams import ACCEPTED, REFUSED, hello
+from stalwart.agent.rpc.transport import GrpcTransport, Transport
 
 
 @pytest.fixture
@@ -79,10 +80,66 @@ def test_errors_are_typed(three: Any) -> None:
         a.rpc_async("w1", "t.echo", (1,), timeout=0)
 
 
-def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled(tmp_path: Path) -> None:
+def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_streams(tmp_path: Path) -> None:
     agents, _ = world(1)
     server = agents[0]
     intruder = RpcAgent("x0", 5, token="wrong-token-0123456789")
+    try:
+        intruder.start()
+        intruder.join(StaticMembership(View.of(1, [intruder.member, server.member])))
+        before = CALLS["intruder"]
+        with pytest.raises((RpcTimeout, WorkerDied, Exception)) as e:
+            intruder.rpc_sync("w0", "t.count", ("intruder",), timeout=5)
+        assert not isinstance(e.value, AssertionError)
+        assert CALLS["intruder"] == before  # the function never ran
+
+        marker = tmp_path / "pwned"
+
+        class Evil:
+            def __reduce__(self) -> Any:
+                return (os.system, (f"touch {marker}",))
+
+        evil = pickle.dumps(Evil())
+        host, _, port = server.address.rpartition(":")
+
+        async def raw(first: bytes, then: bytes) -> bytes:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(first + then)
+                await writer.drain()
+                return await asyncio.wait_for(reader.read(), 30)  # everything until the server closes
+            finally:
+                writer.close()
+
+        async def raw_open(first: bytes, then: bytes) -> bytes:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(first + then)
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.readexactly(1), 30)
+                writer.write_eof()
+                rest = await asyncio.wait_for(reader.read(), 30)
+                return answer + rest
+            finally:
+                writer.close()
+
+        framed_evil = len(evil).to_bytes(4, "big") + evil
+        # no hello, a wrong token, a pickle where the hello goes: one refusal byte, then the connection closes
+        assert asyncio.run(raw(hello("wrong-token-0123456789"), framed_evil)) == REFUSED
+        assert asyncio.run(raw(evil[:40].ljust(40, b"\0"), framed_evil)) == REFUSED
+        # even with the right token, a pickle is only a malformed frame: dropped, never loaded, no reply
+        assert asyncio.run(raw_open(hello(TOKEN), framed_evil)) == ACCEPTED
+        assert not marker.exists()
+        assert server.rpc_sync("w0", "t.echo", ("still fine",)) == "still fine"
+    finally:
+        intruder.shutdown(graceful=False)
+        shutdown_all(agents, graceful=False)
+
+
+def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_grpc(tmp_path: Path) -> None:
+    agents, _ = world(1, wrap=lambda i, inner: GrpcTransport(TOKEN))
+    server = agents[0]
+    intruder = RpcAgent("x0", 5, transport=GrpcTransport("wrong-token-0123456789"))
     try:
         intruder.start()
         intruder.join(StaticMembership(View.of(1, [intruder.member, server.member])))
@@ -154,7 +211,7 @@ def test_timeout_then_the_late_reply_is_dropped(three: Any) -> None:
 def test_idempotent_calls_run_exactly_once_through_drops_and_duplicates() -> None:
     faulty: list[FaultyTransport] = []
 
-    def wrap(i: int, inner: GrpcTransport) -> FaultyTransport:
+    def wrap(i: int, inner: Transport) -> FaultyTransport:
         bad = Faults(drop=0.25, duplicate=0.3, reorder=0.2, delay=0.3, delay_range=(0.0, 0.05))
         t = FaultyTransport(inner, seed=100 + i, requests={"call": bad}, replies={"call": bad})
         faulty.append(t)
@@ -177,7 +234,7 @@ def test_idempotent_calls_run_exactly_once_through_drops_and_duplicates() -> Non
 
 
 def test_user_calls_are_not_retried_unless_idempotent() -> None:
-    def wrap(i: int, inner: GrpcTransport) -> FaultyTransport:
+    def wrap(i: int, inner: Transport) -> FaultyTransport:
         return FaultyTransport(inner, seed=i, requests={"call": Faults(drop=1.0)} if i == 0 else {})
 
     agents, _ = world(2, wrap=wrap)

@@ -47,8 +47,9 @@ from stalwart.agent.rpc.dedup import CompletionTable, Verdict
 from stalwart.agent.rpc.membership import Member, Membership, MembershipEvent, View, ViewChanged, WorkerInfo, WorkerLeft
 from stalwart.agent.rpc.registry import REGISTRY, Registry
 from stalwart.agent.rpc.retry import CONTROL_RETRY, RetryOptions, backoff_delay
+from stalwart.agent.rpc.streams import StreamTransport
 from stalwart.agent.rpc.timers import Timer, TimerHeap
-from stalwart.agent.rpc.transport import GrpcTransport, ReplyChannel, Transport
+from stalwart.agent.rpc.transport import ReplyChannel, Transport
 from stalwart.agent.rref.book import Control, RRefBook
 from stalwart.agent.rref.handle import OwnerRRef, RRef, UserRRef
 from stalwart.api.rpc import Envelope, ErrorInfo, ErrorKind, MessageType, RRefWire, check_worker_name
@@ -151,7 +152,7 @@ class RpcAgent:
         if transport is None:
             if not token:
                 raise ValueError(f"token: no RPC token given and ${TOKEN_ENV} is not set")
-            transport = GrpcTransport(token)
+            transport = StreamTransport(token)
         self.name = name
         self.rank = rank
         self.incarnation = secrets.token_hex(8)
@@ -578,12 +579,12 @@ class RpcAgent:
 
     # -- control messages (the RRef protocol) -------------------------------------------------------------
 
-    def _send_control(self, c: Control) -> None:
+    def _send_control(self, c: Control, waited: tuple[float, int] | None = None) -> None:
+        """Send one RRef control message (retried within ``control_retry``). ``waited``: when and how often
+        it already found ``c.dst`` missing from the view."""
         member = self._view.members.get(c.dst)
-        if c.dst in self._dead or member is None:
-            if member is None and c.dst not in self._dead:
-                log.warning("%s: cannot send %s to unknown worker %s", self.name, c.kind, c.dst)
-            return
+        if member is None and c.dst not in self._dead and self._membership is not None:
+            member = self._membership.view().members.get(c.dst)  # newer than ours until the loop applies it
 
         def done(frame: Frame | None, exc: BaseException | None) -> None:
             if exc is None:
@@ -602,6 +603,22 @@ class RpcAgent:
                 if parent:
                     self._send_controls(self._book.accepted_by_child(c.fork, parent, c.rref))
 
+        if c.dst in self._dead:
+            return
+        if member is None:
+            # Missing from the view: the view may be mid-update (a round change), or the worker is gone and
+            # its WorkerLeft has not arrived. Neither may lose the message (a parent would wait for this
+            # fork's confirmation forever): try again with backoff, and fail it once the retry deadline passed.
+            now = self._loop.time()
+            first, tries = waited if waited is not None else (now, 0)
+            retry = self._control_retry
+            due = now + backoff_delay(retry, tries + 1, self._rng)
+            if due < first + retry.deadline:
+                self._schedule(due, lambda: self._send_control(c, (first, tries + 1)))
+                return
+            log.warning("%s: cannot send %s to %s: not in the current round", self.name, c.kind, c.dst)
+            done(None, E.WorkerDied(c.dst, "not in the current round"))
+            return
         now = self._loop.time()
         retry = self._control_retry
         call = _Call(id=self._alloc_id(), dst=c.dst, address=member.address, mtype=c.kind,
