@@ -159,6 +159,19 @@ def p_state() -> dict[str, Any]:
     return _agent().debug_state()
 
 
+@rpc_function("p.sees")
+def p_sees(names: list[str]) -> bool:
+    """Whether this worker's view holds every one of ``names`` (its etcd watch may lag the driver's)."""
+    from stalwart.agent.rpc import UnknownWorker
+
+    try:
+        for n in names:
+            _agent().worker_info(n)
+    except UnknownWorker:
+        return False
+    return True
+
+
 @rpc_function("p.faults")
 def p_faults(seed: int, spec: dict[str, dict[str, Any]]) -> None:
     """Replace the worker's faults: ``spec`` maps a message type to Faults fields (requests and replies)."""

@@ -65,6 +65,9 @@ def start_cluster(etcd: EtcdServer) -> Cluster:
         driver.join(membership)
         membership.register(driver.member)
         membership.wait_for(len(WORKERS) + 1, timeout=120)
+        everyone = ["w0", *WORKERS]
+        wait_for(lambda: all(driver.rpc_sync(w, "p.sees", (everyone,), timeout=90) for w in WORKERS),
+                 timeout=120, what="every worker seeing the whole job")
     except BaseException:
         driver.shutdown(graceful=False)
         if membership is not None:

@@ -3,7 +3,8 @@
 Public API (close to ``torch.distributed.rpc``): :func:`init_rpc`, :func:`rpc_sync`, :func:`rpc_async`,
 :func:`remote` (-> :class:`~stalwart.agent.rref.RRef`), :func:`shutdown`; :func:`rpc_function` registers the
 functions peers may call (calls name functions; nothing is pickled). :class:`RpcAgent` is the same API on an
-explicit agent object. Parts: :mod:`.transport` (gRPC streams, token auth -- why gRPC is explained there),
+explicit agent object. Parts: :mod:`.streams` (the default transport: length-prefixed frames over TCP with a
+token hello -- why not gRPC is explained there), :mod:`.transport` (the Transport interface and the gRPC one),
 :mod:`.codec` (frames: JSON + raw tensor bytes), :mod:`.timers` (the one retry heap), :mod:`.dedup`
 (completion records), :mod:`.retry`, :mod:`.membership`, :mod:`.faults` (fault injection), :mod:`.agent`.
 """

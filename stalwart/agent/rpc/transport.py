@@ -1,4 +1,7 @@
-"""The network adapter: frames over gRPC bidirectional streams (``grpc.aio``), authenticated per job.
+"""The Transport interface, and an adapter for it over gRPC bidirectional streams (``grpc.aio``).
+
+The agent's default is :class:`~.streams.StreamTransport` (its docstring says why: gRPC's Python side was
+the latency and throughput floor); this one stays a supported, tested alternative.
 
 Why gRPC's asyncio API. It is already in stalwart's dependency tree (the etcd adapter speaks gRPC), it is
 maintained by a large project and used in production everywhere, it gives HTTP/2 flow control, keep-alive,
