@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from stalwart.api.pod_env import EtcdEndpoints, JobRef
 from stalwart.keys import JobKeys
 
 __all__ = ["AGENT_ENV", "AgentSettings", "SettingsError"]
@@ -35,7 +36,7 @@ class AgentSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    job: str
+    job: JobRef
     job_uid: str
     node_id: str = Field(min_length=1, max_length=253)
     pod_ip: str = Field(min_length=1)
@@ -43,32 +44,8 @@ class AgentSettings(BaseModel):
     nproc_per_node: int = Field(default=1, ge=1, le=1024)
     min_nodes: int = Field(default=1, ge=1)
     max_nodes: int = Field(default=1, ge=1)
-    etcd_endpoints: list[str] = Field(min_length=1)
+    etcd_endpoints: EtcdEndpoints
     rpc_token: SecretStr | None = None
-
-    @field_validator("etcd_endpoints", mode="before")
-    @classmethod
-    def _split(cls, v: object) -> object:
-        if isinstance(v, str):
-            return [e.strip() for e in v.split(",") if e.strip()]
-        return v
-
-    @field_validator("etcd_endpoints")
-    @classmethod
-    def _endpoints(cls, v: list[str]) -> list[str]:
-        for ep in v:
-            host, sep, port = ep.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"expected comma-separated host:port, got {ep!r}")
-        return v
-
-    @field_validator("job")
-    @classmethod
-    def _job(cls, v: str) -> str:
-        ns, sep, name = v.partition("/")
-        if not sep or not ns or not name:
-            raise ValueError(f"expected <namespace>/<name>, got {v!r}")
-        return v
 
     @model_validator(mode="after")
     def _bounds(self) -> AgentSettings:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from stalwart.api.pod_env import EtcdEndpoints, JobRef
 from stalwart.keys import JobKeys
 
 __all__ = ["ENV", "EnvironmentError_", "RankEnvironment"]
@@ -40,8 +41,8 @@ class RankEnvironment(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    etcd_endpoints: list[str] = Field(min_length=1)
-    job: str
+    etcd_endpoints: EtcdEndpoints
+    job: JobRef
     job_uid: str
     node_id: str = Field(min_length=1)
     epoch: int = Field(ge=1)
@@ -51,21 +52,6 @@ class RankEnvironment(BaseModel):
     spare: bool = False
     status_file: str | None = None
     local_rank: int = Field(default=0, ge=0)
-
-    @field_validator("etcd_endpoints", mode="before")
-    @classmethod
-    def _split(cls, v: object) -> object:
-        if isinstance(v, str):
-            return [e.strip() for e in v.split(",") if e.strip()]
-        return v
-
-    @field_validator("job")
-    @classmethod
-    def _job(cls, v: str) -> str:
-        ns, sep, name = v.partition("/")
-        if not sep or not ns or not name:
-            raise ValueError(f"expected <namespace>/<name>, got {v!r}")
-        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> RankEnvironment:
