@@ -11,17 +11,29 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.agent.rpc.codec import Blobs, decode_frame, decode_payload, encode_frame, encode_payload, header_json
+from stalwart.agent.rpc.codec import (
+    BLOB_ALIGN,
+    IN_PLACE_FROM,
+    Blobs,
+    decode_frame,
+    decode_payload,
+    encode_frame,
+    encode_payload,
+    header_json,
+)
 from stalwart.agent.rpc.errors import PayloadError
+from stalwart.agent.rpc.transport import joined
 from stalwart.api.rpc import Envelope
 
 
-def roundtrip(value: Any) -> Any:
+def roundtrip(value: Any, *, owned: bool = False) -> Any:
+    """Encode, join the parts as the wire would, decode (from a buffer of its own when ``owned``)."""
     blobs = Blobs()
     payload = encode_payload(value, blobs, None)
     head = header_json(kind="req", type="call", id=1, src="w0", inc="i", epoch=3, fn="f", payload=payload,
                        blobs=blobs.meta)
-    frame = decode_frame(encode_frame(head, blobs))
+    wire = joined(encode_frame(head, blobs))
+    frame = decode_frame(bytearray(wire) if owned else wire)
     assert frame.header.epoch == 3
     return decode_payload(frame.header.payload, frame, None)
 
@@ -53,6 +65,57 @@ def test_tensors_travel_as_raw_bytes(dtype: torch.dtype) -> None:
     out["t"].add_(1) if dtype != torch.bool else None  # the received tensor owns writable memory
 
 
+def test_a_frame_with_its_own_buffer_lends_it_to_large_tensors_aligned() -> None:
+    big = torch.arange(IN_PLACE_FROM // 8 + 3, dtype=torch.float64)
+    small = torch.arange(5, dtype=torch.int16)
+    blobs = Blobs()
+    payload = encode_payload([b"odd", small, big, big[1:]], blobs, None)
+    parts = encode_frame(header_json(kind="req", type="call", id=1, src="w0", inc="i", epoch=1, payload=payload,
+                                     blobs=blobs.meta), blobs)
+    assert isinstance(parts, list)
+    # the tensors' own memory is among the parts: sent without a copy
+    assert any(isinstance(p, memoryview) and p.nbytes == big.nbytes for p in parts)
+    wire = bytearray(joined(parts))
+    frame = decode_frame(wire)
+    base = ctypes_address(memoryview(wire))
+    assert [(ctypes_address(b) - base) % BLOB_ALIGN for b in frame.blobs] == [0, 0, 0, 0]
+    got = decode_payload(frame.header.payload, frame, None)
+    assert got[0] == b"odd" and torch.equal(got[1], small) and torch.equal(got[2], big)
+    assert torch.equal(got[3], big[1:])
+    # the large tensor is a view of the frame's buffer; the small one a copy
+    assert base <= got[2].data_ptr() < base + len(wire)
+    assert not base <= got[1].data_ptr() < base + len(wire)
+    got[2].add_(1)  # writable, and still correct after the frame object is gone
+    del frame, wire
+    assert torch.equal(got[2], big + 1)
+
+
+def ctypes_address(view: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def test_a_sent_tensor_stays_alive_while_its_parts_do() -> None:
+    blobs = Blobs()
+    encode_payload([torch.full((1000,), 7.0)], blobs, None)  # no other reference to the tensor
+    parts = encode_frame(header_json(kind="req", type="call", id=1, src="w0", inc="i", epoch=1, payload=None,
+                                     blobs=blobs.meta), blobs)
+    del blobs
+    import gc
+
+    gc.collect()
+    torch.ones(100_000).add_(1)  # reuse freed memory if the tensor had been freed
+    assert torch.equal(torch.frombuffer(bytearray(parts[-1]), dtype=torch.float32), torch.full((1000,), 7.0))
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_tensors_round_trip_from_either_kind_of_buffer(owned: bool) -> None:
+    values = {"big": torch.randn(300, 300), "c": torch.randn(20000, dtype=torch.complex128), "b": b"x" * 70000}
+    out = roundtrip(values, owned=owned)
+    assert torch.equal(out["big"], values["big"]) and torch.equal(out["c"], values["c"]) and out["b"] == values["b"]
+
+
 def test_unsupported_values_are_refused_with_their_path() -> None:
     class Thing:
         pass
@@ -66,8 +129,10 @@ def test_unsupported_values_are_refused_with_their_path() -> None:
 
 
 def _frame(header: dict[str, Any], body: bytes = b"") -> bytes:
+    """A frame by hand: the body (the blobs) starts at the first aligned offset after the header."""
     head = json.dumps(header).encode()
-    return struct.pack(">I", len(head)) + head + body
+    start = struct.pack(">I", len(head)) + head
+    return start + bytes(-len(start) % BLOB_ALIGN if body else 0) + body
 
 
 GOOD = {"kind": "req", "type": "call", "id": 1, "src": "w0", "inc": "i", "epoch": 1}

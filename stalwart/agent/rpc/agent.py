@@ -49,7 +49,7 @@ from stalwart.agent.rpc.registry import REGISTRY, Registry
 from stalwart.agent.rpc.retry import CONTROL_RETRY, RetryOptions, backoff_delay
 from stalwart.agent.rpc.streams import StreamTransport
 from stalwart.agent.rpc.timers import Timer, TimerHeap
-from stalwart.agent.rpc.transport import ReplyChannel, Transport
+from stalwart.agent.rpc.transport import OutFrame, ReplyChannel, Transport, joined
 from stalwart.agent.rref.book import Control, RRefBook
 from stalwart.agent.rref.handle import OwnerRRef, RRef, UserRRef
 from stalwart.api.rpc import Envelope, ErrorInfo, ErrorKind, MessageType, RRefWire, check_worker_name
@@ -495,7 +495,7 @@ class RpcAgent:
                     if call.retry else "no reply")))
         self._spawn(self._send(call, n, frame))
 
-    async def _send(self, call: _Call, n: int, frame: bytes) -> None:
+    async def _send(self, call: _Call, n: int, frame: OutFrame) -> None:
         try:
             await self._transport.send_request(call.address, frame, call.mtype)
         except E.RpcError as e:
@@ -552,7 +552,7 @@ class RpcAgent:
             if call.address == address and call.retry_timer is None and not call.finished:
                 self._attempt_failed(call, call.attempt, E.TransportError(f"stream to {call.dst} broke"))
 
-    def _on_reply(self, data: bytes) -> None:
+    def _on_reply(self, data: bytes | bytearray) -> None:
         try:
             frame = decode_frame(data)
         except E.PayloadError as e:
@@ -759,7 +759,7 @@ class RpcAgent:
 
     # -- incoming requests (loop thread) ----------------------------------------------------------------
 
-    def _on_request(self, data: bytes, channel: ReplyChannel) -> None:
+    def _on_request(self, data: bytes | bytearray, channel: ReplyChannel) -> None:
         try:
             frame = decode_frame(data)
         except E.PayloadError as e:
@@ -805,8 +805,9 @@ class RpcAgent:
         header = header_json(
             kind="rep", type=h.type, id=h.id, src=self.name, inc=self.incarnation, epoch=self._epoch, err=err,
             payload=payload, blobs=blobs.meta if blobs is not None else None)
-        frame = encode_frame(header, blobs)
+        frame: OutFrame = encode_frame(header, blobs)
         if record:
+            frame = joined(frame)  # the completion record must not follow later changes of a result tensor
             self._incoming -= 1
             self._dedup.complete((h.src, h.inc), h.id, frame)
             waiters = self._dup_waiters.pop((h.src, h.inc, h.id), [])
@@ -1038,6 +1039,8 @@ class RpcAgent:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):  # name lookups ran on the loop's default executor
+            await asyncio.wait_for(self._loop.shutdown_default_executor(), 5.0)
 
     def shutdown(self, graceful: bool = True, timeout: float = 30.0) -> ShutdownReport:
         """Stop the agent. Returns what leaked; logs a warning when it is not clean.

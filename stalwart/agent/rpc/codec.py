@@ -1,7 +1,9 @@
 """Frames and payloads: JSON for structure, raw bytes for tensors and ``bytes`` values; never pickle.
 
-A frame is ``u32 header length (big-endian) | Envelope JSON | blob 0 | blob 1 | ...``. A payload is any tree
-of ``None``, ``bool``, ``int``, ``float``, ``str``, ``list``, ``tuple``, ``dict``, ``bytes``, CPU
+A frame is ``u32 header length (big-endian) | Envelope JSON | blob 0 | blob 1 | ...``, where each blob starts
+at the next offset (from the frame's start) that is a multiple of :data:`BLOB_ALIGN`, the gap zero-filled: a
+tensor received into a frame buffer of its own is then used in place, aligned for any dtype, not copied.
+A payload is any tree of ``None``, ``bool``, ``int``, ``float``, ``str``, ``list``, ``tuple``, ``dict``, ``bytes``, CPU
 ``torch.Tensor`` and RRef; a value of any other type is refused with :class:`PayloadError` naming its path
 (``args[1]['w']``). In the JSON tree, blobs, tuples, RRefs and dicts that JSON cannot hold directly (a key
 that is not a string, or starts with ``$``) become one-key objects tagged ``$t`` (tensor), ``$b`` (bytes),
@@ -34,6 +36,11 @@ TENSOR_DTYPES = frozenset({
     "int64", "int32", "int16", "int8", "uint8", "bool",
 })
 
+#: Blobs start at offsets (from the frame's start) that are multiples of this.
+BLOB_ALIGN = 64
+#: A tensor blob of at least this many bytes in a frame that owns its buffer is used in place.
+IN_PLACE_FROM = 64 * 1024
+
 #: Encodes an RRef found in a payload as a new fork for the destination (supplied by the RRef layer).
 RRefEncoder = Callable[[Any], RRefWire]
 #: Builds the receiver's RRef handle from a fork (supplied by the RRef layer).
@@ -41,14 +48,17 @@ RRefDecoder = Callable[[RRefWire], Any]
 
 
 class Blobs:
-    """The raw parts of a payload being encoded: metadata for the header and buffers for the frame."""
+    """The raw parts of a payload being encoded: metadata for the header and buffers for the frame.
 
-    __slots__ = ("buffers", "keep", "meta")
+    A tensor's buffer is a view of the tensor's own memory (no copy), which keeps the tensor alive for as
+    long as the view exists: the transport may still be sending it after the call has ended.
+    """
+
+    __slots__ = ("buffers", "meta")
 
     def __init__(self) -> None:
         self.meta: list[BlobMeta] = []
-        self.buffers: list[Any] = []
-        self.keep: list[Any] = []  # tensors whose memory the buffers point into
+        self.buffers: list[bytes | bytearray | memoryview] = []
 
     def add_bytes(self, data: bytes | bytearray | memoryview) -> int:
         self.meta.append(BlobMeta(nbytes=len(data) if not isinstance(data, memoryview) else data.nbytes))
@@ -65,8 +75,9 @@ class Blobs:
         nbytes = tensor.numel() * tensor.element_size()
         self.meta.append(BlobMeta(nbytes=nbytes, dtype=name, shape=list(tensor.shape)))
         if nbytes:
-            self.buffers.append(memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())))
-            self.keep.append(tensor)
+            memory = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+            setattr(memory, "_tensor", tensor)  # noqa: B010 -- the view's exporter must own the tensor
+            self.buffers.append(memoryview(memory).cast("B"))
         else:
             self.buffers.append(b"")
         return len(self.meta) - 1
@@ -118,29 +129,56 @@ def header_json(**fields: Any) -> bytes:
                       separators=(",", ":"), allow_nan=False).encode()
 
 
-def encode_frame(header: Envelope | bytes, blobs: Blobs | None = None) -> bytes:
-    """One frame: the header (with the blobs' metadata already in it) then the blobs' bytes."""
+def _pad(offset: int) -> int:
+    return -offset % BLOB_ALIGN
+
+
+def encode_frame(header: Envelope | bytes, blobs: Blobs | None = None) -> bytes | list[bytes | bytearray | memoryview]:
+    """One frame: the header (with the blobs' metadata already in it) then the blobs' bytes, each aligned.
+
+    Without blobs the frame is one ``bytes``; with blobs it is the list of its parts in order, the blobs'
+    own buffers among them (the transport sends them without joining them).
+    """
     head = header if isinstance(header, bytes) else header.model_dump_json(exclude_defaults=True).encode()
     if len(head) > MAX_HEADER_BYTES:
         raise PayloadError(f"message header is {len(head)} bytes of JSON; the limit is {MAX_HEADER_BYTES} "
                            "(send bulk data as tensors or bytes)")
     if blobs is None or not blobs.buffers:
         return _LEN.pack(len(head)) + head
-    return b"".join([_LEN.pack(len(head)), head, *blobs.buffers])
+    offset = _LEN.size + len(head)
+    parts: list[bytes | bytearray | memoryview] = [_LEN.pack(len(head)) + head + bytes(_pad(offset))]
+    offset += _pad(offset)
+    last = len(blobs.buffers) - 1
+    for i, (buf, meta) in enumerate(zip(blobs.buffers, blobs.meta, strict=True)):
+        if meta.nbytes:
+            parts.append(buf)
+        offset += meta.nbytes
+        if i < last and _pad(offset):
+            parts.append(bytes(_pad(offset)))
+            offset += _pad(offset)
+    return parts
 
 
 class Frame:
-    """A received frame: the validated header and the blob bytes it describes."""
+    """A received frame: the validated header and the blob bytes it describes.
 
-    __slots__ = ("blobs", "header")
+    ``owned``: the frame arrived in a buffer of its own (a ``bytearray`` nobody else holds), so large
+    tensors are decoded as views of it instead of copies.
+    """
 
-    def __init__(self, header: Envelope, blobs: list[memoryview]) -> None:
+    __slots__ = ("blobs", "header", "owned")
+
+    def __init__(self, header: Envelope, blobs: list[memoryview], owned: bool = False) -> None:
         self.header = header
         self.blobs = blobs
+        self.owned = owned
 
 
-def decode_frame(data: bytes) -> Frame:
-    """Parse and check a frame. Raises :class:`PayloadError` for anything malformed."""
+def decode_frame(data: bytes | bytearray) -> Frame:
+    """Parse and check a frame. Raises :class:`PayloadError` for anything malformed.
+
+    Pass a ``bytearray`` only when the frame may keep it: its large tensors will share its memory.
+    """
     if len(data) < _LEN.size:
         raise PayloadError("frame shorter than its length prefix")
     (hlen,) = _LEN.unpack_from(data, 0)
@@ -154,6 +192,7 @@ def decode_frame(data: bytes) -> Frame:
     offset = _LEN.size + hlen
     blobs: list[memoryview] = []
     for i, meta in enumerate(header.blobs):
+        offset += _pad(offset)
         end = offset + meta.nbytes
         if end > len(data):
             raise PayloadError(f"blob {i} ({meta.nbytes} bytes) runs past the end of the frame")
@@ -161,10 +200,10 @@ def decode_frame(data: bytes) -> Frame:
         offset = end
     if offset != len(data):
         raise PayloadError(f"frame has {len(data) - offset} bytes after its last blob")
-    return Frame(header, blobs)
+    return Frame(header, blobs, owned=isinstance(data, bytearray))
 
 
-def _tensor(meta: BlobMeta, raw: memoryview, path: str) -> Any:
+def _tensor(meta: BlobMeta, raw: memoryview, owned: bool, path: str) -> Any:
     import torch
 
     if meta.dtype not in TENSOR_DTYPES or meta.shape is None:
@@ -181,7 +220,10 @@ def _tensor(meta: BlobMeta, raw: memoryview, path: str) -> Any:
                            f"blob has {meta.nbytes}")
     if numel == 0:
         return torch.empty(meta.shape, dtype=dtype)
-    # One copy into memory the tensor owns (writable, independent of the frame's lifetime).
+    if owned and meta.nbytes >= IN_PLACE_FROM and ctypes.addressof(ctypes.c_char.from_buffer(raw)) % itemsize == 0:
+        # In place: the tensor keeps the frame's buffer alive; nothing else writes to it.
+        return torch.frombuffer(raw, dtype=dtype).reshape(meta.shape)
+    # A copy into memory the tensor owns (writable, independent of the frame's lifetime).
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(meta.shape)
 
 
@@ -217,7 +259,7 @@ def decode_payload(tree: Any, frame: Frame, rref_decoder: RRefDecoder | None, pa
                 if meta.dtype is not None:
                     raise PayloadError(f"{path}: blob {inner} is a tensor, not bytes")
                 return bytes(frame.blobs[inner])
-            return _tensor(meta, frame.blobs[inner], path)
+            return _tensor(meta, frame.blobs[inner], frame.owned, path)
         if tag == "$r":
             if rref_decoder is None:
                 raise PayloadError(f"{path}: an RRef cannot appear here")

@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stalwart.agent.rpc.transport import LinkDownHandler, ReplyChannel, ReplyHandler, RequestHandler, Transport
+from stalwart.agent.rpc.transport import (
+    LinkDownHandler,
+    OutFrame,
+    ReplyChannel,
+    ReplyHandler,
+    RequestHandler,
+    Transport,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +67,7 @@ class FaultyTransport:
         self.requests = dict(requests or {})
         self.replies = dict(replies or {})
         self.stats = FaultStats()
-        self._held: dict[Any, tuple[Any, bytes, str, bool]] = {}
+        self._held: dict[Any, tuple[Any, OutFrame, str, bool]] = {}
         self._flush = reorder_flush
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -81,13 +88,13 @@ class FaultyTransport:
     async def start(self, host: str, port: int) -> str:
         return await self.inner.start(host, port)
 
-    async def _deliver(self, path: Any, frame: bytes, mtype: str, is_request: bool) -> None:
+    async def _deliver(self, path: Any, frame: OutFrame, mtype: str, is_request: bool) -> None:
         if is_request:
             await self.inner.send_request(path, frame, mtype)
         else:
             await self.inner.send_reply(path, frame, mtype)
 
-    def _later(self, delay: float, path: Any, frame: bytes, mtype: str, is_request: bool) -> None:
+    def _later(self, delay: float, path: Any, frame: OutFrame, mtype: str, is_request: bool) -> None:
         async def go() -> None:
             await asyncio.sleep(delay)
             with contextlib.suppress(Exception):  # a lost delayed message is just another drop
@@ -97,7 +104,7 @@ class FaultyTransport:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, path: Any, frame: bytes, mtype: str, is_request: bool) -> None:
+    async def _send(self, path: Any, frame: OutFrame, mtype: str, is_request: bool) -> None:
         table = self.requests if is_request else self.replies
         faults = table.get(mtype) or table.get("*")
         key = (id(path) if not isinstance(path, str) else path, is_request)
@@ -137,10 +144,10 @@ class FaultyTransport:
         if held is not None:
             self._later(0.0, *held)
 
-    async def send_request(self, address: str, frame: bytes, mtype: str) -> None:
+    async def send_request(self, address: str, frame: OutFrame, mtype: str) -> None:
         await self._send(address, frame, mtype, True)
 
-    async def send_reply(self, channel: ReplyChannel, frame: bytes, mtype: str) -> None:
+    async def send_reply(self, channel: ReplyChannel, frame: OutFrame, mtype: str) -> None:
         await self._send(channel, frame, mtype, False)
 
     async def disconnect(self, address: str) -> None:

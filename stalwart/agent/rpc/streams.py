@@ -1,4 +1,4 @@
-"""The default network adapter: length-prefixed frames over plain asyncio TCP streams, authenticated per job.
+"""The default network adapter: length-prefixed frames over TCP, authenticated per job, without copies.
 
 Why not gRPC here (:class:`~.transport.GrpcTransport` stays available and is tested). Measured between two
 processes on one node, a bare ``grpc.aio`` bidirectional-stream echo costs about 170 us per round trip and
@@ -6,10 +6,19 @@ moves a 1 MiB message at a few hundred MiB/s: the Python side of ``grpc.aio`` (a
 hops per message, a copy of every message into and out of its core) is the floor, and it puts stalwart's
 ``rpc_sync`` several times behind TensorPipe. stalwart already frames its own messages (:mod:`.codec`) and
 needs none of HTTP/2's multiplexing (one long-lived connection per caller/callee pair carries everything),
-so a plain TCP stream per pair with a 4-byte length prefix is all the transport must add. Keep-alive,
+so a plain TCP connection per pair with a 4-byte length prefix is all the transport must add. Keep-alive,
 reconnection and flow control are what the agent and the kernel already give: a broken connection is
 reported to the agent (``on_link_down``: it retries or fails the calls in flight) and the next send opens
-a new one; writes wait on the socket's buffer (``drain``) so a slow peer pushes back on its sender.
+a new one; a sender whose queue holds more than :data:`HIGH_WATER` bytes waits until the peer has taken
+them, so a slow peer pushes back on its sender.
+
+Why raw non-blocking sockets under the event loop's reader/writer callbacks rather than asyncio streams.
+Streams copy a large message four times on its way (joined with its prefix, into the write buffer, into
+the read buffer, out of it by ``readexactly``). Here an outgoing frame is a list of buffers (the header,
+then each tensor's own memory) handed to one ``sendmsg`` call, so the kernel copies tensors straight from
+where they live; an incoming frame of :data:`OWN_BUFFER_FROM` bytes or more is received with
+``recv_into`` directly into a buffer of its own, which the codec then lends to the tensors it decodes.
+Smaller frames are read in bulk into one reusable buffer and cut out of it.
 
 Wire format. The caller opens a connection and first writes a fixed 40-byte hello: the magic
 ``b"STWRPC1\\n"`` and the SHA-256 digest of the job's token (``STALWART_RPC_TOKEN``). The callee reads
@@ -25,17 +34,23 @@ eavesdropper on the node network.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import hmac
+import itertools
 import logging
 import socket
 import struct
+from collections.abc import Callable
+from typing import Any
 
 from stalwart.agent.rpc.errors import TransportError
 from stalwart.agent.rpc.transport import (
     DEFAULT_MAX_FRAME_BYTES,
+    Buffer,
     LinkDownHandler,
+    OutFrame,
     ReplyChannel,
     ReplyHandler,
     RequestHandler,
@@ -51,9 +66,15 @@ HELLO_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 10.0
 ACCEPTED = b"\x01"
 REFUSED = b"\x00"
+#: A sender waits once this many bytes are queued on a connection, until fewer than LOW_WATER are.
+HIGH_WATER = 8 * 1024 * 1024
+LOW_WATER = 2 * 1024 * 1024
+#: Frames of at least this many bytes are received into a buffer of their own (lent to their tensors).
+OWN_BUFFER_FROM = 64 * 1024
+_READ_BUFFER = 256 * 1024
+_READS_PER_WAKEUP = 16  # bounded, so one busy connection cannot starve the others on the loop
+_IOV_MAX = 512  # buffers per sendmsg call (the kernel's limit is 1024)
 _LEN = struct.Struct(">I")
-_STREAM_LIMIT = 8 * 1024 * 1024  # read buffer before the socket is paused
-_JOIN_BELOW = 64 * 1024  # frames smaller than this are joined with their prefix (one send)
 
 
 def hello(token: str) -> bytes:
@@ -61,113 +82,367 @@ def hello(token: str) -> bytes:
     return MAGIC + hashlib.sha256(token.encode()).digest()
 
 
-def _write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
-    n = len(frame)
-    if n < _JOIN_BELOW:
-        writer.write(_LEN.pack(n) + frame)
-    else:  # no copy of a large frame just to put four bytes in front of it
-        writer.write(_LEN.pack(n))
-        writer.write(frame)
+def _nodelay(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes | None:
-    """The next frame, or None at a clean end of stream. Raises TransportError for an oversized length."""
+async def _resolve(loop: asyncio.AbstractEventLoop, host: str, port: int, passive: bool = False) -> Any:
+    """The first socket address for ``host:port``; an IP address is taken as it is (no lookup thread)."""
+    host = host.strip("[]")
+    flags = socket.AI_PASSIVE if passive else 0
     try:
-        prefix = await reader.readexactly(_LEN.size)
-    except asyncio.IncompleteReadError as e:
-        if e.partial:
-            raise TransportError("stream ended inside a frame's length prefix") from None
-        return None
-    (n,) = _LEN.unpack(prefix)
-    if n > limit:
-        raise TransportError(f"frame of {n} bytes exceeds the limit of {limit}")
-    return await reader.readexactly(n)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=flags | socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=flags),
+                                       CONNECT_TIMEOUT)
+    return infos[0]
 
 
-def _nodelay(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def _bytes_view(b: Buffer) -> memoryview:
+    v = memoryview(b)
+    return v if v.format == "B" and v.ndim == 1 else v.cast("B")
+
+
+#: Called with the preamble's bytes; False closes the connection.
+PreambleHandler = Callable[[bytes], bool]
+#: Called with each complete frame: ``bytes`` when small, a ``bytearray`` of its own when large.
+FrameHandler = Callable[[bytes | bytearray], None]
+#: Called once when the connection closes, with why (None: the peer ended it cleanly, or we closed it).
+CloseHandler = Callable[[BaseException | None], None]
+
+
+class _Connection:
+    """One TCP connection on a non-blocking socket, driven by the loop's reader and writer callbacks.
+
+    It first reads ``preamble`` raw bytes and gives them to ``on_preamble``; only if that accepts does it
+    parse frames. Everything runs on the loop's thread.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: str, limit: int, *,
+                 preamble: int, on_preamble: PreambleHandler, on_frame: FrameHandler,
+                 on_close: CloseHandler) -> None:
+        self.peer = peer
+        self.closed = False
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._limit = limit
+        self._preamble = preamble
+        self._on_preamble = on_preamble
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._buf = bytearray(_READ_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self._big: bytearray | None = None  # the large frame being received into its own buffer
+        self._big_view: memoryview | None = None
+        self._big_got = 0
+        self._queue: collections.deque[memoryview] = collections.deque()
+        self._queued = 0
+        self._writing = False
+        self._close_when_flushed = False
+        self._waiters: list[asyncio.Future[None]] = []
+        loop.add_reader(self._fd, self._readable)
+
+    # -- writing ------------------------------------------------------------------------------------------
+
+    def write_raw(self, parts: list[Buffer]) -> None:
+        """Queue ``parts`` for the peer, sending at once what the socket takes. Raises TransportError."""
+        if self.closed:
+            raise TransportError(f"connection to {self.peer} is closed")
+        if self._queue:
+            for p in parts:
+                v = _bytes_view(p)
+                if v.nbytes:
+                    self._queue.append(v)
+                    self._queued += v.nbytes
+            return
+        total = 0
+        for p in parts:
+            total += len(p) if isinstance(p, bytes | bytearray) else memoryview(p).nbytes
+        try:
+            sent = self._sock.sendmsg(parts) if len(parts) <= _IOV_MAX else 0
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as e:
+            self.abort(e)
+            raise TransportError(f"cannot send to {self.peer}: {e}") from None
+        if sent == total:
+            return
+        for p in parts:
+            v = _bytes_view(p)
+            if sent >= v.nbytes:
+                sent -= v.nbytes
+                continue
+            self._queue.append(v[sent:] if sent else v)
+            self._queued += v.nbytes - sent
+            sent = 0
+        if not self._writing:
+            self._writing = True
+            self._loop.add_writer(self._fd, self._writable)
+
+    def write_frame(self, frame: OutFrame) -> None:
+        """Queue one frame with its length prefix. Raises TransportError when the connection is closed."""
+        if isinstance(frame, bytes | bytearray | memoryview):
+            self.write_raw([_LEN.pack(memoryview(frame).nbytes), frame])
+        else:
+            n = 0
+            for p in frame:
+                n += memoryview(p).nbytes
+            self.write_raw([_LEN.pack(n), *frame])
+
+    async def drain(self) -> None:
+        """Wait while more than HIGH_WATER bytes are queued. Raises TransportError if the connection closes."""
+        if self._queued <= HIGH_WATER:
+            if self.closed:
+                raise TransportError(f"connection to {self.peer} is closed")
+            return
+        fut = self._loop.create_future()
+        self._waiters.append(fut)
+        await fut
+
+    def _writable(self) -> None:
+        queue = self._queue
+        try:
+            sent = self._sock.sendmsg(list(itertools.islice(queue, _IOV_MAX)))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self.abort(e)
+            return
+        self._queued -= sent
+        while sent:
+            v = queue[0]
+            if v.nbytes <= sent:
+                sent -= v.nbytes
+                queue.popleft()
+            else:
+                queue[0] = v[sent:]
+                sent = 0
+        if not queue:
+            self._writing = False
+            self._loop.remove_writer(self._fd)
+            if self._close_when_flushed:
+                self.abort(None)
+                return
+        if self._queued <= LOW_WATER:
+            self._wake(None)
+
+    @property
+    def flushed(self) -> bool:
+        return not self._queue
+
+    def _wake(self, exc: BaseException | None) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+
+    # -- reading ------------------------------------------------------------------------------------------
+
+    def _readable(self) -> None:
+        for _ in range(_READS_PER_WAKEUP):
+            big_view = self._big_view
+            try:
+                if big_view is not None:
+                    n = self._sock.recv_into(big_view[self._big_got:])
+                else:
+                    if self._end == len(self._buf):
+                        self._compact()
+                    n = self._sock.recv_into(self._view[self._end:])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.abort(e)
+                return
+            if n == 0:
+                inside = self._big is not None or self._end > self._start
+                self.abort(TransportError(f"{self.peer} ended the stream inside a frame") if inside else None)
+                return
+            if big_view is not None:
+                self._big_got += n
+                if self._big_got == big_view.nbytes:
+                    frame = self._big
+                    assert frame is not None
+                    big_view.release()
+                    self._big = self._big_view = None
+                    self._on_frame(frame)
+            else:
+                self._end += n
+                self._parse()
+            if self.closed:
+                return
+            if n < 4096 and self._big is None:
+                return  # the socket is most likely empty: save a recv that would only say so
+
+    def _parse(self) -> None:
+        view = self._view
+        start, end = self._start, self._end
+        while not self.closed:
+            avail = end - start
+            if self._preamble:
+                if avail < self._preamble:
+                    break
+                data = bytes(view[start:start + self._preamble])
+                start += self._preamble
+                self._start, self._preamble = start, 0
+                if not self._on_preamble(data):
+                    self.close_when_flushed()
+                    return
+                continue
+            if avail < _LEN.size:
+                break
+            (n,) = _LEN.unpack_from(self._buf, start)
+            if n > self._limit:
+                self.abort(TransportError(f"{self.peer} sent a frame of {n} bytes; the limit is {self._limit}"))
+                return
+            if avail >= _LEN.size + n:
+                body = view[start + _LEN.size:start + _LEN.size + n]
+                frame: bytes | bytearray = bytearray(body) if n >= OWN_BUFFER_FROM else bytes(body)
+                start += _LEN.size + n
+                self._start = start
+                self._on_frame(frame)
+                continue
+            if n >= OWN_BUFFER_FROM or _LEN.size + n > len(self._buf):
+                big = bytearray(n)
+                have = avail - _LEN.size
+                big[:have] = view[start + _LEN.size:end]
+                self._big, self._big_view, self._big_got = big, memoryview(big), have
+                start = end = 0
+            break
+        self._start, self._end = start, end
+        if start == end:
+            self._start = self._end = 0
+        elif start > len(self._buf) // 2:
+            self._compact()
+
+    def _compact(self) -> None:
+        avail = self._end - self._start
+        self._buf[:avail] = self._view[self._start:self._end]
+        self._start, self._end = 0, avail
+
+    # -- closing ------------------------------------------------------------------------------------------
+
+    def close_when_flushed(self) -> None:
+        """Stop reading; close once what is queued has gone out."""
+        if self.closed:
+            return
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._fd)
+        if not self._queue:
+            self.abort(None)
+        else:
+            self._close_when_flushed = True
+
+    def abort(self, exc: BaseException | None) -> None:
+        """Close now, dropping what is queued; ``on_close`` learns why."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._fd)
+        if self._writing:
+            with contextlib.suppress(Exception):
+                self._loop.remove_writer(self._fd)
+        self._queue.clear()
+        self._queued = 0
+        self._sock.close()
+        self._wake(TransportError(f"connection to {self.peer} closed"))
+        self._on_close(exc)
 
 
 class _ServerSide:
     """The callee's end of one connection: where replies to its requests go."""
 
-    def __init__(self, writer: asyncio.StreamWriter, peer: str) -> None:
-        self._writer = writer
+    def __init__(self, transport: StreamTransport, peer: str) -> None:
+        self._transport = transport
         self.peer = peer
         self.open = True
+        self.conn: _Connection | None = None
+        self.hello_timer: asyncio.TimerHandle | None = None
 
-    async def send(self, frame: bytes) -> None:
-        if not self.open or self._writer.is_closing():
+    def check_hello(self, presented: bytes) -> bool:
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        assert self.conn is not None
+        ok = hmac.compare_digest(presented, self._transport.hello_digest)
+        if not ok:
+            log.warning("refused an unauthenticated RPC connection from %s", self.peer)
+        self.conn.write_raw([ACCEPTED if ok else REFUSED])
+        return ok
+
+    def on_frame(self, frame: bytes | bytearray) -> None:
+        self._transport.on_request(frame, self)
+
+    def on_close(self, exc: BaseException | None) -> None:
+        self.open = False
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        if exc is not None:
+            log.debug("stream from %s ended: %s", self.peer, exc)
+        self._transport.server_closed(self)
+
+    def hello_overdue(self) -> None:
+        if self.conn is not None and not self.conn.closed:
+            log.warning("refused an RPC connection from %s: no hello within %ss", self.peer, HELLO_TIMEOUT)
+            self.conn.abort(None)
+
+    async def send(self, frame: OutFrame) -> None:
+        conn = self.conn
+        if not self.open or conn is None or conn.closed:
             return  # the caller is gone; it resends what it still wants, and dedup replays the reply
         try:
-            _write_frame(self._writer, frame)
-            await self._writer.drain()
-        except (ConnectionError, OSError, RuntimeError) as e:
+            conn.write_frame(frame)
+            await conn.drain()
+        except TransportError as e:
             self.open = False
             log.debug("reply to %s dropped: %s", self.peer, e)
 
 
 class _ClientSide:
-    """The caller's end of one connection to one address, with the task that reads its replies."""
+    """The caller's end of one connection to one address."""
 
-    def __init__(self, transport: StreamTransport, address: str, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+    def __init__(self, transport: StreamTransport, address: str) -> None:
         self.address = address
         self._transport = transport
-        self._reader_stream = reader
-        self.writer = writer
         self.broken = False
-        self.reader = asyncio.get_running_loop().create_task(self._read(), name=f"rpc-read-{address}")
+        self.conn: _Connection | None = None
 
-    async def _read(self) -> None:
-        try:
-            answer = await self._reader_stream.readexactly(1)
-            if answer != ACCEPTED:
-                log.error("peer %s refused our RPC token (STALWART_RPC_TOKEN differs?)", self.address)
-                return
-            on_reply = self._transport.on_reply
-            limit = self._transport.max_frame_bytes
-            while True:
-                frame = await _read_frame(self._reader_stream, limit)
-                if frame is None:
-                    break
-                on_reply(frame)
-        except asyncio.CancelledError:
-            raise
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, TransportError) as e:
-            log.debug("stream to %s ended: %s", self.address, e)
-        except Exception:
-            log.exception("stream to %s failed", self.address)
-        finally:
-            self.broken = True
-            self.writer.close()
-            self._transport.link_down(self)
+    def check_answer(self, answer: bytes) -> bool:
+        if answer != ACCEPTED:
+            log.error("peer %s refused our RPC token (STALWART_RPC_TOKEN differs?)", self.address)
+            return False
+        return True
 
-    async def send(self, frame: bytes) -> None:
-        if self.broken or self.writer.is_closing():
-            raise TransportError(f"stream to {self.address} is closed")
-        try:
-            _write_frame(self.writer, frame)
-            await self.writer.drain()
-        except (ConnectionError, OSError, RuntimeError) as e:
-            self.broken = True
-            raise TransportError(f"cannot send to {self.address}: {e}") from None
+    def on_frame(self, frame: bytes | bytearray) -> None:
+        self._transport.on_reply(frame)
 
-    async def close(self) -> None:
+    def on_close(self, exc: BaseException | None) -> None:
         self.broken = True
-        self.reader.cancel()
-        with contextlib.suppress(BaseException):
-            await self.reader
-        self.writer.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.writer.wait_closed(), 2.0)
+        if exc is not None:
+            log.debug("stream to %s ended: %s", self.address, exc)
+        self._transport.link_down(self)
+
+    async def send(self, frame: OutFrame) -> None:
+        conn = self.conn
+        if self.broken or conn is None:
+            raise TransportError(f"stream to {self.address} is closed")
+        conn.write_frame(frame)
+        await conn.drain()
+
+    def close(self) -> None:
+        self.broken = True
+        if self.conn is not None:
+            self.conn.abort(None)
 
 
 class StreamTransport:
-    """Frames over TCP streams with a per-job token. All methods run on the agent's loop."""
+    """Frames over TCP with a per-job token. All methods run on the agent's loop."""
 
     def __init__(self, token: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         if not isinstance(token, str) or len(token) < 16:
@@ -176,12 +451,13 @@ class StreamTransport:
         if max_frame_bytes < 1 or max_frame_bytes > 0xFFFFFFFF:
             raise ValueError(f"max_frame_bytes: must be in [1, 2**32 - 1], got {max_frame_bytes}")
         self.max_frame_bytes = max_frame_bytes
-        self._hello = hello(token)
-        self._server: asyncio.Server | None = None
+        self.hello_digest = hello(token)
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: dict[str, _ClientSide] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
-        self._serving: set[asyncio.Task[None]] = set()
-        self._server_writers: set[asyncio.StreamWriter] = set()
+        self._servers: set[_ServerSide] = set()
+        self._all_closed: asyncio.Event | None = None  # set by stop(): the last server-side connection closed
         self._on_request: RequestHandler | None = None
         self._on_reply: ReplyHandler | None = None
         self._on_link_down: LinkDownHandler | None = None
@@ -191,7 +467,11 @@ class StreamTransport:
                      on_link_down: LinkDownHandler) -> None:
         self._on_request, self._on_reply, self._on_link_down = on_request, on_reply, on_link_down
 
-    def on_reply(self, frame: bytes) -> None:
+    def on_request(self, frame: bytes | bytearray, side: _ServerSide) -> None:
+        assert self._on_request is not None
+        self._on_request(frame, side)
+
+    def on_reply(self, frame: bytes | bytearray) -> None:
         assert self._on_reply is not None
         self._on_reply(frame)
 
@@ -201,58 +481,54 @@ class StreamTransport:
         if self._on_link_down is not None:
             self._on_link_down(client.address)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._serving.add(task)
-        self._server_writers.add(writer)
-        peername = writer.get_extra_info("peername")
-        peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
-        side = _ServerSide(writer, peer)
-        try:
-            try:
-                presented = await asyncio.wait_for(reader.readexactly(HELLO_BYTES), HELLO_TIMEOUT)
-            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
-                log.warning("refused an RPC connection from %s: no hello", peer)
-                return
-            if not hmac.compare_digest(presented, self._hello):
-                log.warning("refused an unauthenticated RPC connection from %s", peer)
-                writer.write(REFUSED)
-                with contextlib.suppress(ConnectionError, OSError):
-                    await writer.drain()
-                return
-            _nodelay(writer)
-            writer.write(ACCEPTED)
-            on_request = self._on_request
-            assert on_request is not None
-            while True:
-                frame = await _read_frame(reader, self.max_frame_bytes)
-                if frame is None:
-                    break
-                on_request(frame, side)
-        except asyncio.CancelledError:
-            # stop() cancels us; ending normally keeps asyncio's stream callback from logging the cancel
-            return
-        except (asyncio.IncompleteReadError, ConnectionError, OSError, TransportError) as e:
-            log.debug("stream from %s ended: %s", peer, e)
-        except Exception:
-            log.exception("stream from %s failed", peer)
-        finally:
-            side.open = False
-            writer.close()
-            self._server_writers.discard(writer)
-            self._serving.discard(task)
+    def server_closed(self, side: _ServerSide) -> None:
+        self._servers.discard(side)
+        if not self._servers and self._all_closed is not None:
+            self._all_closed.set()
 
     async def start(self, host: str, port: int) -> str:
         """Listen on ``host:port`` (0: a free port); returns the ``host:port`` peers reach us at."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
         try:
-            server = await asyncio.start_server(self._serve, host, port, limit=_STREAM_LIMIT)
+            family, _, _, _, addr = await _resolve(loop, host, port, passive=True)
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(addr)
+                sock.listen(1024)
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
         except OSError as e:
             raise TransportError(f"cannot listen on {host}:{port}: {e}") from None
-        self._server = server
-        bound = server.sockets[0].getsockname()[1]
+        self._listener = sock
+        loop.add_reader(sock.fileno(), self._accept)
+        bound = sock.getsockname()[1]
         self.address = f"{host}:{bound}"
         return self.address
+
+    def _accept(self) -> None:
+        listener, loop = self._listener, self._loop
+        assert listener is not None and loop is not None
+        for _ in range(64):
+            try:
+                sock, peername = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors, say: the next wakeup tries again
+                log.warning("accepting an RPC connection failed: %s", e)
+                return
+            sock.setblocking(False)
+            _nodelay(sock)
+            peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
+            side = _ServerSide(self, peer)
+            side.conn = _Connection(loop, sock, peer, self.max_frame_bytes, preamble=HELLO_BYTES,
+                                    on_preamble=side.check_hello, on_frame=side.on_frame,
+                                    on_close=side.on_close)
+            side.hello_timer = loop.call_later(HELLO_TIMEOUT, side.hello_overdue)
+            self._servers.add(side)
 
     async def _client(self, address: str) -> _ClientSide:
         client = self._clients.get(address)
@@ -263,52 +539,65 @@ class StreamTransport:
             client = self._clients.get(address)
             if client is not None and not client.broken:
                 return client
+            loop = asyncio.get_running_loop()
             host, _, port = address.rpartition(":")
+            sock: socket.socket | None = None
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host.strip("[]"), int(port), limit=_STREAM_LIMIT), CONNECT_TIMEOUT)
+                family, _, _, _, addr = await _resolve(loop, host, int(port))
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                await asyncio.wait_for(loop.sock_connect(sock, addr), CONNECT_TIMEOUT)
             except (TimeoutError, OSError, ValueError) as e:
+                if sock is not None:
+                    sock.close()
                 raise TransportError(f"cannot connect to {address}: {e}") from None
-            _nodelay(writer)
-            writer.write(self._hello)
-            client = _ClientSide(self, address, reader, writer)
+            except BaseException:
+                if sock is not None:
+                    sock.close()
+                raise
+            _nodelay(sock)
+            client = _ClientSide(self, address)
+            client.conn = _Connection(loop, sock, address, self.max_frame_bytes, preamble=len(ACCEPTED),
+                                      on_preamble=client.check_answer, on_frame=client.on_frame,
+                                      on_close=client.on_close)
+            client.conn.write_raw([self.hello_digest])
             self._clients[address] = client
             return client
 
-    async def send_request(self, address: str, frame: bytes, mtype: str) -> None:
+    async def send_request(self, address: str, frame: OutFrame, mtype: str) -> None:
         """Send ``frame`` on the connection to ``address`` (opened on first use). Raises TransportError."""
         client = self._clients.get(address)
         if client is None or client.broken:
             client = await self._client(address)
         await client.send(frame)
 
-    async def send_reply(self, channel: ReplyChannel, frame: bytes, mtype: str) -> None:
+    async def send_reply(self, channel: ReplyChannel, frame: OutFrame, mtype: str) -> None:
         await channel.send(frame)
 
     async def disconnect(self, address: str) -> None:
         """Close the connection to ``address`` (e.g. the peer died); the next send opens a new one."""
         client = self._clients.pop(address, None)
         if client is not None:
-            await client.close()
+            client.close()
 
     async def stop(self, grace: float) -> None:
-        """Close every connection and the listener. Replies already written are flushed within ``grace``."""
+        """Close every connection and the listener. Replies already queued are flushed within ``grace``."""
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
-            await client.close()
-        if self._server is not None:
-            self._server.close()
-        if grace > 0 and self._server_writers:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.gather(*(w.drain() for w in list(self._server_writers)),
-                                                      return_exceptions=True), grace)
-        tasks = list(self._serving)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for w in list(self._server_writers):
-            w.close()
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
-            self._server = None
+            client.close()
+        if self._listener is not None and self._loop is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        servers = list(self._servers)
+        self._all_closed = asyncio.Event()
+        for side in servers:
+            if side.conn is not None:
+                side.conn.close_when_flushed()
+        if self._servers and grace > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_closed.wait(), grace)
+        for side in servers:
+            if side.conn is not None:
+                side.conn.abort(None)
+        self._servers.clear()

@@ -47,18 +47,30 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
+#: Anything that exports contiguous bytes (a tensor's memory is sent as a memoryview of it).
+Buffer = bytes | bytearray | memoryview
+#: An outgoing frame: its bytes, or the buffers that make it up in order (sent without joining them).
+OutFrame = bytes | list[Buffer]
+
+
+def joined(frame: OutFrame) -> bytes:
+    """The frame as one ``bytes`` (a copy when it is made of parts)."""
+    return frame if isinstance(frame, bytes) else b"".join(frame)
+
+
 class ReplyChannel(Protocol):
     """Where the reply to one received request goes (the stream it came on)."""
 
     peer: str
 
-    async def send(self, frame: bytes) -> None: ...
+    async def send(self, frame: OutFrame) -> None: ...
 
 
-#: Called for each received request frame with the channel its reply must go back on.
-RequestHandler = Callable[[bytes, ReplyChannel], None]
-#: Called for each received reply frame.
-ReplyHandler = Callable[[bytes], None]
+#: Called for each received request frame with the channel its reply must go back on. A large frame may
+#: come as a ``bytearray`` of its own, which the handler may keep (tensors are decoded into it).
+RequestHandler = Callable[[bytes | bytearray, ReplyChannel], None]
+#: Called for each received reply frame (``bytes``, or a ``bytearray`` of its own as above).
+ReplyHandler = Callable[[bytes | bytearray], None]
 #: Called when the stream to an address broke: requests in flight on it will get no reply.
 LinkDownHandler = Callable[[str], None]
 
@@ -72,9 +84,9 @@ class Transport(Protocol):
 
     async def start(self, host: str, port: int) -> str: ...
 
-    async def send_request(self, address: str, frame: bytes, mtype: str) -> None: ...
+    async def send_request(self, address: str, frame: OutFrame, mtype: str) -> None: ...
 
-    async def send_reply(self, channel: ReplyChannel, frame: bytes, mtype: str) -> None: ...
+    async def send_reply(self, channel: ReplyChannel, frame: OutFrame, mtype: str) -> None: ...
 
     async def disconnect(self, address: str) -> None: ...
 
@@ -90,12 +102,12 @@ class _ServerSide:
         self.peer = peer
         self.open = True
 
-    async def send(self, frame: bytes) -> None:
+    async def send(self, frame: OutFrame) -> None:
         if not self.open:
             return  # the caller is gone; it resends what it still wants, and dedup replays the reply
         async with self._lock:
             try:
-                await self._context.write(frame)
+                await self._context.write(joined(frame))
             except Exception as e:  # the stream closed under us
                 self.open = False
                 log.debug("reply to %s dropped: %s", self.peer, e)
@@ -135,12 +147,12 @@ class _ClientSide:
             self.broken = True
             self._transport.link_down(self)
 
-    async def send(self, frame: bytes) -> None:
+    async def send(self, frame: OutFrame) -> None:
         async with self._lock:
             if self.broken:
                 raise TransportError(f"stream to {self.address} is closed")
             try:
-                await self.call.write(frame)
+                await self.call.write(joined(frame))
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
                 self.broken = True
                 raise TransportError(f"cannot send to {self.address}: {e}") from None
@@ -239,12 +251,12 @@ class GrpcTransport:
             self._clients[address] = client
         return client
 
-    async def send_request(self, address: str, frame: bytes, mtype: str) -> None:
+    async def send_request(self, address: str, frame: OutFrame, mtype: str) -> None:
         """Queue ``frame`` on the stream to ``address`` (opened on first use). Raises TransportError."""
         client = await self._client(address)
         await client.send(frame)
 
-    async def send_reply(self, channel: ReplyChannel, frame: bytes, mtype: str) -> None:
+    async def send_reply(self, channel: ReplyChannel, frame: OutFrame, mtype: str) -> None:
         await channel.send(frame)
 
     async def disconnect(self, address: str) -> None:
