@@ -45,7 +45,7 @@ from stalwart.agent.rpc.codec import (
 )
 from stalwart.agent.rpc.dedup import CompletionTable, Verdict
 from stalwart.agent.rpc.membership import Member, Membership, MembershipEvent, View, ViewChanged, WorkerInfo, WorkerLeft
-from stalwart.agent.rpc.registry import REGISTRY, Registry
+from stalwart.agent.rpc.registry import REGISTRY, Registered, Registry
 from stalwart.agent.rpc.retry import CONTROL_RETRY, RetryOptions, backoff_delay
 from stalwart.agent.rpc.streams import StreamTransport
 from stalwart.agent.rpc.timers import Timer, TimerHeap
@@ -493,6 +493,12 @@ class RpcAgent:
                 lambda: self._attempt_failed(call, n, E.RpcTimeout(
                     f"no reply from {call.dst} within attempt_timeout={call.retry.attempt_timeout}s"
                     if call.retry else "no reply")))
+        try:
+            if self._transport.send_request_nowait(call.address, frame):
+                return
+        except E.RpcError as e:
+            self._attempt_failed(call, n, e)
+            return
         self._spawn(self._send(call, n, frame))
 
     async def _send(self, call: _Call, n: int, frame: OutFrame) -> None:
@@ -790,7 +796,7 @@ class RpcAgent:
             self._dup_waiters.setdefault((h.src, h.inc, h.id), []).append(channel)
         elif verdict == Verdict.DONE:
             assert stored is not None
-            self._spawn(self._transport.send_reply(channel, stored, h.type))
+            self._reply(channel, stored, h.type)
         else:
             self._send_reply(h, channel, ErrorInfo(kind="expired", message="duplicate of a finished "
                                                          "request"), record=False)
@@ -815,7 +821,11 @@ class RpcAgent:
         else:
             waiters = []
         for ch in [channel, *waiters]:
-            self._spawn(self._transport.send_reply(ch, frame, h.type))
+            self._reply(ch, frame, h.type)
+
+    def _reply(self, channel: ReplyChannel, frame: OutFrame, mtype: str) -> None:
+        if not self._transport.send_reply_nowait(channel, frame):
+            self._spawn(self._transport.send_reply(channel, frame, mtype))
 
     def _reply_value(self, h: Envelope, channel: ReplyChannel, value: Any) -> None:
         blobs = Blobs()
@@ -847,7 +857,7 @@ class RpcAgent:
                     self._reply_error(h, channel, "bad_request", str(e))
                     return
                 if h.type == "call":
-                    self._spawn(self._run_call(h, channel, entry.name, payload["a"], payload["k"]))
+                    self._start_call(h, channel, entry, payload["a"], payload["k"])
                     return
                 if h.rref is None or h.fork is None:
                     self._reply_error(h, channel, "bad_request", "remote needs rref and fork")
@@ -888,6 +898,52 @@ class RpcAgent:
         if entry.inline:
             return entry.fn(*args, **kwargs)
         return await self._loop.run_in_executor(self._executor, lambda: entry.fn(*args, **kwargs))
+
+    def _start_call(self, h: Envelope, channel: ReplyChannel, entry: Registered, args: list[Any],
+                    kwargs: dict[str, Any]) -> None:
+        """Run a called function: a coroutine function as a task, an inline one now, any other on a worker
+        thread whose completion comes back to the loop as one callback (no task, no asyncio future)."""
+        if entry.is_async:
+            self._spawn(self._run_call(h, channel, entry.name, args, kwargs))
+            return
+        if entry.inline:
+            try:
+                value = entry.fn(*args, **kwargs)
+            except Exception as e:
+                self._reply_error(h, channel, "remote", f"{e}", tb=traceback.format_exc(),
+                                  type_name=type(e).__name__)
+                return
+            del args, kwargs
+            self._reply_value(h, channel, value)
+            return
+        fn = entry.fn
+
+        def work() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            finally:  # release argument handles before the reply (their deletes may go out first)
+                args.clear()
+                kwargs.clear()
+
+        def finished(f: concurrent.futures.Future[Any]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is gone
+                self._loop.call_soon_threadsafe(self._call_finished, h, channel, f)
+
+        try:
+            self._executor.submit(work).add_done_callback(finished)
+        except RuntimeError as e:  # the worker threads are shut down
+            self._reply_error(h, channel, "remote", f"{e}", type_name="RpcShutdown")
+
+    def _call_finished(self, h: Envelope, channel: ReplyChannel, f: concurrent.futures.Future[Any]) -> None:
+        if f.cancelled():
+            self._reply_error(h, channel, "remote", "the call was cancelled by shutdown", type_name="RpcShutdown")
+            return
+        e = f.exception()
+        if e is not None:
+            self._reply_error(h, channel, "remote", f"{e}", tb="".join(traceback.format_exception(e)),
+                              type_name=type(e).__name__)
+            return
+        self._reply_value(h, channel, f.result())
 
     async def _run_call(self, h: Envelope, channel: ReplyChannel, fn: str, args: list[Any],
                         kwargs: dict[str, Any]) -> None:

@@ -150,6 +150,12 @@ class FaultyTransport:
     async def send_reply(self, channel: ReplyChannel, frame: OutFrame, mtype: str) -> None:
         await self._send(channel, frame, mtype, False)
 
+    def send_request_nowait(self, address: str, frame: OutFrame) -> bool:
+        return False  # every message goes through the fault draw
+
+    def send_reply_nowait(self, channel: ReplyChannel, frame: OutFrame) -> bool:
+        return False
+
     async def disconnect(self, address: str) -> None:
         await self.inner.disconnect(address)
 

@@ -231,8 +231,9 @@ class _Connection:
             self._wake(None)
 
     @property
-    def flushed(self) -> bool:
-        return not self._queue
+    def congested(self) -> bool:
+        """More than HIGH_WATER bytes wait to be sent: a sender should wait (:meth:`drain`)."""
+        return self._queued > HIGH_WATER
 
     def _wake(self, exc: BaseException | None) -> None:
         waiters, self._waiters = self._waiters, []
@@ -573,6 +574,29 @@ class StreamTransport:
 
     async def send_reply(self, channel: ReplyChannel, frame: OutFrame, mtype: str) -> None:
         await channel.send(frame)
+
+    def send_request_nowait(self, address: str, frame: OutFrame) -> bool:
+        """Write ``frame`` on an open connection to ``address`` that has room; False when there is none."""
+        client = self._clients.get(address)
+        if client is None or client.broken or client.conn is None or client.conn.congested:
+            return False
+        client.conn.write_frame(frame)
+        return True
+
+    def send_reply_nowait(self, channel: ReplyChannel, frame: OutFrame) -> bool:
+        if not isinstance(channel, _ServerSide):
+            return False
+        conn = channel.conn
+        if not channel.open or conn is None or conn.closed:
+            return True  # the caller is gone; it resends what it still wants, and dedup replays the reply
+        if conn.congested:
+            return False
+        try:
+            conn.write_frame(frame)
+        except TransportError as e:
+            channel.open = False
+            log.debug("reply to %s dropped: %s", channel.peer, e)
+        return True
 
     async def disconnect(self, address: str) -> None:
         """Close the connection to ``address`` (e.g. the peer died); the next send opens a new one."""

@@ -88,6 +88,15 @@ class Transport(Protocol):
 
     async def send_reply(self, channel: ReplyChannel, frame: OutFrame, mtype: str) -> None: ...
 
+    def send_request_nowait(self, address: str, frame: OutFrame) -> bool:
+        """Send ``frame`` now if that needs no waiting (an open connection with room in its queue): True if
+        it was sent (or queued), False if the caller must use :meth:`send_request`. Raises TransportError."""
+        ...
+
+    def send_reply_nowait(self, channel: ReplyChannel, frame: OutFrame) -> bool:
+        """As :meth:`send_request_nowait`, for a reply (True also when the caller is gone: nothing to do)."""
+        ...
+
     async def disconnect(self, address: str) -> None: ...
 
     async def stop(self, grace: float) -> None: ...
@@ -258,6 +267,12 @@ class GrpcTransport:
 
     async def send_reply(self, channel: ReplyChannel, frame: OutFrame, mtype: str) -> None:
         await channel.send(frame)
+
+    def send_request_nowait(self, address: str, frame: OutFrame) -> bool:
+        return False  # every gRPC write is awaited
+
+    def send_reply_nowait(self, channel: ReplyChannel, frame: OutFrame) -> bool:
+        return False
 
     async def disconnect(self, address: str) -> None:
         """Close the stream to ``address`` (e.g. the peer died); the next send opens a new one."""
