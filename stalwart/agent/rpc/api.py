@@ -1,52 +1,121 @@
 """The torch-like module-level API over one process-wide default agent.
 
-``init_rpc`` starts the agent and joins a membership (etcd-backed when given a store); ``rpc_sync``,
-``rpc_async``, ``remote`` and ``shutdown`` then act on it, as ``torch.distributed.rpc`` does.
+``init_rpc`` starts the agent and joins a membership: in a rank process launched by ``stalwart agent`` it
+needs no arguments (everything comes from the rank's environment, see :mod:`.environment`); elsewhere it
+takes a store or a membership. ``rpc_sync``, ``rpc_async``, ``remote`` and ``shutdown`` then act on it, as
+``torch.distributed.rpc`` does.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from stalwart.agent.rpc.agent import RpcAgent, RpcFuture, ShutdownReport
+from stalwart.agent.rpc.environment import RpcEnvironment
 from stalwart.agent.rpc.errors import RpcShutdown
 from stalwart.agent.rpc.membership import EtcdMembership, Membership, WorkerInfo
 from stalwart.agent.rref.handle import RRef
 from stalwart.keys import JobKeys
 from stalwart.store import Store
 
+log = logging.getLogger(__name__)
+
 _lock = threading.Lock()
 _agent: RpcAgent | None = None
 _own_membership: Membership | None = None
+_own_store: Store | None = None
+_atexit_registered = False
 
 
-def init_rpc(name: str, rank: int, *, membership: Membership | None = None, store: Store | None = None,
-             keys: JobKeys | None = None, epoch: int | None = None, world_size: int | None = None,
-             timeout: float = 60.0, lease_ttl: int = 10, **agent_options: Any) -> RpcAgent:
-    """Start this process's agent and join the job's RPC membership.
+def init_rpc(name: str | None = None, rank: int | None = None, *, membership: Membership | None = None,
+             store: Store | None = None, keys: JobKeys | None = None, epoch: int | None = None,
+             world_size: int | None = None, timeout: float = 60.0, lease_ttl: int = 10,
+             **agent_options: Any) -> RpcAgent:
+    """Start this process's agent and join the job's RPC membership; returns the agent.
 
-    Either pass a ``membership``, or ``store`` + ``keys`` + ``epoch`` (the rendezvous round's epoch): the
-    worker then registers in etcd under a lease of ``lease_ttl`` seconds (peers learn of its death that long
-    after it) and, with ``world_size``, waits up to ``timeout`` seconds for that many workers.
-    ``agent_options`` go to :class:`RpcAgent` (``token``, ``host``, ``port``...).
+    **In a rank process launched by** ``stalwart agent`` call it with no arguments (or only ``name=``):
+
+    * the worker is named ``worker{RANK}`` (unless ``name`` is given) with rank ``$RANK``;
+    * its server listens on ``$STALWART_POD_IP`` (``127.0.0.1`` only when that is unset) on a free port, and
+      that address is what peers are told; peers authenticate with ``$STALWART_RPC_TOKEN``;
+    * it registers in etcd (``$STALWART_ETCD_ENDPOINTS``, the job of ``$STALWART_JOB``/``$STALWART_JOB_UID``)
+      in the round ``$STALWART_EPOCH``, bound to a lease of ``lease_ttl`` seconds (peers learn of the
+      process's death that long after it at most), with ``$STALWART_NODE_ID`` as its node;
+    * it waits up to ``timeout`` seconds until workers of every rank below ``$WORLD_SIZE`` (or
+      ``world_size``) have registered in this round; TimeoutError names the missing ranks.
+
+    A missing or malformed variable raises :class:`~stalwart.restart.environment.EnvironmentError_` (a
+    ValueError) naming it, before anything starts. :func:`shutdown` stops the agent, revokes the lease (the
+    record goes at once) and closes the etcd client; so does interpreter exit if it was not called.
+
+    Contract with rounds and in-process restarts: RPC is initialised **once per rank process**, and its
+    epoch is the round the process was launched in. Call it before (outside) a ``@stalwart.restartable``
+    function: in-process restart iterations stay in the round, so the agent, its name and its rank (the
+    ``RANK`` the process was launched with -- RPC names are process identities, not the rank an iteration
+    assigns) and the RRefs it owns live on across them. A new rendezvous round stops the rank processes and
+    the agent respawns them with the new ``STALWART_EPOCH``; messages of the old round are then rejected as
+    stale, and records the old processes left behind do not count towards the wait. A rank process respawned
+    within the round registers a new incarnation under the same name: its peers treat the old one as dead
+    (its calls fail, the RRefs it owned raise ``OwnerDied``). Calling ``init_rpc`` again while the agent
+    runs raises RuntimeError; a function that does call it per iteration must :func:`shutdown` in a
+    ``finally``.
+
+    **Explicitly** (tests, tools, code outside ``stalwart agent``): pass ``name`` and ``rank`` with either a
+    ``membership``, or ``store`` + ``keys`` + ``epoch`` (the rendezvous round's epoch): the worker then
+    registers in etcd under a lease of ``lease_ttl`` seconds and, with ``world_size``, waits up to
+    ``timeout`` seconds for that many workers. The store stays the caller's.
+
+    ``agent_options`` go to :class:`RpcAgent` (``token``, ``host``, ``port``...) and win over the
+    environment.
     """
-    global _agent, _own_membership
+    global _agent, _own_membership, _own_store, _atexit_registered
+    explicit = membership is not None or store is not None or keys is not None or epoch is not None
+    env: RpcEnvironment | None = None
+    if explicit:
+        if name is None or rank is None:
+            raise ValueError("init_rpc: name= and rank= are required with membership= or store=")
+    else:
+        env = RpcEnvironment.from_env(
+            need_rank=rank is None, need_world_size=world_size is None,
+            need_token="token" not in agent_options and "transport" not in agent_options)
+        rank = env.rank if rank is None else rank
+        assert rank is not None  # from_env checked it
+        name = f"worker{rank}" if name is None else name
+        world_size = env.world_size if world_size is None else world_size
+        agent_options.setdefault("host", env.host)
+        if env.token is not None:
+            agent_options.setdefault("token", env.token)
     with _lock:
         if _agent is not None:
-            raise RuntimeError("init_rpc: the RPC agent of this process is already running")
+            raise RuntimeError("init_rpc: the RPC agent of this process is already running (RPC is "
+                               "initialised once per process; call shutdown() first)")
         agent = RpcAgent(name, rank, **agent_options)
-        agent.start()
         own: Membership | None = None
+        own_store: Store | None = None
         _agent = agent  # functions peers call as soon as we are visible may need current_agent()
         try:
-            if membership is None:
+            agent.start()
+            if env is not None:
+                own_store = Store(env.rank_env.etcd_endpoints)
+                etcd = EtcdMembership(own_store, env.keys, epoch=env.epoch, lease_ttl=lease_ttl)
+                own = etcd
+                agent.join(etcd)  # be in the round before peers can see us: their first call is in epoch
+                etcd.register(agent.member, node=env.rank_env.node_id)
+                log.info("job=%s node=%s rank=%d epoch=%d: RPC worker %s at %s; waiting for %s workers",
+                         env.rank_env.job, env.rank_env.node_id, rank, env.epoch, name, agent.address,
+                         world_size)
+                if world_size is not None:
+                    etcd.wait_for_ranks(world_size, timeout)
+            elif membership is None:
                 if store is None or keys is None or epoch is None:
                     raise ValueError("init_rpc: pass membership=, or store=, keys= and epoch=")
                 etcd = EtcdMembership(store, keys, epoch=epoch, lease_ttl=lease_ttl)
                 own = etcd
-                agent.join(etcd)  # be in the round before peers can see us: their first call is in epoch
+                agent.join(etcd)
                 etcd.register(agent.member)
                 if world_size is not None:
                     etcd.wait_for(world_size, timeout)
@@ -57,9 +126,21 @@ def init_rpc(name: str, rank: int, *, membership: Membership | None = None, stor
             agent.shutdown(graceful=False)
             if own is not None:
                 own.close()
+            if own_store is not None:
+                own_store.close()
             raise
-        _agent, _own_membership = agent, own
+        _agent, _own_membership, _own_store = agent, own, own_store
+        if own_store is not None and not _atexit_registered:
+            atexit.register(_shutdown_at_exit)
+            _atexit_registered = True
         return agent
+
+
+def _shutdown_at_exit() -> None:
+    # Only for what init_rpc() built from the environment (it owns that etcd client): without it the
+    # worker's record would stay visible to its peers for a lease TTL after the process ended.
+    if _agent is not None and _own_store is not None:
+        shutdown(graceful=False, timeout=5.0)
 
 
 def current_agent() -> RpcAgent:
@@ -93,15 +174,20 @@ def get_worker_info(to: str | int | None = None) -> WorkerInfo:
 
 
 def shutdown(graceful: bool = True, timeout: float = 30.0) -> ShutdownReport:
-    """Shut the process's agent down (see :meth:`RpcAgent.shutdown`) and leave the membership."""
-    global _agent, _own_membership
+    """Shut the process's agent down (see :meth:`RpcAgent.shutdown`) and leave the membership (and close
+    the etcd client ``init_rpc()`` opened from the environment)."""
+    global _agent, _own_membership, _own_store
     with _lock:
-        agent, own = _agent, _own_membership
-        _agent, _own_membership = None, None
+        agent, own, own_store = _agent, _own_membership, _own_store
+        _agent, _own_membership, _own_store = None, None, None
     if agent is None:
         return ShutdownReport(graceful)
     try:
         return agent.shutdown(graceful=graceful, timeout=timeout)
     finally:
-        if own is not None:
-            own.close()
+        try:
+            if own is not None:
+                own.close()
+        finally:
+            if own_store is not None:
+                own_store.close()

@@ -175,6 +175,7 @@ class EtcdMembership(Membership):
         self._reregister = False
         self._excluded: set[str] = set()
         self._epoch = epoch
+        self._round_ranks: frozenset[int] = frozenset()  # ranks registered in our round (see wait_for_ranks)
         kvs, revision = store.get_prefix(self._prefix)
         for kv in kvs:
             self._absorb_put(kv.key, kv.value)
@@ -233,13 +234,36 @@ class EtcdMembership(Membership):
                                    f"within {timeout}s: {sorted(self._view.members)}")
             return self._view
 
-    def _absorb_put(self, key: str, value: bytes) -> None:
+    def wait_for_ranks(self, world_size: int, timeout: float) -> View:
+        """Block until a worker of every rank ``0 .. world_size-1`` is registered in this round or a newer
+        one; raises TimeoutError naming the missing ranks after ``timeout`` seconds.
+
+        Unlike :meth:`wait_for`, records an older round's processes left behind (they expire with their
+        lease) do not count, nor do workers beyond the world (in-process spares)."""
+        if world_size < 1:
+            raise ValueError(f"world_size: must be >= 1, got {world_size}")
+        wanted = frozenset(range(world_size))
+        with self._changed:
+            if not self._changed.wait_for(lambda: wanted <= self._round_ranks, timeout):
+                missing = sorted(wanted - self._round_ranks)
+                raise TimeoutError(f"RPC workers of rank(s) {missing} did not register in the round of epoch "
+                                   f"{self._epoch} within {timeout}s (world size {world_size})")
+            return self._view
+
+    def _absorb_put(self, key: str, value: bytes) -> WorkerLeft | None:
+        """Take a record in; a record that replaces a live one of another incarnation (the process was
+        respawned under the same name) means that incarnation is gone: returns the event to report."""
         try:
             record = RpcWorkerRecord.from_json_bytes(value)
         except ValueError as e:
             log.warning("ignoring invalid RPC worker record at %s: %s", key, e)
-            return
+            return None
+        old = self._records.get(record.name)
         self._records[record.name] = record
+        if old is not None and old.incarnation != record.incarnation and record.name not in self._excluded:
+            return WorkerLeft(record.name, f"restarted (incarnation {old.incarnation or '?'} replaced by "
+                                           f"{record.incarnation or '?'})")
+        return None
 
     def _publish(self) -> None:
         epoch = self._epoch
@@ -248,9 +272,12 @@ class EtcdMembership(Membership):
         members = [Member(r.name, r.rank, r.address, r.incarnation)
                    for r in self._records.values() if r.name not in self._excluded]
         view = View.of(epoch, members)
+        round_ranks = frozenset(r.rank for r in self._records.values()
+                                if r.name not in self._excluded and r.epoch >= epoch)
         if view.epoch != self._view.epoch or dict(view.members) != dict(self._view.members):
             self._emit(ViewChanged(view))
         with self._changed:
+            self._round_ranks = round_ranks
             self._changed.notify_all()
 
     def _watch_loop(self, start_revision: int) -> None:
@@ -265,18 +292,24 @@ class EtcdMembership(Membership):
                         start_revision = event.kv.mod_revision + 1
                         name = event.kv.key[len(self._prefix):]
                         if event.type == "put":
-                            self._absorb_put(event.kv.key, event.kv.value)
+                            replaced = self._absorb_put(event.kv.key, event.kv.value)
+                            if replaced is not None:
+                                self._emit(replaced)
                         elif self._records.pop(name, None) is not None and name not in self._excluded:
                             self._emit(WorkerLeft(name, "its lease expired or it left"))
                         self._publish()
             except WatchCompacted:
                 kvs, revision = self._store.get_prefix(self._prefix)
                 gone = set(self._records) - {kv.key[len(self._prefix):] for kv in kvs}
-                self._records.clear()
-                for kv in kvs:
-                    self._absorb_put(kv.key, kv.value)
                 for name in gone:
-                    self._emit(WorkerLeft(name, "its lease expired or it left"))
+                    del self._records[name]
+                restarted = [self._absorb_put(kv.key, kv.value) for kv in kvs]
+                for name in gone:
+                    if name not in self._excluded:
+                        self._emit(WorkerLeft(name, "its lease expired or it left"))
+                for left in restarted:
+                    if left is not None:
+                        self._emit(left)
                 self._publish()
                 start_revision = revision + 1
             except StoreError as e:

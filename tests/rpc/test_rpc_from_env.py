@@ -1,0 +1,247 @@
+"""``init_rpc()`` with no arguments inside real rank processes of ``stalwart agent``, and its environment errors.
+
+Run as a script, this file is the training command: it calls ``init_rpc()`` with no arguments, calls the other
+rank by name and by rank, fetches a value through an RRef, shuts down and writes what it saw to
+``<out>/rank-<RANK>.json``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rpc_helpers import wait_for
+
+from stalwart.agent.rpc import (
+    EtcdMembership,
+    Member,
+    RpcShutdown,
+    WorkerLeft,
+    current_agent,
+    get_worker_info,
+    init_rpc,
+    remote,
+    rpc_function,
+    rpc_sync,
+    shutdown,
+)
+from stalwart.agent.rpc.environment import DEFAULT_HOST, RpcEnvironment
+from stalwart.keys import JobKeys
+from stalwart.local.etcd import EtcdServer
+from stalwart.restart.environment import EnvironmentError_
+from stalwart.store import Store
+
+TOKEN = "from-env-token-0123456789abcdef"
+TIMEOUT = 180
+
+
+@rpc_function("from_env.whoami")
+def whoami() -> dict[str, Any]:
+    agent = current_agent()
+    return {"name": agent.name, "rank": agent.rank, "address": agent.address, "pid": os.getpid(),
+            "epoch": int(os.environ["STALWART_EPOCH"])}
+
+
+@rpc_function("from_env.add")
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@rpc_function("from_env.make")
+def make(caller: str) -> dict[str, Any]:
+    return {"made_by": current_agent().name, "for": caller}
+
+
+def rank_main(out: Path) -> int:
+    """The training script: everything about the job comes from the environment the agent gave."""
+    init_rpc(timeout=120)
+    me = get_worker_info()
+    peer = 1 - me.rank
+    by_name = rpc_sync(f"worker{peer}", whoami, timeout=60)
+    by_rank = rpc_sync(peer, add, (me.rank, 10), timeout=60)
+    rref = remote(peer, make, (me.name,), timeout=60)
+    value = rref.to_here(60)
+    owner = rref.owner()
+    address = current_agent().address
+    del rref
+    gc.collect()
+    report = shutdown(graceful=True, timeout=60)
+    result = {"name": me.name, "rank": me.rank, "address": address, "by_name": by_name, "by_rank": by_rank,
+              "rref": value, "owner": [owner.name, owner.rank], "clean": report.clean, "report": str(report),
+              "epoch": int(os.environ["STALWART_EPOCH"])}
+    (out / f"rank-{me.rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+# -- the environment (no servers) ---------------------------------------------------------------------------
+
+def _env(**changes: str | None) -> dict[str, str]:
+    env = {
+        "STALWART_ETCD_ENDPOINTS": "127.0.0.1:2379", "STALWART_JOB": "ns/job", "STALWART_JOB_UID": "uid-1",
+        "STALWART_NODE_ID": "job-worker-0", "STALWART_EPOCH": "7", "STALWART_SLOT": "1", "STALWART_SLOTS": "2",
+        "STALWART_TARGET_WORLD": "2", "LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2",
+        "STALWART_POD_IP": "10.1.2.3", "STALWART_RPC_TOKEN": TOKEN,
+    }
+    for var, value in changes.items():
+        if value is None:
+            env.pop(var, None)
+        else:
+            env[var] = value
+    return env
+
+
+def test_the_environment_gives_rank_world_round_address_and_token() -> None:
+    env = RpcEnvironment.from_env(_env())
+    assert (env.rank, env.world_size, env.epoch, env.host, env.token) == (1, 2, 7, "10.1.2.3", TOKEN)
+    assert env.keys == JobKeys("ns", "uid-1") and env.rank_env.node_id == "job-worker-0"
+    assert TOKEN not in repr(env)
+    assert RpcEnvironment.from_env(_env(STALWART_POD_IP=None)).host == DEFAULT_HOST
+    assert RpcEnvironment.from_env(_env(STALWART_POD_IP="fd00::1")).host == "fd00::1"
+    given = RpcEnvironment.from_env(_env(RANK=None, WORLD_SIZE=None, STALWART_RPC_TOKEN=None), need_rank=False,
+                                    need_world_size=False, need_token=False)
+    assert (given.rank, given.world_size, given.token) == (None, None, None)
+
+
+@pytest.mark.parametrize(("var", "value", "says"), [
+    ("RANK", None, "RANK: is required"),
+    ("RANK", "one", "RANK: expected an integer >= 0, got 'one'"),
+    ("RANK", "-1", "RANK: expected an integer >= 0"),
+    ("WORLD_SIZE", None, "WORLD_SIZE: is required"),
+    ("WORLD_SIZE", "0", "WORLD_SIZE: expected an integer >= 1, got '0'"),
+    ("STALWART_RPC_TOKEN", None, "STALWART_RPC_TOKEN: is required"),
+    ("STALWART_POD_IP", "pod-a.local", "STALWART_POD_IP: expected the pod's IP address"),
+    ("STALWART_EPOCH", None, "STALWART_EPOCH: is required"),
+    ("STALWART_EPOCH", "x", "STALWART_EPOCH: "),
+    ("STALWART_ETCD_ENDPOINTS", "etcd", "STALWART_ETCD_ENDPOINTS: "),
+    ("STALWART_JOB_UID", None, "STALWART_JOB_UID: is required"),
+])
+def test_a_missing_or_malformed_variable_is_named(var: str, value: str | None, says: str) -> None:
+    with pytest.raises(EnvironmentError_, match="^(.*; )?" + says.replace("(", r"\(").replace(")", r"\)")):
+        RpcEnvironment.from_env(_env(**{var: value}))
+
+
+def test_every_problem_is_named_at_once() -> None:
+    with pytest.raises(EnvironmentError_) as e:
+        RpcEnvironment.from_env(_env(STALWART_EPOCH=None, RANK="x", STALWART_RPC_TOKEN=None))
+    for var in ("STALWART_EPOCH", "RANK", "STALWART_RPC_TOKEN"):
+        assert f"{var}: " in str(e.value)
+
+
+def test_init_rpc_without_arguments_outside_an_agent_names_the_variables_and_starts_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in _env():
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(EnvironmentError_) as e:
+        init_rpc()
+    for var in ("STALWART_ETCD_ENDPOINTS", "STALWART_EPOCH", "RANK", "WORLD_SIZE", "STALWART_RPC_TOKEN"):
+        assert f"{var}: " in str(e.value)
+    with pytest.raises(RpcShutdown):
+        current_agent()
+    # what is passed is not asked of the environment
+    with pytest.raises(EnvironmentError_) as e:
+        init_rpc("w", 0, world_size=1, token=TOKEN)
+    assert "RANK" not in str(e.value) and "WORLD_SIZE" not in str(e.value) and "TOKEN" not in str(e.value)
+
+
+# -- membership of one round, in a real etcd ----------------------------------------------------------------
+
+def test_an_older_rounds_records_do_not_complete_the_world(etcd: EtcdServer) -> None:
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    with Store([etcd.endpoint]) as s_old, Store([etcd.endpoint]) as s_new:
+        old = EtcdMembership(s_old, keys, epoch=3, lease_ttl=5)
+        new = EtcdMembership(s_new, keys, epoch=5, lease_ttl=5)
+        late = EtcdMembership(s_new, keys, epoch=5, lease_ttl=5)
+        try:
+            old.register(Member("worker1", 1, "127.0.0.1:1001", "old"), node="n1")
+            new.register(Member("worker0", 0, "127.0.0.1:1000", "a"), node="n0")
+            with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not register in the round of epoch 5"):
+                new.wait_for_ranks(2, timeout=1.0)  # worker1's record is the old round's
+            late.register(Member("worker1", 1, "127.0.0.1:1002", "b"), node="n1")
+            view = new.wait_for_ranks(2, timeout=30)
+            assert view.epoch == 5 and set(view.members) == {"worker0", "worker1"}
+        finally:
+            for m in (old, new, late):
+                m.close()
+
+
+def test_a_rank_respawned_under_the_same_name_ends_its_old_incarnation(etcd: EtcdServer) -> None:
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    with Store([etcd.endpoint]) as s0, Store([etcd.endpoint]) as s1, Store([etcd.endpoint]) as s2:
+        watcher = EtcdMembership(s0, keys, epoch=4, lease_ttl=5)
+        first = EtcdMembership(s1, keys, epoch=4, lease_ttl=30)  # killed: its lease outlives it
+        second = EtcdMembership(s2, keys, epoch=4, lease_ttl=5)
+        seen: list[Any] = []
+        watcher.subscribe(seen.append)
+        try:
+            first.register(Member("worker1", 1, "127.0.0.1:1001", "inc-1"), node="n1")
+            wait_for(lambda: "worker1" in watcher.view().members, what="worker1's first incarnation")
+            second.register(Member("worker1", 1, "127.0.0.1:1002", "inc-2"), node="n1")
+            wait_for(lambda: any(isinstance(e, WorkerLeft) for e in seen), what="the old incarnation gone")
+            left = [e for e in seen if isinstance(e, WorkerLeft)]
+            assert [e.name for e in left] == ["worker1"] and "inc-1 replaced by inc-2" in left[0].reason
+            assert watcher.view().members["worker1"] == Member("worker1", 1, "127.0.0.1:1002", "inc-2")
+        finally:
+            for m in (watcher, first, second):
+                m.close()
+
+
+# -- real agents, real rank processes ---------------------------------------------------------------------
+
+def _agent_env(etcd: EtcdServer, keys: JobKeys, pod: str, pod_ip: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_") and k not in ("RANK", "WORLD_SIZE")}
+    env.update({
+        "STALWART_ETCD_ENDPOINTS": etcd.endpoint, "STALWART_JOB": f"{keys.namespace}/job",
+        "STALWART_JOB_UID": keys.uid, "STALWART_NODE_ID": pod, "STALWART_POD_IP": pod_ip,
+        "STALWART_SPARE": "false", "STALWART_NPROC_PER_NODE": "1", "STALWART_MIN_NODES": "2",
+        "STALWART_MAX_NODES": "2", "STALWART_RPC_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
+    })
+    return env
+
+
+def test_ranks_of_stalwart_agent_call_each_other_after_init_rpc_without_arguments(etcd: EtcdServer,
+                                                                                   tmp_path: Path) -> None:
+    # Two pods of one rank each, on their own pod IPs: each rank's RPC server listens on its pod's IP and
+    # the other rank reaches it there, by name and by rank.
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    pods = {"job-worker-0": "127.0.0.2", "job-worker-1": "127.0.0.3"}
+    agents = [subprocess.Popen([sys.executable, "-m", "stalwart", "agent", "--last-call", "0.1", "--",
+                                sys.executable, __file__, str(tmp_path)],
+                               env=_agent_env(etcd, keys, pod, ip), stderr=subprocess.PIPE, text=True)
+              for pod, ip in pods.items()]
+    errs = []
+    try:
+        for agent in agents:
+            _, err = agent.communicate(timeout=TIMEOUT)
+            errs.append(err)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    for agent, err in zip(agents, errs, strict=True):
+        assert agent.returncode == 0, err[-4000:]
+    results = {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    ips = {r["address"].rpartition(":")[0] for r in results.values()}
+    assert ips == set(pods.values())  # bound to the pod IP, not 0.0.0.0 nor loopback's 127.0.0.1
+    epochs = {r["epoch"] for r in results.values()}
+    assert len(epochs) == 1
+    for rank, r in results.items():
+        peer = results[1 - rank]
+        assert r["name"] == f"worker{rank}" and r["rank"] == rank
+        assert r["by_name"]["name"] == peer["name"] and r["by_name"]["rank"] == 1 - rank
+        assert r["by_name"]["address"] == peer["address"] and r["by_name"]["epoch"] == r["epoch"]
+        assert r["by_rank"] == rank + 10
+        assert r["rref"] == {"made_by": peer["name"], "for": r["name"]}
+        assert r["owner"] == [peer["name"], 1 - rank]
+        assert r["clean"], r["report"]
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main(Path(sys.argv[1])))
