@@ -118,6 +118,11 @@ class TrainingJobStatus(ApiModel):
     completion_time: datetime | None = Field(default=None, description="When the job finished.")
     selector: str | None = Field(
         default=None, description="Label selector of the worker pods (for the scale subresource).")
+    tracked_pods: list[str] | None = Field(
+        default=None,
+        description=("Names of the job's pods the operator has seen alive and has not deleted itself, sorted. "
+                     "One that disappears from the API (e.g. force-deleted) while the job runs counts once "
+                     "in restarts.podReplacements."))
 
     @model_validator(mode="after")
     def _total(self) -> TrainingJobStatus:
