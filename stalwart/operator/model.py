@@ -64,6 +64,9 @@ class PodView:
     unschedulable: bool = False
     #: Unix time since when the pod's node stopped reporting (Ready=Unknown), else None.
     unreachable_since: float | None = None
+    #: Not seen in the watch yet: the operator created it and assumes it exists (see ``observe.overlay``).
+    #: Such a pod is never tracked, so one whose creation the watch has not shown cannot count as vanished.
+    assumed: bool = False
 
     @property
     def deleting(self) -> bool:

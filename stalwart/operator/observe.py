@@ -167,8 +167,8 @@ def etcd_view(keys: JobKeys, kvs: Iterable[KeyValue]) -> EtcdView:
 def overlay(pods: Iterable[PodView], created: Mapping[str, tuple[PodView, float]],
             deleted: Mapping[str, tuple[int, float]], now: float, horizon: float = 60.0) -> tuple[PodView, ...]:
     """The pods as the operator knows them: the watched ones, plus pods it created that the watch has not
-    delivered yet (as Pending), with pods it deleted marked deleting until the watch says so. Entries older
-    than ``horizon`` seconds are dropped (the watch is trusted again by then)."""
+    delivered yet (as Pending, ``assumed``), with pods it deleted marked deleting until the watch says so.
+    Entries older than ``horizon`` seconds are dropped (the watch is trusted again by then)."""
     seen: dict[str, PodView] = {}
     for seen_pod in pods:
         mark = deleted.get(seen_pod.name)
@@ -178,5 +178,5 @@ def overlay(pods: Iterable[PodView], created: Mapping[str, tuple[PodView, float]
         seen[view.name] = view
     for name, (pod, at) in created.items():
         if name not in seen and now - at < horizon and name not in deleted:
-            seen[name] = pod
+            seen[name] = replace(pod, assumed=True)
     return tuple(sorted(seen.values(), key=lambda p: (p.role != naming.ROLE_WORKER, p.index)))

@@ -15,14 +15,24 @@ Rules it implements, in the order it applies them:
 6. A failed or lost pod is fenced (its lease revoked) and deleted; the exit-code rules pick
    RestartInProcess / ReplacePod / FailJob; replacements count against ``backoffLimit``
    (``BackoffLimitExceeded`` when it runs out). A pod stuck Terminating past its grace period plus
-   ``terminating_grace_limit`` is force-deleted.
+   ``terminating_grace_limit`` is force-deleted. A pod that *disappeared* (listed in
+   ``status.trackedPods`` but gone from the API, e.g. force-deleted) is fenced and, once the job has
+   started, counts as a pod replacement exactly once (``PodDisappeared``).
 7. ``successPolicy`` decides success from pods that exited 0.
 8. Pods are created (or surplus ones deleted) so that ``replicas + spares`` pods live. Fences come before
    creations in the action list, so a lost pod is fenced before its replacement can join.
 9. The JobRecord and the rendezvous' expected nodes follow the live pods (unschedulable pods are not
    expected, so the round seals with fewer nodes, never below ``minReplicas``).
 10. Phase, conditions and counters are computed; the status is patched at most once per
-    ``status_interval`` seconds.
+    ``status_interval`` seconds, except that a new pod replacement is patched at once.
+
+How a vanished pod is told from one the operator removed itself: ``status.trackedPods`` lists the pods seen
+in the watch (never the ones the operator only assumes it created), alive, and not deleted by the operator.
+Every decision that deletes a pod (failure, scale-down, suspension, clean-up) drops it from the list in the
+same status, and a pod seen Terminating leaves it too (its loss is handled as a deletion). The list lives in
+the status, next to the counter it feeds, so both are written in one patch: an operator that restarts or
+takes over reads them together and cannot count a pod twice, and the decided status the next reconcile
+starts from no longer lists a pod that was counted.
 """
 
 from __future__ import annotations
@@ -79,6 +89,7 @@ REASON_SUCCEEDED = "SucceededPerPolicy"
 REASON_SUSPENDED = "Suspended"
 REASON_RESUMED = "Resumed"
 REASON_UNSCHEDULABLE = "Unschedulable"
+REASON_DISAPPEARED = "PodDisappeared"
 
 
 def to_time(t: float) -> datetime:
@@ -259,13 +270,20 @@ def _finish(w: _Work) -> Decision:
     if changed:
         last = w.obs.last_status_patch
         wait = 0.0 if last is None else w.settings.status_interval - (w.now - last)
-        if wait <= 0:
+        # A new replacement is written at once: an operator that restarts reads the counter and the tracked
+        # pods from the API, and the longer they lag, the likelier a replacement goes uncounted.
+        replaced = _replacements(status) != _replacements(written)
+        if wait <= 0 or replaced:
             actions.append(PatchStatus(status))
         else:
             w.wake_in(wait)
     requeue = min(w.requeue) if w.requeue else None
     actions.sort(key=lambda a: _APPLY_ORDER.index(type(a)))
     return Decision(tuple(actions), status, requeue)
+
+
+def _replacements(status: TrainingJobStatus) -> int:
+    return status.restarts.pod_replacements if status.restarts is not None else 0
 
 
 #: The order actions are applied in: owned objects before pods that mount the Secret; fences before any pod is
@@ -287,6 +305,7 @@ def _invalid_spec(w: _Work) -> None:
         if w.status.completion_time is None:
             w.status.completion_time = to_time(w.now)
         w.event("Warning", REASON_INVALID_SPEC, text)
+    w.status.tracked_pods = None
     # Pods of a job whose spec broke after it started cannot be reconciled: stop them.
     for pod in w.obs.pods:
         if not pod.deleting and not pod.finished:
@@ -296,6 +315,7 @@ def _invalid_spec(w: _Work) -> None:
 
 def _finished(w: _Work, spec: TrainingJobSpec) -> None:
     policy = spec.run_policy.clean_pod_policy
+    w.status.tracked_pods = None  # nothing counts once the job is over
     for pod in w.obs.pods:
         if pod.deleting:
             continue
@@ -367,10 +387,18 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
             elif pod.deletion_grace > 0:
                 w.wake_in(overdue)
 
+    # Pods that disappeared: tracked, and now absent from the API altogether (force-deleted with no grace
+    # period, or deleted while no operator watched). Fenced at once: a force-deleted pod's processes may
+    # outlive its API object.
+    present = {p.name for p in obs.pods}
+    vanished = [name for name in st.tracked_pods or [] if name not in present]
+    for name in vanished:
+        w.fence(name)
+
     # Failed and lost pods: fence, delete, decide. ``leaving`` are pods being deleted (by someone else, or by
     # us for a scale-down or a suspension): they count as losses only once the job has started.
-    casualties: list[PodView] = []
-    leaving: list[PodView] = []
+    casualties: list[str] = []
+    leaving: list[str] = []
     for pod in obs.pods:
         lost_node = pod.unreachable_since is not None and not pod.finished
         if lost_node and pod.unreachable_since is not None \
@@ -379,7 +407,7 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
             continue
         if pod.deleting and not pod.finished:
             w.fence(pod.name)
-            leaving.append(pod)
+            leaving.append(pod.name)
             continue
         if pod.phase != "Failed" and not lost_node:
             continue
@@ -405,7 +433,7 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
         # RestartInProcess: the survivors restart in process (the agents count it against maxRestarts);
         # the pod is still replaced through the deficit below, without counting against backoffLimit.
         if action != FailureAction.RESTART_IN_PROCESS:
-            casualties.append(pod)
+            casualties.append(pod.name)
 
     # Success.
     if _succeeded(w, spec):
@@ -424,14 +452,16 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
         live = [p for p in live if p not in surplus]
     deficit = desired - len(live)
     created: list[CreatePod] = []
+    deferred = False
+    job_started = st.phase in (Phase.STARTING, Phase.RUNNING, Phase.RESTARTING)
     if deficit > 0 and not any_succeeded:
-        job_started = st.phase in (Phase.STARTING, Phase.RUNNING, Phase.RESTARTING)
-        casualties += leaving if job_started else []
+        casualties += [*leaving, *vanished] if job_started else []
         counted = min(deficit, len(casualties))
         if counted and not obs.etcd.reachable:
             # Fencing needs etcd: a replacement must not join while the lost pod may still hold its lease.
             w.wake_in(w.settings.status_interval)
             counted = deficit = 0
+            deferred = True
         restarts = st.restarts or RestartCounts()
         if counted and restarts.pod_replacements + counted > spec.restart_policy.backoff_limit:
             _fail(w, REASON_BACKOFF,
@@ -443,7 +473,7 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
         if counted:
             st.restarts = RestartCounts(in_process=restarts.in_process,
                                         pod_replacements=restarts.pod_replacements + counted)
-            lost = ", ".join(p.name for p in casualties[:counted])
+            lost = ", ".join(casualties[:counted])
             news = ", ".join(c.name for c in created[:counted])
             w.event("Normal", "PodReplaced", f"replaced {lost} with {news}")
         w.actions.extend(created)
@@ -456,8 +486,33 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     if not obs.owned_objects_ready:
         w.actions.insert(0, EnsureOwnedObjects())
 
+    if vanished and not deferred:
+        _disappeared(w, vanished, job_started)
+    # A vanished pod whose replacement waits for etcd stays tracked, so it is counted when etcd is back.
+    _track(w, vanished if deferred else ())
     _record(w, live, created)
-    _phase(w, spec, live, bool(casualties or leaving))
+    _phase(w, spec, live, bool(casualties or leaving), set(vanished))
+
+
+def _disappeared(w: _Work, vanished: Sequence[str], job_started: bool) -> None:
+    """The Events (and, once the job started, the last failure) for pods that disappeared."""
+    for name in vanished:
+        w.event("Warning", REASON_DISAPPEARED,
+                f"pod {name} disappeared from the API without a deletion the operator saw (force-deleted?)")
+    if job_started:
+        w.status.last_failure = FailureRecord(
+            pod=vanished[-1], reason=FailureReason.POD_LOST.value,
+            message="the pod disappeared (deleted without a termination the operator saw)", time=to_time(w.now))
+
+
+def _track(w: _Work, keep: Iterable[str]) -> None:
+    """``status.trackedPods``: the pods seen in the watch, alive, and not deleted by this decision, plus
+    ``keep``."""
+    deleted = {a.name for a in w.actions if isinstance(a, DeletePod)}
+    names = {p.name for p in w.obs.pods if not p.assumed and not p.deleting and not p.finished
+             and p.name not in deleted}
+    names.update(keep)
+    w.status.tracked_pods = sorted(names) or None
 
 
 def _keep_rank(w: _Work, pod: PodView) -> tuple[int, int, int, int]:
@@ -532,6 +587,7 @@ def _succeeded(w: _Work, spec: TrainingJobSpec) -> bool:
 
 def _suspend(w: _Work) -> None:
     st = w.status
+    st.tracked_pods = None  # every pod goes by the operator's own hand: none may count as vanished
     for pod in w.obs.pods:
         if not pod.deleting and not pod.finished:
             w.actions.append(DeletePod(pod.name, w.settings.delete_grace_seconds, REASON_SUSPENDED))
@@ -591,7 +647,8 @@ def _record(w: _Work, live: Iterable[PodView], created: Sequence[CreatePod]) -> 
         w.actions.append(WriteJobRecord(members, spares, expected))
 
 
-def _phase(w: _Work, spec: TrainingJobSpec, live: Sequence[PodView], lost_now: bool) -> None:
+def _phase(w: _Work, spec: TrainingJobSpec, live: Sequence[PodView], lost_now: bool,
+           vanished: set[str]) -> None:
     st = w.status
     etcd = w.obs.etcd
     running = [p for p in live if p.phase == "Running"]
@@ -609,11 +666,18 @@ def _phase(w: _Work, spec: TrainingJobSpec, live: Sequence[PodView], lost_now: b
     min_nodes = spec.min_nodes
 
     restarting_reason = ""
+    disappeared = False
     if manifest is not None:
         live_running = {p.name for p in running}
         gone = [m.node_id for m in manifest.members if m.node_id not in live_running]
-        if gone and (lost_now or any(n not in {p.name for p in live} for n in gone)):
+        if gone and (lost_now or vanished or any(n not in {p.name for p in live} for n in gone)):
             restarting_reason = f"member(s) {', '.join(gone[:5])} lost"
+            # The reason stays PodDisappeared for the rest of that restart (the pod is untracked by then).
+            before = condition(w.obs.job.status, ConditionType.RESTARTING)
+            disappeared = any(n in vanished for n in gone) or (
+                before is not None and before.status == ConditionStatus.TRUE
+                and before.reason == REASON_DISAPPEARED and st.last_failure is not None
+                and st.last_failure.pod in gone)
         current = [p for p in etcd.progress if p.epoch == etcd.epoch]
         if any(p.state == "restarting" and p.restarts_in_process > 0 for p in current):
             restarting_reason = restarting_reason or "in-process restart"
@@ -641,7 +705,8 @@ def _phase(w: _Work, spec: TrainingJobSpec, live: Sequence[PodView], lost_now: b
         w.cond(ConditionType.RESTARTING, ConditionStatus.FALSE, "RoundSealed", "training")
     elif phase == Phase.RESTARTING:
         w.cond(ConditionType.RESTARTING, ConditionStatus.TRUE,
-               "PodLost" if "lost" in restarting_reason else "InProcessRestart", restarting_reason)
+               REASON_DISAPPEARED if disappeared else "PodLost" if "lost" in restarting_reason
+               else "InProcessRestart", restarting_reason)
         w.cond(ConditionType.RUNNING, ConditionStatus.FALSE, "Restarting", restarting_reason)
     elif phase == Phase.STARTING and unschedulable and len(live) - len(unschedulable) < min_nodes:
         w.cond(ConditionType.RUNNING, ConditionStatus.FALSE, REASON_UNSCHEDULABLE,

@@ -103,6 +103,8 @@ def test_overlay_shows_created_and_deleted_pods_until_the_watch_catches_up() -> 
     pods = overlay(watched, created, {"p0": (30, NOW - 2)}, NOW)
     assert [p.name for p in pods] == ["p0", "p1"]
     assert pods[0].deleting_since == NOW - 2 and pods[0].deletion_grace == 30
+    # Only the watch's pods are real to the vanished-pod rule; the created one is assumed.
+    assert not pods[0].assumed and pods[1].assumed
 
 
 def test_written_status_is_patched_once_the_rate_limit_allows() -> None:
