@@ -208,6 +208,39 @@ def test_lost_pod_is_fenced_and_replaced(start_operator: OperatorFactory, jobs: 
     assert etcd_store.count_prefix(keys.prefix) == 0
 
 
+def test_force_deleted_pod_counts_once_as_a_replacement(start_operator: OperatorFactory, jobs: Jobs,
+                                                        etcd_store: Store, local_cluster: LocalCluster) -> None:
+    # Real agents running a bare command as their ranks: the rendezvous seals rounds, no torch is imported.
+    start_operator(jobs.ns)
+    created = jobs.create(job_body("vanish", replicas=2, command=SLEEP))
+    keys = JobKeys(jobs.ns, created["metadata"]["uid"])
+    wait_for("Running", phase_is(jobs, "vanish", "Running"), timeout=240)
+    wait_for("both workers tracked", lambda: jobs.status("vanish").get("trackedPods") == [
+        "vanish-worker-0", "vanish-worker-1"])
+    before = REGISTRY.get_sample_value("stalwart_operator_pod_replacements_total") or 0.0
+
+    # Gone at once: the operator never sees the pod with a deletionTimestamp.
+    local_cluster.kubectl("delete", "pod", "vanish-worker-1", "-n", jobs.ns, "--grace-period=0", "--force",
+                          "--wait=false")
+    st = wait_for("the replacement counted", lambda: (s := jobs.status("vanish")).get("restarts", {}).get(
+        "podReplacements", 0) >= 1 and s)
+    assert st["restarts"]["podReplacements"] == 1 and st["totalRestarts"] == 1
+    assert st["lastFailure"]["pod"] == "vanish-worker-1" and st["lastFailure"]["reason"] == "PodLost"
+    assert etcd_store.get(keys.rendezvous + "nodes/vanish-worker-1") is None  # fenced
+    wait_for("the replacement spare", lambda: any(p.metadata.name == "vanish-spare-0"
+                                                  for p in jobs.live_pods("vanish")))
+    st = wait_for("Running again with the replacement", lambda: (s := jobs.status("vanish")).get(
+        "phase") == "Running" and s.get("round", 0) >= 2 and s, timeout=240)
+    assert st["restarts"]["podReplacements"] == 1 and st["worldSize"] == 2
+    assert sorted(st["trackedPods"]) == ["vanish-spare-0", "vanish-worker-0"]
+    assert sorted(p.metadata.name for p in jobs.live_pods("vanish")) == ["vanish-spare-0", "vanish-worker-0"]
+    reasons = jobs.events("vanish")
+    assert reasons.count("PodDisappeared") == 1 and "PodReplaced" in reasons
+    assert (REGISTRY.get_sample_value("stalwart_operator_pod_replacements_total") or 0.0) == before + 1
+    jobs.delete("vanish")
+    wait_for("the job to go", lambda: jobs.gone("vanish"), timeout=90)
+
+
 def test_suspend_deletes_pods_keeps_etcd_and_resume_recreates(start_operator: OperatorFactory, jobs: Jobs,
                                                               etcd_store: Store) -> None:
     start_operator(jobs.ns)
