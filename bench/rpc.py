@@ -9,7 +9,9 @@ Prints one JSON object per line:
   heap while 100,000 retries are pending (in process; asyncio's ``call_later`` with the same load is
   printed beside it for reference).
 
-Usage: ``python bench/rpc.py [--calls N] [--tensor-calls N]``. torch needs numpy for TensorPipe's start-up.
+Both sides' processes stay up for the whole run and are measured in alternating rounds; each value is the
+median over the rounds (the rounds' own values are printed beside it). Usage: ``python bench/rpc.py
+[--calls N] [--tensor-calls N] [--rounds N]``. torch needs numpy for TensorPipe's start-up.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import multiprocessing as mp
 import os
 import random
 import socket
+import statistics
 import sys
 import time
 from typing import Any
@@ -61,50 +64,39 @@ def _measure(call: Any, make_tensor: Any, calls: int, tensor_calls: int) -> dict
     return {"latency_us": latency, "throughput_mib_s": mib_s}
 
 
-# -- stalwart ---------------------------------------------------------------------------------------------
+# -- the two worlds, measured in alternating rounds ----------------------------------------------------------
+#
+# Both pairs of processes are started first and stay up; the driver then asks each side's caller for one
+# round of measurements at a time, alternating which side goes first, so a noisy moment on this shared
+# machine falls on both sides alike. The reported value is each side's median over the rounds.
 
-def _stalwart_worker(rank: int, queues: tuple[Any, Any, Any], calls: int, tensor_calls: int) -> None:
-    addr_q, view_q, out_q = queues
+def _serve_rounds(call: Any, make_tensor: Any, cmd_q: Any, out_q: Any) -> None:
+    while True:
+        cmd = cmd_q.get()
+        if cmd is None:
+            return
+        calls, tensor_calls = cmd
+        out_q.put(_measure(call, make_tensor, calls, tensor_calls))
+
+
+def _stalwart_worker(rank: int, addr_q: Any, view_q: Any, cmd_q: Any, out_q: Any) -> None:
     import torch
 
-    from stalwart.agent.rpc import REGISTRY, RpcAgent, StaticMembership, View
+    from stalwart.agent.rpc import REGISTRY, Member, RpcAgent, StaticMembership, View
 
     REGISTRY.register(echo, "bench.echo", inline=False)
     REGISTRY.register(numel, "bench.numel", inline=False)
     agent = RpcAgent(f"w{rank}", rank, token=TOKEN)
     addr_q.put((rank, agent.start(), agent.incarnation))
     members = view_q.get()
-    from stalwart.agent.rpc import Member
-
     agent.join(StaticMembership(View.of(1, [Member(*m) for m in members])))
     if rank == 0:
-        result = _measure(lambda fn, arg: agent.rpc_sync("w1", fn, (arg,)),
-                          lambda: torch.ones(TENSOR_ELEMS), calls, tensor_calls)
-        out_q.put(result)
+        _serve_rounds(lambda fn, arg: agent.rpc_sync("w1", fn, (arg,)), lambda: torch.ones(TENSOR_ELEMS),
+                      cmd_q, out_q)
     agent.shutdown(graceful=True, timeout=60)
 
 
-def bench_stalwart(calls: int, tensor_calls: int) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    addr_q, out_q = ctx.Queue(), ctx.Queue()
-    view_qs = [ctx.Queue(), ctx.Queue()]
-    procs = [ctx.Process(target=_stalwart_worker, args=(r, (addr_q, view_qs[r], out_q), calls, tensor_calls))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(addr_q.get(timeout=120) for _ in procs)
-    members = [(f"w{r}", r, addr, inc) for r, addr, inc in got]
-    for q in view_qs:
-        q.put(members)
-    result: dict[str, float] = out_q.get(timeout=600)
-    for p in procs:
-        p.join(timeout=120)
-    return result
-
-
-# -- torch.distributed.rpc (TensorPipe) -------------------------------------------------------------------
-
-def _torch_worker(rank: int, port: int, out_q: Any, calls: int, tensor_calls: int) -> None:
+def _torch_worker(rank: int, port: int, cmd_q: Any, out_q: Any) -> None:
     import torch
     from torch.distributed import rpc
 
@@ -113,22 +105,50 @@ def _torch_worker(rank: int, port: int, out_q: Any, calls: int, tensor_calls: in
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, init_method=f"tcp://127.0.0.1:{port}")
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
-        out_q.put(_measure(lambda fn, arg: rpc.rpc_sync("w1", fn, args=(arg,)),
-                           lambda: torch.ones(TENSOR_ELEMS), calls, tensor_calls))
+        _serve_rounds(lambda fn, arg: rpc.rpc_sync("w1", fn, args=(arg,)), lambda: torch.ones(TENSOR_ELEMS),
+                      cmd_q, out_q)
     rpc.shutdown()
 
 
-def bench_torch(calls: int, tensor_calls: int) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_torch_worker, args=(r, port, out_q, calls, tensor_calls)) for r in range(2)]
+class _Side:
+    """One implementation's pair of processes and the queues to its caller."""
+
+    def __init__(self, ctx: Any, procs: list[Any], cmd_q: Any, out_q: Any) -> None:
+        self.procs, self.cmd_q, self.out_q = procs, cmd_q, out_q
+
+    def round(self, calls: int, tensor_calls: int) -> dict[str, float]:
+        self.cmd_q.put((calls, tensor_calls))
+        result: dict[str, float] = self.out_q.get(timeout=600)
+        return result
+
+    def stop(self) -> None:
+        self.cmd_q.put(None)
+        for p in self.procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+
+
+def start_stalwart(ctx: Any) -> _Side:
+    addr_q, cmd_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    view_qs = [ctx.Queue(), ctx.Queue()]
+    procs = [ctx.Process(target=_stalwart_worker, args=(r, addr_q, view_qs[r], cmd_q, out_q)) for r in range(2)]
     for p in procs:
         p.start()
-    result: dict[str, float] = out_q.get(timeout=600)
+    got = sorted(addr_q.get(timeout=120) for _ in procs)
+    members = [(f"w{r}", r, addr, inc) for r, addr, inc in got]
+    for q in view_qs:
+        q.put(members)
+    return _Side(ctx, procs, cmd_q, out_q)
+
+
+def start_torch(ctx: Any) -> _Side:
+    cmd_q, out_q = ctx.Queue(), ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_torch_worker, args=(r, port, cmd_q, out_q)) for r in range(2)]
     for p in procs:
-        p.join(timeout=120)
-    return result
+        p.start()
+    return _Side(ctx, procs, cmd_q, out_q)
 
 
 # -- the retry scheduler ----------------------------------------------------------------------------------
@@ -169,8 +189,9 @@ def bench_scheduler(pending: int = 100_000, ops: int = 100_000) -> dict[str, flo
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=3000, help="1 KiB round trips to time")
-    parser.add_argument("--tensor-calls", type=int, default=300, help="1 MiB tensor calls to time")
+    parser.add_argument("--calls", type=int, default=1000, help="1 KiB round trips to time per round")
+    parser.add_argument("--tensor-calls", type=int, default=100, help="1 MiB tensor calls to time per round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating measurement rounds per side")
     parser.add_argument("--skip-torch", action="store_true")
     args = parser.parse_args()
 
@@ -178,14 +199,26 @@ def main() -> int:
         print(json.dumps({"bench": "rpc", "impl": impl, "metric": metric, "value": round(value, 2), **extra}),
               flush=True)
 
-    ours = bench_stalwart(args.calls, args.tensor_calls)
-    theirs = None if args.skip_torch else bench_torch(args.calls, args.tensor_calls)
+    ctx = mp.get_context("spawn")
+    sides = {"stalwart": start_stalwart(ctx)}
+    if not args.skip_torch:
+        sides["torch-rpc"] = start_torch(ctx)
+    rounds: dict[str, list[dict[str, float]]] = {impl: [] for impl in sides}
+    try:
+        for r in range(args.rounds):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for impl in order:
+                rounds[impl].append(sides[impl].round(args.calls, args.tensor_calls))
+    finally:
+        for side in sides.values():
+            side.stop()
     for metric in ("latency_us", "throughput_mib_s"):
-        emit("stalwart", metric, ours[metric])
-        if theirs is not None:
-            emit("torch-rpc", metric, theirs[metric])
-            ratio = ours[metric] / theirs[metric]
-            emit("stalwart/torch-rpc", metric + "_ratio", ratio)
+        medians = {impl: statistics.median(m[metric] for m in got) for impl, got in rounds.items()}
+        for impl, value in medians.items():
+            emit(impl, metric, value, rounds=args.rounds,
+                 each=[round(m[metric], 1) for m in rounds[impl]])
+        if "torch-rpc" in medians:
+            emit("stalwart/torch-rpc", metric + "_ratio", medians["stalwart"] / medians["torch-rpc"])
     sched = bench_scheduler()
     for impl, value in sched.items():
         emit(impl, "scheduler_us_per_op", value, pending=100_000)

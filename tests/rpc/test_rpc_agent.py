@@ -80,6 +80,17 @@ def test_errors_are_typed(three: Any) -> None:
         a.rpc_async("w1", "t.echo", (1,), timeout=0)
 
 
+def _record_kinds(data: bytes) -> set[int]:
+    """The kinds of the length-prefixed records in ``data`` (the top two bits of each prefix)."""
+    kinds, at = set(), 0
+    while at < len(data):
+        word = int.from_bytes(data[at:at + 4], "big")
+        kinds.add(word >> 30)
+        at += 4 + (word & ((1 << 30) - 1))
+    assert at == len(data)
+    return kinds
+
+
 def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_streams(tmp_path: Path) -> None:
     agents, _ = world(1)
     server = agents[0]
@@ -128,7 +139,9 @@ def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_streams(tmp_
         assert asyncio.run(raw(hello("wrong-token-0123456789"), framed_evil)) == REFUSED
         assert asyncio.run(raw(evil[:40].ljust(40, b"\0"), framed_evil)) == REFUSED
         # even with the right token, a pickle is only a malformed frame: dropped, never loaded, no reply
-        assert asyncio.run(raw_open(hello(TOKEN), framed_evil)) == ACCEPTED
+        answer = asyncio.run(raw_open(hello(TOKEN), framed_evil))
+        assert answer[:1] == ACCEPTED
+        assert _record_kinds(answer[1:]) <= {2}  # at most the server's arena offer: transport records, no reply
         assert not marker.exists()
         assert server.rpc_sync("w0", "t.echo", ("still fine",)) == "still fine"
     finally:

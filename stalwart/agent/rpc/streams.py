@@ -25,10 +25,13 @@ Wire format. The caller opens a connection and first writes a fixed 40-byte hell
 exactly those 40 bytes (within :data:`HELLO_TIMEOUT` seconds) and compares the digest to its own with
 :func:`hmac.compare_digest` (constant time) *before it reads a single frame*; on a mismatch it answers one
 refusal byte ``0x00`` and closes, so an unauthenticated peer gets nothing and none of its bytes is ever
-parsed. On a match it answers ``0x01``. Every message after that, both ways, is ``u32 length (big-endian)
-| frame``; a length above ``max_frame_bytes`` closes the connection before the body is read. As with the gRPC
-adapter, the digest travels in clear text: it fences jobs from each other, it is not a secret against an
-eavesdropper on the node network.
+parsed. On a match it answers ``0x01``. Every record after that, both ways, is ``u32 prefix (big-endian)
+| body``: the prefix's top two bits give the record's kind and the other 30 its body's length. Kind 0 is a
+frame (a length above ``max_frame_bytes`` closes the connection before the body is read); kind 1 is a
+frame's place in the sender's shared-memory arena and kind 2 a control record that sets such an arena up
+or releases part of it (:mod:`.shm`: between processes on one host, large frames skip the TCP stack).
+As with the gRPC adapter, the digest travels in clear text: it fences jobs from each other, it is not a
+secret against an eavesdropper on the node network.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ from collections.abc import Callable
 from typing import Any
 
 from stalwart.agent.rpc.errors import TransportError
+from stalwart.agent.rpc.shm import (
+    DEFAULT_ARENA_BYTES,
+    MIN_ARENA_BYTES,
+    ArenaError,
+    ArenaReader,
+    ArenaWriter,
+    Descriptor,
+    Offer,
+)
 from stalwart.agent.rpc.transport import (
     DEFAULT_MAX_FRAME_BYTES,
     Buffer,
@@ -64,6 +76,8 @@ HELLO_BYTES = len(MAGIC) + 32
 HELLO_TIMEOUT = 10.0
 #: Seconds to open a connection to a peer.
 CONNECT_TIMEOUT = 10.0
+#: Seconds a connection being closed gracefully waits for its peer to close its end.
+CLOSE_LINGER = 5.0
 ACCEPTED = b"\x01"
 REFUSED = b"\x00"
 #: A sender waits once this many bytes are queued on a connection, until fewer than LOW_WATER are.
@@ -75,6 +89,19 @@ _READ_BUFFER = 256 * 1024
 _READS_PER_WAKEUP = 16  # bounded, so one busy connection cannot starve the others on the loop
 _IOV_MAX = 512  # buffers per sendmsg call (the kernel's limit is 1024)
 _LEN = struct.Struct(">I")
+# The top two bits of a length prefix say what follows: a frame, a frame's place in the sender's arena, or a
+# transport control record (arena set-up and releases). The other 30 bits are the body's length.
+_KIND_SHIFT = 30
+_LEN_MASK = (1 << _KIND_SHIFT) - 1
+_FRAME, _ARENA_FRAME, _CONTROL = 0, 1, 2
+_MAX_RECORD = 256  # bodies of arena descriptors and control records
+_OFFER, _ACCEPT, _REFUSE, _RELEASE = 1, 2, 3, 4
+_U64 = struct.Struct(">Q")
+_RELEASE_DELAY = 0.002  # seconds a receiver may sit on a release, to send one record for several frames
+
+
+def _prefix(kind: int, n: int) -> bytes:
+    return _LEN.pack(kind << _KIND_SHIFT | n)
 
 
 def hello(token: str) -> bytes:
@@ -121,7 +148,7 @@ class _Connection:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: str, limit: int, *,
                  preamble: int, on_preamble: PreambleHandler, on_frame: FrameHandler,
-                 on_close: CloseHandler) -> None:
+                 on_close: CloseHandler, arena_bytes: int = 0, stats: collections.Counter[str] | None = None) -> None:
         self.peer = peer
         self.closed = False
         self._loop = loop
@@ -142,15 +169,23 @@ class _Connection:
         self._queue: collections.deque[memoryview] = collections.deque()
         self._queued = 0
         self._writing = False
-        self._close_when_flushed = False
+        self._closing = False  # close_when_flushed() was called: reads are discarded, writes refused
+        self._linger: asyncio.TimerHandle | None = None
         self._waiters: list[asyncio.Future[None]] = []
+        self._arena_bytes = arena_bytes
+        self._arena_out: ArenaWriter | None = None  # ours, once offered
+        self._arena_in: ArenaReader | None = None  # the peer's, once accepted
+        self._release_end = 0
+        self._release_bytes = 0
+        self._release_timer: asyncio.TimerHandle | None = None
+        self.stats = stats if stats is not None else collections.Counter()
         loop.add_reader(self._fd, self._readable)
 
     # -- writing ------------------------------------------------------------------------------------------
 
     def write_raw(self, parts: list[Buffer]) -> None:
         """Queue ``parts`` for the peer, sending at once what the socket takes. Raises TransportError."""
-        if self.closed:
+        if self.closed or self._closing:
             raise TransportError(f"connection to {self.peer} is closed")
         if self._queue:
             for p in parts:
@@ -184,14 +219,80 @@ class _Connection:
             self._loop.add_writer(self._fd, self._writable)
 
     def write_frame(self, frame: OutFrame) -> None:
-        """Queue one frame with its length prefix. Raises TransportError when the connection is closed."""
-        if isinstance(frame, bytes | bytearray | memoryview):
-            self.write_raw([_LEN.pack(memoryview(frame).nbytes), frame])
+        """Queue one frame with its length prefix (or, when large and the peer shares our arena, its place
+        in the arena). Raises TransportError when the connection is closed."""
+        parts: list[Buffer] = [frame] if isinstance(frame, bytes | bytearray | memoryview) else frame
+        n = 0
+        for p in parts:
+            n += len(p) if isinstance(p, bytes) else memoryview(p).nbytes
+        arena = self._arena_out
+        if n >= OWN_BUFFER_FROM and arena is not None and arena.accepted and not self.closed:
+            where = arena.put(parts, n)
+            if where is not None:
+                self.stats["arena_frames_out"] += 1
+                record = where.encode()
+                self.write_raw([_prefix(_ARENA_FRAME, len(record)), record])
+                return
+        self.write_raw([_prefix(_FRAME, n), *parts])
+
+    def _control(self, op: int, data: bytes = b"") -> None:
+        self.write_raw([_prefix(_CONTROL, 1 + len(data)), bytes((op,)) + data])
+
+    def _offer_arena(self) -> None:
+        try:
+            self._arena_out = ArenaWriter(self._arena_bytes)
+        except (OSError, ValueError) as e:  # no /dev/shm, or not enough of it: frames go inline
+            log.debug("no shared-memory arena for %s: %s", self.peer, e)
+            return
+        self._control(_OFFER, self._arena_out.offer.encode())
+
+    def _on_control(self, body: bytes) -> None:
+        op, data = body[0], body[1:]
+        arena = self._arena_out
+        if op == _OFFER:
+            try:
+                self._arena_in = ArenaReader(Offer.decode(data))
+            except ArenaError as e:
+                log.debug("arena of %s not used: %s", self.peer, e)
+                self._control(_REFUSE)
+                return
+            self._control(_ACCEPT)
+        elif op == _ACCEPT and arena is not None:
+            arena.accepted = True
+            arena.unlink()  # both sides have it mapped: nothing may outlive the processes
+        elif op == _REFUSE and arena is not None:
+            arena.close()
+            self._arena_out = None
+        elif op == _RELEASE and arena is not None and len(data) == _U64.size:
+            arena.ring.release(_U64.unpack(data)[0])
         else:
-            n = 0
-            for p in frame:
-                n += memoryview(p).nbytes
-            self.write_raw([_LEN.pack(n), *frame])
+            raise TransportError(f"{self.peer} sent an unexpected control record {op}")
+
+    def _on_arena_frame(self, body: bytes) -> None:
+        if self._arena_in is None:
+            raise TransportError(f"{self.peer} sent an arena frame without an accepted arena")
+        try:
+            where = Descriptor.decode(body)
+            frame = self._arena_in.take(where)
+        except ArenaError as e:
+            raise TransportError(f"{self.peer}: {e}") from None
+        self.stats["arena_frames_in"] += 1
+        self._release_end = where.end
+        self._release_bytes += where.length
+        if self._release_bytes >= self._arena_in.size // 4:
+            self._send_release()
+        elif self._release_timer is None:
+            self._release_timer = self._loop.call_later(_RELEASE_DELAY, self._send_release)
+        self._on_frame(frame)
+
+    def _send_release(self) -> None:
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+        if self._release_bytes and not self.closed:
+            self._release_bytes = 0
+            with contextlib.suppress(TransportError):
+                self._control(_RELEASE, _U64.pack(self._release_end))
 
     async def drain(self) -> None:
         """Wait while more than HIGH_WATER bytes are queued. Raises TransportError if the connection closes."""
@@ -224,9 +325,8 @@ class _Connection:
         if not queue:
             self._writing = False
             self._loop.remove_writer(self._fd)
-            if self._close_when_flushed:
-                self.abort(None)
-                return
+            if self._closing:
+                self._end_writes()
         if self._queued <= LOW_WATER:
             self._wake(None)
 
@@ -247,6 +347,9 @@ class _Connection:
     # -- reading ------------------------------------------------------------------------------------------
 
     def _readable(self) -> None:
+        if self._closing:
+            self._discard()
+            return
         for _ in range(_READS_PER_WAKEUP):
             big_view = self._big_view
             try:
@@ -276,7 +379,7 @@ class _Connection:
             else:
                 self._end += n
                 self._parse()
-            if self.closed:
+            if self.closed or self._closing:
                 return
             if n < 4096 and self._big is None:
                 return  # the socket is most likely empty: save a recv that would only say so
@@ -284,7 +387,7 @@ class _Connection:
     def _parse(self) -> None:
         view = self._view
         start, end = self._start, self._end
-        while not self.closed:
+        while not (self.closed or self._closing):
             avail = end - start
             if self._preamble:
                 if avail < self._preamble:
@@ -295,16 +398,34 @@ class _Connection:
                 if not self._on_preamble(data):
                     self.close_when_flushed()
                     return
+                if self._arena_bytes:
+                    self._offer_arena()
                 continue
             if avail < _LEN.size:
                 break
-            (n,) = _LEN.unpack_from(self._buf, start)
+            (word,) = _LEN.unpack_from(self._buf, start)
+            kind, n = word >> _KIND_SHIFT, word & _LEN_MASK
+            if kind != _FRAME:
+                if kind > _CONTROL or n > _MAX_RECORD or n < 1:
+                    self.abort(TransportError(f"{self.peer} sent a record of kind {kind}, {n} bytes"))
+                    return
+                if avail < _LEN.size + n:
+                    break
+                body = bytes(view[start + _LEN.size:start + _LEN.size + n])
+                start += _LEN.size + n
+                self._start = start
+                try:
+                    (self._on_control if kind == _CONTROL else self._on_arena_frame)(body)
+                except TransportError as e:
+                    self.abort(e)
+                    return
+                continue
             if n > self._limit:
                 self.abort(TransportError(f"{self.peer} sent a frame of {n} bytes; the limit is {self._limit}"))
                 return
             if avail >= _LEN.size + n:
-                body = view[start + _LEN.size:start + _LEN.size + n]
-                frame: bytes | bytearray = bytearray(body) if n >= OWN_BUFFER_FROM else bytes(body)
+                inline = view[start + _LEN.size:start + _LEN.size + n]
+                frame: bytes | bytearray = bytearray(inline) if n >= OWN_BUFFER_FROM else bytes(inline)
                 start += _LEN.size + n
                 self._start = start
                 self._on_frame(frame)
@@ -330,15 +451,32 @@ class _Connection:
     # -- closing ------------------------------------------------------------------------------------------
 
     def close_when_flushed(self) -> None:
-        """Stop reading; close once what is queued has gone out."""
-        if self.closed:
+        """Close gracefully: send what is queued, then end our direction (FIN) and read (discarding) until
+        the peer ends its own, or CLOSE_LINGER seconds pass. Closing a socket that still has unread bytes
+        makes the kernel answer with a reset, which can destroy data the peer has not read yet (a reply)."""
+        if self.closed or self._closing:
             return
-        with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._fd)
+        self._closing = True
+        self._linger = self._loop.call_later(CLOSE_LINGER, self.abort, None)
         if not self._queue:
+            self._end_writes()
+
+    def _end_writes(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError:
             self.abort(None)
-        else:
-            self._close_when_flushed = True
+
+    def _discard(self) -> None:
+        try:
+            while True:
+                if not self._sock.recv_into(self._view):
+                    self.abort(None)
+                    return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.abort(None)
 
     def abort(self, exc: BaseException | None) -> None:
         """Close now, dropping what is queued; ``on_close`` learns why."""
@@ -353,6 +491,14 @@ class _Connection:
         self._queue.clear()
         self._queued = 0
         self._sock.close()
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+        if self._linger is not None:
+            self._linger.cancel()
+        if self._arena_out is not None:
+            self._arena_out.close()
+        if self._arena_in is not None:
+            self._arena_in.close()
         self._wake(TransportError(f"connection to {self.peer} closed"))
         self._on_close(exc)
 
@@ -445,13 +591,20 @@ class _ClientSide:
 class StreamTransport:
     """Frames over TCP with a per-job token. All methods run on the agent's loop."""
 
-    def __init__(self, token: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(self, token: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 arena_bytes: int = DEFAULT_ARENA_BYTES) -> None:
         if not isinstance(token, str) or len(token) < 16:
             raise ValueError("token: the RPC token must be a string of at least 16 characters "
                              "(STALWART_RPC_TOKEN from the job's Secret)")
-        if max_frame_bytes < 1 or max_frame_bytes > 0xFFFFFFFF:
-            raise ValueError(f"max_frame_bytes: must be in [1, 2**32 - 1], got {max_frame_bytes}")
+        if max_frame_bytes < 1 or max_frame_bytes > _LEN_MASK:
+            raise ValueError(f"max_frame_bytes: must be in [1, 2**30 - 1], got {max_frame_bytes}")
+        if arena_bytes != 0 and arena_bytes < MIN_ARENA_BYTES:
+            raise ValueError(f"arena_bytes: 0 (no shared-memory arena) or at least {MIN_ARENA_BYTES}, "
+                             f"got {arena_bytes}")
         self.max_frame_bytes = max_frame_bytes
+        self.arena_bytes = arena_bytes
+        #: Frames that went through shared memory, by direction (``arena_frames_out``/``_in``).
+        self.stats: collections.Counter[str] = collections.Counter()
         self.hello_digest = hello(token)
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -527,7 +680,7 @@ class StreamTransport:
             side = _ServerSide(self, peer)
             side.conn = _Connection(loop, sock, peer, self.max_frame_bytes, preamble=HELLO_BYTES,
                                     on_preamble=side.check_hello, on_frame=side.on_frame,
-                                    on_close=side.on_close)
+                                    on_close=side.on_close, arena_bytes=self.arena_bytes, stats=self.stats)
             side.hello_timer = loop.call_later(HELLO_TIMEOUT, side.hello_overdue)
             self._servers.add(side)
 
@@ -560,7 +713,7 @@ class StreamTransport:
             client = _ClientSide(self, address)
             client.conn = _Connection(loop, sock, address, self.max_frame_bytes, preamble=len(ACCEPTED),
                                       on_preamble=client.check_answer, on_frame=client.on_frame,
-                                      on_close=client.on_close)
+                                      on_close=client.on_close, arena_bytes=self.arena_bytes, stats=self.stats)
             client.conn.write_raw([self.hello_digest])
             self._clients[address] = client
             return client

@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 _METHOD = "/stalwart.rpc.v1.Rpc/Stream"
 _SERVICE = "stalwart.rpc.v1.Rpc"
 _TOKEN_KEY = "x-stalwart-token"
-#: Largest frame either side accepts (gRPC's own limit; tensors bigger than this must be split).
-DEFAULT_MAX_FRAME_BYTES = 1024 * 1024 * 1024
+#: Largest frame either side accepts (tensors bigger than this must be split). Just under 1 GiB: the stream
+#: transport's length prefixes have 30 bits.
+DEFAULT_MAX_FRAME_BYTES = 1023 * 1024 * 1024
 
 
 def _identity(b: bytes) -> bytes:
