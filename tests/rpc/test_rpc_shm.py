@@ -19,6 +19,7 @@ from stalwart.agent.rpc.shm import (
     ArenaError,
     ArenaReader,
     ArenaWriter,
+    Budget,
     Descriptor,
     Offer,
     Ring,
@@ -168,8 +169,18 @@ def test_large_tensors_go_through_the_arena_both_ways_and_wrap_around_it() -> No
     assert _arena_files() == before
 
 
-def test_without_an_arena_or_when_the_peer_cannot_map_it_frames_go_inline(monkeypatch: pytest.MonkeyPatch) -> None:
-    agents, transports = _pair(arena_bytes=0)
+def test_budget_caps_what_a_process_holds() -> None:
+    budget = Budget(3 * MIN_ARENA_BYTES)
+    assert budget.take(2 * MIN_ARENA_BYTES) and not budget.take(2 * MIN_ARENA_BYTES)
+    budget.give(2 * MIN_ARENA_BYTES)
+    assert budget.take(3 * MIN_ARENA_BYTES) and budget.used == 3 * MIN_ARENA_BYTES
+    with pytest.raises(ValueError, match="arena_budget"):
+        StreamTransport(TOKEN, arena_budget=-1)
+
+
+@pytest.mark.parametrize("options", [{"arena_bytes": 0}, {"arena_budget": 0}], ids=["no-arena", "budget-spent"])
+def test_without_an_arena_frames_go_inline(options: dict[str, int]) -> None:
+    agents, transports = _pair(**options)
     try:
         t = torch.randn(300_000)
         assert torch.equal(agents[0].rpc_sync("w1", "t.echo", (t,)), t)
@@ -177,6 +188,8 @@ def test_without_an_arena_or_when_the_peer_cannot_map_it_frames_go_inline(monkey
     finally:
         shutdown_all(agents)
 
+
+def test_when_the_peer_cannot_map_the_arena_frames_go_inline(monkeypatch: pytest.MonkeyPatch) -> None:
     def elsewhere(self: ArenaReader, offer: Offer) -> None:
         raise ArenaError("no arena here: not the same host")
 

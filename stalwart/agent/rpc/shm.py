@@ -14,7 +14,9 @@ that the file starts with the 16 random bytes of the cookie (a process on anothe
 pod's IPC namespace, finds no such file, or not that one), maps it read-only and accepts. The sender then
 unlinks the file: the mapping stays, and no file outlives the processes even if they are killed. The
 arena is reserved with ``posix_fallocate`` when it is created, so a full ``/dev/shm`` means no arena
-(offer not made) rather than a ``SIGBUS`` later.
+(offer not made) rather than a ``SIGBUS`` later. /dev/shm is shared with NCCL and data loaders, so a
+process holds at most :data:`DEFAULT_ARENA_BUDGET` bytes of arenas (further connections go without) and
+creates none while /dev/shm has less than :data:`FREE_FACTOR` times an arena free.
 
 Everything read from an arena is a frame like any other: the codec checks it in full. Descriptors are
 bounds-checked against the arena before any byte is read.
@@ -23,6 +25,7 @@ bounds-checked against the arena before any byte is read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import re
@@ -40,6 +43,11 @@ HEADER_BYTES = 64  # the cookie, padded: the ring starts after it
 DEFAULT_ARENA_BYTES = 16 * 1024 * 1024
 #: Smallest arena: below this the ring would not hold the frames worth sending this way.
 MIN_ARENA_BYTES = 1024 * 1024
+#: Default cap on the arenas one process creates in all (its share of /dev/shm, which NCCL and data loaders
+#: need too: a container's /dev/shm is often only 64 MiB).
+DEFAULT_ARENA_BUDGET = 64 * 1024 * 1024
+#: An arena is only created while /dev/shm has this many times its size free.
+FREE_FACTOR = 4
 
 _OFFER = struct.Struct(">Q16s")  # size, cookie; the name follows
 _DESCRIPTOR = struct.Struct(">QQI")  # end counter, offset in the arena, length
@@ -136,6 +144,9 @@ class ArenaWriter:
         self.cookie = secrets.token_bytes(COOKIE_BYTES)
         self.size = size
         self.path = os.path.join(SHM_DIR, self.name)
+        fs = os.statvfs(SHM_DIR)
+        if fs.f_bavail * fs.f_frsize < FREE_FACTOR * size:
+            raise OSError(errno.ENOSPC, f"{SHM_DIR} has less than {FREE_FACTOR} x {size} bytes free")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -179,6 +190,25 @@ class ArenaWriter:
         self._view.release()
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+class Budget:
+    """How many arena bytes one process may hold at once (all its connections together)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"limit: must be >= 0, got {limit}")
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used = max(0, self.used - n)
 
 
 class ArenaReader:

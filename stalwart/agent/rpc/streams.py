@@ -50,11 +50,13 @@ from typing import Any
 
 from stalwart.agent.rpc.errors import TransportError
 from stalwart.agent.rpc.shm import (
+    DEFAULT_ARENA_BUDGET,
     DEFAULT_ARENA_BYTES,
     MIN_ARENA_BYTES,
     ArenaError,
     ArenaReader,
     ArenaWriter,
+    Budget,
     Descriptor,
     Offer,
 )
@@ -148,7 +150,8 @@ class _Connection:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: str, limit: int, *,
                  preamble: int, on_preamble: PreambleHandler, on_frame: FrameHandler,
-                 on_close: CloseHandler, arena_bytes: int = 0, stats: collections.Counter[str] | None = None) -> None:
+                 on_close: CloseHandler, arena_bytes: int = 0, budget: Budget | None = None,
+                 stats: collections.Counter[str] | None = None) -> None:
         self.peer = peer
         self.closed = False
         self._loop = loop
@@ -173,6 +176,7 @@ class _Connection:
         self._linger: asyncio.TimerHandle | None = None
         self._waiters: list[asyncio.Future[None]] = []
         self._arena_bytes = arena_bytes
+        self._budget = budget if budget is not None else Budget(arena_bytes)
         self._arena_out: ArenaWriter | None = None  # ours, once offered
         self._arena_in: ArenaReader | None = None  # the peer's, once accepted
         self._release_end = 0
@@ -239,12 +243,22 @@ class _Connection:
         self.write_raw([_prefix(_CONTROL, 1 + len(data)), bytes((op,)) + data])
 
     def _offer_arena(self) -> None:
+        if not self._budget.take(self._arena_bytes):
+            log.debug("no shared-memory arena for %s: this process's arena budget is spent", self.peer)
+            return
         try:
             self._arena_out = ArenaWriter(self._arena_bytes)
         except (OSError, ValueError) as e:  # no /dev/shm, or not enough of it: frames go inline
+            self._budget.give(self._arena_bytes)
             log.debug("no shared-memory arena for %s: %s", self.peer, e)
             return
         self._control(_OFFER, self._arena_out.offer.encode())
+
+    def _drop_arena(self) -> None:
+        if self._arena_out is not None:
+            self._arena_out.close()
+            self._arena_out = None
+            self._budget.give(self._arena_bytes)
 
     def _on_control(self, body: bytes) -> None:
         op, data = body[0], body[1:]
@@ -261,8 +275,7 @@ class _Connection:
             arena.accepted = True
             arena.unlink()  # both sides have it mapped: nothing may outlive the processes
         elif op == _REFUSE and arena is not None:
-            arena.close()
-            self._arena_out = None
+            self._drop_arena()
         elif op == _RELEASE and arena is not None and len(data) == _U64.size:
             arena.ring.release(_U64.unpack(data)[0])
         else:
@@ -495,8 +508,7 @@ class _Connection:
             self._release_timer.cancel()
         if self._linger is not None:
             self._linger.cancel()
-        if self._arena_out is not None:
-            self._arena_out.close()
+        self._drop_arena()
         if self._arena_in is not None:
             self._arena_in.close()
         self._wake(TransportError(f"connection to {self.peer} closed"))
@@ -592,7 +604,7 @@ class StreamTransport:
     """Frames over TCP with a per-job token. All methods run on the agent's loop."""
 
     def __init__(self, token: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 arena_bytes: int = DEFAULT_ARENA_BYTES) -> None:
+                 arena_bytes: int = DEFAULT_ARENA_BYTES, arena_budget: int = DEFAULT_ARENA_BUDGET) -> None:
         if not isinstance(token, str) or len(token) < 16:
             raise ValueError("token: the RPC token must be a string of at least 16 characters "
                              "(STALWART_RPC_TOKEN from the job's Secret)")
@@ -603,6 +615,10 @@ class StreamTransport:
                              f"got {arena_bytes}")
         self.max_frame_bytes = max_frame_bytes
         self.arena_bytes = arena_bytes
+        if arena_budget < 0:
+            raise ValueError(f"arena_budget: the bytes of /dev/shm this process's arenas may hold, >= 0, "
+                             f"got {arena_budget}")
+        self.arena_budget = Budget(arena_budget)
         #: Frames that went through shared memory, by direction (``arena_frames_out``/``_in``).
         self.stats: collections.Counter[str] = collections.Counter()
         self.hello_digest = hello(token)
@@ -680,7 +696,8 @@ class StreamTransport:
             side = _ServerSide(self, peer)
             side.conn = _Connection(loop, sock, peer, self.max_frame_bytes, preamble=HELLO_BYTES,
                                     on_preamble=side.check_hello, on_frame=side.on_frame,
-                                    on_close=side.on_close, arena_bytes=self.arena_bytes, stats=self.stats)
+                                    on_close=side.on_close, arena_bytes=self.arena_bytes,
+                                    budget=self.arena_budget, stats=self.stats)
             side.hello_timer = loop.call_later(HELLO_TIMEOUT, side.hello_overdue)
             self._servers.add(side)
 
@@ -713,7 +730,8 @@ class StreamTransport:
             client = _ClientSide(self, address)
             client.conn = _Connection(loop, sock, address, self.max_frame_bytes, preamble=len(ACCEPTED),
                                       on_preamble=client.check_answer, on_frame=client.on_frame,
-                                      on_close=client.on_close, arena_bytes=self.arena_bytes, stats=self.stats)
+                                      on_close=client.on_close, arena_bytes=self.arena_bytes,
+                                      budget=self.arena_budget, stats=self.stats)
             client.conn.write_raw([self.hello_digest])
             self._clients[address] = client
             return client
