@@ -9,9 +9,12 @@ Prints one JSON object per line:
   heap while 100,000 retries are pending (in process; asyncio's ``call_later`` with the same load is
   printed beside it for reference).
 
-Both sides' processes stay up for the whole run and are measured in alternating rounds; each value is the
-median over the rounds (the rounds' own values are printed beside it). Usage: ``python bench/rpc.py
-[--calls N] [--tensor-calls N] [--rounds N]``. torch needs numpy for TensorPipe's start-up.
+Each is measured twice: as it runs between two processes on one host (stalwart's shared-memory arena,
+TensorPipe's shm/cma), and restricted to TCP as between hosts (``-tcp``: stalwart without arenas,
+TensorPipe with its ``uv`` transport and ``basic`` channel). All the processes stay up for the whole run
+and the sides are measured in alternating rounds; each value is the median over the rounds (the rounds'
+own values are printed beside it). Usage: ``python bench/rpc.py [--calls N] [--tensor-calls N]
+[--rounds N] [--no-tcp]``. torch needs numpy for TensorPipe's start-up.
 """
 
 from __future__ import annotations
@@ -79,14 +82,17 @@ def _serve_rounds(call: Any, make_tensor: Any, cmd_q: Any, out_q: Any) -> None:
         out_q.put(_measure(call, make_tensor, calls, tensor_calls))
 
 
-def _stalwart_worker(rank: int, addr_q: Any, view_q: Any, cmd_q: Any, out_q: Any) -> None:
+def _stalwart_worker(rank: int, queues: tuple[Any, Any, Any, Any], tcp_only: bool) -> None:
+    addr_q, view_q, cmd_q, out_q = queues
     import torch
 
     from stalwart.agent.rpc import REGISTRY, Member, RpcAgent, StaticMembership, View
+    from stalwart.agent.rpc.streams import StreamTransport
 
     REGISTRY.register(echo, "bench.echo", inline=False)
     REGISTRY.register(numel, "bench.numel", inline=False)
-    agent = RpcAgent(f"w{rank}", rank, token=TOKEN)
+    transport = StreamTransport(TOKEN, arena_bytes=0) if tcp_only else StreamTransport(TOKEN)
+    agent = RpcAgent(f"w{rank}", rank, token=TOKEN, transport=transport)
     addr_q.put((rank, agent.start(), agent.incarnation))
     members = view_q.get()
     agent.join(StaticMembership(View.of(1, [Member(*m) for m in members])))
@@ -96,13 +102,15 @@ def _stalwart_worker(rank: int, addr_q: Any, view_q: Any, cmd_q: Any, out_q: Any
     agent.shutdown(graceful=True, timeout=60)
 
 
-def _torch_worker(rank: int, port: int, cmd_q: Any, out_q: Any) -> None:
+def _torch_worker(rank: int, port: int, cmd_q: Any, out_q: Any, tcp_only: bool) -> None:
     import torch
     from torch.distributed import rpc
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, init_method=f"tcp://127.0.0.1:{port}")
+    # tcp_only: TensorPipe's TCP transport and basic channel, as between pods on different nodes
+    extra: dict[str, Any] = {"_transports": ["uv"], "_channels": ["basic"]} if tcp_only else {}
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, init_method=f"tcp://127.0.0.1:{port}", **extra)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
         _serve_rounds(lambda fn, arg: rpc.rpc_sync("w1", fn, args=(arg,)), lambda: torch.ones(TENSOR_ELEMS),
@@ -129,10 +137,11 @@ class _Side:
                 p.kill()
 
 
-def start_stalwart(ctx: Any) -> _Side:
+def start_stalwart(ctx: Any, tcp_only: bool = False) -> _Side:
     addr_q, cmd_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     view_qs = [ctx.Queue(), ctx.Queue()]
-    procs = [ctx.Process(target=_stalwart_worker, args=(r, addr_q, view_qs[r], cmd_q, out_q)) for r in range(2)]
+    procs = [ctx.Process(target=_stalwart_worker, args=(r, (addr_q, view_qs[r], cmd_q, out_q), tcp_only))
+             for r in range(2)]
     for p in procs:
         p.start()
     got = sorted(addr_q.get(timeout=120) for _ in procs)
@@ -142,10 +151,10 @@ def start_stalwart(ctx: Any) -> _Side:
     return _Side(ctx, procs, cmd_q, out_q)
 
 
-def start_torch(ctx: Any) -> _Side:
+def start_torch(ctx: Any, tcp_only: bool = False) -> _Side:
     cmd_q, out_q = ctx.Queue(), ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_torch_worker, args=(r, port, cmd_q, out_q)) for r in range(2)]
+    procs = [ctx.Process(target=_torch_worker, args=(r, port, cmd_q, out_q, tcp_only)) for r in range(2)]
     for p in procs:
         p.start()
     return _Side(ctx, procs, cmd_q, out_q)
@@ -193,6 +202,8 @@ def main() -> int:
     parser.add_argument("--tensor-calls", type=int, default=100, help="1 MiB tensor calls to time per round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating measurement rounds per side")
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--tcp", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure both restricted to TCP (as across hosts)")
     args = parser.parse_args()
 
     def emit(impl: str, metric: str, value: float, **extra: Any) -> None:
@@ -200,9 +211,14 @@ def main() -> int:
               flush=True)
 
     ctx = mp.get_context("spawn")
+    # "-tcp": both restricted to TCP (no shared memory), as between processes on different hosts
     sides = {"stalwart": start_stalwart(ctx)}
     if not args.skip_torch:
         sides["torch-rpc"] = start_torch(ctx)
+    if args.tcp:
+        sides["stalwart-tcp"] = start_stalwart(ctx, tcp_only=True)
+        if not args.skip_torch:
+            sides["torch-rpc-tcp"] = start_torch(ctx, tcp_only=True)
     rounds: dict[str, list[dict[str, float]]] = {impl: [] for impl in sides}
     try:
         for r in range(args.rounds):
@@ -217,8 +233,9 @@ def main() -> int:
         for impl, value in medians.items():
             emit(impl, metric, value, rounds=args.rounds,
                  each=[round(m[metric], 1) for m in rounds[impl]])
-        if "torch-rpc" in medians:
-            emit("stalwart/torch-rpc", metric + "_ratio", medians["stalwart"] / medians["torch-rpc"])
+        for ours, theirs in (("stalwart", "torch-rpc"), ("stalwart-tcp", "torch-rpc-tcp")):
+            if ours in medians and theirs in medians:
+                emit(f"{ours}/{theirs}", metric + "_ratio", medians[ours] / medians[theirs])
     sched = bench_scheduler()
     for impl, value in sched.items():
         emit(impl, "scheduler_us_per_op", value, pending=100_000)
