@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,11 +92,14 @@ def _stop_procs(stop: list[Any], procs: dict[str, Any]) -> None:
 
 
 def stop_cluster(cluster: Cluster) -> None:
+    """Shut the driver and the workers down together: graceful shutdown is a barrier among all of them."""
+    driver = threading.Thread(target=cluster.driver.shutdown, kwargs={"graceful": True, "timeout": 20})
+    driver.start()
     try:
-        cluster.driver.shutdown(graceful=True, timeout=20)
-    finally:
-        cluster.membership.close()
         _stop_procs(cluster.stop, cluster.procs)
+    finally:
+        driver.join()
+        cluster.membership.close()
         cluster.store.close()
 
 
