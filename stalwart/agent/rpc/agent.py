@@ -302,6 +302,10 @@ class RpcAgent:
         is sent once and fails with the first transport error. Errors: :class:`~.errors.RemoteError` (the
         function raised), :class:`~.errors.RpcTimeout`, :class:`~.errors.WorkerDied`,
         :class:`~.errors.StaleEpoch`, :class:`~.errors.UnknownFunction`, :class:`~.errors.PayloadError`.
+
+        Tensors in ``args`` are sent from their own memory, not copied first (a retry sends them again): do
+        not change them in place until the future is done. On the receiving side, a tensor of 64 KiB or more
+        is a view of its message's buffer (which stays alive with it), not a copy.
         """
         t = self._check_call(timeout, retry, idempotent)
         if idempotent and retry is None:
