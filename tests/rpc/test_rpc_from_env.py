@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,14 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+ENTERED = threading.Event()
+
+
+@rpc_function("from_env.entered")
+def entered() -> None:
+    ENTERED.set()
+
+
 @rpc_function("from_env.make")
 def make(caller: str) -> dict[str, Any]:
     return {"made_by": current_agent().name, "for": caller}
@@ -76,6 +85,47 @@ def rank_main(out: Path) -> int:
     result = {"name": me.name, "rank": me.rank, "address": address, "by_name": by_name, "by_rank": by_rank,
               "rref": value, "owner": [owner.name, owner.rank], "clean": report.clean, "report": str(report),
               "epoch": int(os.environ["STALWART_EPOCH"])}
+    (out / f"rank-{me.rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+def restart_main(out: Path) -> int:
+    """The training script with in-process restarts: RPC is initialised once, before the restartable
+    function; rank 1 fails the first iteration; the second runs on the same agents and RRefs."""
+    import stalwart
+    from stalwart.restart.policies import Abort, Initialize, IterationContext
+
+    class Nothing(Initialize, Abort):  # no process group: the iterations talk over RPC only
+        def __call__(self, ctx: IterationContext) -> None:
+            return None
+
+    init_rpc(timeout=120)
+    me = get_worker_info()
+    peer = 1 - me.rank
+    before = rpc_sync(peer, whoami, timeout=60)
+    held = [remote(f"worker{peer}", make, (me.name,), timeout=60)]
+    held[0].to_here(60)
+
+    @stalwart.restartable(max_restarts=3, initialize=Nothing(), abort=Nothing(), health_check=None,
+                          soft_timeout=60, hard_timeout=120, barrier_timeout=60, start_timeout=120)
+    def train(call_wrapper: stalwart.CallWrapper) -> dict[str, Any]:
+        if call_wrapper.iteration == 0:
+            # the fault comes once rank 0 runs the iteration too (a fault already reported when a rank
+            # begins an iteration is a different path, not this test's subject)
+            if me.rank == 0:
+                rpc_sync(1, entered, timeout=60)
+            else:
+                ENTERED.wait(60)
+                raise RuntimeError("injected fault in the first iteration")
+        return {"iteration": call_wrapper.iteration, "me": get_worker_info().name,
+                "peer": rpc_sync(f"worker{peer}", whoami, timeout=60), "kept": held[0].to_here(60)}
+
+    result = train()
+    result.update({"rank": me.rank, "pid": os.getpid(), "before": before})
+    held.clear()
+    gc.collect()
+    report = shutdown(graceful=True, timeout=60)
+    result.update({"clean": report.clean, "report": str(report)})
     (out / f"rank-{me.rank}.json").write_text(json.dumps(result))
     return 0
 
@@ -194,26 +244,26 @@ def test_a_rank_respawned_under_the_same_name_ends_its_old_incarnation(etcd: Etc
 
 # -- real agents, real rank processes ---------------------------------------------------------------------
 
-def _agent_env(etcd: EtcdServer, keys: JobKeys, pod: str, pod_ip: str) -> dict[str, str]:
+def _agent_env(etcd: EtcdServer, keys: JobKeys, pod: str, pod_ip: str, *, nproc: int, nodes: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_") and k not in ("RANK", "WORLD_SIZE")}
     env.update({
         "STALWART_ETCD_ENDPOINTS": etcd.endpoint, "STALWART_JOB": f"{keys.namespace}/job",
         "STALWART_JOB_UID": keys.uid, "STALWART_NODE_ID": pod, "STALWART_POD_IP": pod_ip,
-        "STALWART_SPARE": "false", "STALWART_NPROC_PER_NODE": "1", "STALWART_MIN_NODES": "2",
-        "STALWART_MAX_NODES": "2", "STALWART_RPC_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
+        "STALWART_SPARE": "false", "STALWART_NPROC_PER_NODE": str(nproc), "STALWART_MIN_NODES": str(nodes),
+        "STALWART_MAX_NODES": str(nodes), "STALWART_RPC_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
     })
     return env
 
 
-def test_ranks_of_stalwart_agent_call_each_other_after_init_rpc_without_arguments(etcd: EtcdServer,
-                                                                                   tmp_path: Path) -> None:
-    # Two pods of one rank each, on their own pod IPs: each rank's RPC server listens on its pod's IP and
-    # the other rank reaches it there, by name and by rank.
+def _run_agents(etcd: EtcdServer, out: Path, pods: dict[str, str], *script_args: str,
+                nproc: int) -> dict[int, dict[str, Any]]:
+    """Run ``stalwart agent -- python <this file> OUT ...`` as each pod (name -> pod IP) to the end; returns
+    what ranks 0 and 1 wrote."""
     keys = JobKeys("test", uuid.uuid4().hex[:12])
-    pods = {"job-worker-0": "127.0.0.2", "job-worker-1": "127.0.0.3"}
     agents = [subprocess.Popen([sys.executable, "-m", "stalwart", "agent", "--last-call", "0.1", "--",
-                                sys.executable, __file__, str(tmp_path)],
-                               env=_agent_env(etcd, keys, pod, ip), stderr=subprocess.PIPE, text=True)
+                                sys.executable, __file__, str(out), *script_args],
+                               env=_agent_env(etcd, keys, pod, ip, nproc=nproc, nodes=len(pods)),
+                               stderr=subprocess.PIPE, text=True)
               for pod, ip in pods.items()]
     errs = []
     try:
@@ -227,7 +277,17 @@ def test_ranks_of_stalwart_agent_call_each_other_after_init_rpc_without_argument
                 agent.wait()
     for agent, err in zip(agents, errs, strict=True):
         assert agent.returncode == 0, err[-4000:]
-    results = {r: json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    files = {r: out / f"rank-{r}.json" for r in (0, 1)}
+    assert all(f.exists() for f in files.values()), "\n----\n".join(e[-4000:] for e in errs)
+    return {r: json.loads(f.read_text()) for r, f in files.items()}
+
+
+def test_ranks_of_stalwart_agent_call_each_other_after_init_rpc_without_arguments(etcd: EtcdServer,
+                                                                                   tmp_path: Path) -> None:
+    # Two pods of one rank each, on their own pod IPs: each rank's RPC server listens on its pod's IP and
+    # the other rank reaches it there, by name and by rank.
+    pods = {"job-worker-0": "127.0.0.2", "job-worker-1": "127.0.0.3"}
+    results = _run_agents(etcd, tmp_path, pods, nproc=1)
     ips = {r["address"].rpartition(":")[0] for r in results.values()}
     assert ips == set(pods.values())  # bound to the pod IP, not 0.0.0.0 nor loopback's 127.0.0.1
     epochs = {r["epoch"] for r in results.values()}
@@ -243,5 +303,19 @@ def test_ranks_of_stalwart_agent_call_each_other_after_init_rpc_without_argument
         assert r["clean"], r["report"]
 
 
+def test_rpc_outlives_in_process_restarts_of_its_round(etcd: EtcdServer, tmp_path: Path) -> None:
+    # One pod, two ranks: rank 1 fails the first iteration of the restartable function; both ranks re-run it
+    # in the same processes, where the agents, their names and an RRef made before the fault still serve.
+    results = _run_agents(etcd, tmp_path, {"job-worker-0": "127.0.0.4"}, "--restart", nproc=2)
+    for rank, r in results.items():
+        peer = results[1 - rank]
+        assert r["iteration"] >= 1 and r["me"] == f"worker{rank}"
+        assert r["peer"]["pid"] == r["before"]["pid"] == peer["pid"]  # the peer's process, not a respawn
+        assert r["peer"]["name"] == f"worker{1 - rank}" and r["peer"]["address"].startswith("127.0.0.4:")
+        assert r["kept"] == {"made_by": f"worker{1 - rank}", "for": f"worker{rank}"}
+        assert r["clean"], r["report"]
+
+
 if __name__ == "__main__":
-    sys.exit(rank_main(Path(sys.argv[1])))
+    main = restart_main if sys.argv[2:] == ["--restart"] else rank_main
+    sys.exit(main(Path(sys.argv[1])))
