@@ -36,7 +36,7 @@ from stalwart.agent.rpc import (
     WorkerDied,
 )
 from stalwart.agent.rpc.faults import Faults, FaultyTransport
-from stalwart.agent.rpc.streams import ACCEPTED, REFUSED, hello
+from stalwart.agent.rpc.streams import ACCEPTED, MAGIC, REFUSED, callee_proof, caller_proof
 from stalwart.agent.rpc.transport import GrpcTransport, Transport
 
 
@@ -122,26 +122,35 @@ def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_streams(tmp_
             finally:
                 writer.close()
 
-        async def raw_open(first: bytes, then: bytes) -> bytes:
+        async def handshake(token: str, then: bytes, replay: bytes | None = None) -> tuple[bool, bytes, bytes]:
+            """A caller by hand: (the callee's proof was right, the proof we sent, all we got after it)."""
             reader, writer = await asyncio.open_connection(host, int(port))
             try:
-                writer.write(first + then)
+                nonce = os.urandom(16)
+                writer.write(MAGIC + nonce)
+                challenge = await asyncio.wait_for(reader.readexactly(48), 30)
+                callee_ok = challenge[16:] == callee_proof(TOKEN, nonce, challenge[:16])
+                ours = replay if replay is not None else caller_proof(token, nonce, challenge[:16])
+                writer.write(ours + then)
                 await writer.drain()
                 answer = await asyncio.wait_for(reader.readexactly(1), 30)
                 writer.write_eof()
-                rest = await asyncio.wait_for(reader.read(), 30)
-                return answer + rest
+                return callee_ok, ours, answer + await asyncio.wait_for(reader.read(), 30)
             finally:
                 writer.close()
 
         framed_evil = len(evil).to_bytes(4, "big") + evil
-        # no hello, a wrong token, a pickle where the hello goes: one refusal byte, then the connection closes
-        assert asyncio.run(raw(hello("wrong-token-0123456789"), framed_evil)) == REFUSED
-        assert asyncio.run(raw(evil[:40].ljust(40, b"\0"), framed_evil)) == REFUSED
+        # a pickle where the hello goes: one refusal byte, then the connection closes
+        assert asyncio.run(raw(evil[:24].ljust(24, b"\0"), framed_evil)) == REFUSED
+        # a wrong token: the callee proves it holds the job's token, the caller cannot; refused, nothing parsed
+        callee_ok, _, answer = asyncio.run(handshake("wrong-token-0123456789", framed_evil))
+        assert callee_ok and answer == REFUSED
         # even with the right token, a pickle is only a malformed frame: dropped, never loaded, no reply
-        answer = asyncio.run(raw_open(hello(TOKEN), framed_evil))
-        assert answer[:1] == ACCEPTED
+        callee_ok, recorded, answer = asyncio.run(handshake(TOKEN, framed_evil))
+        assert callee_ok and answer[:1] == ACCEPTED
         assert _record_kinds(answer[1:]) <= {2}  # at most the server's arena offer: transport records, no reply
+        # a recorded proof is worth nothing on another connection (fresh nonces)
+        assert asyncio.run(handshake(TOKEN, b"", replay=recorded))[2] == REFUSED
         assert not marker.exists()
         assert server.rpc_sync("w0", "t.echo", ("still fine",)) == "still fine"
     finally:

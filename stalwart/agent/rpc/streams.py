@@ -20,18 +20,26 @@ where they live; an incoming frame of :data:`OWN_BUFFER_FROM` bytes or more is r
 ``recv_into`` directly into a buffer of its own, which the codec then lends to the tensors it decodes.
 Smaller frames are read in bulk into one reusable buffer and cut out of it.
 
-Wire format. The caller opens a connection and first writes a fixed 40-byte hello: the magic
-``b"STWRPC1\\n"`` and the SHA-256 digest of the job's token (``STALWART_RPC_TOKEN``). The callee reads
-exactly those 40 bytes (within :data:`HELLO_TIMEOUT` seconds) and compares the digest to its own with
-:func:`hmac.compare_digest` (constant time) *before it reads a single frame*; on a mismatch it answers one
-refusal byte ``0x00`` and closes, so an unauthenticated peer gets nothing and none of its bytes is ever
-parsed. On a match it answers ``0x01``. Every record after that, both ways, is ``u32 prefix (big-endian)
-| body``: the prefix's top two bits give the record's kind and the other 30 its body's length. Kind 0 is a
-frame (a length above ``max_frame_bytes`` closes the connection before the body is read); kind 1 is a
-frame's place in the sender's shared-memory arena and kind 2 a control record that sets such an arena up
-or releases part of it (:mod:`.shm`: between processes on one host, large frames skip the TCP stack).
-As with the gRPC adapter, the digest travels in clear text: it fences jobs from each other, it is not a
-secret against an eavesdropper on the node network.
+Wire format. Authentication is a challenge and response on the job's token (``STALWART_RPC_TOKEN``), both
+ways, before a single frame is parsed; the token itself never travels, and a recorded handshake is
+worth nothing later (every connection has fresh nonces):
+
+1. the caller writes the magic ``b"STWRPC2\n"`` and a random 16-byte nonce ``cn``;
+2. the callee answers with its own random nonce ``sn`` and ``HMAC-SHA256(token, "callee" | cn | sn)``, which
+   proves it holds the token (so a caller never sends its frames to an impostor);
+3. the caller checks that proof (in constant time) and writes ``HMAC-SHA256(token, "caller" | sn | cn)``,
+   then its frames;
+4. the callee checks the caller's proof with :func:`hmac.compare_digest` before it reads anything more:
+   on a mismatch it answers one refusal byte ``0x00`` and closes, so an unauthenticated peer gets nothing
+   and none of its bytes is ever parsed; on a match it answers ``0x01``.
+
+A peer that does not complete its part within :data:`HELLO_TIMEOUT` seconds is disconnected. The handshake
+authenticates; it does not encrypt (frames travel in clear text on the pod network). Every record after it,
+both ways, is ``u32 prefix (big-endian) | body``: the prefix's top two bits give the record's kind and the
+other 30 its body's length. Kind 0 is a frame (a length above ``max_frame_bytes`` closes the connection
+before the body is read); kind 1 is a frame's place in the sender's shared-memory arena and kind 2 a control
+record that sets such an arena up or releases part of it (:mod:`.shm`: between processes on one host, large
+frames skip the TCP stack).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import hashlib
 import hmac
 import itertools
 import logging
+import secrets
 import socket
 import struct
 from collections.abc import Callable
@@ -72,9 +81,10 @@ from stalwart.agent.rpc.transport import (
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"STWRPC1\n"
-HELLO_BYTES = len(MAGIC) + 32
-#: Seconds a new connection has to present its hello before it is closed.
+MAGIC = b"STWRPC2\n"
+NONCE_BYTES = 16
+PROOF_BYTES = 32
+#: Seconds each side of a new connection has to do its part of the handshake before it is closed.
 HELLO_TIMEOUT = 10.0
 #: Seconds to open a connection to a peer.
 CONNECT_TIMEOUT = 10.0
@@ -106,9 +116,17 @@ def _prefix(kind: int, n: int) -> bytes:
     return _LEN.pack(kind << _KIND_SHIFT | n)
 
 
-def hello(token: str) -> bytes:
-    """The 40 bytes a caller sends first: magic and the token's SHA-256 digest."""
-    return MAGIC + hashlib.sha256(token.encode()).digest()
+def proof(token: str, role: bytes, first: bytes, second: bytes) -> bytes:
+    """``HMAC-SHA256(token, role | first | second)``: what each side of the handshake shows."""
+    return hmac.new(token.encode(), role + first + second, hashlib.sha256).digest()
+
+
+def callee_proof(token: str, caller_nonce: bytes, callee_nonce: bytes) -> bytes:
+    return proof(token, b"callee", caller_nonce, callee_nonce)
+
+
+def caller_proof(token: str, caller_nonce: bytes, callee_nonce: bytes) -> bytes:
+    return proof(token, b"caller", callee_nonce, caller_nonce)
 
 
 def _nodelay(sock: socket.socket) -> None:
@@ -133,8 +151,9 @@ def _bytes_view(b: Buffer) -> memoryview:
     return v if v.format == "B" and v.ndim == 1 else v.cast("B")
 
 
-#: Called with the preamble's bytes; False closes the connection.
-PreambleHandler = Callable[[bytes], bool]
+#: Called with the preamble's bytes (the handshake); returns how many bytes the next step of it needs, 0
+#: when it is complete (frames follow), or -1 to close the connection.
+PreambleHandler = Callable[[bytes], int]
 #: Called with each complete frame: ``bytes`` when small, a ``bytearray`` of its own when large.
 FrameHandler = Callable[[bytes | bytearray], None]
 #: Called once when the connection closes, with why (None: the peer ended it cleanly, or we closed it).
@@ -144,8 +163,8 @@ CloseHandler = Callable[[BaseException | None], None]
 class _Connection:
     """One TCP connection on a non-blocking socket, driven by the loop's reader and writer callbacks.
 
-    It first reads ``preamble`` raw bytes and gives them to ``on_preamble``; only if that accepts does it
-    parse frames. Everything runs on the loop's thread.
+    It first reads ``preamble`` raw bytes and gives them to ``on_preamble``, as many times as that asks;
+    only once it says the handshake is complete does it parse frames. Everything runs on the loop's thread.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: str, limit: int, *,
@@ -407,11 +426,13 @@ class _Connection:
                     break
                 data = bytes(view[start:start + self._preamble])
                 start += self._preamble
-                self._start, self._preamble = start, 0
-                if not self._on_preamble(data):
+                self._start = start
+                self._preamble = self._on_preamble(data)
+                if self._preamble < 0:
+                    self._preamble = 0
                     self.close_when_flushed()
                     return
-                if self._arena_bytes:
+                if not self._preamble and self._arena_bytes:
                     self._offer_arena()
                 continue
             if avail < _LEN.size:
@@ -524,16 +545,30 @@ class _ServerSide:
         self.open = True
         self.conn: _Connection | None = None
         self.hello_timer: asyncio.TimerHandle | None = None
+        self.caller_nonce: bytes | None = None
+        self.nonce = b""
 
-    def check_hello(self, presented: bytes) -> bool:
+    def handshake(self, data: bytes) -> int:
+        """The callee's steps: the caller's magic and nonce, then its proof."""
+        assert self.conn is not None
+        token = self._transport.token
+        if self.caller_nonce is None:
+            if data[:len(MAGIC)] != MAGIC:
+                log.warning("refused an RPC connection from %s: not a stalwart RPC hello", self.peer)
+                self.conn.write_raw([REFUSED])
+                return -1
+            self.caller_nonce = data[len(MAGIC):]
+            self.nonce = secrets.token_bytes(NONCE_BYTES)
+            self.conn.write_raw([self.nonce, callee_proof(token, self.caller_nonce, self.nonce)])
+            return PROOF_BYTES
         if self.hello_timer is not None:
             self.hello_timer.cancel()
-        assert self.conn is not None
-        ok = hmac.compare_digest(presented, self._transport.hello_digest)
-        if not ok:
+        if not hmac.compare_digest(data, caller_proof(token, self.caller_nonce, self.nonce)):
             log.warning("refused an unauthenticated RPC connection from %s", self.peer)
-        self.conn.write_raw([ACCEPTED if ok else REFUSED])
-        return ok
+            self.conn.write_raw([REFUSED])
+            return -1
+        self.conn.write_raw([ACCEPTED])
+        return 0
 
     def on_frame(self, frame: bytes | bytearray) -> None:
         self._transport.on_request(frame, self)
@@ -548,7 +583,7 @@ class _ServerSide:
 
     def hello_overdue(self) -> None:
         if self.conn is not None and not self.conn.closed:
-            log.warning("refused an RPC connection from %s: no hello within %ss", self.peer, HELLO_TIMEOUT)
+            log.warning("refused an RPC connection from %s: no handshake within %ss", self.peer, HELLO_TIMEOUT)
             self.conn.abort(None)
 
     async def send(self, frame: OutFrame) -> None:
@@ -571,18 +606,34 @@ class _ClientSide:
         self._transport = transport
         self.broken = False
         self.conn: _Connection | None = None
+        self.token = transport.token
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def check_answer(self, answer: bytes) -> bool:
-        if answer != ACCEPTED:
+    def handshake(self, data: bytes) -> int:
+        """The caller's steps: the callee's nonce and proof, then its verdict on ours."""
+        assert self.conn is not None
+        if not self.ready.done():
+            callee_nonce, shown = data[:NONCE_BYTES], data[NONCE_BYTES:]
+            if not hmac.compare_digest(shown, callee_proof(self.token, self.nonce, callee_nonce)):
+                log.error("peer %s does not hold our RPC token (STALWART_RPC_TOKEN differs?)", self.address)
+                self.ready.set_exception(TransportError(f"{self.address} failed the RPC handshake"))
+                return -1
+            self.conn.write_raw([caller_proof(self.token, self.nonce, callee_nonce)])
+            self.ready.set_result(None)  # frames may follow our proof at once
+            return len(ACCEPTED)
+        if data != ACCEPTED:
             log.error("peer %s refused our RPC token (STALWART_RPC_TOKEN differs?)", self.address)
-            return False
-        return True
+            return -1
+        return 0
 
     def on_frame(self, frame: bytes | bytearray) -> None:
         self._transport.on_reply(frame)
 
     def on_close(self, exc: BaseException | None) -> None:
         self.broken = True
+        if not self.ready.done():
+            self.ready.set_exception(TransportError(f"{self.address} closed the connection in the handshake"))
         if exc is not None:
             log.debug("stream to %s ended: %s", self.address, exc)
         self._transport.link_down(self)
@@ -621,7 +672,7 @@ class StreamTransport:
         self.arena_budget = Budget(arena_budget)
         #: Frames that went through shared memory, by direction (``arena_frames_out``/``_in``).
         self.stats: collections.Counter[str] = collections.Counter()
-        self.hello_digest = hello(token)
+        self.token = token
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: dict[str, _ClientSide] = {}
@@ -694,8 +745,8 @@ class StreamTransport:
             _nodelay(sock)
             peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
             side = _ServerSide(self, peer)
-            side.conn = _Connection(loop, sock, peer, self.max_frame_bytes, preamble=HELLO_BYTES,
-                                    on_preamble=side.check_hello, on_frame=side.on_frame,
+            side.conn = _Connection(loop, sock, peer, self.max_frame_bytes, preamble=len(MAGIC) + NONCE_BYTES,
+                                    on_preamble=side.handshake, on_frame=side.on_frame,
                                     on_close=side.on_close, arena_bytes=self.arena_bytes,
                                     budget=self.arena_budget, stats=self.stats)
             side.hello_timer = loop.call_later(HELLO_TIMEOUT, side.hello_overdue)
@@ -728,11 +779,19 @@ class StreamTransport:
                 raise
             _nodelay(sock)
             client = _ClientSide(self, address)
-            client.conn = _Connection(loop, sock, address, self.max_frame_bytes, preamble=len(ACCEPTED),
-                                      on_preamble=client.check_answer, on_frame=client.on_frame,
+            client.conn = _Connection(loop, sock, address, self.max_frame_bytes, preamble=NONCE_BYTES + PROOF_BYTES,
+                                      on_preamble=client.handshake, on_frame=client.on_frame,
                                       on_close=client.on_close, arena_bytes=self.arena_bytes,
                                       budget=self.arena_budget, stats=self.stats)
-            client.conn.write_raw([self.hello_digest])
+            client.conn.write_raw([MAGIC, client.nonce])
+            try:
+                await asyncio.wait_for(asyncio.shield(client.ready), HELLO_TIMEOUT)
+            except TimeoutError:
+                client.close()
+                raise TransportError(f"{address} did not answer the RPC handshake within {HELLO_TIMEOUT}s") from None
+            except TransportError:
+                client.close()
+                raise
             self._clients[address] = client
             return client
 
