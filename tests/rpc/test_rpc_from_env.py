@@ -23,7 +23,10 @@ from rpc_helpers import wait_for
 from stalwart.agent.rpc import (
     EtcdMembership,
     Member,
+    RpcAgent,
     RpcShutdown,
+    StaticMembership,
+    View,
     WorkerLeft,
     current_agent,
     get_worker_info,
@@ -61,6 +64,11 @@ ENTERED = threading.Event()
 @rpc_function("from_env.entered")
 def entered() -> None:
     ENTERED.set()
+
+
+@rpc_function("from_env.name")
+def served_by() -> str:
+    return current_agent().name
 
 
 @rpc_function("from_env.make")
@@ -200,6 +208,39 @@ def test_init_rpc_without_arguments_outside_an_agent_names_the_variables_and_sta
     assert "RANK" not in str(e.value) and "WORLD_SIZE" not in str(e.value) and "TOKEN" not in str(e.value)
 
 
+def test_functions_served_during_a_graceful_shutdown_still_see_the_agent() -> None:
+    # The module-level agent waits in its shutdown barrier for its peer; the peer's calls meanwhile run
+    # functions that use current_agent().
+    membership = StaticMembership(View(1))
+    a = init_rpc("a", 0, membership=membership, token=TOKEN)
+    b = RpcAgent("b", 1, token=TOKEN)
+    b.start()
+    b.join(membership)
+    membership.set_view(View.of(1, [a.member, b.member]))
+    wait_for(lambda: b.rpc_sync("a", served_by, timeout=30) == "a", what="b reaching a")
+    reports: list[Any] = []
+    stopping = threading.Thread(target=lambda: reports.append(shutdown(graceful=True, timeout=60)))
+    stopping.start()
+    try:
+
+        def refused() -> bool:
+            try:
+                rpc_sync("b", served_by, timeout=30)
+            except RpcShutdown:
+                return True
+            return False
+
+        wait_for(refused, what="a's shutdown under way")
+        assert current_agent() is a and stopping.is_alive()
+        assert b.rpc_sync("a", served_by, timeout=30) == "a"
+    finally:
+        b.shutdown(graceful=True, timeout=30)
+        stopping.join(90)
+    assert reports and reports[0].clean, reports
+    with pytest.raises(RpcShutdown):
+        current_agent()
+
+
 # -- membership of one round, in a real etcd ----------------------------------------------------------------
 
 def test_an_older_rounds_records_do_not_complete_the_world(etcd: EtcdServer) -> None:
@@ -300,7 +341,7 @@ def test_ranks_of_stalwart_agent_call_each_other_after_init_rpc_without_argument
         assert r["by_rank"] == rank + 10
         assert r["rref"] == {"made_by": peer["name"], "for": r["name"]}
         assert r["owner"] == [peer["name"], 1 - rank]
-        assert r["clean"], r["report"]
+        assert r["clean"], [results[0]["report"], results[1]["report"]]
 
 
 def test_rpc_outlives_in_process_restarts_of_its_round(etcd: EtcdServer, tmp_path: Path) -> None:

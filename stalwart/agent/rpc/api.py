@@ -28,6 +28,7 @@ _lock = threading.Lock()
 _agent: RpcAgent | None = None
 _own_membership: Membership | None = None
 _own_store: Store | None = None
+_shutting_down = False
 _atexit_registered = False
 
 
@@ -175,16 +176,22 @@ def get_worker_info(to: str | int | None = None) -> WorkerInfo:
 
 def shutdown(graceful: bool = True, timeout: float = 30.0) -> ShutdownReport:
     """Shut the process's agent down (see :meth:`RpcAgent.shutdown`) and leave the membership (and close
-    the etcd client ``init_rpc()`` opened from the environment)."""
-    global _agent, _own_membership, _own_store
+    the etcd client ``init_rpc()`` opened from the environment).
+
+    The agent stays this process's :func:`current_agent` until it has stopped: a graceful shutdown still
+    serves its peers' calls until they are done too, and the functions it runs may use it. A second call
+    while one is under way returns at once with an empty report."""
+    global _agent, _own_membership, _own_store, _shutting_down
     with _lock:
         agent, own, own_store = _agent, _own_membership, _own_store
-        _agent, _own_membership, _own_store = None, None, None
-    if agent is None:
-        return ShutdownReport(graceful)
+        if agent is None or _shutting_down:
+            return ShutdownReport(graceful)
+        _shutting_down = True
     try:
         return agent.shutdown(graceful=graceful, timeout=timeout)
     finally:
+        with _lock:
+            _agent, _own_membership, _own_store, _shutting_down = None, None, None, False
         try:
             if own is not None:
                 own.close()
