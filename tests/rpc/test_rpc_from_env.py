@@ -37,6 +37,7 @@ from stalwart.agent.rpc import (
     shutdown,
 )
 from stalwart.agent.rpc.environment import DEFAULT_HOST, RpcEnvironment
+from stalwart.api.rpc import RpcWorkerRecord
 from stalwart.keys import JobKeys
 from stalwart.local.etcd import EtcdServer
 from stalwart.restart.environment import EnvironmentError_
@@ -239,6 +240,32 @@ def test_functions_served_during_a_graceful_shutdown_still_see_the_agent() -> No
     assert reports and reports[0].clean, reports
     with pytest.raises(RpcShutdown):
         current_agent()
+
+
+def test_init_rpc_from_the_environment_registers_in_the_round_and_shutdown_removes_it(
+        etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    env = _env(STALWART_ETCD_ENDPOINTS=etcd.endpoint, STALWART_JOB_UID=keys.uid, STALWART_JOB="test/job",
+               STALWART_POD_IP=None, RANK="0", WORLD_SIZE="1", STALWART_SLOT="0", LOCAL_RANK="0")
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("STALWART_POD_IP", raising=False)
+    with Store([etcd.endpoint]) as store:
+        for name, expected in ((None, "worker0"), ("trainer", "trainer")):
+            agent = init_rpc() if name is None else init_rpc(name=name)
+            try:
+                assert (agent.name, agent.rank) == (expected, 0)
+                assert agent.address.startswith(f"{DEFAULT_HOST}:")  # no pod IP given
+                kv = store.get(keys.rpc + "workers/" + expected)
+                assert kv is not None
+                record = RpcWorkerRecord.from_json_bytes(kv.value)
+                assert (record.epoch, record.node, record.address) == (7, "job-worker-0", agent.address)
+                assert rpc_sync(expected, served_by, timeout=30) == expected
+                with pytest.raises(RuntimeError, match="already running"):
+                    init_rpc()
+            finally:
+                assert shutdown(graceful=True, timeout=30).clean
+            assert store.get(keys.rpc + "workers/" + expected) is None  # the lease went with it
 
 
 # -- membership of one round, in a real etcd ----------------------------------------------------------------

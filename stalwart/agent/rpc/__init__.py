@@ -11,6 +11,7 @@ token hello -- why not gRPC is explained there), :mod:`.transport` (the Transpor
 
 from stalwart.agent.rpc.agent import RpcAgent, RpcFuture, ShutdownReport
 from stalwart.agent.rpc.api import current_agent, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
+from stalwart.agent.rpc.environment import RpcEnvironment
 from stalwart.agent.rpc.errors import (
     EpochAhead,
     NotOwner,
@@ -45,7 +46,7 @@ from stalwart.agent.rpc.retry import CONTROL_RETRY, RetryOptions
 __all__ = [
     "CONTROL_RETRY", "REGISTRY", "EpochAhead", "EtcdMembership", "Member", "Membership", "NotOwner", "OwnerDied",
     "PayloadError", "RRefCreationFailed", "RRefDeleted", "RRefError", "Registry", "RemoteError", "RetryOptions",
-    "RpcAgent", "RpcError", "RpcFuture", "RpcShutdown", "RpcTimeout", "ShutdownReport", "StaleEpoch",
+    "RpcAgent", "RpcEnvironment", "RpcError", "RpcFuture", "RpcShutdown", "RpcTimeout", "ShutdownReport", "StaleEpoch",
     "StaticMembership", "TransportError", "UnknownFunction", "UnknownWorker", "View", "ViewChanged",
     "WorkerDied", "WorkerInfo", "WorkerLeft", "current_agent", "get_worker_info", "init_rpc", "remote",
     "rpc_async", "rpc_function", "rpc_sync", "shutdown",

@@ -53,17 +53,20 @@ def init_rpc(name: str | None = None, rank: int | None = None, *, membership: Me
     ValueError) naming it, before anything starts. :func:`shutdown` stops the agent, revokes the lease (the
     record goes at once) and closes the etcd client; so does interpreter exit if it was not called.
 
-    Contract with rounds and in-process restarts: RPC is initialised **once per rank process**, and its
-    epoch is the round the process was launched in. Call it before (outside) a ``@stalwart.restartable``
-    function: in-process restart iterations stay in the round, so the agent, its name and its rank (the
-    ``RANK`` the process was launched with -- RPC names are process identities, not the rank an iteration
-    assigns) and the RRefs it owns live on across them. A new rendezvous round stops the rank processes and
-    the agent respawns them with the new ``STALWART_EPOCH``; messages of the old round are then rejected as
-    stale, and records the old processes left behind do not count towards the wait. A rank process respawned
-    within the round registers a new incarnation under the same name: its peers treat the old one as dead
-    (its calls fail, the RRefs it owned raise ``OwnerDied``). Calling ``init_rpc`` again while the agent
-    runs raises RuntimeError; a function that does call it per iteration must :func:`shutdown` in a
-    ``finally``.
+    Contract with rounds and in-process restarts -- RPC is initialised **once per rank process**, and its
+    epoch is the round the process was launched in:
+
+    * call it before (outside) a ``@stalwart.restartable`` function. In-process restart iterations stay in
+      the round, so the agent, the RRefs it owns, its name and its rank live on across them. That rank is
+      the ``RANK`` the process was launched with (its slot): RPC names are process identities, not the
+      rank an iteration assigns (``CallWrapper.rank``);
+    * a new rendezvous round stops the rank processes and the agent respawns them with the new
+      ``STALWART_EPOCH``: they register in the new round, messages of the old one are rejected as stale,
+      and records the old processes left behind (until their lease expires) do not count towards the wait;
+    * a rank process respawned within the round registers a new incarnation under the same name: its peers
+      treat the old one as dead (its calls fail, the RRefs it owned raise ``OwnerDied``);
+    * calling ``init_rpc`` again while the agent runs raises RuntimeError: a function that calls it in every
+      iteration must :func:`shutdown` in a ``finally``.
 
     **Explicitly** (tests, tools, code outside ``stalwart agent``): pass ``name`` and ``rank`` with either a
     ``membership``, or ``store`` + ``keys`` + ``epoch`` (the rendezvous round's epoch): the worker then

@@ -157,7 +157,8 @@ class EtcdMembership(Membership):
     """Membership from lease-bound worker records in etcd (one key per worker under ``JobKeys.rpc``).
 
     ``register`` puts this worker's record with ``lease`` (granted here with ``lease_ttl`` when not given);
-    a watch thread keeps the view and reports deletions as :class:`WorkerLeft`. The view holds every live
+    a watch thread keeps the view and reports as :class:`WorkerLeft` a deleted record and a record replaced
+    by another incarnation of the same name (a respawned process). The view holds every live
     record not excluded by the rendezvous; its epoch is this worker's round.
     """
 
