@@ -63,8 +63,9 @@ def init_rpc(name: str | None = None, rank: int | None = None, *, membership: Me
     * a new rendezvous round stops the rank processes and the agent respawns them with the new
       ``STALWART_EPOCH``: they register in the new round, messages of the old one are rejected as stale,
       and records the old processes left behind (until their lease expires) do not count towards the wait;
-    * a rank process respawned within the round registers a new incarnation under the same name: its peers
-      treat the old one as dead (its calls fail, the RRefs it owned raise ``OwnerDied``);
+    * a rank process respawned within the round registers a new incarnation under the same name (its
+      record replaces the old one): peers reach the new process by that name from then on, and values the
+      old process owned are gone with it (references to them are not to be used);
     * calling ``init_rpc`` again while the agent runs raises RuntimeError: a function that calls it in every
       iteration must :func:`shutdown` in a ``finally``.
 
@@ -105,7 +106,10 @@ def init_rpc(name: str | None = None, rank: int | None = None, *, membership: Me
             agent.start()
             if env is not None:
                 own_store = Store(env.rank_env.etcd_endpoints)
-                etcd = EtcdMembership(own_store, env.keys, epoch=env.epoch, lease_ttl=lease_ttl)
+                # each round has processes of its own: the records an older round's processes left
+                # (until their lease expires) are neither peers nor count towards the wait
+                etcd = EtcdMembership(own_store, env.keys, epoch=env.epoch, lease_ttl=lease_ttl,
+                                      older_rounds=False)
                 own = etcd
                 agent.join(etcd)  # be in the round before peers can see us: their first call is in epoch
                 etcd.register(agent.member, node=env.rank_env.node_id)
@@ -114,6 +118,9 @@ def init_rpc(name: str | None = None, rank: int | None = None, *, membership: Me
                          world_size)
                 if world_size is not None:
                     etcd.wait_for_ranks(world_size, timeout)
+                    # The agent applies membership views on its own loop, and resolves ranks with the view
+                    # it applied; one round trip through that loop lets the view we waited for in first.
+                    agent.debug_state()
             elif membership is None:
                 if store is None or keys is None or epoch is None:
                     raise ValueError("init_rpc: pass membership=, or store=, keys= and epoch=")

@@ -157,13 +157,16 @@ class EtcdMembership(Membership):
     """Membership from lease-bound worker records in etcd (one key per worker under ``JobKeys.rpc``).
 
     ``register`` puts this worker's record with ``lease`` (granted here with ``lease_ttl`` when not given);
-    a watch thread keeps the view and reports as :class:`WorkerLeft` a deleted record and a record replaced
-    by another incarnation of the same name (a respawned process). The view holds every live
-    record not excluded by the rendezvous; its epoch is this worker's round.
+    a watch thread keeps the view and reports deletions as :class:`WorkerLeft`. The view holds every live
+    record not excluded by the rendezvous; its epoch is this worker's round. ``older_rounds=False`` leaves
+    out the records of rounds older than ours: right where every round has processes of its own (ranks
+    launched by ``stalwart agent``), whose predecessors' records linger until their lease expires; keep the
+    default where workers move from round to round in place (:meth:`advance`), so that a peer not yet moved
+    stays reachable.
     """
 
     def __init__(self, store: Store, keys: JobKeys, *, epoch: int, lease: int | None = None,
-                 lease_ttl: int = 10) -> None:
+                 lease_ttl: int = 10, older_rounds: bool = True) -> None:
         super().__init__(View(epoch))
         self._store = store
         self._prefix = keys.rpc + "workers/"
@@ -177,6 +180,7 @@ class EtcdMembership(Membership):
         self._excluded: set[str] = set()
         self._epoch = epoch
         self._round_ranks: frozenset[int] = frozenset()  # ranks registered in our round (see wait_for_ranks)
+        self._older_rounds = older_rounds
         kvs, revision = store.get_prefix(self._prefix)
         for kv in kvs:
             self._absorb_put(kv.key, kv.value)
@@ -251,27 +255,21 @@ class EtcdMembership(Membership):
                                    f"{self._epoch} within {timeout}s (world size {world_size})")
             return self._view
 
-    def _absorb_put(self, key: str, value: bytes) -> WorkerLeft | None:
-        """Take a record in; a record that replaces a live one of another incarnation (the process was
-        respawned under the same name) means that incarnation is gone: returns the event to report."""
+    def _absorb_put(self, key: str, value: bytes) -> None:
         try:
             record = RpcWorkerRecord.from_json_bytes(value)
         except ValueError as e:
             log.warning("ignoring invalid RPC worker record at %s: %s", key, e)
-            return None
-        old = self._records.get(record.name)
+            return
         self._records[record.name] = record
-        if old is not None and old.incarnation != record.incarnation and record.name not in self._excluded:
-            return WorkerLeft(record.name, f"restarted (incarnation {old.incarnation or '?'} replaced by "
-                                           f"{record.incarnation or '?'})")
-        return None
 
     def _publish(self) -> None:
         epoch = self._epoch
         # every live record, of any epoch: a peer not yet moved to our round is still reachable (its
         # messages are fenced by epoch); the excluded ones are not
         members = [Member(r.name, r.rank, r.address, r.incarnation)
-                   for r in self._records.values() if r.name not in self._excluded]
+                   for r in self._records.values()
+                   if r.name not in self._excluded and (self._older_rounds or r.epoch >= epoch)]
         view = View.of(epoch, members)
         round_ranks = frozenset(r.rank for r in self._records.values()
                                 if r.name not in self._excluded and r.epoch >= epoch)
@@ -293,24 +291,18 @@ class EtcdMembership(Membership):
                         start_revision = event.kv.mod_revision + 1
                         name = event.kv.key[len(self._prefix):]
                         if event.type == "put":
-                            replaced = self._absorb_put(event.kv.key, event.kv.value)
-                            if replaced is not None:
-                                self._emit(replaced)
+                            self._absorb_put(event.kv.key, event.kv.value)
                         elif self._records.pop(name, None) is not None and name not in self._excluded:
                             self._emit(WorkerLeft(name, "its lease expired or it left"))
                         self._publish()
             except WatchCompacted:
                 kvs, revision = self._store.get_prefix(self._prefix)
                 gone = set(self._records) - {kv.key[len(self._prefix):] for kv in kvs}
+                self._records.clear()
+                for kv in kvs:
+                    self._absorb_put(kv.key, kv.value)
                 for name in gone:
-                    del self._records[name]
-                restarted = [self._absorb_put(kv.key, kv.value) for kv in kvs]
-                for name in gone:
-                    if name not in self._excluded:
-                        self._emit(WorkerLeft(name, "its lease expired or it left"))
-                for left in restarted:
-                    if left is not None:
-                        self._emit(left)
+                    self._emit(WorkerLeft(name, "its lease expired or it left"))
                 self._publish()
                 start_revision = revision + 1
             except StoreError as e:
