@@ -77,6 +77,7 @@ from stalwart.agent.rpc.transport import (
     ReplyChannel,
     ReplyHandler,
     RequestHandler,
+    check_token,
 )
 
 log = logging.getLogger(__name__)
@@ -586,16 +587,29 @@ class _ServerSide:
             log.warning("refused an RPC connection from %s: no handshake within %ss", self.peer, HELLO_TIMEOUT)
             self.conn.abort(None)
 
-    async def send(self, frame: OutFrame) -> None:
+    def send_now(self, frame: OutFrame) -> bool:
+        """Write ``frame`` unless the connection is congested (False). A reply to a caller that is gone is
+        dropped (True): it resends what it still wants, and dedup replays the reply."""
         conn = self.conn
         if not self.open or conn is None or conn.closed:
-            return  # the caller is gone; it resends what it still wants, and dedup replays the reply
+            return True
+        if conn.congested:
+            return False
         try:
             conn.write_frame(frame)
-            await conn.drain()
         except TransportError as e:
             self.open = False
             log.debug("reply to %s dropped: %s", self.peer, e)
+        return True
+
+    async def send(self, frame: OutFrame) -> None:
+        conn = self.conn
+        while not self.send_now(frame):
+            assert conn is not None
+            try:
+                await conn.drain()
+            except TransportError:
+                return  # closed while we waited: the caller is gone
 
 
 class _ClientSide:
@@ -656,9 +670,7 @@ class StreamTransport:
 
     def __init__(self, token: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  arena_bytes: int = DEFAULT_ARENA_BYTES, arena_budget: int = DEFAULT_ARENA_BUDGET) -> None:
-        if not isinstance(token, str) or len(token) < 16:
-            raise ValueError("token: the RPC token must be a string of at least 16 characters "
-                             "(STALWART_RPC_TOKEN from the job's Secret)")
+        check_token(token)
         if max_frame_bytes < 1 or max_frame_bytes > _LEN_MASK:
             raise ValueError(f"max_frame_bytes: must be in [1, 2**30 - 1], got {max_frame_bytes}")
         if arena_bytes != 0 and arena_bytes < MIN_ARENA_BYTES:
@@ -814,19 +826,7 @@ class StreamTransport:
         return True
 
     def send_reply_nowait(self, channel: ReplyChannel, frame: OutFrame) -> bool:
-        if not isinstance(channel, _ServerSide):
-            return False
-        conn = channel.conn
-        if not channel.open or conn is None or conn.closed:
-            return True  # the caller is gone; it resends what it still wants, and dedup replays the reply
-        if conn.congested:
-            return False
-        try:
-            conn.write_frame(frame)
-        except TransportError as e:
-            channel.open = False
-            log.debug("reply to %s dropped: %s", channel.peer, e)
-        return True
+        return isinstance(channel, _ServerSide) and channel.send_now(frame)
 
     async def disconnect(self, address: str) -> None:
         """Close the connection to ``address`` (e.g. the peer died); the next send opens a new one."""

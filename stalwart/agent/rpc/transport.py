@@ -54,6 +54,13 @@ Buffer = bytes | bytearray | memoryview
 OutFrame = bytes | list[Buffer]
 
 
+def check_token(token: object) -> None:
+    """Raise ValueError unless ``token`` can serve as a job's RPC token (a string of 16 characters or more)."""
+    if not isinstance(token, str) or len(token) < 16:
+        raise ValueError("token: the RPC token must be a string of at least 16 characters "
+                         "(STALWART_RPC_TOKEN from the job's Secret)")
+
+
 def joined(frame: OutFrame) -> bytes:
     """The frame as one ``bytes`` (a copy when it is made of parts)."""
     return frame if isinstance(frame, bytes) else b"".join(frame)
@@ -179,9 +186,7 @@ class GrpcTransport:
     """Frames over gRPC bidirectional streams with a per-job token. All methods run on the agent's loop."""
 
     def __init__(self, token: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
-        if not isinstance(token, str) or len(token) < 16:
-            raise ValueError("token: the RPC token must be a string of at least 16 characters "
-                             "(STALWART_RPC_TOKEN from the job's Secret)")
+        check_token(token)
         self.token = token
         self._digest = hashlib.sha256(token.encode()).digest()
         opts = [("grpc.max_send_message_length", max_frame_bytes),
