@@ -370,6 +370,14 @@ def test_two_replicas_with_peering_one_works_and_the_other_takes_over(
                           input="apiVersion: kopf.dev/v1\nkind: KopfPeering\nmetadata: {name: stalwart}\n")
     active = start_operator(jobs.ns, agent_command=(), peering="stalwart", priority=200, identity="replica-a")
     standby = start_operator(jobs.ns, agent_command=(), peering="stalwart", priority=100, identity="replica-b")
+
+    def both_peers_announced() -> bool:
+        peering = jobs.custom.get_namespaced_custom_object("kopf.dev", "v1", jobs.ns, "kopfpeerings", "stalwart")
+        return {"replica-a", "replica-b"} <= set((peering.get("status") or {}).keys())
+
+    # the standby must have seen its higher-priority peer before there is work to do (under load it can
+    # otherwise act on a new job in the moment before peering freezes it)
+    wait_for("both replicas in the peering", both_peers_announced)
     jobs.create(job_body("first", replicas=2, command=SLEEP))
     wait_for("the first job's pods", lambda: len(jobs.pods("first")) == 2)
     wait_for("the first job Starting", phase_is(jobs, "first", "Starting"))
