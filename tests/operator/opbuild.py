@@ -106,7 +106,7 @@ def stepping(node: str, slot: int, *, step: int = 10, round_: int = 1, iteration
              respawned: tuple[int, ...] = (), earlier: tuple[RoundSummary, ...] = (),
              exits: tuple[RankExit, ...] = (), updated: float = NOW) -> ProgressRecord:
     """A node whose rank (``slot``) completes steps in ``round_``/``iteration`` (its history says so)."""
-    return progress(node, epoch=epoch, round_=round_, step=step, updated=updated, exits=exits,
+    return progress(node, epoch=epoch, round_=round_, step=step, updated=updated, exits=exits, restarts=iteration,
                     ranks=(rank_report(slot, iteration=iteration, step=step, first_step=step),),
                     history=(*earlier, RoundSummary(round=round_, epoch=epoch, stepped=iteration,
                                                      respawned=list(respawned))))
