@@ -181,9 +181,9 @@ def observed(book: ProgressBook, procs: Sequence[ProcView], *, now: float, wall:
     ranks = tuple(_report(p, now, wall) for p in procs)
     # The newest failure any rank saw (the first fault of its last faulted iteration), or the agent's own.
     failures = [f for f in [book.last_failure, *(p.status.last_failure for p in procs if p.status)] if f is not None]
-    last = max(failures, key=lambda f: f.time) if failures else None
+    newest = max(failures, key=lambda f: f.time) if failures else None
     return replace(book, ranks=ranks, history=tuple(history), pending=frozenset(pending),
-                   running_since=tuple(sorted(since.items())), last_failure=last)
+                   running_since=tuple(sorted(since.items())), last_failure=newest)
 
 
 def _report(p: ProcView, now: float, wall: float) -> RankReport:
