@@ -662,13 +662,15 @@ def _record(w: _Work, live: Iterable[PodView], created: Sequence[CreatePod]) -> 
 
 
 def _count_pods(w: _Work, live: Sequence[PodView]) -> None:
-    """replicas, readyReplicas (ready members of the round) and spareReplicas (ready pods outside it)."""
+    """replicas (members of the round, and workers waiting to join it), readyReplicas (ready members) and
+    spareReplicas (ready pods outside the round). A replacement that took over a lost worker's ranks is a
+    member, whatever the role it was created with."""
     st = w.status
     ready = [p for p in live if p.phase == "Running" and p.ready]
-    st.replicas = sum(1 for p in live if p.role == naming.ROLE_WORKER)
     manifest = w.obs.etcd.manifest
+    in_round = {m.node_id for m in manifest.members} if manifest is not None else set()
+    st.replicas = sum(1 for p in live if p.name in in_round or p.role == naming.ROLE_WORKER)
     if manifest is not None:
-        in_round = {m.node_id for m in manifest.members}
         st.ready_replicas = sum(1 for p in ready if p.name in in_round)
         st.spare_replicas = sum(1 for p in ready if p.name not in in_round)
     else:

@@ -110,7 +110,7 @@ class Monitor:
         self._status_written = 0.0
         self._step: int | None = None
         self._step_time: float | None = None
-        self._first_step: tuple[int, float] | None = None  # the first (step, wall time) of this iteration
+        self._first_step: tuple[int, int, float] | None = None  # (iteration, step, wall time) of its first step
         self._probe = _probe() if watch_main_thread else None
         self._thread = threading.Thread(target=self._run, name=f"stalwart-monitor-{coord.slot}", daemon=True)
 
@@ -152,7 +152,7 @@ class Monitor:
             self._step = step
             self._step_time = time.time()
             if self._first_step is None:
-                self._first_step = (step, self._step_time)
+                self._first_step = (self._iteration, step, self._step_time)
 
     def fault_seen(self, iteration: int) -> FaultRecord | None:
         with self._lock:
@@ -280,10 +280,11 @@ class Monitor:
                 return
             # While not running user code the process waits on etcd with deadlines: it is not hung.
             beat = self.last_progress if self._running else now
-            first = self._first_step
+            # The first step belongs to the iteration it was taken in; the next one has none until it steps.
+            first = self._first_step if self._first_step and self._first_step[0] == self.status.iteration else None
             self.status = self.status.model_copy(update={
                 "heartbeat": beat, "step": self._step, "step_time": self._step_time,
-                "first_step": first[0] if first else None, "first_step_time": first[1] if first else None})
+                "first_step": first[1] if first else None, "first_step_time": first[2] if first else None})
             status = self.status
             self._status_written = now
         self.status_file.write(status)
