@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from stalwart.demo import EXAMPLE, JOB_NAMESPACE, DemoOptions, Installation, demo_job  # noqa: E402
-from stalwart.drill.core import RankPoint, Recovery, points, standing  # noqa: E402
+from stalwart.drill.core import RankPoint, Recovery, standing  # noqa: E402
 from stalwart.drill.session import DrillOptions, DrillSession  # noqa: E402
 from stalwart.examples.train import CHECKPOINT_DIR_ENV, CHECKPOINT_NAME  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
@@ -483,7 +483,7 @@ class Soak:
         import torch
 
         session = self._session()
-        _, step_now = standing(points(session.records()))
+        _, step_now = standing(session.current_points())
         step, state = self.final_checkpoint(step_now)
         clean = self.clean_run(step)
         same = state.keys() == clean.keys() and all(torch.equal(state[k], clean[k]) for k in state)

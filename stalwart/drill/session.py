@@ -261,8 +261,10 @@ class DrillSession:
             except StoreError:
                 time.sleep(self.options.poll)
                 continue
-            # Steps a rank completed after the injection but still before the fault took hold count as done.
-            best = max([best, *(p.step for p in pts if p.position <= before and p.step is not None)])
+            # Steps a rank completed after the injection but still before the fault took hold count as done
+            # (reports of the fault's round only: those of pods gone in earlier rounds are history).
+            best = max([best, *(p.step for p in pts if p.round == before[0] and p.position <= before
+                                and p.step is not None)])
             found = recovery(pts, before, injected_at, best)
             if found is not None:
                 return found
