@@ -49,6 +49,7 @@ from stalwart.operator.model import (
 )
 from stalwart.operator.observe import job_view, overlay
 from stalwart.operator.reconcile import reconcile
+from stalwart.outage import Backoff, Outage
 from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,9 @@ class JobRunner:
         #: patch: a conflict means someone else wrote, and the next reconcile starts again from the API).
         self.resource_version: str | None = None
         self._conflict = False
+        # An unreachable etcd is tried with back-off and logged once when it goes and once when it is back.
+        self.etcd_outage = Outage("etcd", logger=log, context=f"job {namespace}/{name}",
+                                  backoff=Backoff(initial=0.5, cap=10.0))
 
     async def target(self, job: JobView) -> EtcdTarget | None:
         """The job's etcd target, resolved once per spec generation (and again after an etcd error)."""
@@ -141,14 +145,15 @@ class JobRunner:
         else:
             self.resource_version = str((body.get("metadata") or {}).get("resourceVersion") or "") or None
         etcd = EtcdView(reachable=False)
-        if job.uid and not job.deleting:
+        if job.uid and not job.deleting and self.etcd_outage.due():
             try:
                 target = await self.target(job)
                 if target is not None:
                     etcd = await asyncio.to_thread(self.ctx.etcd.read, target, JobKeys(self.namespace, job.uid))
+                    self.etcd_outage.ok()
             except (StoreError, KubeError, ValueError) as e:
                 self._target = None
-                log.warning("job %s/%s: etcd unreachable: %s", self.namespace, self.name, e)
+                self.etcd_outage.failed(e)
         # Forget overlay entries the watch has caught up with.
         watched = {p.name: p for p in pods}
         for pod_name in [n for n in self.created if n in watched]:

@@ -231,14 +231,14 @@ class Monitor:
                         watch = self._open_watch()
                         backoff = 0.1
                     except StoreError as e:
-                        log.warning("slot %d: cannot watch faults, retrying: %s", self.coord.slot, e)
+                        self.coord.outage.failed(f"fault watch: {e}")  # logged once per outage
                         self._stop.wait(backoff * (0.5 + random.random()))
                         backoff = min(backoff * 2, 2.0)
                         continue
                 try:
                     ev = watch.next(timeout=self.interval)
                 except StoreError as e:
-                    log.warning("slot %d: fault watch broke, reopening: %s", self.coord.slot, e)
+                    self.coord.outage.failed(f"fault watch: {e}")
                     watch.cancel()
                     watch = None
                     continue
