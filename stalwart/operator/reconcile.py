@@ -502,11 +502,13 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
             news = ", ".join(c.name for c in created[:counted])
             w.event("Normal", "PodReplaced", f"replaced {lost} with {news}")
         w.actions.extend(created)
-        if created and st.start_time is None:
-            st.start_time = to_time(w.now)
-        if created and condition(st, ConditionType.CREATED) is None:
-            w.cond(ConditionType.CREATED, ConditionStatus.TRUE, "PodsCreated",
-                   f"{len(created)} pod(s) created")
+    # From the pods, not only from the decision that created them: a status write refused for a conflict is
+    # decided again, when the pods exist already.
+    existing = len(created) + sum(1 for p in obs.pods if not p.deleting)
+    if existing and st.start_time is None:
+        st.start_time = to_time(w.now)
+    if existing and condition(st, ConditionType.CREATED) is None:
+        w.cond(ConditionType.CREATED, ConditionStatus.TRUE, "PodsCreated", f"{existing} pod(s) created")
 
     if not obs.owned_objects_ready:
         w.actions.insert(0, EnsureOwnedObjects())
