@@ -36,8 +36,10 @@ def _current(records: Iterable[ProgressRecord], epoch: int) -> list[ProgressReco
 
 
 def gather(records: Sequence[ProgressRecord], *, epoch: int, members: Iterable[str], now: float,
-           soft_timeout: float) -> Evidence:
-    """The evidence of the round sealed at ``epoch`` (``members``: its nodes) at time ``now``."""
+           soft_timeout: float, seen_since: float = 0.0) -> Evidence:
+    """The evidence of the round sealed at ``epoch`` (``members``: its nodes) at time ``now``. ``seen_since`` is
+    when the operator could last start reading etcd again (after an outage): silence from before then is no
+    evidence of a stall (the agents could not write either)."""
     current = _current(records, epoch)
     steps = [(rank.step, rank.step_time if rank.step_time is not None else rec.updated)
              for rec in current for rank in rec.ranks if rank.step is not None]
@@ -47,15 +49,15 @@ def gather(records: Sequence[ProgressRecord], *, epoch: int, members: Iterable[s
     oldest = now
     member_set = set(members)
     for rec in current:
-        agent_silent = now - rec.updated > soft_timeout and rec.node_id in member_set
+        agent_silent = now - max(rec.updated, seen_since) > soft_timeout and rec.node_id in member_set
         for rank in rec.ranks:
-            seen = _progress(rank, rec.updated)
+            seen = max(_progress(rank, rec.updated), seen_since)
             if rank.state == "running" and (now - seen > soft_timeout or agent_silent):
                 stalled.append((rank.rank, rec.node_id))
                 oldest = min(oldest, seen)
         if agent_silent and not rec.ranks:
             stalled.append((None, rec.node_id))
-            oldest = min(oldest, rec.updated)
+            oldest = min(oldest, max(rec.updated, seen_since))
     stalled.sort(key=lambda s: (s[0] is None, s[0] or 0, s[1]))
     return Evidence(step, step_time, tuple(stalled), now - oldest if stalled else 0.0, places)
 

@@ -84,6 +84,14 @@ def _restarting_reason(status: TrainingJobStatus) -> str | None:
     return None
 
 
+def _etcd_back_since(status: TrainingJobStatus) -> float:
+    """When the operator could read etcd again after its last outage (0: none known)."""
+    for c in status.conditions or []:
+        if c.type == ConditionType.COORDINATION_DEGRADED and c.last_transition_time is not None:
+            return c.last_transition_time.timestamp() if c.status == ConditionStatus.FALSE else float("inf")
+    return 0.0
+
+
 def _incident_position(record: FailureRecord | None, position: Position | None) -> Position | None:
     if record is not None and record.round is not None:
         return Position(round=record.round, iteration=record.iteration or 0)
@@ -122,7 +130,7 @@ def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fac
                           position is not None, None, True, Evidence(), tuple(events))
 
     evidence = gather(etcd.progress, epoch=etcd.epoch, members=[m.node_id for m in manifest.members]
-                      if manifest else [], now=now, soft_timeout=soft_timeout)
+                      if manifest else [], now=now, soft_timeout=soft_timeout, seen_since=_etcd_back_since(status))
     exits = [(rec.node_id, ex) for rec in etcd.progress for ex in rec.exits]
     seen = exit_facts(exits)
     if round_ is not None:

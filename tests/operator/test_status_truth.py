@@ -236,3 +236,18 @@ def test_ready_replicas_follow_the_pods_after_success() -> None:
     done = [pod("worker-0", "Succeeded", exit_code=0), pod("worker-1", "Succeeded", exit_code=0)]
     d = reconcile(observe(job(st), done, both(1, 0, 100, epoch=7)))
     assert d.status.phase == Phase.SUCCEEDED and d.status.ready_replicas == 0 and d.status.replicas == 2
+
+
+def test_silence_during_an_etcd_outage_is_no_stall() -> None:
+    st = reconcile(observe(job(status(Phase.RUNNING, position=AT_START)), PODS, both(1, 0, 50, epoch=7))).status
+    # etcd is away for 90s (longer than the soft timeout): the agents cannot write either.
+    st = reconcile(observe(job(st), PODS, EtcdView(reachable=False), now=NOW + 90)).status
+    # Back: the agents' last reports are 90s old, their next writes a moment away. Not a stall...
+    stale = both(1, 0, 50, epoch=7)
+    d = reconcile(observe(job(st), PODS, stale, now=NOW + 91))
+    d = reconcile(observe(job(d.status), PODS, stale, now=NOW + 92))
+    assert d.status.phase == Phase.RUNNING and condition(d.status, "Stalled") is None
+    # ... unless they stay silent for the soft timeout after etcd is back.
+    d = reconcile(observe(job(d.status), PODS, stale, now=NOW + 91 + 61))
+    stalled = condition(d.status, "Stalled")
+    assert stalled is not None and stalled.status == ConditionStatus.TRUE
