@@ -164,6 +164,8 @@ def observed(book: ProgressBook, procs: Sequence[ProcView], *, now: float, wall:
             live.add(key)
     since = {k: v for k, v in since.items() if k in live}
     stepped = [it for p in procs if (it := _stepped_iteration(p, since, now)) is not None]
+    # A rank that is restarting ran its iteration's training function, and a fault ended it.
+    faulted = [p.status.iteration for p in procs if p.status is not None and p.status.state == "restarting"]
     history = list(book.history)
     pending = set(book.pending)
     joined_at: list[int] = []
@@ -173,11 +175,12 @@ def observed(book: ProgressBook, procs: Sequence[ProcView], *, now: float, wall:
                 and st.state in ("barrier", "running"):
             joined_at.append(st.iteration)
             pending.discard((p.local_rank, p.pid))
-    if history and (stepped or joined_at):
+    if history and (stepped or faulted or joined_at):
         last = history[-1]
         best = max([*stepped, *([last.stepped] if last.stepped is not None else [])], default=None)
+        worst = max([*faulted, *([last.faulted] if last.faulted is not None else [])], default=None)
         history[-1] = last.model_copy(update={
-            "stepped": best, "respawned": sorted(set(last.respawned) | set(joined_at))})
+            "stepped": best, "faulted": worst, "respawned": sorted(set(last.respawned) | set(joined_at))})
     ranks = tuple(_report(p, now, wall) for p in procs)
     # The newest failure any rank saw (the first fault of its last faulted iteration), or the agent's own.
     failures = [f for f in [book.last_failure, *(p.status.last_failure for p in procs if p.status)] if f is not None]

@@ -188,6 +188,9 @@ class RoundSummary(ApiModel):
     epoch: int = Field(ge=0, description="Its epoch.")
     stepped: int | None = Field(
         default=None, description="The last in-process iteration in which one of the node's ranks completed a step.")
+    faulted: int | None = Field(
+        default=None,
+        description="The last iteration one of the node's ranks ran its training function in that ended in a fault.")
     respawned: list[int] = Field(
         default_factory=list, max_length=1024,
         description="Iterations that respawned rank processes of this node joined (process restarts).")

@@ -171,9 +171,9 @@ class TrainingJobStatus(ApiModel):
     progress: Progress | None = Field(default=None, description="Training progress.")
     position: Position | None = Field(
         default=None,
-        description=("Round and iteration of the last completed step that the restart counters account for: "
-                     "each recovery is counted once, as training moves past it (kept in the status so that an "
-                     "operator that restarts neither loses nor repeats a count)."))
+        description=("Round and in-process iteration up to which the restart counters account for what the "
+                     "ranks ran: each restart is counted once, as training moves past it (kept in the status so "
+                     "that an operator that restarts neither loses nor repeats a count)."))
     start_time: datetime | None = Field(default=None, description="When the job first started running.")
     completion_time: datetime | None = Field(default=None, description="When the job finished.")
     selector: str | None = Field(

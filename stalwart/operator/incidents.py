@@ -39,8 +39,8 @@ REASON_DISAPPEARED = "PodDisappeared"
 @dataclass(frozen=True, slots=True)
 class Assessment:
     """What :func:`assess` decided. ``restarting`` is the open incident's condition reason (None: no incident);
-    ``started``: some step has completed; ``stalled``: the Stalled condition's message (None: not stalled);
-    ``degraded``: etcd could not be read."""
+    ``started``: training ran; ``stepped``: the furthest (round, iteration) that completed a step; ``stalled``:
+    the Stalled condition's message (None: not stalled); ``degraded``: etcd could not be read."""
 
     last_failure: FailureRecord | None
     restarts: RestartCounts
@@ -48,6 +48,7 @@ class Assessment:
     restarting: str | None = None
     restarting_message: str = ""
     started: bool = False
+    stepped: Position | None = None
     stalled: str | None = None
     degraded: bool = False
     evidence: Evidence = field(default_factory=Evidence)
@@ -127,7 +128,7 @@ def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fac
         elif side_facts and not open_:
             last = compose(side_facts)
         return Assessment(last, restarts, position, _reason(last, open_, vanished, status), describe(last),
-                          position is not None, None, True, Evidence(), tuple(events))
+                          position is not None, None, None, True, Evidence(), tuple(events))
 
     evidence = gather(etcd.progress, epoch=etcd.epoch, members=[m.node_id for m in manifest.members]
                       if manifest else [], now=now, soft_timeout=soft_timeout, seen_since=_etcd_back_since(status))
@@ -184,7 +185,7 @@ def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fac
         events.append(("Normal", "Progressing", f"training went on at step {evidence.step} after {describe(last)}"))
 
     return Assessment(last, restarts, position, _reason(last, open_, vanished, status), describe(last),
-                      position is not None, stalled, False, evidence, tuple(events))
+                      position is not None, tally.stepped, stalled, False, evidence, tuple(events))
 
 
 def _reason(last: FailureRecord | None, open_: bool, vanished: frozenset[str], status: TrainingJobStatus) -> str | None:

@@ -716,7 +716,7 @@ def _training(w: _Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: S
     min_nodes = spec.min_nodes
     # Training runs when a step completed in the current round (not only in an earlier one: a resumed job's
     # new round has not stepped yet).
-    stepping = manifest is not None and st.position is not None and st.position.round >= manifest.round
+    stepping = manifest is not None and a.stepped is not None and a.stepped.round >= manifest.round
     if a.restarting is not None:
         phase = Phase.RESTARTING
     elif a.degraded:

@@ -67,6 +67,12 @@ def test_stepped_iteration(procs: list[ProcView], now: float, expected: int | No
     assert stepped(observed(book(), procs, now=now, wall=WALL)) == expected
 
 
+def test_an_iteration_that_ran_into_a_fault_is_recorded() -> None:
+    # The fault repeats at once after every restart: no step, but iteration 2 ran and failed again.
+    b = observed(book(), [proc(status(state="restarting", iteration=2, step=4))], now=1.0, wall=WALL)
+    assert b.history[-1].stepped is None and b.history[-1].faulted == 2
+
+
 def test_a_rank_that_reports_no_steps_counts_after_the_grace_in_its_training_function() -> None:
     b = observed(book(), [proc(status(step=None))], now=100.0, wall=WALL)
     assert stepped(b) is None
