@@ -137,6 +137,15 @@ def exited(book: ProgressBook, proc: ProcView, *, now: float, hung: bool = False
     return replace(book, exits=(*book.exits, ex)[-MAX_EXITS:], last_failure=failure)
 
 
+def _ended_iteration(st: RankStatus) -> int | None:
+    """The last iteration a rank's status shows to have ended in a fault (None: none)."""
+    if st.state == "restarting":
+        return st.iteration
+    if st.state in ("barrier", "running", "inactive") and st.iteration >= 1:
+        return st.iteration - 1
+    return None
+
+
 def _stepped_iteration(p: ProcView, since: dict[tuple[int, int, int], float], now: float) -> int | None:
     """The iteration in which this process is known to have completed a step (None: none known)."""
     st = p.status
@@ -164,8 +173,10 @@ def observed(book: ProgressBook, procs: Sequence[ProcView], *, now: float, wall:
             live.add(key)
     since = {k: v for k, v in since.items() if k in live}
     stepped = [it for p in procs if (it := _stepped_iteration(p, since, now)) is not None]
-    # A rank that is restarting ran its iteration's training function, and a fault ended it.
-    faulted = [p.status.iteration for p in procs if p.status is not None and p.status.state == "restarting"]
+    # Iterations are numbered per round and each one after the first starts after a fault: a rank at iteration k
+    # shows that iteration k - 1 ran and a fault ended it (k itself, once the rank is restarting from it).
+    faulted = [i for p in procs if p.status is not None and p.status.pid == p.pid
+               and (i := _ended_iteration(p.status)) is not None]
     history = list(book.history)
     pending = set(book.pending)
     joined_at: list[int] = []

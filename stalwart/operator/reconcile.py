@@ -64,6 +64,7 @@ from stalwart.api.status import (
 )
 from stalwart.operator.failures import Fact
 from stalwart.operator.incidents import REASON_DISAPPEARED, assess
+from stalwart.operator.ledger import advance, round_facts
 from stalwart.operator.model import (
     Action,
     CloseRendezvous,
@@ -352,11 +353,25 @@ def _finished(w: _Work, spec: TrainingJobSpec) -> None:
 
 
 def _fail(w: _Work, reason: str, message: str) -> None:
+    _tally(w)  # a failed job is not looked at again: count what its ranks ran up to now
     w.status.phase = Phase.FAILED
     w.status.completion_time = to_time(w.now)
     w.cond(ConditionType.FAILED, ConditionStatus.TRUE, reason, message)
     w.cond(ConditionType.RUNNING, ConditionStatus.FALSE, reason, message)
     w.cond(ConditionType.RESTARTING, ConditionStatus.FALSE, reason, message)
+
+
+def _tally(w: _Work) -> None:
+    """Add the restarts the ranks ran since the counted position (see :mod:`.ledger`)."""
+    etcd = w.obs.etcd
+    if not etcd.reachable or w.obs.job.spec is None:
+        return
+    st = w.status
+    t = advance(st.position, round_facts(etcd.progress), None, False)
+    restarts = st.restarts or RestartCounts()
+    st.restarts = restarts.model_copy(update={"in_process": restarts.in_process + t.in_process,
+                                              "process_restarts": restarts.process_restarts + t.process_restarts})
+    st.position = t.position
 
 
 def _succeed(w: _Work, message: str) -> None:

@@ -71,6 +71,9 @@ def test_an_iteration_that_ran_into_a_fault_is_recorded() -> None:
     # The fault repeats at once after every restart: no step, but iteration 2 ran and failed again.
     b = observed(book(), [proc(status(state="restarting", iteration=2, step=4))], now=1.0, wall=WALL)
     assert b.history[-1].stepped is None and b.history[-1].faulted == 2
+    # A rank seen only at the barrier of iteration 5 (its agent reads its status now and then): 4 ended in a fault.
+    b = observed(b, [proc(status(state="barrier", iteration=5, step=4))], now=2.0, wall=WALL)
+    assert b.history[-1].faulted == 4
 
 
 def test_a_rank_that_reports_no_steps_counts_after_the_grace_in_its_training_function() -> None:
@@ -92,7 +95,7 @@ def test_a_respawned_process_is_recorded_at_the_iteration_it_joins() -> None:
     b = observed(b, [proc(status(pid=101, state="barrier", iteration=1), pid=101)], now=3.0, wall=WALL)
     assert b.history[-1].respawned == [1] and b.pending == frozenset() and b.process_restarts == 1
     rec = record(b, "running", wall=WALL)
-    assert rec.history[-1] == RoundSummary(round=1, epoch=7, stepped=0, respawned=[1])
+    assert rec.history[-1] == RoundSummary(round=1, epoch=7, stepped=0, respawned=[1], faulted=0)
     assert rec.last_failure is not None and "SIGKILL" in rec.last_failure.reason
     # What the operator reads is what was written.
     assert ProgressRecord.from_json_bytes(rec.to_json_bytes()) == rec

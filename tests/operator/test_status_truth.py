@@ -251,3 +251,14 @@ def test_silence_during_an_etcd_outage_is_no_stall() -> None:
     d = reconcile(observe(job(d.status), PODS, stale, now=NOW + 91 + 61))
     stalled = condition(d.status, "Stalled")
     assert stalled is not None and stalled.status == ConditionStatus.TRUE
+
+
+def test_restarts_that_ran_into_the_fault_again_count_also_when_the_job_fails() -> None:
+    st = status(Phase.RUNNING, position=AT_START)
+    repeats = RoundSummary(round=1, epoch=7, stepped=0, faulted=2)
+    reports = etcd("worker-0", "worker-1", progress=(progress("worker-0", history=(repeats,)),))
+    # The rank gave up (restarts exhausted) before the operator looked in between.
+    pods = [pod("worker-0"), pod("worker-1", "Failed", exit_code=90)]
+    d = reconcile(observe(job(st), pods, reports))
+    assert d.status.phase == Phase.FAILED
+    assert d.status.restarts == RestartCounts(in_process=2) and d.status.total_restarts == 2
