@@ -17,7 +17,10 @@ import contextlib
 import datetime
 import enum
 import logging
+import platform
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 from stalwart.local.apiserver.objects import ApiError, ObjectStore, now_rfc3339
@@ -43,6 +46,21 @@ def micro_time(at: float | None = None) -> str:
     """A MicroTime (RFC 3339 with microseconds), as Lease.spec.renewTime carries."""
     t = datetime.datetime.fromtimestamp(time.time() if at is None else at, datetime.UTC)
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def node_info(name: str) -> JSON:
+    """``status.nodeInfo``: this machine's kernel and OS, identities stable per node name."""
+    ident = str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{name}.stalwart.local"))
+    os_image = "Linux"
+    with contextlib.suppress(OSError):
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                os_image = line.partition("=")[2].strip().strip('"')
+    machine = platform.machine()
+    return {"kubeletVersion": KUBELET_VERSION, "kubeProxyVersion": "", "operatingSystem": "linux",
+            "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine),
+            "containerRuntimeVersion": "process://local", "kernelVersion": platform.release(),
+            "osImage": os_image, "machineID": ident.replace("-", ""), "systemUUID": ident, "bootID": ident}
 
 
 class NodeAgents:
@@ -101,8 +119,7 @@ class NodeAgents:
         node["status"] = {
             "conditions": conditions,
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
-            "nodeInfo": {"kubeletVersion": KUBELET_VERSION, "operatingSystem": "linux", "architecture": "amd64",
-                         "containerRuntimeVersion": "process://local"},
+            "nodeInfo": node_info(name),
             "capacity": capacity, "allocatable": dict(capacity),
         }
         with contextlib.suppress(ApiError):
