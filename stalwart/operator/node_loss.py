@@ -13,6 +13,11 @@ on whichever comes first:
   its progress record, written by this pod's agent (after the pod started), says it was still at work but has
   not been rewritten for :data:`AGENT_SILENT_SECONDS` (a live agent rewrites it at least every 10 s). Its node
   may be fine, so such a pod is deleted gracefully.
+
+A lost pod is fenced (its lease revoked) once; its processes may still come back, e.g. when a partition heals
+towards etcd before the kubelet there hears that the pod is gone, and register again under a new lease. So the
+fence is kept: a rendezvous key held for a node id that is none of the job's pods (:func:`strangers`) is
+revoked whenever it is seen, and such a zombie never becomes a member of a later round.
 """
 
 from __future__ import annotations
@@ -26,8 +31,6 @@ UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 #: How long an agent without a lease must also have been silent (no progress record) to count as lost. A live
 #: agent rewrites its record at least every 10 s; the margin absorbs clock skew between its node and here.
 AGENT_SILENT_SECONDS = 15.0
-#: startTime has whole seconds; a record written in the second the pod started may be its predecessor's.
-_START_SLACK = 1.0
 
 
 def node_unreachable(node: Mapping[str, Any]) -> bool:
@@ -49,7 +52,9 @@ def agent_silent_for(pod: PodView, obs: Observation) -> float | None:
     if pod.name in etcd.leases or pod.started_at is None:
         return None
     record = next((p for p in etcd.progress if p.node_id == pod.name), None)
-    if record is None or record.state in ("succeeded", "failed") or record.updated < pod.started_at + _START_SLACK:
+    # startTime has whole seconds, so a record of this pod's agent is never older; one of a predecessor of the
+    # same name (a refilled worker slot) is, unless both fell into one second.
+    if record is None or record.state in ("succeeded", "failed") or record.updated < pod.started_at:
         return None
     return obs.now - record.updated
 
@@ -83,3 +88,9 @@ def lost_pods(obs: Observation) -> dict[str, str]:
 def on_unreachable_node(pod: PodView, obs: Observation) -> bool:
     """Whether ``pod`` sits on an unreachable node (no kubelet there can confirm its graceful deletion)."""
     return pod.node is not None and pod.node in obs.unreachable_nodes
+
+
+def strangers(obs: Observation) -> list[str]:
+    """Node ids holding a rendezvous key that are none of the job's pods (zombies of pods already gone)."""
+    known = {p.name for p in obs.pods}
+    return sorted(node for node in obs.etcd.leases if node not in known)

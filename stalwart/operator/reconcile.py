@@ -78,7 +78,7 @@ from stalwart.operator.model import (
     RevokeLease,
     WriteJobRecord,
 )
-from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in
+from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
 
 #: Condition reasons the operator sets (the ``reason`` of conditions and Events).
 REASON_INVALID_SPEC = "InvalidSpec"
@@ -394,7 +394,7 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     # outlive its API object.
     present = {p.name for p in obs.pods}
     vanished = [name for name in st.tracked_pods or [] if name not in present]
-    for name in vanished:
+    for name in [*vanished, *strangers(obs)]:
         w.fence(name)
 
     # Failed and lost pods: fence, delete, decide. ``leaving`` are pods being deleted (by someone else, or by

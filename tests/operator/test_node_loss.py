@@ -98,6 +98,9 @@ def agent(node: str, *, silent: float, state: str = "running") -> Any:
 
 @pytest.mark.parametrize(("case", "record", "leases", "lost"), [
     ("silent without a lease", agent("worker-1", silent=20), {}, True),
+    # Paused right after its first report, before it registered: in the second its pod started.
+    ("silent since its first report", progress("worker-1", state="joining", epoch=0, updated=STARTED + 0.2),
+     {}, True),
     ("lease held", agent("worker-1", silent=20), {"worker-1": 9}, False),
     ("not silent long enough", agent("worker-1", silent=5), {}, False),
     ("finished its work", agent("worker-1", silent=20, state="failed"), {}, False),
@@ -143,3 +146,12 @@ def test_a_failure_rule_on_pod_lost_applies_to_a_lost_node() -> None:
                              [on("worker-0", "n0"), on("worker-1", "n1")], etcd("worker-0", "worker-1")), "n1")
     d = reconcile(obs)
     assert d.status.phase == Phase.FAILED and not of(d, CreatePod)
+
+
+def test_a_zombie_that_registers_again_is_fenced_again() -> None:
+    # worker-1 was lost, force-deleted and replaced; its processes came back and registered under a new lease.
+    view = etcd("worker-0", "spare-0", leases={"worker-0": 3, "spare-0": 5, "worker-1": 11, "spare-1": 12})
+    pods = [on("worker-0", "n0"), on("spare-0", "n2"), pod("spare-1", "Pending")]
+    d = reconcile(observe(job(status(Phase.RUNNING, replacements=1), spares=1), pods, view))
+    assert of(d, RevokeLease) == [RevokeLease(f"{JOB}-worker-1", 11)]
+    assert not of(d, CreatePod) and not of(d, DeletePod)
