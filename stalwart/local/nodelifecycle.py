@@ -21,7 +21,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from datetime import datetime
 from typing import Any
 
 from stalwart.local.apiserver.objects import ApiError, ObjectStore, now_rfc3339
@@ -37,15 +36,6 @@ NOT_READY = "node.kubernetes.io/not-ready"
 _CONTROLLER_TAINTS = (UNREACHABLE, NOT_READY)
 
 
-def parse_time(value: Any) -> float | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def taints_for(ready: str) -> set[str]:
     """The controller's taint keys for a node whose Ready condition is ``ready``."""
     return {"True": set(), "False": {NOT_READY}}.get(ready, {UNREACHABLE})
@@ -54,8 +44,8 @@ def taints_for(ready: str) -> set[str]:
 def eviction_time(tolerations: list[Mapping[str, Any]], taints: Iterable[Mapping[str, Any]],
                   first_seen: Mapping[tuple[str, str], float], now: float) -> float | None:
     """When a pod with ``tolerations`` is to be evicted from a node with ``taints`` (Unix seconds; ``now`` for
-    an untolerated NoExecute taint), or None (no NoExecute taint, or tolerated forever). A taint's start is its
-    ``timeAdded``, else when the controller first saw it (``first_seen`` by (key, effect))."""
+    an untolerated NoExecute taint), or None (no NoExecute taint, or tolerated forever). A taint counts from
+    when the controller first saw it (``first_seen`` by (key, effect)), as the taint manager's own timer does."""
     due: float | None = None
     for taint in taints:
         if taint.get("effect") != "NoExecute":
@@ -66,7 +56,7 @@ def eviction_time(tolerations: list[Mapping[str, Any]], taints: Iterable[Mapping
         limits = [float(t["tolerationSeconds"]) for t in matching if t.get("tolerationSeconds") is not None]
         if not limits:
             continue
-        start = parse_time(taint.get("timeAdded")) or first_seen.get((str(taint.get("key")), "NoExecute"), now)
+        start = first_seen.get((str(taint.get("key")), "NoExecute"), now)
         at = start + max(min(limits), 0.0)
         due = at if due is None else min(due, at)
     return due

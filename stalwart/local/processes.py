@@ -60,6 +60,17 @@ def signal_marked(name: str, value: str, sig: int) -> int:
     return n
 
 
+def process_state(pid: int) -> str:
+    """The kernel's state letter of a process (``R``, ``S``, ``T`` for stopped...); "" once it is gone (or a
+    zombie waiting to be reaped)."""
+    try:
+        text = (Path("/proc") / str(pid) / "status").read_text()
+    except OSError:
+        return ""
+    letter = next((line.split()[1] for line in text.splitlines() if line.startswith("State:")), "")
+    return "" if letter == "Z" else letter
+
+
 def container_id(pod_uid: str, container: str) -> str:
     """The value of :data:`CONTAINER_MARKER` for one container of one pod."""
     return f"{pod_uid}/{container}"

@@ -14,13 +14,12 @@ Unschedulable: gang scheduling is the job controller's business (or a gang sched
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from typing import Any
 
 from stalwart.local.apiserver.objects import ApiError, Event, ObjectStore
 from stalwart.local.fit import NodeFit, choose
+from stalwart.local.loop import ControlLoop
 from stalwart.local.recorder import record_event, with_condition
 
 log = logging.getLogger(__name__)
@@ -53,14 +52,13 @@ def node_fits(store: ObjectStore, pods: list[JSON]) -> dict[str, NodeFit]:
     return {n["metadata"]["name"]: NodeFit.of(n, bound.get(n["metadata"]["name"], [])) for n in nodes}
 
 
-class Scheduler:
+class Scheduler(ControlLoop):
     """Schedules the pods of ``store``; ``start``/``stop`` bracket its loop."""
 
     def __init__(self, store: ObjectStore) -> None:
+        super().__init__("scheduler", RETRY_SECONDS)
         self.store = store
         self.pods_info = store.info("", "v1", "pods")
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         store.listeners.append(self._on_event)
 
     def _on_event(self, ev: Event) -> None:
@@ -70,26 +68,10 @@ class Scheduler:
                 ev.type != "MODIFIED" or ev.obj["metadata"].get("deletionTimestamp")
                 or (ev.obj.get("status") or {}).get("phase") in ("Succeeded", "Failed")
                 or not (ev.obj.get("spec") or {}).get("nodeName"))):
-            self._wake.set()
+            self.wake()
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            self._wake.clear()
-            try:
-                self.schedule_pending()
-            except Exception:
-                log.exception("scheduler: a scheduling pass failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), RETRY_SECONDS)
+    def step(self) -> None:
+        self.schedule_pending()
 
     def schedule_pending(self) -> None:
         """One pass over the pending pods."""

@@ -140,8 +140,8 @@ def test_default_tolerations(given: list[dict[str, Any]], added: set[tuple[str, 
 
 
 NOW = 1_800_000_000.0
-NO_EXECUTE = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": "2027-01-15T08:00:00Z"}
-ADDED = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+NO_EXECUTE = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": "2027-01-15T07:59:50Z"}
+ADDED = NOW - 10  # when the controller saw the taint
 
 
 def toleration(seconds: int | None, key: str = "node.kubernetes.io/unreachable") -> dict[str, Any]:
@@ -157,8 +157,9 @@ def toleration(seconds: int | None, key: str = "node.kubernetes.io/unreachable")
     ([toleration(None)], [NO_EXECUTE], None),  # tolerated for ever
     ([toleration(300, key="other")], [NO_EXECUTE], NOW),  # not tolerated: at once
     ([], [{"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"}], None),  # no NoExecute taint
-    # No timeAdded: from when the controller first saw the taint.
-    ([toleration(30)], [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}], NOW - 10 + 30),
+    # A taint the controller sees for the first time now: from now.
+    ([toleration(30)], [{"key": "other", "effect": "NoExecute"}], NOW),
+    ([toleration(30), toleration(30, key="other")], [{"key": "other", "effect": "NoExecute"}], NOW + 30),
 ])
 def test_eviction_time(tolerations: list[dict[str, Any]], taints: list[dict[str, Any]], due: float | None) -> None:
     first_seen = {("node.kubernetes.io/unreachable", "NoExecute"): NOW - 10}

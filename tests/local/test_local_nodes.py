@@ -14,6 +14,7 @@ from kubernetes import client as k8s
 from local_helpers import wait_until
 
 from stalwart.local.cluster import LocalCluster
+from stalwart.local.processes import process_state
 
 pytestmark = pytest.mark.integration
 UNREACHABLE = "node.kubernetes.io/unreachable"
@@ -35,16 +36,6 @@ def condition(obj: Any, type_: str) -> Any:
 
 def pid_of(pod: Any) -> int:
     return int(pod.status.container_statuses[0].container_id.split("//")[1])
-
-
-def proc_state(pid: int) -> str:
-    """The kernel's state letter of a process (R, S, T for stopped...), "" when it is gone or a zombie."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return ""
-    state = next(line.split()[1] for line in text.splitlines() if line.startswith("State:"))
-    return "" if state == "Z" else state
 
 
 def gone(core: Any, ns: str, name: str) -> bool:
@@ -89,7 +80,7 @@ def test_a_lost_node_turns_unknown_and_its_pods_stay_running_until_evicted(
     try:
         assert sorted(local_cluster.lose_node(victim)) == sorted(f"{ns}/{n}" for n in ("once", "quick", "stays"))
         # The node's processes are gone at once; the API learns of the loss only from the missing heartbeats.
-        assert all(proc_state(pid) == "" for pid in pids.values())
+        assert all(process_state(pid) == "" for pid in pids.values())
         node = wait_until(lambda: unreachable(core, victim), "the node's Ready to turn Unknown", timeout=30)
         ready = condition(node, "Ready")
         assert (ready.reason, ready.message) == ("NodeStatusUnknown", "Kubelet stopped posting node status.")
@@ -160,7 +151,7 @@ def test_a_partitioned_node_pauses_its_processes_and_they_act_again_when_it_retu
     wait_until(lambda: ticks.exists() and int(ticks.read_text() or 0) > 0, "the zombie to tick")
     try:
         local_cluster.lose_node(victim, partition=True)
-        assert {proc_state(pid) for pid in pids.values()} == {"T"}  # paused, not killed
+        assert {process_state(pid) for pid in pids.values()} == {"T"}  # paused, not killed
         before = int(ticks.read_text())
         wait_until(lambda: unreachable(core, victim), "the node's Ready to turn Unknown", timeout=30)
         assert int(ticks.read_text()) == before
@@ -170,7 +161,7 @@ def test_a_partitioned_node_pauses_its_processes_and_they_act_again_when_it_retu
         local_cluster.kubectl("delete", "pod", "graceful", "-n", ns, "--grace-period=60", "--wait=false")
         assert gone(core, ns, "zombie")
         assert core.read_namespaced_pod("graceful", ns).metadata.deletion_timestamp is not None
-        assert {proc_state(pid) for pid in pids.values()} == {"T"}
+        assert {process_state(pid) for pid in pids.values()} == {"T"}
         assert not (tmp_path / "zombie.term").exists()
     finally:
         local_cluster.restore_node(victim)
@@ -178,7 +169,7 @@ def test_a_partitioned_node_pauses_its_processes_and_they_act_again_when_it_retu
     # pod the API no longer has as for the one being deleted; then the graceful one leaves the API.
     wait_until(lambda: (tmp_path / "zombie.term").exists() and (tmp_path / "graceful.term").exists(),
                "both processes to get SIGTERM after the resume", timeout=30)
-    wait_until(lambda: all(proc_state(pid) == "" for pid in pids.values()), "both processes to end")
+    wait_until(lambda: all(process_state(pid) == "" for pid in pids.values()), "both processes to end")
     wait_until(lambda: gone(core, ns, "graceful"), "the graceful deletion to complete")
     wait_until(lambda: condition(core.read_node(victim), "Ready").status == "True", "the node to be Ready")
 

@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ from test_operator_cluster import SLEEP, TRAIN, Jobs, OperatorFactory, job_body,
 from stalwart.api.rendezvous import Manifest
 from stalwart.keys import JobKeys
 from stalwart.local.cluster import LocalCluster
-from stalwart.local.processes import POD_MARKER, marked_pids
+from stalwart.local.processes import POD_MARKER, marked_pids, process_state
 from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
@@ -36,15 +35,6 @@ def requesting(body: dict[str, Any], cpu: str) -> dict[str, Any]:
 
 def pod_pids(uid: str) -> list[int]:
     return marked_pids(POD_MARKER, uid)
-
-
-def state(pid: int) -> str:
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return ""
-    letter = next(line.split()[1] for line in text.splitlines() if line.startswith("State:"))
-    return "" if letter == "Z" else letter
 
 
 def watch_zombie(store: Store, keys: JobKeys, node: str, seconds: float) -> dict[str, Any]:
@@ -94,7 +84,7 @@ def test_a_partitioned_node_is_fenced_and_replaced_long_before_eviction_and_its_
         assert etcd_store.get(keys.rendezvous + "nodes/part-worker-1") is None
         wait_for("the lost pod to leave the API", lambda: "part-worker-1" not in {
             p.metadata.name for p in jobs.pods("part")}, timeout=60)
-        assert {state(pid) for pid in zombie} == {"T"}
+        assert {process_state(pid) for pid in zombie} == {"T"}
         st = wait_for("training in a new round with the spare", lambda: (s := jobs.status("part")).get(
             "phase") == "Running" and s.get("round", 0) >= 2 and s["progress"]["step"] > before + 20 and s,
             timeout=240)
@@ -116,12 +106,12 @@ def test_a_partitioned_node_is_fenced_and_replaced_long_before_eviction_and_its_
         seen = watch_zombie(etcd_store, keys, "part-worker-1", seconds=5.0)
         assert seen["epochs"] == {epoch}, seen  # no new round, no write into the current one from the zombie
         assert not seen["member"]
-        assert any(state(pid) for pid in zombie)  # it was alive all along
+        assert any(process_state(pid) for pid in zombie)  # it was alive all along
     finally:
         local_cluster.restore_node(node)
     # The returning kubelet stops the zombie: the job goes on in the same round, with the same replacements, and
     # keeps making progress.
-    wait_for("the zombie's processes to end", lambda: all(state(pid) == "" for pid in zombie), timeout=60)
+    wait_for("the zombie's processes to end", lambda: all(process_state(pid) == "" for pid in zombie), timeout=60)
     st = wait_for("training to go on", lambda: (s := jobs.status("part")).get("progress", {}).get(
         "step", 0) > step + 20 and s, timeout=120)
     assert st["phase"] == "Running" and st["round"] == round_ and st["worldSize"] == 2
