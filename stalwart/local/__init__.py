@@ -7,8 +7,8 @@ Production is real Kubernetes. Locally, ``stalwart local up --dir DIR`` starts, 
   use unmodified, through ``DIR/kubeconfig``;
 - a process kubelet (:mod:`.kubelet`) that runs each pod's containers as local processes, one loopback address
   per pod, on a few virtual nodes that can be lost (killed or partitioned) for fault tests;
-- a scheduler with resource fit per node (:mod:`.scheduler`), the node lifecycle and taint eviction controllers
-  (:mod:`.nodelifecycle`), the DefaultTolerationSeconds admission plugin (:mod:`.admission`), and the
+- a scheduler with resource fit per node (:mod:`.scheduler`), the node lifecycle, taint eviction and pod GC
+  controllers (:mod:`.nodelifecycle`), the DefaultTolerationSeconds admission plugin (:mod:`.admission`), and the
   Deployment and ServiceAccount controllers (:mod:`.controllers`); node capacity and timings:
   :mod:`.settings`.
 

@@ -13,6 +13,10 @@ a taint it does not tolerate, else ``tolerationSeconds`` after the taint was add
 matching tolerations; none means never). Before deleting, the pod gets ``DisruptionTarget=True`` (reason
 ``DeletionByTaintManager``) and a ``TaintManagerEviction`` Event. The deletion is graceful, so a pod on an
 unreachable node stays Terminating until it is force-deleted or its node comes back.
+
+Pod garbage collection: a pod bound to a node that does not exist (a typo in ``nodeName``, a deleted Node) is
+force-deleted once the node stayed missing for the grace period (``DisruptionTarget``, reason
+``DeletionByPodGC``).
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class NodeLifecycleController:
         #: node -> (the Lease renewTime last seen, when this controller saw it change: monotonic seconds)
         self._probes: dict[str, tuple[str, float]] = {}
         self._first_seen: dict[tuple[str, str, str], float] = {}
+        self._orphans: dict[str, float] = {}  # pod uid -> when first seen bound to a missing node
 
     def tick(self) -> float:
         nodes, _ = self.store.list_objects(self.nodes_info, None)
@@ -94,6 +99,8 @@ class NodeLifecycleController:
             due = self._evict(node, by_node.get(name, []))
             if due is not None:
                 wait = min(wait, max(due - time.time(), 0.05))
+        known = {n["metadata"]["name"] for n in nodes}
+        self._collect_orphans([p for node, bound in by_node.items() if node not in known for p in bound])
         return wait
 
     # -- health --------------------------------------------------------------------------------------------
@@ -157,6 +164,27 @@ class NodeLifecycleController:
                 self.store.update(self.pods_info, meta["namespace"], meta["name"], pod, "status")
                 record_event(self.store, pod, "Warning", "NodeNotReady", "Node is not ready",
                              component="node-controller")
+
+    # -- pod garbage collection ----------------------------------------------------------------------------
+
+    def _collect_orphans(self, orphans: list[JSON]) -> None:
+        """Pods bound to a node that does not exist: force-deleted once the node stayed missing for the grace
+        period (kube-controller-manager's pod GC), since no kubelet will ever confirm their end."""
+        now = time.monotonic()
+        uids = {p["metadata"]["uid"] for p in orphans}
+        self._orphans = {uid: t for uid, t in self._orphans.items() if uid in uids}
+        for pod in orphans:
+            meta = pod["metadata"]
+            since = self._orphans.setdefault(meta["uid"], now)
+            if now - since < self.settings.node_monitor_grace_period:
+                continue
+            log.warning("pod %s/%s is bound to node %s, which does not exist: deleting it", meta["namespace"],
+                        meta["name"], pod["spec"]["nodeName"])
+            with contextlib.suppress(ApiError):
+                if with_condition(pod, "DisruptionTarget", "True", "DeletionByPodGC",
+                                  "PodGC: node no longer exists"):
+                    self.store.update(self.pods_info, meta["namespace"], meta["name"], pod, "status")
+                self.store.delete(self.pods_info, meta["namespace"], meta["name"], {"gracePeriodSeconds": 0})
 
     # -- eviction ------------------------------------------------------------------------------------------
 

@@ -194,3 +194,14 @@ def test_lose_and_restore_node_from_the_command_line(local_cluster: LocalCluster
                               capture_output=True, text=True, timeout=60, check=False)
     assert back.returncode == 0, back.stdout + back.stderr
     assert {n["name"]: n["state"] for n in local_cluster.status()["nodes"]}[node] == "up"
+
+
+def test_a_pod_bound_to_a_node_that_does_not_exist_is_collected(local_cluster: LocalCluster, kube_api: Any,
+                                                                  k8s_namespace: str) -> None:
+    core, ns = k8s.CoreV1Api(kube_api), k8s_namespace
+    core.create_namespaced_pod(ns, pod_body("ghost", "no-such-node", SLEEPER))
+    assert core.read_namespaced_pod("ghost", ns).status.phase in (None, "Pending")
+    # Deleting it alone would leave it Terminating for ever (nobody runs it); the pod GC removes it.
+    local_cluster.kubectl("delete", "pod", "ghost", "-n", ns, "--wait=false")
+    assert core.read_namespaced_pod("ghost", ns).metadata.deletion_timestamp is not None
+    wait_until(lambda: gone(core, ns, "ghost"), "the pod GC to remove it", timeout=30)
