@@ -136,11 +136,11 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
     node_seen: dict[str, bool] = {}
 
     @kopf.on.event("v1", "nodes", registry=registry)
-    def node_changed(name: str | None, body: kopf.Body, type: str | None, **kwargs: Any) -> None:
+    def node_changed(name: str | None, body: kopf.Body, event: kopf.RawEvent, **kwargs: Any) -> None:
         ctx = state.get("ctx")
         if ctx is None or not name:
             return
-        lost = node_unreachable(body) and type != "DELETED"
+        lost = node_unreachable(body) and event.get("type") != "DELETED"
         if node_seen.get(name, False) == lost:
             return
         node_seen[name] = lost
