@@ -37,7 +37,7 @@ starts from no longer lists a pod that was counted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -78,6 +78,7 @@ from stalwart.operator.model import (
     RevokeLease,
     WriteJobRecord,
 )
+from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
 
 #: Condition reasons the operator sets (the ``reason`` of conditions and Events).
 REASON_INVALID_SPEC = "InvalidSpec"
@@ -104,13 +105,13 @@ def from_time(t: datetime | None) -> float | None:
 # -- failure classification ----------------------------------------------------------------------------------
 
 
-def failure_reason(pod: PodView) -> FailureReason:
-    """The FailureReason of a failed or lost pod."""
+def failure_reason(pod: PodView, lost: bool = False) -> FailureReason:
+    """The FailureReason of a failed pod, or of one ``lost`` (see ``node_loss.lost_pods``)."""
     if pod.reason in ("Evicted", "Preempting", "Preempted", "DeadlineExceeded"):
         return FailureReason.EVICTED
     if pod.reason == "OOMKilled":
         return FailureReason.OOM_KILLED
-    if pod.reason == "NodeLost" or pod.unreachable_since is not None or pod.deleting:
+    if pod.reason == "NodeLost" or lost or pod.deleting:
         return FailureReason.POD_LOST
     return FailureReason.PROCESS_EXITED
 
@@ -183,11 +184,9 @@ def condition(status: TrainingJobStatus, type_: str) -> Condition | None:
     return None
 
 
-def _is_live(pod: PodView, now: float, settings: OperatorSettings) -> bool:
-    """A pod that counts towards replicas + spares: not finished, not being deleted, and its node not
-    unreachable for longer than ``node_lost_after``."""
-    lost = pod.unreachable_since is not None and now - pod.unreachable_since >= settings.node_lost_after
-    return not pod.deleting and not pod.finished and not lost
+def _is_live(pod: PodView, lost: Mapping[str, str]) -> bool:
+    """A pod that counts towards replicas + spares: not finished, not being deleted, not lost."""
+    return not pod.deleting and not pod.finished and pod.name not in lost
 
 
 @dataclass
@@ -377,6 +376,9 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     # Pods stuck terminating: force-delete them (their node is likely gone).
     for pod in obs.pods:
         if pod.deleting_since is not None and not pod.finished:
+            if pod.deletion_grace > 0 and on_unreachable_node(pod, obs):
+                _force_delete_unreachable(w, pod)
+                continue
             overdue = pod.deleting_since + pod.deletion_grace + w.settings.terminating_grace_limit - w.now
             if overdue <= 0 and pod.deletion_grace > 0:
                 w.fence(pod.name)
@@ -392,34 +394,33 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     # outlive its API object.
     present = {p.name for p in obs.pods}
     vanished = [name for name in st.tracked_pods or [] if name not in present]
-    for name in vanished:
+    for name in [*vanished, *strangers(obs)]:
         w.fence(name)
 
     # Failed and lost pods: fence, delete, decide. ``leaving`` are pods being deleted (by someone else, or by
     # us for a scale-down or a suspension): they count as losses only once the job has started.
     casualties: list[str] = []
     leaving: list[str] = []
+    lost_alive = lost_pods(obs)
+    if (again := recheck_in(obs)) is not None:
+        w.wake_in(again)
     for pod in obs.pods:
-        lost_node = pod.unreachable_since is not None and not pod.finished
-        if lost_node and pod.unreachable_since is not None \
-                and w.now - pod.unreachable_since < w.settings.node_lost_after:
-            w.wake_in(pod.unreachable_since + w.settings.node_lost_after - w.now)
-            continue
         if pod.deleting and not pod.finished:
             w.fence(pod.name)
             leaving.append(pod.name)
             continue
-        if pod.phase != "Failed" and not lost_node:
+        if pod.phase != "Failed" and pod.name not in lost_alive:
             continue
         if pod.deleting:
             continue
-        reason = failure_reason(pod)
+        reason = failure_reason(pod, pod.name in lost_alive)
         action = failure_action(spec.restart_policy.rules, reason, pod.exit_code)
-        detail = f"exit code {pod.exit_code}" if pod.exit_code is not None else (pod.message or reason.value)
+        detail = lost_alive.get(pod.name) or (
+            f"exit code {pod.exit_code}" if pod.exit_code is not None else (pod.message or reason.value))
         st.last_failure = FailureRecord(pod=pod.name, reason=reason.value, message=detail, time=to_time(w.now))
         w.fence(pod.name)
         # A node that is gone cannot confirm a graceful deletion.
-        node_gone = lost_node or pod.reason == "NodeLost"
+        node_gone = on_unreachable_node(pod, obs) or pod.reason == "NodeLost"
         w.actions.append(DeletePod(pod.name, 0 if node_gone else w.settings.delete_grace_seconds,
                                    reason.value))
         if action == FailureAction.FAIL_JOB:
@@ -442,7 +443,7 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     any_succeeded = any(p.phase == "Succeeded" for p in obs.pods)
 
     # Scale: delete the surplus, create the deficit.
-    live = [p for p in obs.pods if _is_live(p, w.now, w.settings)]
+    live = [p for p in obs.pods if _is_live(p, lost_alive)]
     desired = spec.replicas + spec.spares
     if len(live) > desired:
         surplus = sorted(live, key=lambda p: _keep_rank(w, p))[: len(live) - desired]
@@ -492,6 +493,15 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     _track(w, vanished if deferred else ())
     _record(w, live, created)
     _phase(w, spec, live, bool(casualties or leaving), set(vanished))
+
+
+def _force_delete_unreachable(w: _Work, pod: PodView) -> None:
+    """A pod Terminating on an unreachable node: no kubelet there will confirm the deletion, so it is fenced
+    and force-deleted at once (its processes may live on behind a partition; the fence keeps them out)."""
+    w.fence(pod.name)
+    w.actions.append(DeletePod(pod.name, 0, "NodeUnreachable"))
+    w.event("Warning", "ForceDeleted", f"pod {pod.name} was terminating on unreachable node {pod.node}; "
+                                       "force-deleted")
 
 
 def _disappeared(w: _Work, vanished: Sequence[str], job_started: bool) -> None:
