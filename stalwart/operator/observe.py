@@ -57,10 +57,6 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
     ready = (conditions.get("Ready") or {}).get("status") == "True"
     scheduled = conditions.get("PodScheduled") or {}
     unschedulable = scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
-    unreachable_since = None
-    ready_cond = conditions.get("Ready") or {}
-    if ready_cond.get("status") == "Unknown":
-        unreachable_since = parse_time(ready_cond.get("lastTransitionTime")) or 0.0
     reason = status.get("reason")
     message = str(status.get("message") or "")
     exit_code = None
@@ -89,7 +85,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         name=str(meta.get("name")), role=str(role), index=int(index_text), phase=phase, ready=ready,
         deleting_since=deleting_since, deletion_grace=float(grace if grace is not None else 30),
         exit_code=int(exit_code) if isinstance(exit_code, int) else None, reason=reason, message=message[:1024],
-        unschedulable=unschedulable and phase == "Pending", unreachable_since=unreachable_since)
+        unschedulable=unschedulable and phase == "Pending", node=(pod.get("spec") or {}).get("nodeName") or None,
+        started_at=parse_time(status.get("startTime")))
 
 
 def _problem_of(e: ValidationError | RuleViolation) -> tuple[str, str]:

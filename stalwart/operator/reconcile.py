@@ -37,7 +37,7 @@ starts from no longer lists a pod that was counted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -81,6 +81,7 @@ from stalwart.operator.model import (
     RevokeLease,
     WriteJobRecord,
 )
+from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
 
 #: Condition reasons the operator sets (the ``reason`` of conditions and Events).
 REASON_INVALID_SPEC = "InvalidSpec"
@@ -107,15 +108,16 @@ def from_time(t: datetime | None) -> float | None:
 # -- failure classification ----------------------------------------------------------------------------------
 
 
-def failure_reason(pod: PodView) -> FailureReason:
-    """The FailureReason of a failed or lost pod."""
+def failure_reason(pod: PodView, lost: bool = False, node_lost: bool = False) -> FailureReason:
+    """The FailureReason of a failed pod, or of one ``lost`` (see ``node_loss.lost_pods``; ``node_lost``: its node
+    is unreachable)."""
     if pod.reason in ("Evicted", "Preempting", "Preempted", "DeadlineExceeded"):
         return FailureReason.EVICTED
     if pod.reason == "OOMKilled":
         return FailureReason.OOM_KILLED
-    if pod.reason == "NodeLost" or pod.unreachable_since is not None:
+    if pod.reason == "NodeLost" or node_lost:
         return FailureReason.NODE_LOST
-    if pod.deleting:
+    if lost or pod.deleting:
         return FailureReason.POD_LOST
     return FailureReason.PROCESS_EXITED
 
@@ -189,11 +191,9 @@ def condition(status: TrainingJobStatus, type_: str) -> Condition | None:
     return None
 
 
-def _is_live(pod: PodView, now: float, settings: OperatorSettings) -> bool:
-    """A pod that counts towards replicas + spares: not finished, not being deleted, and its node not
-    unreachable for longer than ``node_lost_after``."""
-    lost = pod.unreachable_since is not None and now - pod.unreachable_since >= settings.node_lost_after
-    return not pod.deleting and not pod.finished and not lost
+def _is_live(pod: PodView, lost: Mapping[str, str]) -> bool:
+    """A pod that counts towards replicas + spares: not finished, not being deleted, not lost."""
+    return not pod.deleting and not pod.finished and pod.name not in lost
 
 
 @dataclass
@@ -410,6 +410,9 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     # Pods stuck terminating: force-delete them (their node is likely gone).
     for pod in obs.pods:
         if pod.deleting_since is not None and not pod.finished:
+            if pod.deletion_grace > 0 and on_unreachable_node(pod, obs):
+                _force_delete_unreachable(w, pod)
+                continue
             overdue = pod.deleting_since + pod.deletion_grace + w.settings.terminating_grace_limit - w.now
             if overdue <= 0 and pod.deletion_grace > 0:
                 w.fence(pod.name)
@@ -425,7 +428,7 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     # outlive its API object.
     present = {p.name for p in obs.pods}
     vanished = [name for name in st.tracked_pods or [] if name not in present]
-    for name in vanished:
+    for name in [*vanished, *strangers(obs)]:
         w.fence(name)
 
     # Failed and lost pods: fence, delete, decide. ``leaving`` are pods being deleted (by someone else, or by
@@ -433,27 +436,27 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     casualties: list[str] = []
     leaving: list[str] = []
     facts: list[tuple[str, Fact]] = []  # (pod, what happened to it)
+    lost_alive = lost_pods(obs)
+    if (again := recheck_in(obs)) is not None:
+        w.wake_in(again)
     for pod in obs.pods:
-        lost_node = pod.unreachable_since is not None and not pod.finished
-        if lost_node and pod.unreachable_since is not None \
-                and w.now - pod.unreachable_since < w.settings.node_lost_after:
-            w.wake_in(pod.unreachable_since + w.settings.node_lost_after - w.now)
-            continue
         if pod.deleting and not pod.finished:
             w.fence(pod.name)
             leaving.append(pod.name)
             continue
-        if pod.phase != "Failed" and not lost_node:
+        if pod.phase != "Failed" and pod.name not in lost_alive:
             continue
         if pod.deleting:
             continue
-        reason = failure_reason(pod)
+        reason = failure_reason(pod, pod.name in lost_alive, on_unreachable_node(pod, obs))
         action = failure_action(spec.restart_policy.rules, reason, pod.exit_code)
-        detail = f"exit code {pod.exit_code}" if pod.exit_code is not None else (pod.message or reason.value)
-        facts.append((pod.name, _pod_fact(w, pod.name, reason.value, _pod_message(pod, reason), pod.exit_code)))
+        detail = lost_alive.get(pod.name) or (
+            f"exit code {pod.exit_code}" if pod.exit_code is not None else (pod.message or reason.value))
+        message = lost_alive.get(pod.name) or _pod_message(pod, reason)
+        facts.append((pod.name, _pod_fact(w, pod.name, reason.value, message, pod.exit_code)))
         w.fence(pod.name)
         # A node that is gone cannot confirm a graceful deletion.
-        node_gone = lost_node or pod.reason == "NodeLost"
+        node_gone = on_unreachable_node(pod, obs) or pod.reason == "NodeLost"
         w.actions.append(DeletePod(pod.name, 0 if node_gone else w.settings.delete_grace_seconds,
                                    reason.value))
         if action == FailureAction.FAIL_JOB:
@@ -478,7 +481,7 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     any_succeeded = any(p.phase == "Succeeded" for p in obs.pods)
 
     # Scale: delete the surplus, create the deficit.
-    live = [p for p in obs.pods if _is_live(p, w.now, w.settings)]
+    live = [p for p in obs.pods if _is_live(p, lost_alive)]
     desired = spec.replicas + spec.spares
     if len(live) > desired:
         surplus = sorted(live, key=lambda p: _keep_rank(w, p))[: len(live) - desired]
@@ -549,10 +552,19 @@ def _pod_fact(w: _Work, pod: str, reason: str, message: str, exit_code: int | No
 
 def _pod_message(pod: PodView, reason: FailureReason) -> str:
     if reason == FailureReason.NODE_LOST:
-        return f"its node stopped reporting ({pod.message or pod.reason or 'unreachable'})"
+        return f"its node {pod.node or ''} was lost ({pod.message or pod.reason or 'unreachable'})".replace("  ", " ")
     if pod.exit_code is not None:
         return f"the pod's trainer exited with code {pod.exit_code}" + (f": {pod.message}" if pod.message else "")
     return pod.message or pod.reason or reason.value
+
+
+def _force_delete_unreachable(w: _Work, pod: PodView) -> None:
+    """A pod Terminating on an unreachable node: no kubelet there will confirm the deletion, so it is fenced
+    and force-deleted at once (its processes may live on behind a partition; the fence keeps them out)."""
+    w.fence(pod.name)
+    w.actions.append(DeletePod(pod.name, 0, "NodeUnreachable"))
+    w.event("Warning", "ForceDeleted", f"pod {pod.name} was terminating on unreachable node {pod.node}; "
+                                       "force-deleted")
 
 
 def _track(w: _Work, keep: Iterable[str]) -> None:

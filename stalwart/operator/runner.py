@@ -137,7 +137,8 @@ class JobRunner:
             self._target = (job.generation, await etcd_target(self.ctx, self.namespace, job))
         return self._target[1]
 
-    async def observe(self, body: Mapping[str, Any], pods: Sequence[PodView]) -> Observation:
+    async def observe(self, body: Mapping[str, Any], pods: Sequence[PodView],
+                      unreachable_nodes: frozenset[str] = frozenset()) -> Observation:
         now = time.time()
         job = job_view(body)
         if self.decided_status is not None:
@@ -162,12 +163,13 @@ class JobRunner:
             del self.deleted[pod_name]
         return Observation(job=job, pods=overlay(pods, self.created, self.deleted, now), etcd=etcd, now=now,
                            last_status_patch=self.last_patch, owned_objects_ready=self.owned_ready,
-                           written_status=self.written_status)
+                           written_status=self.written_status, unreachable_nodes=unreachable_nodes)
 
-    async def step(self, body: Mapping[str, Any], pods: Sequence[PodView]) -> Decision:
+    async def step(self, body: Mapping[str, Any], pods: Sequence[PodView],
+                   unreachable_nodes: frozenset[str] = frozenset()) -> Decision:
         """One reconcile. Raises only on bugs; API and etcd failures are logged and retried next time."""
         started = time.perf_counter()
-        obs = await self.observe(body, pods)
+        obs = await self.observe(body, pods, unreachable_nodes)
         decision = reconcile(obs, self.ctx.settings)
         log.debug("job %s/%s: observed in %.3fs; %d action(s)", self.namespace, self.name,
                   time.perf_counter() - started, len(decision.actions))

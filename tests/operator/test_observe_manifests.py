@@ -46,16 +46,13 @@ def test_pod_view_reads_the_trainer_exit_code_not_the_sidecar() -> None:
     assert view is not None and view.exit_code == 137 and view.reason == "OOMKilled"
 
 
-def test_pod_view_deletion_unschedulable_and_unreachable() -> None:
+def test_pod_view_deletion_and_unschedulable() -> None:
     body = pod_body(phase="Pending", conditions=[
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}])
     body["metadata"].update(deletionTimestamp="2027-01-01T00:00:30Z", deletionGracePeriodSeconds=30)
     view = pod_view(body)
     assert view is not None and view.unschedulable and view.deletion_grace == 30
     assert view.deleting_since == parse_time("2027-01-01T00:00:00Z")
-    lost = pod_view(pod_body(conditions=[{"type": "Ready", "status": "Unknown",
-                                          "lastTransitionTime": "2027-01-01T00:00:00Z"}]))
-    assert lost is not None and lost.unreachable_since == parse_time("2027-01-01T00:00:00Z")
 
 
 def test_pod_view_ignores_pods_without_stalwart_labels() -> None:

@@ -212,24 +212,6 @@ def test_restart_in_process_rule_replaces_without_counting() -> None:
     assert d.status.restarts is not None and d.status.restarts.pod_replacements == 0
 
 
-def test_lost_node_waits_then_force_deletes_fences_and_replaces() -> None:
-    settings = OperatorSettings(node_lost_after=40)
-    lost = pod("worker-1", unreachable_since=NOW - 10)
-    d = reconcile(observe(job(status(Phase.RUNNING)), [pod("worker-0"), lost],
-                          etcd("worker-0", "worker-1", leases={"worker-1": 9})), settings)
-    assert not of(d, DeletePod) and not of(d, CreatePod)
-    assert d.requeue_after == pytest.approx(30)
-    lost = pod("worker-1", unreachable_since=NOW - 41)
-    d = reconcile(observe(job(status(Phase.RUNNING)), [pod("worker-0"), lost],
-                          etcd("worker-0", "worker-1", leases={"worker-1": 9})), settings)
-    assert of(d, DeletePod) == [DeletePod(f"{JOB}-worker-1", 0, "NodeLost")]
-    assert of(d, RevokeLease) == [RevokeLease(f"{JOB}-worker-1", 9)]
-    assert names(of(d, CreatePod)) == ["spare-0"]
-    assert d.status.restarts is not None and d.status.restarts.pod_replacements == 1
-    assert d.status.phase == Phase.RESTARTING
-    assert d.status.last_failure is not None and d.status.last_failure.reason == "NodeLost"
-
-
 def test_pod_failed_with_its_node_is_deleted_without_grace() -> None:
     pods = [pod("worker-0"), pod("worker-1", "Failed", reason="NodeLost", exit_code=137)]
     d = reconcile(observe(job(status(Phase.RUNNING)), pods, etcd("worker-0", "worker-1")))

@@ -305,7 +305,8 @@ class Rendezvous:
             res = self.store.txn(
                 [Compare(key, "mod", "==", seal.over_epoch),
                  Compare(self.prefix + CLOSED, "create", "==", 0),
-                 Compare(self.prefix + NODES + seal.sealer, "create", "==", seal.sealer_revision)],
+                 Compare(self.prefix + NODES + seal.sealer, "create", "==", seal.sealer_revision),
+                 Compare(self.prefix + NODES, "create", "<", seal.view_revision + 1, prefix=True)],
                 [Put(key, value)])
         except (StoreError, ValueError) as e:
             log.warning("rendezvous %s: sealing round %d failed: %s", self.prefix, seal.manifest.round, e)
