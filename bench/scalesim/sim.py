@@ -1,0 +1,229 @@
+"""The simulator's clock, its model of one etcd server's time, and the store the simulated agents call.
+
+Simulated time, not wall time: a run of 10,000 agents on one 2-core machine cannot give each agent a CPU,
+so the simulator executes every agent's real code (the protocol, the driver, the fence) one after the other
+and charges each etcd request and each watch event to a model of one etcd server whose costs are measured on
+a real etcd server of this machine first (:mod:`.calibrate`):
+
+* a request reaches etcd half a round trip after it is sent, waits for the server, takes its service time
+  (``write`` for a proposal, ``read + read_byte * bytes`` for a read) and its answer comes back half a round
+  trip later; the server does one thing at a time, in the order the simulator issues requests;
+* a change is sent to every watcher of its prefix: the server spends ``event + event_byte * bytes`` per
+  event per watcher, in batches (all changes committed while it was busy go out together), and a watcher
+  holds the batch half a round trip after the server finished sending it to all.
+
+Answers (revisions, compares, watch events) are those of :class:`.memetcd.MemEtcd`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from bench.scalesim.memetcd import MemEtcd
+from stalwart.store import Compare, KeyValue, Op, TxnResult, WatchEvent
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Seconds the model etcd spends: per round trip, per proposal, per read (and per byte it returns),
+    per watch event per watcher (and per byte of it)."""
+
+    rtt: float = 0.0002
+    write: float = 0.0001
+    read: float = 0.00005
+    read_byte: float = 2e-9
+    event: float = 0.000005
+    event_byte: float = 2e-9
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(order=True)
+class _Job:
+    at: float
+    seq: int
+    fn: Callable[[], None] = field(compare=False)
+
+
+@dataclass
+class Server:
+    """The model etcd's single queue; records when each request finished (for the peak request rate)."""
+
+    costs: Costs
+    busy_until: float = 0.0
+    busy_total: float = 0.0
+    done_at: list[float] = field(default_factory=list)
+
+    def serve(self, arrive: float, cost: float, *, request: bool = True) -> float:
+        start = max(arrive, self.busy_until)
+        self.busy_until = start + cost
+        self.busy_total += cost
+        if request:
+            self.done_at.append(self.busy_until)
+        return self.busy_until
+
+    def peak_rate(self, window: float = 0.1) -> float:
+        """The most requests finished in any ``window`` seconds, per second."""
+        times = sorted(self.done_at)
+        best, lo = 0, 0
+        for hi, t in enumerate(times):
+            while times[lo] < t - window:
+                lo += 1
+            best = max(best, hi - lo + 1)
+        return best / window
+
+
+class Sim:
+    """A discrete-event loop over simulated seconds, one model etcd server and its watch fan-out."""
+
+    def __init__(self, costs: Costs, mem: MemEtcd | None = None) -> None:
+        self.costs = costs
+        self.mem = mem or MemEtcd()
+        self.server = Server(costs)
+        self.now = 0.0
+        self._queue: list[_Job] = []
+        self._seq = itertools.count()
+        #: Commit time of each entry of ``mem.log`` (same index).
+        self.committed_at: list[float] = []
+        self.watchers: list[Callable[[int, int, float], None]] = []
+        self.watch_prefix = ""
+        self._sent = 0
+        self._pump_pending = False
+        self.events_sent = 0
+        self.event_bytes_sent = 0
+
+    # -- the loop ----------------------------------------------------------------------------------------
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, _Job(when, next(self._seq), fn))
+
+    def run(self, until: float, stop: Callable[[], bool] = lambda: False) -> None:
+        while self._queue and not stop():
+            job = heapq.heappop(self._queue)
+            if job.at > until:
+                heapq.heappush(self._queue, job)
+                return
+            self.now = max(self.now, job.at)
+            job.fn()
+
+    # -- requests ----------------------------------------------------------------------------------------
+
+    def request(self, cost: float | Callable[[], float], call: Callable[[], T]) -> T:
+        """Run ``call`` on the model etcd as a request sent at ``now``; ``now`` becomes the answer's time.
+        ``cost`` may be a function, asked after the call (a transaction costs a proposal only if it wrote)."""
+        before = len(self.mem.log)
+        arrive = self.now + self.costs.rtt / 2
+        try:
+            result = call()
+        finally:
+            done = self.server.serve(arrive, cost if isinstance(cost, float) else cost())
+            new = len(self.mem.log) - before
+            if new:
+                self.committed_at.extend([done] * new)
+                self._schedule_pump(done)
+            self.now = done + self.costs.rtt / 2
+        return result
+
+    # -- watch fan-out -----------------------------------------------------------------------------------
+
+    def _schedule_pump(self, when: float) -> None:
+        if not self._pump_pending:
+            self._pump_pending = True
+            self.at(max(when, self.server.busy_until), self._pump)
+
+    def _pump(self) -> None:
+        """Send every change committed by now to every watcher, as one batch."""
+        self._pump_pending = False
+        start, end = self._sent, len(self.committed_at)
+        while end > start and self.committed_at[end - 1] > self.now:
+            end -= 1
+        if end == start:
+            if len(self.committed_at) > start:
+                self._schedule_pump(self.committed_at[start])
+            return
+        events = [ev for ev in self.mem.log[start:end] if ev.kv.key.startswith(self.watch_prefix)]
+        size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in events)
+        watchers = len(self.watchers)
+        cost = watchers * (len(events) * self.costs.event + size * self.costs.event_byte)
+        self.events_sent += watchers * len(events)
+        self.event_bytes_sent += watchers * size
+        done = self.server.serve(self.now, cost, request=False)
+        self._sent = end
+        delivered = done + self.costs.rtt / 2
+        for deliver in list(self.watchers):
+            self.at(delivered, lambda d=deliver: d(start, end, delivered))  # type: ignore[misc]
+        if len(self.committed_at) > end:
+            self._schedule_pump(self.committed_at[end])
+
+
+class TimedStore:
+    """The :class:`stalwart.store.Store` interface the real code calls, answered by the model etcd at the
+    simulated time of the agent running now (every call advances ``sim.now`` by its round trip)."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.mem = sim.mem
+
+    def _read_cost(self, kvs: Sequence[KeyValue]) -> float:
+        c = self.sim.costs
+        return c.read + c.read_byte * sum(len(kv.key) + len(kv.value) for kv in kvs)
+
+    def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
+        kv = self.mem.get(key)
+        return self.sim.request(self._read_cost([kv] if kv else []), lambda: kv)
+
+    def get_prefix(self, prefix: str, *, keys_only: bool = False,
+                   timeout: float | None = None) -> tuple[list[KeyValue], int]:
+        kvs, rev = self.mem.get_prefix(prefix)
+        return self.sim.request(self._read_cost(kvs), lambda: (kvs, rev))
+
+    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
+            *, timeout: float | None = None) -> TxnResult:
+        before = self.mem.counters.proposals
+        res: list[TxnResult] = []
+
+        def call() -> TxnResult:
+            res.append(self.mem.txn(compare, success, failure))
+            return res[0]
+
+        def cost() -> float:
+            if self.mem.counters.proposals > before:
+                return self.sim.costs.write
+            return self._read_cost([kv for r in res[0].responses for kv in r]) if res else self.sim.costs.read
+        return self.sim.request(cost, call)
+
+    def put(self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None) -> int:
+        return self.sim.request(self.sim.costs.write, lambda: self.mem.put(key, value, lease=lease))
+
+    def revision(self, *, timeout: float | None = None) -> int:
+        return self.sim.request(self.sim.costs.read, self.mem.revision)
+
+    def lease_grant(self, ttl: int, *, keepalive: bool = True, timeout: float | None = None) -> int:
+        return self.sim.request(self.sim.costs.write, lambda: self.mem.lease_grant(ttl))
+
+    def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> None:
+        self.sim.request(self.sim.costs.write, lambda: self.mem.lease_revoke(lease_id))
+
+    def lease_ttl(self, lease_id: int, *, timeout: float | None = None) -> int:
+        return self.sim.request(self.sim.costs.read, lambda: self.mem.lease_ttl(lease_id))
+
+    def lost_leases(self) -> set[int]:
+        return set()
+
+    def watch(self, key: str, *, prefix: bool = False, start_revision: int = 0) -> object:
+        raise NotImplementedError("simulated agents receive watch events from Sim's fan-out")
+
+    def close(self) -> None:
+        pass
+
+
+def changes(sim: Sim, start: int, end: int, prefix: str) -> tuple[WatchEvent, ...]:
+    """The changes ``start:end`` of the log under ``prefix``."""
+    return tuple(ev for ev in sim.mem.log[start:end] if ev.kv.key.startswith(prefix))
