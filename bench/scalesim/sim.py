@@ -94,6 +94,8 @@ class Sim:
         self.committed_at: list[float] = []
         self.watchers: list[Callable[[int, int, float], None]] = []
         self.watch_prefix = ""
+        #: Watch streams per watcher callback (a rank watches the same prefix twice).
+        self.streams = 1
         self._sent = 0
         self._pump_pending = False
         self.events_sent = 0
@@ -150,7 +152,7 @@ class Sim:
             return
         events = [ev for ev in self.mem.log[start:end] if ev.kv.key.startswith(self.watch_prefix)]
         size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in events)
-        watchers = len(self.watchers)
+        watchers = len(self.watchers) * self.streams
         cost = watchers * (len(events) * self.costs.event + size * self.costs.event_byte)
         self.events_sent += watchers * len(events)
         self.event_bytes_sent += watchers * size

@@ -1,0 +1,117 @@
+"""The simulator's costs, measured on a real etcd server of this machine through stalwart's own Store.
+
+Every figure is measured with the Python gRPC client on the same cores as the server, so it is an upper
+bound of etcd's own cost (the client's time is counted as the server's): the simulator errs towards slow.
+
+* ``rtt``: the mean latency of a small read, one at a time;
+* ``write``: wall seconds per proposal while 16 threads create keys together (the server's throughput);
+* ``read``, ``read_byte``: a prefix read of 1,000 small keys and of 1,000 keys of 2 KiB, solved for a
+  fixed and a per-byte part;
+* ``event``, ``event_byte``: 4 watchers (``etcdctl watch``, etcd's Go client) replaying 3,000 changes of
+  one prefix, small values then 2 KiB values: wall seconds until every watcher holds every event, per event
+  per watcher, solved the same way.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.scalesim.sim import Costs
+from stalwart.local.etcd import find_etcd_binary
+from stalwart.store import Compare, Put, Store
+
+
+def _timed(fn: Callable[[], object], repeat: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def _fill(store: Store, prefix: str, n: int, size: int) -> None:
+    value = b"x" * size
+    for i in range(n):
+        store.put(f"{prefix}{i:06d}", value)
+
+
+def _writes(store: Store, prefix: str, threads: int, each: int) -> float:
+    def work(t: int) -> None:
+        for i in range(each):
+            key = f"{prefix}{t}/{i}"
+            store.txn([Compare(key, "create", "==", 0)], [Put(key, b'{"nodeId":"n","address":"10.0.0.1"}')])
+    ts = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return (time.perf_counter() - t0) / (threads * each)
+
+
+def _fanout(endpoint: str, store: Store, prefix: str, watchers: int, events: int, size: int) -> float:
+    """Wall seconds per event per watcher for etcd to send ``events`` changes to each of ``watchers``
+    watchers. The changes are written first and the watchers replay them from their revision, so only the
+    sending is timed; the watchers are etcd's own Go client (``etcdctl watch``), so it is etcd's sending,
+    not a Python client's decoding. A watcher process's start is timed too (an upper bound)."""
+    start = store.revision() + 1
+    _fill(store, prefix, events, size)
+    lines = [0] * watchers
+
+    def count(w: int, proc: subprocess.Popen[bytes]) -> None:
+        out = proc.stdout
+        assert out is not None
+        while lines[w] < 3 * events:  # etcdctl prints the event type, the key and the value
+            chunk = out.read1(1 << 16)
+            if not chunk:
+                return
+            lines[w] += chunk.count(b"\n")
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([etcdctl(), "--endpoints", endpoint, "watch", "--prefix", prefix,
+                               "--rev", str(start)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+             for _ in range(watchers)]
+    ts = [threading.Thread(target=count, args=(w, p)) for w, p in enumerate(procs)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    elapsed = time.perf_counter() - t0
+    for p in procs:
+        p.kill()
+        p.wait()
+    if min(lines) < 3 * events:
+        raise RuntimeError(f"calibration: watchers printed {lines} of {3 * events} lines")
+    return elapsed / (watchers * events)
+
+
+def etcdctl() -> str:
+    return str(Path(find_etcd_binary()).with_name("etcdctl"))
+
+
+def calibrate(endpoint: str) -> Costs:
+    store = Store([endpoint], timeout=30)
+    base = f"/calibrate/{uuid.uuid4().hex[:8]}/"
+    try:
+        rtt = _timed(store.revision, 300)
+        write = _writes(store, base + "w/", 16, 60)
+        small, large = 40, 2048
+        _fill(store, base + "rs/", 1000, small)
+        _fill(store, base + "rl/", 1000, large)
+        t_small = _timed(lambda: store.get_prefix(base + "rs/"), 10) - rtt
+        t_large = _timed(lambda: store.get_prefix(base + "rl/"), 10) - rtt
+        key_bytes = len(base) + 9
+        b_small, b_large = 1000 * (key_bytes + small), 1000 * (key_bytes + large)
+        read_byte = max(0.0, (t_large - t_small) / (b_large - b_small))
+        read = max(0.0, t_small - read_byte * b_small)
+        e_small = _fanout(endpoint, store, base + "fs/", 4, 3000, small)
+        e_large = _fanout(endpoint, store, base + "fl/", 4, 3000, large)
+        event_byte = max(0.0, (e_large - e_small) / (large - small))
+        event = max(0.0, e_small - event_byte * (key_bytes + small))
+        store.delete_prefix(base)
+        return Costs(rtt=rtt, write=write, read=read, read_byte=read_byte, event=event, event_byte=event_byte)
+    finally:
+        store.close()
