@@ -161,6 +161,7 @@ class RendezvousRun:
     n: int
     costs: Costs
     record_limit: int | None = None  # raise the record cap (a what-if); None: the project's own
+    spare: bool = True  # a hot spare stands by (it replaces the lost node in lose_one)
     sim: Sim = field(init=False)
     agents: list[Agent] = field(init=False)
     errors: _SealErrors = field(init=False)
@@ -172,7 +173,7 @@ class RendezvousRun:
         store = TimedStore(self.sim)
         settings = RendezvousSettings(min_nodes=self.n, max_nodes=self.n, node_ttl=30, join_timeout=600)
         self.agents = []
-        for i in range(self.n + 1):
+        for i in range(self.n + (1 if self.spare else 0)):
             rdzv = Rendezvous(store, KEYS, settings)  # type: ignore[arg-type]
             rec = NodeRecord(node_id=f"trainjob-worker-{i}" if i < self.n else "trainjob-spare-0",
                              address=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", nproc=8,

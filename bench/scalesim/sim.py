@@ -96,6 +96,8 @@ class Sim:
         self.watch_prefix = ""
         #: Watch streams per watcher callback (a rank watches the same prefix twice).
         self.streams = 1
+        #: When set, the number of watch streams in all (agents that share one watch, as in one process).
+        self.watch_streams: int | None = None
         self._sent = 0
         self._pump_pending = False
         self.events_sent = 0
@@ -152,7 +154,7 @@ class Sim:
             return
         events = [ev for ev in self.mem.log[start:end] if ev.kv.key.startswith(self.watch_prefix)]
         size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in events)
-        watchers = len(self.watchers) * self.streams
+        watchers = self.watch_streams if self.watch_streams is not None else len(self.watchers) * self.streams
         cost = watchers * (len(events) * self.costs.event + size * self.costs.event_byte)
         self.events_sent += watchers * len(events)
         self.event_bytes_sent += watchers * size
