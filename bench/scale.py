@@ -57,7 +57,7 @@ def validate(costs: Costs, n: int, endpoint: str) -> None:
     """The real rendezvous of ``n`` nodes in one process with one watch, next to the simulator alike."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "rendezvous.py"), "--worker", "stalwart",
                           "--worker-nodes", str(n), "--endpoint", endpoint, "--cap", "120"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, check=False)
     real = next((json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
     if real is None or real.get("capped"):
         emit("validate-real-etcd", n, "rendezvous_seconds", None, note=(out.stdout + out.stderr)[-300:])
@@ -80,7 +80,7 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     first = run.first_round(LIMIT)
     impl = "stalwart"
     emit(impl, n, "rendezvous_seconds", first["seconds"], sealed=first["sealed"], error=first["error"],
-         capped=first["sealed"] and first["seconds"] is None or None, goal="< 15 s at 10,000")
+         capped=(first["sealed"] and first["seconds"] is None) or None, goal="< 15 s at 10,000")
     emit(impl, n, "writes_per_node", first["writes"] / (n + 1), goal="<= 3", note="the hot spare counts as a node")
     emit(impl, n, "peak_requests_per_second", first["peak_requests_per_second"])
     emit(impl, n, "watch_events", first["watch_events"], bytes=first["watch_bytes"])
@@ -124,7 +124,7 @@ def restart_times(path: str | None) -> tuple[float, float, str]:
         text, source = Path(path).read_text(), path
     else:
         text = subprocess.run([sys.executable, str(ROOT / "bench" / "restart.py"), "--ranks", "2", "--runs", "3",
-                               "--what", "restart"], capture_output=True, text=True, timeout=900).stdout
+                               "--what", "restart"], capture_output=True, text=True, timeout=900, check=True).stdout
         source = "bench/restart.py --ranks 2 --runs 3 --what restart (this run)"
     rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     seconds = {r["impl"]: r["value"] for r in rows if r.get("metric") == "seconds"}
@@ -147,7 +147,8 @@ def draw(path: str, rows: dict[int, dict[str, float | None]], restart_file: str 
             emit("goodput", g // a.gpus_per_node, "goodput", v, design=d.name, gpus=g)
     notes = [f"failures: {a.rate_per_gpu_hour * 1e6:.1f} per million GPU-hours (Llama 3 report: 419 in 54 days "
              f"on 16,384 GPUs), {a.node_share:.0%} take a node away; checkpoint every "
-             f"{a.checkpoint_interval:.0f} s costing {a.checkpoint_seconds:.0f} s, reload {a.checkpoint_load_seconds:.0f} s;",
+             f"{a.checkpoint_interval:.0f} s costing {a.checkpoint_seconds:.0f} s, "
+             f"reload {a.checkpoint_load_seconds:.0f} s;",
              f"stalwart: in-process restart {inproc:.2f} s and process restart {process:.2f} s measured ({source}); "
              "restart barrier and re-rendezvous from the simulator at this N (interpolated);",
              f"a lost node: stalwart's lease TTL {a.lease_ttl:.0f} s; Kubernetes {a.pod_replacement_seconds:.0f} s "

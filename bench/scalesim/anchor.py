@@ -9,7 +9,9 @@ all ``n``. Here the record is a JSON list of the node ids (``grow``) or a count.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +36,12 @@ class CasRun:
         self.store = TimedStore(self.sim)
         self.joined: set[int] = set()
         for i in range(self.n):
-            self.sim.watchers.append(lambda s, e, when, i=i: self._notified(i, e, when))
+            self.sim.watchers.append(self._watcher(i))
+
+    def _watcher(self, i: int) -> Callable[[int, int, float], None]:
+        def deliver(start: int, end: int, when: float) -> None:
+            self._notified(i, end, when)
+        return deliver
 
     def _value(self, current: bytes, i: int) -> bytes:
         if self.grow:
@@ -67,7 +74,7 @@ class CasRun:
 
     def run(self, limit: float = 3600.0) -> dict[str, Any]:
         for i in range(self.n):
-            self.sim.at(0.0, lambda i=i: self._start(i))
+            self.sim.at(0.0, functools.partial(self._start, i))
         self.sim.run(limit, stop=lambda: len(self.through) == self.n)
         return {"seconds": max(self.through.values()) if len(self.through) == self.n else None,
                 "nodes_done": len(self.through), "writes": self.sim.mem.counters.proposals,

@@ -14,6 +14,7 @@ bound of etcd's own cost (the client's time is counted as the server's): the sim
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -53,7 +54,7 @@ def _writes(store: Store, prefix: str, threads: int, each: int) -> float:
     return (time.perf_counter() - t0) / (threads * each)
 
 
-def _fanout(endpoint: str, store: Store, prefix: str, watchers: int, events: int, size: int) -> float:
+def _fanout(endpoint: str, store: Store, prefix: str, *, watchers: int, events: int, size: int) -> float:
     """Wall seconds per event per watcher for etcd to send ``events`` changes to each of ``watchers``
     watchers. The changes are written first and the watchers replay them from their revision, so only the
     sending is timed; the watchers are etcd's own Go client (``etcdctl watch``), so it is etcd's sending,
@@ -66,7 +67,7 @@ def _fanout(endpoint: str, store: Store, prefix: str, watchers: int, events: int
         out = proc.stdout
         assert out is not None
         while lines[w] < 3 * events:  # etcdctl prints the event type, the key and the value
-            chunk = out.read1(1 << 16)
+            chunk = os.read(out.fileno(), 1 << 16)
             if not chunk:
                 return
             lines[w] += chunk.count(b"\n")
@@ -107,8 +108,8 @@ def calibrate(endpoint: str) -> Costs:
         b_small, b_large = 1000 * (key_bytes + small), 1000 * (key_bytes + large)
         read_byte = max(0.0, (t_large - t_small) / (b_large - b_small))
         read = max(0.0, t_small - read_byte * b_small)
-        e_small = _fanout(endpoint, store, base + "fs/", 4, 3000, small)
-        e_large = _fanout(endpoint, store, base + "fl/", 4, 3000, large)
+        e_small = _fanout(endpoint, store, base + "fs/", watchers=4, events=3000, size=small)
+        e_large = _fanout(endpoint, store, base + "fl/", watchers=4, events=3000, size=large)
         event_byte = max(0.0, (e_large - e_small) / (large - small))
         event = max(0.0, e_small - event_byte * (key_bytes + small))
         store.delete_prefix(base)

@@ -12,6 +12,7 @@ them.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -83,7 +84,7 @@ def interpolate(points: Sequence[tuple[int, float]]) -> Callable[[int], float]:
     def f(n: int) -> float:
         if len(pts) == 1:
             return pts[0][1]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        for (x0, y0), (x1, y1) in itertools.pairwise(pts):
             if n <= x1:
                 return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
         (x0, y0), (x1, y1) = pts[-2], pts[-1]

@@ -6,9 +6,9 @@ It offers the subset of :class:`stalwart.store.Store` the rendezvous and restart
 * one revision counter; every request that changes keys advances it by one, and every key it changes gets
   that revision as ``mod_revision`` (``create_revision`` too when the key is new; ``version`` counts puts);
   a request that changes nothing (a failed compare with reads only, a delete of nothing) leaves it;
-* transactions: every compare must hold (over a range with ``prefix``: every key under it, and an empty
-  range compares as a key with zero fields, except a ``value`` compare, which fails); ops run in order and a
-  read sees the writes before it in the same transaction;
+* transactions: a branch that writes one key twice is refused; every compare must hold (over a range with
+  ``prefix``: every key under it, and an empty range compares as a key with zero fields, except a ``value``
+  compare, which fails); ops run in order and a read sees the writes before it in the same transaction;
 * leases: a put under an unknown lease is refused; revoking a lease deletes its keys in one revision;
 * prefix watches from a start revision deliver every change under the prefix in revision order (a delete
   as a key with zero create revision and version, as etcd sends it);
@@ -23,8 +23,10 @@ compares every answer, revision, watch event and the proposal count.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from stalwart.store import (
     MAX_VALUE_BYTES,
@@ -40,7 +42,8 @@ from stalwart.store import (
     check_value_size,
 )
 
-_OPS = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
+_OPS: dict[str, Callable[[Any, Any], bool]] = {"==": operator.eq, "!=": operator.ne, "<": operator.lt,
+                                               ">": operator.gt}
 _EMPTY = KeyValue("", b"", 0, 0, 0, 0)
 
 
@@ -170,8 +173,9 @@ class MemEtcd:
             kvs = [_EMPTY]
         op = _OPS[c.op]
         for kv in kvs:
-            actual: int | bytes = {"mod": kv.mod_revision, "create": kv.create_revision, "version": kv.version,
-                                   "lease": kv.lease, "value": kv.value}[c.target]
+            fields: dict[str, int | bytes] = {"mod": kv.mod_revision, "create": kv.create_revision,
+                                              "version": kv.version, "lease": kv.lease, "value": kv.value}
+            actual = fields[c.target]
             if not op(actual, c.value):
                 return False
         return True
@@ -181,6 +185,10 @@ class MemEtcd:
         for op in (*success, *failure):
             if isinstance(op, Put):
                 check_value_size(op.key, op.value, self.value_limit)
+        for branch in (success, failure):
+            keys = [op.key for op in branch if not isinstance(op, Get)]
+            if len(keys) != len(set(keys)):
+                raise StoreError("etcd txn failed: etcdserver: duplicate key given in txn request")
         writes = any(not isinstance(op, Get) for op in (*success, *failure))
         ok = all(self._compare(c) for c in compare)
         ops = success if ok else failure

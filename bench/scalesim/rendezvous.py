@@ -213,7 +213,7 @@ class RendezvousRun:
             for a in self.agents:
                 self.sim.at(0.0, a.start)
             # A manifest over the record cap is refused before it is sent, at every retry alike: stop there.
-            self.sim.run(limit, stop=lambda: all(a.held for a in ordinary) or any(
+            self.sim.run(limit, stop=lambda: all(a.held for a in self.agents) or any(
                 "limit is" in m for m in self.errors.messages))
         done = [min(a.held.values()) for a in ordinary if a.held]
         sealed = self.manifests()

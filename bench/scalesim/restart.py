@@ -21,6 +21,7 @@ revision (with the real ``Coordinator.parse``) and charges every rank's read to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -91,6 +92,7 @@ class Rank:
     state: str = "running"  # running -> waiting -> released
     seen: int = 0  # the revision of the last read
     released_at: float | None = None
+    releases: int = 0
     seal: SealRecord | None = None
 
     def deliver(self, batch: tuple[bool, int], when: float, abort: float) -> None:
@@ -124,6 +126,7 @@ class Rank:
             seal = self.coord.try_seal(_Session._decide(stand_in, 1, view, False))  # type: ignore[arg-type]
         if seal is not None:
             self.seal, self.state, self.released_at = seal, "released", self.sim.now
+            self.releases += 1
 
 
 @dataclass
@@ -186,8 +189,9 @@ class RestartRun:
                 summaries[(s, e)] = (any(ev.type == "put" and ev.kv.key.startswith(base + "fault/0/")
                                          for ev in events), max((ev.kv.mod_revision for ev in events), default=0))
             return summaries[(s, e)]
-        for r in self.ranks:
-            sim.watchers.append(lambda s, e, w, r=r: r.deliver(summary(s, e), w, self.abort))
+        def watcher(r: Rank) -> Callable[[int, int, float], None]:
+            return lambda s, e, w: r.deliver(summary(s, e), w, self.abort)
+        sim.watchers.extend(watcher(r) for r in self.ranks)
         with self._patched():
             culprit = self.ranks[self.n // 3]
             position = len(sim.mem.log)

@@ -1,0 +1,91 @@
+"""The scale simulator at a small N: the protocols' invariants hold at the end of every scenario.
+
+The simulator runs stalwart's real rendezvous driver and protocol (one driver per simulated pod) and the real
+restart Coordinator (one per simulated rank) against the in-memory etcd model, with fixed costs so that
+every run is the same.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.scalesim.anchor import CasRun
+from bench.scalesim.rendezvous import PREFIX, RendezvousRun
+from bench.scalesim.restart import RestartRun
+from bench.scalesim.sim import Costs
+from stalwart.agent.rendezvous import protocol
+from stalwart.agent.rendezvous.driver import _to_event
+from stalwart.agent.rendezvous.protocol import MANIFEST
+
+COSTS = Costs(rtt=0.0005, write=0.0003, read=0.002, read_byte=1e-8, event=3e-5, event_byte=5e-9)
+N = 40
+
+
+def test_first_round_and_a_lost_node() -> None:
+    run = RendezvousRun(N, COSTS)
+    first = run.first_round(limit=600)
+    assert first["sealed"] and first["nodes_done"] == N and first["error"] is None
+    (epoch1, m1), = run.manifests()  # exactly one manifest for round 1
+    assert m1.round == 1
+    assert sorted(m.group_rank for m in m1.members) == list(range(N))
+    assert {m.node_id for m in m1.members} == {f"trainjob-worker-{i}" for i in range(N)}
+    assert m1.spares == ["trainjob-spare-0"] and m1.world_size == 8 * N
+    # Every node holds round 1 once, in its role; two writes per node (lease, key) and one seal.
+    assert all(list(a.held) == [epoch1] for a in run.agents)
+    assert Counter(a.roles[epoch1] for a in run.agents) == {"member": N, "spare": 1}
+    assert first["writes"] == 2 * (N + 1) + 1
+    assert first["writes"] / (N + 1) <= 3
+    # Each simulated pod has its own watch: every change went to every agent.
+    assert first["watch_events"] == len(run.sim.mem.log) * (N + 1)
+    # The views the agents share are what the real apply gives over the whole log.
+    direct = protocol.apply(protocol.View(), [_to_event(PREFIX, ev) for ev in run.sim.mem.log])
+    assert run.agents[0].rdzv.view().nodes == direct.nodes and run.agents[0].rdzv.view().epoch == direct.epoch
+
+    victim = run.agents[N // 2]
+    again = run.lose_one(limit=600)
+    assert again["nodes_done"] == N and again["seconds"] is not None and again["writes"] == 2
+    manifests = run.manifests()
+    assert [m.round for _, m in manifests] == [1, 2]  # one manifest per round, in order
+    epoch2, m2 = manifests[1]
+    assert epoch2 > epoch1
+    by_id = {m.node_id: m.group_rank for m in m2.members}
+    assert victim.handle.node_id not in by_id
+    assert by_id["trainjob-spare-0"] == N // 2  # the spare takes the lost node's ranks
+    assert all(by_id[m.node_id] == m.group_rank for m in m1.members if m.node_id != victim.handle.node_id)
+    survivors = [a for a in run.agents if a is not victim]
+    assert all(list(a.held) == [epoch1, epoch2] and a.roles[epoch2] == "member" for a in survivors)
+
+
+def test_a_manifest_over_the_record_cap_is_refused_and_reported() -> None:
+    run = RendezvousRun(N, COSTS, record_limit=2048)
+    first = run.first_round(limit=600)
+    assert not first["sealed"] and first["nodes_done"] == 0 and first["seconds"] is None
+    assert "the limit is 2048" in first["error"]
+    assert PREFIX + MANIFEST not in run.sim.mem.keys
+
+
+def test_restart_barrier_releases_every_rank_once_into_one_seal() -> None:
+    run = RestartRun(N, COSTS)
+    res = run.restart(limit=600)
+    assert res["released"] == N and res["seals"] == 1 and res["seconds"] is not None
+    assert all(r.releases == 1 for r in run.ranks)
+    seal = run.ranks[0].seal
+    assert seal is not None and seal.iteration == 1 and seal.world_size == N
+    assert all(r.seal == seal for r in run.ranks)
+    assert sorted(seal.ranks.values()) == list(range(N)) and sorted(int(s) for s in seal.ranks) == list(range(N))
+    # One fault report, one arrival per rank, the seal: at most 2 writes per rank.
+    assert res["writes"] == 1 + N + 1
+    assert res["writes"] / N <= 2
+    arrivals = [k for k in run.sim.mem.keys if k.startswith(run.ranks[0].coord.base + "arrive/1/")]
+    assert len(arrivals) == N
+
+
+def test_the_anchor_pays_a_refused_write_per_node_ahead_of_it() -> None:
+    res = CasRun(N, COSTS, grow=False).run()
+    assert res["nodes_done"] == N
+    # Under one queue every round lets one node through: N + (N-1) + ... + 1 attempts.
+    assert res["writes"] == N * (N + 1) // 2 and res["refused"] == res["writes"] - N
