@@ -27,6 +27,7 @@ import argparse
 import json
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.scalesim.anchor import CasRun  # noqa: E402
 from bench.scalesim.calibrate import calibrate  # noqa: E402
-from bench.scalesim.goodput import Assumptions, designs, goodput, interpolate, plot  # noqa: E402
+from bench.scalesim.goodput import Assumptions, Design, designs, goodput, interpolate, plot  # noqa: E402
 from bench.scalesim.rendezvous import PREFIX, RendezvousRun  # noqa: E402
 from bench.scalesim.restart import RestartRun  # noqa: E402
 from bench.scalesim.sim import Costs  # noqa: E402
@@ -131,29 +132,53 @@ def restart_times(path: str | None) -> tuple[float, float, str]:
     return seconds["stalwart"], seconds["torchrun"], source
 
 
-def draw(path: str, rows: dict[int, dict[str, float | None]], restart_file: str | None) -> None:
-    inproc, process, source = restart_times(restart_file)
+def draw(path: str, rows: dict[int, dict[str, float | None]], inproc: float, process: float, source: str) -> None:
     a = Assumptions()
+    emit("goodput-inputs", 0, "restart_seconds", inproc, process_restart_seconds=process, source=source)
     barrier = interpolate([(n, v) for n, r in rows.items() if (v := r.get("barrier")) is not None])
     # The re-rendezvous runs over nodes; the barrier over ranks (GPUs).
     rerdzv_pts = [(n, v) for n, r in rows.items() if (v := r.get("rerendezvous")) is not None]
     rerdzv = interpolate(rerdzv_pts) if rerdzv_pts else (lambda n: 0.0)
     ds = designs(a, inprocess_seconds=inproc, barrier_seconds=lambda nodes: barrier(nodes * a.gpus_per_node),
                  rerendezvous_seconds=rerdzv, process_restart_seconds=process)
+    goals = designs(a, inprocess_seconds=inproc, barrier_seconds=lambda n: 2.0, rerendezvous_seconds=lambda n: 2.0,
+                    process_restart_seconds=process)[0]
+    ds.insert(1, Design(goals.name.replace("(", "with the 2 s goals met, a what-if (", 1), goals.rank_fault,
+                        goals.node_loss))
     sizes = [1000, 2000, 4000, 8000, 16000, 32000, 64000, 100000]
     curves = {d.name: [(g, goodput(d, g, a)) for g in sizes] for d in ds}
     for d in ds:
         for g, v in curves[d.name]:
             emit("goodput", g // a.gpus_per_node, "goodput", v, design=d.name, gpus=g)
-    notes = [f"failures: {a.rate_per_gpu_hour * 1e6:.1f} per million GPU-hours (Llama 3 report: 419 in 54 days "
-             f"on 16,384 GPUs), {a.node_share:.0%} take a node away; checkpoint every "
-             f"{a.checkpoint_interval:.0f} s costing {a.checkpoint_seconds:.0f} s, "
-             f"reload {a.checkpoint_load_seconds:.0f} s;",
-             f"stalwart: in-process restart {inproc:.2f} s and process restart {process:.2f} s measured ({source}); "
-             "restart barrier and re-rendezvous from the simulator at this N (interpolated);",
-             f"a lost node: stalwart's lease TTL {a.lease_ttl:.0f} s; Kubernetes {a.pod_replacement_seconds:.0f} s "
-             "(node grace 40 s + unreachable toleration 300 s + a new pod 60 s, assumed)."]
-    plot(path, curves, notes)
+    notes = [f"Failures: {a.rate_per_gpu_hour * 1e6:.1f} per million GPU-hours (Llama 3 report: 419 in 54 days on "
+             f"16,384 GPUs), {a.node_share:.0%} take a node away. Checkpoint every {a.checkpoint_interval:.0f} s "
+             f"costing {a.checkpoint_seconds:.0f} s, read back in {a.checkpoint_load_seconds:.0f} s; a step "
+             f"{a.step_seconds:.0f} s.",
+             f"Measured: stalwart's in-process restart {inproc:.2f} s, torchrun's process restart {process:.2f} s "
+             f"({source}); stalwart's restart barrier and re-rendezvous at each size from bench/scale.py's "
+             "simulator (interpolated, linear past 10,000).",
+             f"A lost node: stalwart's lease TTL {a.lease_ttl:.0f} s then a hot spare; Kubernetes "
+             f"{a.pod_replacement_seconds:.0f} s (node grace 40 s + unreachable toleration 300 s + a new pod 60 s, "
+             "assumed)."]
+    plot(path, curves, [line for note in notes for line in textwrap.wrap(note, 170)])
+
+
+def replot(path: str, saved: str) -> None:
+    """Draw the goodput curve again from a saved run's output."""
+    rows: dict[int, dict[str, float | None]] = {}
+    inproc = process = None
+    source = saved
+    for line in Path(saved).read_text().splitlines():
+        r = json.loads(line)
+        if r["metric"] == "restart_barrier_seconds":
+            rows.setdefault(r["nodes"], {})["barrier"] = r["value"]
+        elif r["metric"] == "rerendezvous_seconds":
+            rows.setdefault(r["nodes"], {})["rerendezvous"] = r["value"]
+        elif r["metric"] == "restart_seconds" and r["impl"] == "goodput-inputs":
+            inproc, process, source = r["value"], r["process_restart_seconds"], r["source"]
+    if inproc is None or process is None:
+        raise SystemExit(f"{saved}: no goodput-inputs row (a run with a plot writes one)")
+    draw(path, rows, inproc, process, source)
 
 
 def main() -> int:
@@ -165,7 +190,11 @@ def main() -> int:
     p.add_argument("--anchor-max", type=int, default=1000)
     p.add_argument("--plot", default=str(ROOT / "docs" / "scale_goodput.png"))
     p.add_argument("--restart-results", help="saved output of bench/restart.py (else it runs here)")
+    p.add_argument("--replot", metavar="FILE", help="only draw the plot again from this saved output")
     args = p.parse_args()
+    if args.replot:
+        replot(args.plot, args.replot)
+        return 0
     if args.quick:
         args.nodes, args.validate_nodes, args.plot = [50, 200], 50, ""
     etcd = EtcdServer()
@@ -179,7 +208,7 @@ def main() -> int:
         etcd.cleanup()
     rows = {n: scale_rows(n, costs, args.anchor_max) for n in args.nodes}
     if args.plot:
-        draw(args.plot, rows, args.restart_results)
+        draw(args.plot, rows, *restart_times(args.restart_results))
     return 0
 
 

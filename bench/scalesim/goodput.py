@@ -98,9 +98,10 @@ def plot(path: str, curves: dict[str, list[tuple[int, float]]], notes: Sequence[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, pts in curves.items():
-        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=name)
+    fig, ax = plt.subplots(figsize=(9, 6))
+    styles = [("o", "-"), ("s", ":"), ("^", "--"), ("x", "-.")]
+    for (name, pts), (marker, line) in zip(curves.items(), itertools.cycle(styles), strict=False):
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=marker, linestyle=line, label=name)
     ax.set_xscale("log")
     ax.set_xlabel("GPUs in the job")
     ax.set_ylabel("goodput (% of time making progress)")
@@ -109,6 +110,6 @@ def plot(path: str, curves: dict[str, list[tuple[int, float]]], notes: Sequence[
     ax.legend(loc="lower left", fontsize=8)
     ax.set_title("Goodput by recovery design (first-order model)")
     fig.text(0.01, 0.01, "\n".join(notes), fontsize=6, va="bottom")
-    fig.subplots_adjust(bottom=0.3)
+    fig.subplots_adjust(bottom=0.1 + 0.025 * len(notes))
     fig.savefig(path, dpi=120)
     plt.close(fig)
