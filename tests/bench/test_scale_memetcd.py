@@ -8,7 +8,6 @@ event and the count of raft proposals must agree. Lease ids differ between the t
 from __future__ import annotations
 
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +15,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.rendezvous import proposals
 from bench.scalesim.memetcd import MemEtcd
 from stalwart.local.etcd import EtcdServer
 from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, StoreError, ValueTooLarge
 
+pytestmark = pytest.mark.integration
+
 P = "/sim/"
-
-
-def proposals(endpoint: str) -> int:
-    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("etcd_server_proposals_committed_total"):
-                return int(float(line.split()[-1]))
-    raise AssertionError("no proposals metric")
 
 
 class Normal:
