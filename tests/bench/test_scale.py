@@ -7,9 +7,13 @@ every run is the same.
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -89,3 +93,26 @@ def test_the_anchor_pays_a_refused_write_per_node_ahead_of_it() -> None:
     assert res["nodes_done"] == N
     # Under one queue every round lets one node through: N + (N-1) + ... + 1 attempts.
     assert res["writes"] == N * (N + 1) // 2 and res["refused"] == res["writes"] - N
+
+
+@pytest.mark.integration
+def test_the_quick_benchmark_prints_every_metric_within_the_write_budgets() -> None:
+    """``bench/scale.py --quick`` as CI would run it (fixed costs instead of the calibration)."""
+    root = Path(__file__).resolve().parents[2]
+    costs = json.dumps(COSTS.as_dict())
+    out = subprocess.run([sys.executable, str(root / "bench" / "scale.py"), "--quick", "--costs", costs],
+                         capture_output=True, text=True, timeout=240, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert all(r["bench"] == "scale" for r in rows)
+    got = {(r["impl"], r["nodes"], r["metric"]): r for r in rows}
+    for n in (50, 200):
+        for metric in ("rendezvous_seconds", "writes_per_node", "rerendezvous_seconds", "restart_barrier_seconds",
+                       "writes_per_rank_per_restart"):
+            assert got[("stalwart", n, metric)]["value"] is not None, (n, metric)
+        assert got[("stalwart", n, "writes_per_node")]["value"] == pytest.approx((2 * (n + 1) + 1) / (n + 1), abs=1e-6)
+        assert got[("stalwart", n, "writes_per_rank_per_restart")]["value"] == pytest.approx((n + 2) / n, abs=1e-6)
+        assert got[("anchor-cas", n, "writes_per_node")]["value"] == pytest.approx((n + 1) / 2)
+    # The model counts the writes the real driver makes on the real server (a retried seal at most apart).
+    real = got[("validate-real-etcd", 50, "writes_per_node")]["value"]
+    assert got[("validate-sim", 50, "writes_per_node")]["value"] == pytest.approx(101 / 50)
+    assert abs(real - 101 / 50) * 50 <= 1
