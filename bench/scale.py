@@ -96,7 +96,7 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     kvs, _ = run.sim.mem.get_prefix(PREFIX)
     size = sum(len(kv.key) + len(kv.value) for kv in kvs)
     emit(impl, n, "operator_read_bytes", size, keys=len(kvs),
-         seconds=round(costs.read + costs.read_byte * size, 6))
+         seconds=round(costs.read + costs.read_key * len(kvs) + costs.read_byte * size, 6))
     if first["sealed"] and first["seconds"] is not None:
         again = run.lose_one(LIMIT)
         out["rerendezvous"] = again["seconds"]

@@ -5,8 +5,8 @@ bound of etcd's own cost (the client's time is counted as the server's): the sim
 
 * ``rtt``: the mean latency of a small read, one at a time;
 * ``write``: wall seconds per proposal while 16 threads create keys together (the server's throughput);
-* ``read``, ``read_byte``: a prefix read of 1,000 small keys and of 1,000 keys of 2 KiB, solved for a
-  fixed and a per-byte part;
+* ``read``: a read of one small key, less the round trip; ``read_key``, ``read_byte``: prefix reads of
+  1,000 small keys and of 1,000 keys of 2 KiB, solved for a per-key and a per-byte part;
 * ``event``, ``event_byte``: 4 watchers (``etcdctl watch``, etcd's Go client) replaying 3,000 changes of
   one prefix, small values then 2 KiB values: wall seconds until every watcher holds every event, per event
   per watcher, solved the same way.
@@ -102,17 +102,19 @@ def calibrate(endpoint: str) -> Costs:
         small, large = 40, 2048
         _fill(store, base + "rs/", 1000, small)
         _fill(store, base + "rl/", 1000, large)
-        t_small = _timed(lambda: store.get_prefix(base + "rs/"), 10) - rtt
-        t_large = _timed(lambda: store.get_prefix(base + "rl/"), 10) - rtt
+        read = max(0.0, _timed(lambda: store.get(base + "rs/000000"), 100) - rtt)
+        t_small = _timed(lambda: store.get_prefix(base + "rs/"), 10) - rtt - read
+        t_large = _timed(lambda: store.get_prefix(base + "rl/"), 10) - rtt - read
         key_bytes = len(base) + 9
         b_small, b_large = 1000 * (key_bytes + small), 1000 * (key_bytes + large)
         read_byte = max(0.0, (t_large - t_small) / (b_large - b_small))
-        read = max(0.0, t_small - read_byte * b_small)
+        read_key = max(0.0, (t_small - read_byte * b_small) / 1000)
         e_small = _fanout(endpoint, store, base + "fs/", watchers=4, events=3000, size=small)
         e_large = _fanout(endpoint, store, base + "fl/", watchers=4, events=3000, size=large)
         event_byte = max(0.0, (e_large - e_small) / (large - small))
         event = max(0.0, e_small - event_byte * (key_bytes + small))
         store.delete_prefix(base)
-        return Costs(rtt=rtt, write=write, read=read, read_byte=read_byte, event=event, event_byte=event_byte)
+        return Costs(rtt=rtt, write=write, read=read, read_key=read_key, read_byte=read_byte, event=event,
+                     event_byte=event_byte)
     finally:
         store.close()

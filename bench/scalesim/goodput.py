@@ -98,7 +98,7 @@ def plot(path: str, curves: dict[str, list[tuple[int, float]]], notes: Sequence[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, ax = plt.subplots(figsize=(9, 7))
     styles = [("o", "-"), ("s", ":"), ("^", "--"), ("x", "-.")]
     for (name, pts), (marker, line) in zip(curves.items(), itertools.cycle(styles), strict=False):
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=marker, linestyle=line, label=name)
@@ -107,9 +107,9 @@ def plot(path: str, curves: dict[str, list[tuple[int, float]]], notes: Sequence[
     ax.set_ylabel("goodput (% of time making progress)")
     ax.set_ylim(0, 100)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8)
     ax.set_title("Goodput by recovery design (first-order model)")
     fig.text(0.01, 0.01, "\n".join(notes), fontsize=6, va="bottom")
-    fig.subplots_adjust(bottom=0.1 + 0.025 * len(notes))
+    fig.subplots_adjust(bottom=0.22 + 0.025 * len(notes))
     fig.savefig(path, dpi=120)
     plt.close(fig)

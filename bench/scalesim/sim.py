@@ -31,12 +31,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Costs:
-    """Seconds the model etcd spends: per round trip, per proposal, per read (and per byte it returns),
-    per watch event per watcher (and per byte of it)."""
+    """Seconds the model etcd spends: per round trip, per proposal, per read (and per key and per byte it
+    returns), per watch event per watcher (and per byte of it)."""
 
     rtt: float = 0.0002
     write: float = 0.0001
     read: float = 0.00005
+    read_key: float = 0.0
     read_byte: float = 2e-9
     event: float = 0.000005
     event_byte: float = 2e-9
@@ -177,7 +178,7 @@ class TimedStore:
 
     def _read_cost(self, kvs: Sequence[KeyValue]) -> float:
         c = self.sim.costs
-        return c.read + c.read_byte * sum(len(kv.key) + len(kv.value) for kv in kvs)
+        return c.read + c.read_key * len(kvs) + c.read_byte * sum(len(kv.key) + len(kv.value) for kv in kvs)
 
     def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
         kv = self.mem.get(key)
