@@ -187,11 +187,12 @@ class LocalCluster:
 
     def open(self, path: str, *, method: str = "GET", body: bytes | None = None,
              headers: dict[str, str] | None = None, token: str | None = None) -> Any:
-        """Send one HTTPS request to the API (as the admin unless ``token`` is given) and return urllib's response
-        (a context manager; HTTP errors raise ``urllib.error.HTTPError``)."""
+        """Send one HTTPS request to the API and return urllib's response (a context manager; HTTP errors raise
+        ``urllib.error.HTTPError``). ``token``: the bearer token, the admin's if None, none at all if empty."""
+        bearer = self.admin_token() if token is None else token
+        sent = {"Authorization": f"Bearer {bearer}"} if bearer else {}
         req = urllib.request.Request(f"{self.api_url}{path}", method=method, data=body,
-                                     headers={"Authorization": f"Bearer {token or self.admin_token()}",
-                                              **(headers or {})})
+                                     headers={**sent, **(headers or {})})
         return urllib.request.urlopen(req, timeout=30.0, context=self.ssl_context())
 
     def admin_token(self) -> str:

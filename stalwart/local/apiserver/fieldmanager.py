@@ -260,7 +260,8 @@ def apply(info: ResourceInfo, live: JSON, applied: JSON, manager: str, force: bo
     entries: list[JSON] = [dict(e) for e in (live.get("metadata") or {}).get("managedFields") or []]
     mine = next((e for e in entries if _is(e, manager, "Apply", subresource)), None)
     others = [e for e in entries if e is not mine]
-    conflicts = [(e, p) for e in others if e.get("subresource", "") == subresource
+    # The scale subresource writes the main resource's fields; only status is apart.
+    conflicts = [(e, p) for e in others if (e.get("subresource", "") == "status") == (subresource == "status")
                  for p in sorted(new_paths & _paths(e)) if not _element(p) and lookup(live, p) != lookup(result, p)]
     if conflicts and not force:
         raise conflict_error(conflicts)
