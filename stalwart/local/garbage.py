@@ -16,8 +16,6 @@ cleared through the ``finalize`` subresource and the API removes it.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections import defaultdict
 from typing import Any
@@ -25,48 +23,31 @@ from typing import Any
 from stalwart.local.apiserver.errors import ApiError
 from stalwart.local.apiserver.objects import ObjectStore
 from stalwart.local.apiserver.storage import Event, Key
+from stalwart.local.loop import ControlLoop
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
 _MAX_PASSES = 100
 
 
-class GarbageCollector:
+class GarbageCollector(ControlLoop):
     """See the module docstring. ``sweep()`` runs every pending collection to a fixed point; ``start()`` runs
     it on the store's loop whenever something changed (and every ``period`` seconds), until ``stop()``."""
 
     def __init__(self, store: ObjectStore, period: float = 5.0) -> None:
         if period <= 0:
             raise ValueError(f"period: must be > 0 seconds, got {period}")
+        super().__init__("garbage collector", period)
         self.store = store
-        self.period = period
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         store.listeners.append(self._on_event)
 
     def _on_event(self, ev: Event) -> None:
         meta = ev.obj.get("metadata") or {}
         if ev.type == "DELETED" or meta.get("deletionTimestamp") or meta.get("ownerReferences"):
-            self._wake.set()
+            self.wake()
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            self._wake.clear()
-            try:
-                self.sweep()
-            except Exception:
-                log.exception("garbage collector: sweep failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.period)
+    def step(self) -> None:
+        self.sweep()
 
     # --- one pass ------------------------------------------------------------------------------------------------
 

@@ -363,3 +363,16 @@ def test_continue_tokens_round_trip_and_garbage_is_a_bad_request() -> None:
     with pytest.raises(ApiError) as err:
         decode_continue("not a token")
     assert err.value.code == 400
+
+
+def test_an_apply_that_drops_a_keyed_element_removes_it_whole() -> None:
+    def ports(*numbers: int) -> JSON:
+        body = deployment(1)
+        body["spec"]["template"]["spec"]["containers"][0]["ports"] = [
+            {"name": f"p{n}", "containerPort": n, "protocol": "TCP"} for n in numbers]
+        return body
+
+    live = fieldmanager.apply(DEPLOY, {}, ports(8080, 9090), "helm", False, "", "t")
+    out = fieldmanager.apply(DEPLOY, live, ports(8080), "helm", False, "", "t")
+    assert out["spec"]["template"]["spec"]["containers"][0]["ports"] == [
+        {"name": "p8080", "containerPort": 8080, "protocol": "TCP"}]

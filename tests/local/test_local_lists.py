@@ -85,3 +85,16 @@ def test_watches_see_objects_enter_and_leave_their_selector(kube_api: Any, k8s_n
             break
     # Leaving: DELETED with the object as it was; entering again: ADDED.
     assert seen == [("DELETED", "a"), ("ADDED", "a"), ("DELETED", "a")]
+
+
+def test_lists_and_watches_across_all_namespaces(kube_api: Any, k8s_namespace: str) -> None:
+    core = k8s.CoreV1Api(kube_api)
+    make(core, k8s_namespace, 2)
+    everywhere = core.list_config_map_for_all_namespaces(label_selector="")
+    assert {(c.metadata.namespace, c.metadata.name) for c in everywhere.items} >= {
+        (k8s_namespace, "cm-00"), (k8s_namespace, "cm-01")}
+    names = []
+    for event in watch.Watch().stream(core.list_config_map_for_all_namespaces, timeout_seconds=2):
+        if event["object"].metadata.namespace == k8s_namespace:
+            names.append(event["object"].metadata.name)
+    assert names == ["cm-00", "cm-01"]

@@ -171,6 +171,11 @@ def _element(path: Path) -> bool:
     return path[-1][:2] in ("k:", "v:")
 
 
+def _key_field(path: Path) -> bool:
+    """A field that identifies its keyed list element (``name`` in ``k:{"name":...}``)."""
+    return len(path) > 1 and path[-2].startswith("k:") and path[-1][2:] in json.loads(path[-2][2:])
+
+
 def _is(entry: JSON, manager: str, operation: str, subresource: str) -> bool:
     return (entry.get("manager") == manager and entry.get("operation") == operation
             and entry.get("subresource", "") == subresource)
@@ -268,8 +273,15 @@ def apply(info: ResourceInfo, live: JSON, applied: JSON, manager: str, force: bo
     if conflicts:
         others = _without(others, {p for _, p in conflicts})
     kept = new_paths.union(*(_paths(e) for e in others))
-    for path in sorted((_paths(mine) if mine else set()) - kept, key=len, reverse=True):
+    given_up = (_paths(mine) if mine else set()) - kept
+    # Outermost first: a list element goes whole (its key fields identify it); what is inside a removed part is
+    # gone with it, and a kept element keeps its key.
+    removed: set[Path] = set()
+    for path in sorted(given_up, key=len):
+        if any(path[:i] in removed for i in range(1, len(path))) or _key_field(path):
+            continue
         remove_path(result, path)
+        removed.add(path)
         # A map this manager owned only through the removed field goes too once it is empty.
         for cut in range(len(path) - 1, 0, -1):
             parent = path[:cut]

@@ -195,7 +195,7 @@ class ApiServer:
         if not info.resource:
             raise ApiError(404, "NotFound", NOT_FOUND)
         res = self.store.info(info.group, info.version, info.resource)
-        namespace = info.namespace if res.namespaced else None
+        namespace = (info.namespace or None) if res.namespaced else None  # None: across all namespaces
         name, sub = info.name or None, info.subresource
         if res.namespaced and namespace is None and name is not None:
             raise ApiError(404, "NotFound", NOT_FOUND)

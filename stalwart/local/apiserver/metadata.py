@@ -45,22 +45,17 @@ def _q(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _check(value: str, limit: int, regex: str, message: str) -> list[str]:
+    out = [f"must be no more than {limit} characters"] if len(value) > limit else []
+    return out + ([message] if not re.fullmatch(regex, value) else [])
+
+
 def is_subdomain(value: str) -> list[str]:
-    out = []
-    if len(value) > 253:
-        out.append("must be no more than 253 characters")
-    if not re.fullmatch(_SUBDOMAIN_RE, value):
-        out.append(SUBDOMAIN_MSG)
-    return out
+    return _check(value, 253, _SUBDOMAIN_RE, SUBDOMAIN_MSG)
 
 
 def is_dns_label(value: str) -> list[str]:
-    out = []
-    if len(value) > 63:
-        out.append("must be no more than 63 characters")
-    if not re.fullmatch(_LABEL_RE, value):
-        out.append(LABEL_MSG)
-    return out
+    return _check(value, 63, _LABEL_RE, LABEL_MSG)
 
 
 def is_qualified_name(value: str) -> list[str]:
@@ -81,12 +76,7 @@ def is_qualified_name(value: str) -> list[str]:
 
 
 def is_label_value(value: str) -> list[str]:
-    out = []
-    if len(value) > 63:
-        out.append("must be no more than 63 characters")
-    if not re.fullmatch(_VALUE_RE, value):
-        out.append(VALUE_MSG)
-    return out
+    return _check(value, 63, _VALUE_RE, VALUE_MSG)
 
 
 def name_problems(info: ResourceInfo, name: str, field: str = "metadata.name") -> list[Problem]:
@@ -95,8 +85,7 @@ def name_problems(info: ResourceInfo, name: str, field: str = "metadata.name") -
         why = [f"may not contain '{c}'" for c in "/%" if c in name]
         why += [f"may not be '{name}'"] if name in (".", "..") else []
     elif kind in _DNS1035_NAMED:
-        why = ["must be no more than 63 characters"] if len(name) > 63 else []
-        why += [DNS1035_MSG] if not re.fullmatch(_DNS1035_RE, name) else []
+        why = _check(name, 63, _DNS1035_RE, DNS1035_MSG)
     elif kind in _LABEL_NAMED:
         why = is_dns_label(name)
     else:

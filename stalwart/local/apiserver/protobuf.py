@@ -190,40 +190,41 @@ def _strings(buf: bytes, names: dict[int, str]) -> JSON:
     return {names[n]: _s(v) for n, v in fields(buf) if n in names and _s(v)}
 
 
+def _spec_fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """The fields of a message's ``spec`` (field 2, after ``metadata``)."""
+    for n, v in fields(buf):
+        if n == 2:
+            yield from fields(_b(v))
+
+
 def _token_request(buf: bytes) -> JSON:
     spec: JSON = {}
-    for n, v in fields(buf):
-        if n != 2:
-            continue
-        for m, x in fields(_b(v)):
-            if m == 1:
-                spec.setdefault("audiences", []).append(_s(x))
-            elif m == 3:
-                spec["boundObjectRef"] = _strings(_b(x), {1: "kind", 2: "apiVersion", 3: "name", 4: "uid"})
-            elif m == 4 and isinstance(x, int):
-                spec["expirationSeconds"] = x
+    for m, x in _spec_fields(buf):
+        if m == 1:
+            spec.setdefault("audiences", []).append(_s(x))
+        elif m == 3:
+            spec["boundObjectRef"] = _strings(_b(x), {1: "kind", 2: "apiVersion", 3: "name", 4: "uid"})
+        elif m == 4 and isinstance(x, int):
+            spec["expirationSeconds"] = x
     return {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
 
 
 def _access_review(buf: bytes) -> JSON:
     spec: JSON = {}
-    for n, v in fields(buf):
-        if n != 2:
-            continue
-        for m, x in fields(_b(v)):
-            if m == 1:
-                spec["resourceAttributes"] = _strings(_b(x), {1: "namespace", 2: "verb", 3: "group", 4: "version",
-                                                              5: "resource", 6: "subresource", 7: "name"})
-            elif m == 2:
-                spec["nonResourceAttributes"] = _strings(_b(x), {1: "path", 2: "verb"})
+    for m, x in _spec_fields(buf):
+        if m == 1:
+            spec["resourceAttributes"] = _strings(_b(x), {1: "namespace", 2: "verb", 3: "group", 4: "version",
+                                                          5: "resource", 6: "subresource", 7: "name"})
+        elif m == 2:
+            spec["nonResourceAttributes"] = _strings(_b(x), {1: "path", 2: "verb"})
     return {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview", "spec": spec}
 
 
 def _rules_review(buf: bytes) -> JSON:
     spec: JSON = {}
-    for n, v in fields(buf):
-        if n == 2:
-            spec = _strings(_b(v), {1: "namespace"})
+    for m, x in _spec_fields(buf):
+        if m == 1 and _s(x):
+            spec["namespace"] = _s(x)
     return {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectRulesReview", "spec": spec}
 
 
