@@ -33,6 +33,8 @@ def used(cluster: LocalCluster, user: str) -> tuple[set[Grant], set[Grant]]:
     allowed: set[Grant] = set()
     refused: set[Grant] = set()
     for a in cluster.access(user):
+        if not a["resource"]:
+            continue  # a path outside the API's resources (discovery, version): every account may read those
         resource = f"{a['resource']}/{a['subresource']}" if a["subresource"] else a["resource"]
         (allowed if a["allowed"] else refused).add((a["group"], resource, a["verb"]))
     return allowed, refused
