@@ -57,7 +57,8 @@ class Kubelet(Protocol):
 
 
 def _json(data: Any, status: int = 200, warnings: list[str] | None = None) -> web.Response:
-    resp = web.Response(body=json.dumps(data, separators=(",", ":")).encode(), status=status,
+    # A newline ends the body, as Go's JSON encoder ends it (clients compare Status bodies as text).
+    resp = web.Response(body=json.dumps(data, separators=(",", ":")).encode() + b"\n", status=status,
                         content_type="application/json")
     for w in warnings or []:
         text = " ".join(w.split()).replace("\\", "\\\\").replace('"', '\\"')
