@@ -38,9 +38,9 @@ from stalwart.local.etcd import EtcdServer, free_port
 from stalwart.local.garbage import GarbageCollector
 from stalwart.local.kubelet import ProcessKubelet
 from stalwart.local.nodelifecycle import NodeLifecycleController
+from stalwart.local.pki import create as create_pki
 from stalwart.local.scheduler import Scheduler
 from stalwart.local.settings import LocalClusterSettings
-from stalwart.local.pki import create as create_pki
 
 log = logging.getLogger(__name__)
 STATE_FILE = "state.json"

@@ -16,7 +16,8 @@ Module map:
   (write semantics), :mod:`.subresources`, :mod:`.deletion`, :mod:`.fieldmanager` (managedFields, apply);
 - admission: :mod:`.admission` (the order of checks), :mod:`.metadata` (names, labels, annotations),
   :mod:`.core_schema` (built-in kinds against their OpenAPI schemas), :mod:`.builtins` and :mod:`.pods`
-  (defaults and semantic checks), :mod:`.quantity`, :mod:`.crds` and :mod:`.celcheck` (CRDs when stored),
+  (defaults and semantic checks; quantities by :mod:`stalwart.local.quantity`), :mod:`.crds` and :mod:`.celcheck`
+  (CRDs when stored),
   :mod:`.schema` and :mod:`.cel` (custom resources: structural schema, defaulting, pruning, the CEL subset);
 - security: :mod:`.authentication` (tokens), :mod:`.authorization` (RBAC), :mod:`.security` (the gate, the
   record of decisions, the default roles), :mod:`.reviews` (TokenRequest, token and access reviews);

@@ -13,15 +13,18 @@ import copy
 from decimal import Decimal
 from typing import Any
 
-from stalwart.local.apiserver import quantity
 from stalwart.local.apiserver.metadata import is_dns_label
 from stalwart.local.apiserver.schema import Problem
+from stalwart.local.quantity import QuantityError, parse_quantity
 
 JSON = dict[str, Any]
 UPDATABLE = ("`spec.containers[*].image`,`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,"
              "`spec.tolerations` (only additions to existing tolerations),`spec.terminationGracePeriodSeconds` "
              "(allow it to be set to 1 if it was previously negative)")
 _OVERCOMMITTABLE = {"cpu", "memory", "ephemeral-storage"}
+#: What the API server answers (400) for a quantity that does not parse: its decoder's message.
+QUANTITY_DECODE_ERROR = ("quantities must match the regular expression "
+                         "'^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'")
 _CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
 
 
@@ -58,7 +61,7 @@ def qos_class(spec: JSON) -> str:
     if not any(requests) and not any(limits):
         return "BestEffort"
     guaranteed = all(set(lim) >= {"cpu", "memory"} and all(
-        quantity.parse(req.get(k, v)) == quantity.parse(v) for k, v in lim.items() if k in ("cpu", "memory"))
+        parse_quantity(req.get(k, v)) == parse_quantity(v) for k, v in lim.items() if k in ("cpu", "memory"))
         for req, lim in zip(requests, limits, strict=True))
     return "Guaranteed" if guaranteed else "Burstable"
 
@@ -71,20 +74,20 @@ def decode_problems(spec: JSON) -> list[str]:
             for kind in ("requests", "limits"):
                 for value in ((c.get("resources") or {}).get(kind) or {}).values():
                     try:
-                        quantity.parse(value)
-                    except quantity.QuantityError as exc:
-                        out.append(str(exc))
+                        parse_quantity(value)
+                    except QuantityError:
+                        out.append(QUANTITY_DECODE_ERROR)
     return out
 
 
 def _resources_problems(resources: JSON, path: str) -> list[Problem]:
     out: list[Problem] = []
-    limits = {k: quantity.parse(v) for k, v in (resources.get("limits") or {}).items()}
-    requests = {k: quantity.parse(v) for k, v in (resources.get("requests") or {}).items()}
+    limits = {k: parse_quantity(v) for k, v in (resources.get("limits") or {}).items()}
+    requests = {k: parse_quantity(v) for k, v in (resources.get("requests") or {}).items()}
     for kind, values, raw in (("limits", limits, resources.get("limits") or {}),
                               ("requests", requests, resources.get("requests") or {})):
         for name, value in values.items():
-            shown = quantity.canonical(raw[name])
+            shown = str(raw[name]).strip()
             if value < 0:
                 out.append(Problem(f"{path}.{kind}[{name}]", "FieldValueInvalid",
                                    f'Invalid value: "{shown}": must be greater than or equal to 0'))
@@ -92,7 +95,7 @@ def _resources_problems(resources: JSON, path: str) -> list[Problem]:
                 out.append(Problem(f"{path}.{kind}[{name}]", "FieldValueInvalid",
                                    f'Invalid value: "{shown}": must be an integer'))
     for name, value in requests.items():
-        shown = quantity.canonical((resources.get("requests") or {})[name])
+        shown = str((resources.get("requests") or {})[name]).strip()
         limit: Decimal | None = limits.get(name)
         if _extended(name):
             if limit is None:
@@ -101,11 +104,11 @@ def _resources_problems(resources: JSON, path: str) -> list[Problem]:
             elif value != limit:
                 out.append(Problem(f"{path}.requests", "FieldValueInvalid",
                                    f'Invalid value: "{shown}": must be equal to {name} limit of '
-                                   f"{quantity.canonical(resources['limits'][name])}"))
+                                   f"{str(resources['limits'][name]).strip()}"))
         elif limit is not None and value > limit:
             out.append(Problem(f"{path}.requests", "FieldValueInvalid",
                                f'Invalid value: "{shown}": must be less than or equal to {name} limit of '
-                               f"{quantity.canonical(resources['limits'][name])}"))
+                               f"{str(resources['limits'][name]).strip()}"))
     return out
 
 
