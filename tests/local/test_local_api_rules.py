@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from stalwart.local.apiserver import crds, fieldmanager, metadata
-from stalwart.local.apiserver import pods as pod_rules
+from stalwart.local.apiserver import podspec as pod_rules
 from stalwart.local.apiserver.authentication import Authenticator
 from stalwart.local.apiserver.authorization import (
     ANONYMOUS,

@@ -15,7 +15,7 @@ Module map:
 - the object store: :mod:`.storage` (objects, revisions, history, watches, snapshots, pages), :mod:`.objects`
   (write semantics), :mod:`.subresources`, :mod:`.deletion`, :mod:`.fieldmanager` (managedFields, apply);
 - admission: :mod:`.admission` (the order of checks), :mod:`.metadata` (names, labels, annotations),
-  :mod:`.core_schema` (built-in kinds against their OpenAPI schemas), :mod:`.builtins` and :mod:`.pods`
+  :mod:`.core_schema` (built-in kinds against their OpenAPI schemas), :mod:`.builtins` and :mod:`.podspec`
   (defaults and semantic checks; quantities by :mod:`stalwart.local.quantity`), :mod:`.crds` and :mod:`.celcheck`
   (CRDs when stored),
   :mod:`.schema` and :mod:`.cel` (custom resources: structural schema, defaulting, pruning, the CEL subset);

@@ -1,5 +1,5 @@
 """Defaults and the semantic checks of the built-in kinds beyond their OpenAPI schema (:mod:`.core_schema`):
-Secrets (``stringData``, base64), Namespaces, Services (cluster IPs, ports, status), Pods (:mod:`.pods`) and
+Secrets (``stringData``, base64), Namespaces, Services (cluster IPs, ports, status), Pods (:mod:`.podspec`) and
 the pod templates of the workload kinds, Deployments."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import binascii
 from collections.abc import Iterator
 from typing import Any
 
-from stalwart.local.apiserver import pods
+from stalwart.local.apiserver import podspec
 from stalwart.local.apiserver.catalog import ResourceInfo
 from stalwart.local.apiserver.errors import bad_request
 from stalwart.local.apiserver.schema import Problem
@@ -46,7 +46,7 @@ def pod_specs(info: ResourceInfo, obj: JSON) -> Iterator[tuple[JSON, str]]:
 def decode(info: ResourceInfo, obj: JSON) -> None:
     """Raise the 400 a real API server answers when a body does not decode (quantities that do not parse)."""
     for spec, _ in pod_specs(info, obj):
-        errors = pods.decode_problems(spec)
+        errors = podspec.decode_problems(spec)
         if errors:
             raise bad_request(f'{info.kind} in version "{info.version}" cannot be handled as a {info.kind}: '
                               f"{errors[0]}")
@@ -58,7 +58,7 @@ def admit(info: ResourceInfo, obj: JSON, old: JSON | None, cluster_ip: Iterator[
     kind = (info.group, info.plural)
     for spec, path in pod_specs(info, obj):
         if kind != ("", "pods"):
-            problems += pods.spec_problems(spec, path)
+            problems += podspec.spec_problems(spec, path)
     if kind == ("", "secrets"):
         problems += _secret(obj)
     elif kind == ("", "namespaces"):
@@ -117,12 +117,12 @@ def _service(obj: JSON, old: JSON | None, cluster_ip: Iterator[int]) -> None:
 
 def _pod(obj: JSON, old: JSON | None) -> list[Problem]:
     spec = obj["spec"]
-    pods.default_spec(spec)
-    problems = pods.spec_problems(spec)
+    podspec.default_spec(spec)
+    problems = podspec.spec_problems(spec)
     if old is None:
         if not problems:
-            obj["status"] = {"phase": "Pending", "qosClass": pods.qos_class(spec)}
+            obj["status"] = {"phase": "Pending", "qosClass": podspec.qos_class(spec)}
     else:
-        problems += pods.update_problems(spec, old.get("spec") or {})
+        problems += podspec.update_problems(spec, old.get("spec") or {})
     return problems
 
