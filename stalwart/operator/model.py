@@ -11,7 +11,7 @@ from typing import Literal
 
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import Manifest
-from stalwart.api.restart import ProgressRecord
+from stalwart.api.restart import FaultRecord, ProgressRecord
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus
 
@@ -92,6 +92,8 @@ class EtcdView:
     leases: dict[str, int] = field(default_factory=dict)
     progress: tuple[ProgressRecord, ...] = ()
     closed: bool = False
+    #: The restart protocol's fault records of the current round, as ``(mod_revision, record)``.
+    faults: tuple[tuple[int, FaultRecord], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

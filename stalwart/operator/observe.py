@@ -16,7 +16,7 @@ from stalwart.api import naming
 from stalwart.api.base import RuleViolation
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import ExpectedNodes, Manifest
-from stalwart.api.restart import ProgressRecord
+from stalwart.api.restart import FaultRecord, ProgressRecord
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import API_VERSION, KIND
@@ -159,6 +159,18 @@ def etcd_view(keys: JobKeys, kvs: Iterable[KeyValue]) -> EtcdView:
             log.warning("skipping unreadable etcd record %s: %s", kv.key, e)
     return EtcdView(reachable=True, record=record, expected=expected, manifest=manifest, epoch=epoch,
                     leases=leases, progress=tuple(progress), closed=closed)
+
+
+def fault_entries(kvs: Iterable[KeyValue]) -> tuple[tuple[int, FaultRecord], ...]:
+    """The fault records under a round's ``fault/`` prefix as ``(mod_revision, record)``, in revision order
+    (the order the restart protocol reads them in). Unreadable records are skipped with a warning."""
+    out: list[tuple[int, FaultRecord]] = []
+    for kv in kvs:
+        try:
+            out.append((kv.mod_revision, FaultRecord.from_json_bytes(kv.value)))
+        except (ValidationError, ValueError) as e:
+            log.warning("skipping unreadable fault record %s: %s", kv.key, e)
+    return tuple(sorted(out, key=lambda f: f[0]))
 
 
 def overlay(pods: Iterable[PodView], created: Mapping[str, tuple[PodView, float]],

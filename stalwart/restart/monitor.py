@@ -109,6 +109,8 @@ class Monitor:
         self._status_dirty = True
         self._status_written = 0.0
         self._step: int | None = None
+        self._step_time: float | None = None
+        self._first_step: tuple[int, int, float] | None = None  # (iteration, step, wall time) of its first step
         self._probe = _probe() if watch_main_thread else None
         self._thread = threading.Thread(target=self._run, name=f"stalwart-monitor-{coord.slot}", daemon=True)
 
@@ -131,6 +133,7 @@ class Monitor:
             self._active = active
             self._running = True
             self._timed_out = False
+            self._first_step = None
             self.last_progress = time.monotonic()
             seen = self._faults.get(iteration)
         if seen is not None and seen.slot != self.coord.slot:
@@ -142,10 +145,14 @@ class Monitor:
             self._ctx = None
 
     def ping(self, step: int | None = None) -> None:
-        """Progress from the training code: two attribute writes, so that it may be called every step."""
+        """Progress from the training code: a few attribute writes, so that it may be called every step. The
+        first step of an iteration is kept with its time: it is when training went on after a restart."""
         self.last_progress = time.monotonic()
         if step is not None:
             self._step = step
+            self._step_time = time.time()
+            if self._first_step is None:
+                self._first_step = (self._iteration, step, self._step_time)
 
     def fault_seen(self, iteration: int) -> FaultRecord | None:
         with self._lock:
@@ -209,7 +216,7 @@ class Monitor:
             return
         reason = f"the heartbeat lease of slot {slot} ended"
         rec = FaultRecord(slot=self.coord.slot, rank=ctx.rank, node_id=self.coord.node_id, iteration=iteration,
-                          kind="peer_lost", reason=reason, time=time.time())
+                          kind="peer_lost", reason=reason, time=time.time(), lost_slots=[slot])
         with contextlib.suppress(Exception):  # interrupting matters more than reporting
             self.coord.report_fault(rec)
         self._interrupt(reason)
@@ -224,14 +231,14 @@ class Monitor:
                         watch = self._open_watch()
                         backoff = 0.1
                     except StoreError as e:
-                        log.warning("slot %d: cannot watch faults, retrying: %s", self.coord.slot, e)
+                        self.coord.outage.failed(f"fault watch: {e}")  # logged once per outage
                         self._stop.wait(backoff * (0.5 + random.random()))
                         backoff = min(backoff * 2, 2.0)
                         continue
                 try:
                     ev = watch.next(timeout=self.interval)
                 except StoreError as e:
-                    log.warning("slot %d: fault watch broke, reopening: %s", self.coord.slot, e)
+                    self.coord.outage.failed(f"fault watch: {e}")
                     watch.cancel()
                     watch = None
                     continue
@@ -273,7 +280,11 @@ class Monitor:
                 return
             # While not running user code the process waits on etcd with deadlines: it is not hung.
             beat = self.last_progress if self._running else now
-            self.status = self.status.model_copy(update={"heartbeat": beat, "step": self._step})
+            # The first step belongs to the iteration it was taken in; the next one has none until it steps.
+            first = self._first_step if self._first_step and self._first_step[0] == self.status.iteration else None
+            self.status = self.status.model_copy(update={
+                "heartbeat": beat, "step": self._step, "step_time": self._step_time,
+                "first_step": first[1] if first else None, "first_step_time": first[2] if first else None})
             status = self.status
             self._status_written = now
         self.status_file.write(status)

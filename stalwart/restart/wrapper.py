@@ -36,6 +36,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 from stalwart.agent.rendezvous.errors import StaleEpoch
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ArrivalRecord, FailureInfo, FaultKind, FaultRecord, SealRecord
+from stalwart.restart import drill
 from stalwart.restart.assignment import Candidate, RankAssignment, WorldTooSmall, initial_ranks
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator, EpochView
 from stalwart.restart.environment import RankEnvironment
@@ -185,6 +186,7 @@ class _Session:
                                interval=config.monitor_interval, status=StatusFile(env.status_file),
                                watch_main_thread=main)
         self.monitor.update_status(hard_timeout=config.hard_timeout)
+        drill.install(env.status_file, lambda: self.monitor.status.state == "running")
         self.keep_peers = [(h, int(p)) for h, _, p in (e.rpartition(":") for e in env.etcd_endpoints)]
         self.own_faults = 0
         self.last_ctx: IterationContext | None = None
@@ -343,16 +345,17 @@ class _Session:
             lost = sorted(s for s in active - done if s not in view.alive)
             if lost:
                 self._report(iteration, seal.ranks.get(str(self.env.slot)), "peer_lost",
-                             f"the heartbeat lease of slot(s) {lost} ended")
+                             f"the heartbeat lease of slot(s) {lost} ended", lost_slots=lost)
                 return "fault"
             return None
 
         _, result = self.coord.wait_until(ended, deadline)
         return str(result)
 
-    def _report(self, iteration: int, rank: int | None, kind: FaultKind, reason: str) -> None:
+    def _report(self, iteration: int, rank: int | None, kind: FaultKind, reason: str,
+                lost_slots: list[int] | None = None) -> None:
         rec = FaultRecord(slot=self.env.slot, rank=rank, node_id=self.env.node_id, iteration=iteration,
-                          kind=kind, reason=reason[:2048], time=time.time())
+                          kind=kind, reason=reason[:2048], time=time.time(), lost_slots=lost_slots or [])
         self.coord.report_fault(rec)
 
     def _run_iteration(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

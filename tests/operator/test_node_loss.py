@@ -58,10 +58,10 @@ def test_a_running_pod_on_an_unreachable_node_is_fenced_force_deleted_and_replac
                              etcd("worker-0", "worker-1", leases={"worker-0": 3, "worker-1": 9})), "n1")
     d = reconcile(obs)
     assert of(d, RevokeLease) == [RevokeLease(f"{JOB}-worker-1", 9)]
-    assert of(d, DeletePod) == [DeletePod(f"{JOB}-worker-1", 0, "PodLost")]
+    assert of(d, DeletePod) == [DeletePod(f"{JOB}-worker-1", 0, "NodeLost")]
     assert [c.name for c in of(d, CreatePod)] == [f"{JOB}-spare-0"]
     assert d.status.restarts is not None and d.status.restarts.pod_replacements == 1
-    assert d.status.last_failure is not None and d.status.last_failure.reason == "PodLost"
+    assert d.status.last_failure is not None and d.status.last_failure.reason == "NodeLost"
     assert d.status.last_failure.message == "its node n1 is unreachable"
     assert d.status.phase == Phase.RESTARTING
     # The fence comes before the replacement can join.

@@ -10,7 +10,7 @@ from opbuild import JOB, NOW, etcd, job, observe, progress, spec, status
 
 from stalwart.api.rendezvous import ExpectedNodes, Manifest, Member
 from stalwart.api.spec import TrainingJobSpec
-from stalwart.api.status import Phase
+from stalwart.api.status import Phase, Position
 from stalwart.keys import JobKeys
 from stalwart.operator import rbac
 from stalwart.operator.manifests import (
@@ -108,9 +108,12 @@ def test_written_status_is_patched_once_the_rate_limit_allows() -> None:
     decided = status(Phase.RUNNING, round=3)
     written = status(Phase.STARTING)
     from opbuild import pod as mkpod
+    from opbuild import stepping
 
+    decided = decided.model_copy(update={"position": Position(round=1, iteration=0)})
     pods = [mkpod("worker-0"), mkpod("worker-1")]
-    obs = observe(job(decided), pods, etcd("worker-0", "worker-1"), last_patch=NOW - 5)
+    obs = observe(job(decided), pods, etcd("worker-0", "worker-1", progress=(stepping("worker-0", 0),)),
+                  last_patch=NOW - 5)
     obs = type(obs)(**{**{k: getattr(obs, k) for k in obs.__slots__}, "written_status": written})
     d = reconcile(obs)
     (patch,) = [a for a in d.actions if isinstance(a, PatchStatus)]

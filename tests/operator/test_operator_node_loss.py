@@ -77,7 +77,7 @@ def test_a_partitioned_node_is_fenced_and_replaced_long_before_eviction_and_its_
     local_cluster.lose_node(node, partition=True)
     try:
         st = wait_for("a replacement", lambda: replaced(jobs, "part"), timeout=120)
-        assert st["lastFailure"]["pod"] == "part-worker-1" and st["lastFailure"]["reason"] == "PodLost"
+        assert st["lastFailure"]["pod"] == "part-worker-1" and st["lastFailure"]["reason"] == "NodeLost"
         assert st["lastFailure"]["message"] == f"its node {node} is unreachable"
         # Fenced (its rendezvous key is gone with its revoked lease) and force-deleted: no kubelet could
         # confirm a graceful deletion there. Its processes live on, paused.
