@@ -1,5 +1,5 @@
-"""``stalwart local up|down|status|lose-node|restore-node --dir DIR``: the local cluster for development, CI and
-the demo (a Kubernetes API emulator, a process kubelet and a real etcd, all on loopback)."""
+"""``stalwart local up|down|status|lose-node|restore-node|kubeconfig --dir DIR``: the local cluster for development,
+CI and the demo (a Kubernetes API emulator, a process kubelet and a real etcd, all on loopback)."""
 
 from __future__ import annotations
 
