@@ -15,6 +15,7 @@ its final step, a checksum of the parameters, its restarts, and timing marks for
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -33,7 +34,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["plain", "wrapped"], default="wrapped")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--fault", choices=["none", "exception", "sigkill", "hang", "hang-hard", "exception-always"],
+    p.add_argument("--fault", choices=["none", "exception", "sigkill", "sigstop", "hang", "hang-hard",
+                                            "exception-always"],
                    default="none")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=5)
@@ -87,6 +89,8 @@ def inject(kind: str) -> None:
         raise RuntimeError("injected fault")
     if kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "hang":
         time.sleep(3600)
     if kind == "hang-hard":
@@ -105,11 +109,24 @@ def leak_report(args: argparse.Namespace, rank: int, restarts: int) -> None:
     endpoints = os.environ["STALWART_ETCD_ENDPOINTS"].split(",")
     uid = os.environ["STALWART_JOB_UID"]
     ns = os.environ["STALWART_JOB"].partition("/")[0]
+    prefix = f"/stalwart/v1/{ns}/{uid}/"
     with Store(endpoints) as s:
-        keys = s.count_prefix(f"/stalwart/v1/{ns}/{uid}/")
+        kvs, _ = s.get_prefix(prefix, keys_only=True)
+    # Which iterations still have keys: restart/<epoch>/<kind>/<iteration>/... and store/<epoch>/<iteration>/...
+    iterations: set[int] = set()
+    faults: dict[int, int] = {}
+    for kv in kvs:
+        parts = kv.key[len(prefix):].split("/")
+        if parts[0] == "restart" and len(parts) >= 4 and parts[2] in ("arrive", "seal", "fault", "done"):
+            iterations.add(int(parts[3]))
+            if parts[2] == "fault":
+                faults[int(parts[3])] = faults.get(int(parts[3]), 0) + 1
+        elif parts[0] == "store" and len(parts) >= 3 and parts[2].isdigit():
+            iterations.add(int(parts[2]))
     native_threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
     report = {"leak": True, "rank": rank, "iteration": restarts, "threads": threading.active_count(),
-              "native_threads": native_threads, "fds": len(os.listdir("/proc/self/fd")), "etcd_keys": keys,
+              "native_threads": native_threads, "fds": len(os.listdir("/proc/self/fd")), "etcd_keys": len(kvs),
+              "iterations": sorted(iterations), "faults": {str(k): v for k, v in faults.items()},
               "children": _children()}
     with open(args.out, "a") as f:
         f.write(json.dumps(report) + "\n")
@@ -215,7 +232,14 @@ def main() -> int:
         else:
             dist.init_process_group("gloo", timeout=timeout)
         result = train(args, restarts)
+        # DDP holds the process group in reference cycles. Destroy the group now, from its Python object
+        # (torch then releases the GIL while it joins the group's gloo worker threads), after collecting
+        # DDP: a worker thread still dropping its last work object while the interpreter finalizes aborts
+        # the process ("terminate called without an active exception").
+        group = dist.group.WORLD
         dist.destroy_process_group()
+        gc.collect()
+        del group
         write(args, result)
         return 0
 

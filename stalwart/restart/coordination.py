@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from stalwart.agent.rendezvous.fence import Fence
-from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
+from stalwart.api.restart import DIRECT_KINDS, AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
 from stalwart.keys import JobKeys
 from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTimeout, StoreUnavailable, Watch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinationTimeout", "Coordinator", "EpochView", "IterationOutcome"]
+__all__ = ["CoordinationTimeout", "Coordinator", "EpochView", "IterationOutcome", "record_fault"]
 
 
 class CoordinationTimeout(Exception):
@@ -44,8 +44,28 @@ class EpochView:
         faults = sorted(self.faults.get(iteration, []), key=lambda f: f[0])
         return faults[0][1] if faults else None
 
+    def cause(self, iteration: int) -> FaultRecord | None:
+        """The iteration's cause: its first fault of a kind seen at the faulty process (``DIRECT_KINDS``),
+        else its first fault."""
+        faults = [rec for _, rec in sorted(self.faults.get(iteration, []), key=lambda f: f[0])]
+        return next((rec for rec in faults if rec.kind in DIRECT_KINDS), faults[0] if faults else None)
+
+    def faults_of_others(self, iteration: int, slot: int) -> list[FaultRecord]:
+        """The faults recorded in ``iteration`` by processes other than ``slot``, oldest first."""
+        return [rec for _, rec in sorted(self.faults.get(iteration, []), key=lambda f: f[0]) if rec.slot != slot]
+
 
 IterationOutcome = str  # "done" | "fault"
+
+
+def fault_key(keys: JobKeys, epoch: int, iteration: int, slot: int) -> str:
+    return f"{keys.restart}{epoch}/fault/{iteration}/{slot}"
+
+
+def record_fault(store: Store, keys: JobKeys, epoch: int, rec: FaultRecord) -> None:
+    """Publish ``rec`` as the fault of slot ``rec.slot`` in its iteration, fenced by ``epoch``: what an agent
+    does for a rank process it found dead, stopped or hung (the process cannot say it itself)."""
+    Fence(store, keys, epoch).put(fault_key(keys, epoch, rec.iteration, rec.slot), rec.to_json_bytes())
 
 
 T = TypeVar("T")
@@ -99,7 +119,7 @@ class Coordinator:
         return f"{self.base}seal/{iteration}"
 
     def fault_key(self, iteration: int, slot: int) -> str:
-        return f"{self.base}fault/{iteration}/{slot}"
+        return fault_key(self.keys, self.epoch, iteration, slot)
 
     def done_key(self, iteration: int, slot: int) -> str:
         return f"{self.base}done/{iteration}/{slot}"
