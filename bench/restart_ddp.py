@@ -7,9 +7,15 @@ depend on which faults happened on the way. The in-memory state survives in-proc
 of each iteration the ranks adopt the state of the rank that committed the most steps (a respawned process
 has none).
 
-Faults are injected once (a marker file records that it happened): ``--fault exception|sigkill|hang`` in
-rank ``--fault-rank`` at step ``--fault-step``. Each rank writes a JSON line to ``--out`` at the end:
-its final step, a checksum of the parameters, its restarts, and timing marks for the benchmark.
+Faults are injected once (a marker file records that it happened): ``--fault exception|sigkill|sigstop|hang``
+in rank ``--fault-rank`` at step ``--fault-step``. Stalls for the tests of bounded waits: ``--finalize-hang``
+(after its fault, the rank hangs in its Finalize policy), ``--init-stall`` (in the first iteration the rank
+never reaches its process group: a Python loop in its Initialize policy), ``--silence-watches-after S``
+(the etcd watch streams open in slot ``--silence-slot``'s process stop delivering when the fault is injected:
+fault injection on top of the real etcd). ``--self-init STYLE`` makes the training function call
+``init_process_group`` itself, as a script written for torchrun does. Each rank writes a JSON line to
+``--out`` at the end: its final step, a checksum of the parameters, its restarts, and timing marks for the
+benchmark.
 """
 
 from __future__ import annotations
@@ -54,6 +60,17 @@ def parse() -> argparse.Namespace:
     p.add_argument("--barrier-timeout", type=float, default=60.0)
     p.add_argument("--min-world", type=int, default=1)
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--finalize-hang", action="store_true")
+    p.add_argument("--init-stall", action="store_true")
+    p.add_argument("--slow-assignment", type=float, default=0.0,
+                   help="seconds the rank assignment takes (widens the moment between a seal and the run)")
+    p.add_argument("--silence-slot", type=int, default=None,
+                   help="the etcd watches open in this slot's process go silent when the fault is injected")
+    p.add_argument("--self-init", choices=["none", "bare", "env", "timeout", "destroy", "bad-world"],
+                   default="none",
+                   help="the function calls init_process_group itself: ('gloo'), (init_method='env://'), "
+                        "(timeout=20s, another than the wrapper's), ('gloo') and destroy_process_group() at its end, "
+                        "(world_size=world+1)")
     return p.parse_args()
 
 
@@ -82,6 +99,17 @@ def fault_due(args: argparse.Namespace, name: str, rank: int, step: int, index: 
         os.close(fd)
         return True
     return False
+
+
+def once(args: argparse.Namespace, name: str) -> bool:
+    """True the first time only (a marker file records it), like an injected fault."""
+    try:
+        fd = os.open(os.path.join(args.marker_dir, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, f"{time.time():.6f}".encode())
+    os.close(fd)
+    return True
 
 
 def inject(kind: str) -> None:
@@ -147,7 +175,73 @@ def _children() -> int:
     return n
 
 
+def self_init(style: str) -> None:
+    """The function initialises its process group itself, as under torchrun."""
+    import datetime
+
+    if style == "bare":
+        dist.init_process_group("gloo")
+    elif style == "env":
+        dist.init_process_group(backend="gloo", init_method="env://")
+    elif style == "timeout":
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    elif style == "destroy":
+        dist.init_process_group()
+    elif style == "bad-world":
+        dist.init_process_group("gloo", world_size=int(os.environ["WORLD_SIZE"]) + 1,
+                                rank=int(os.environ["RANK"]))
+
+
+class SilenceableStream:
+    """A watch's response stream that drops everything once silenced (a stuck etcd watcher)."""
+
+    silenced_before: float = float("inf")  # streams opened before this time go silent from then on
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.opened = time.monotonic()
+
+    def __iter__(self) -> SilenceableStream:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            resp = next(self.inner)
+            if not (self.opened < SilenceableStream.silenced_before <= time.monotonic()):
+                return resp
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+
+def silence_watches_at_fault(marker_dir: str) -> None:
+    """Fault injection on top of the real etcd: the watch streams open when the fault is injected (its marker
+    file appears) stop delivering."""
+    import threading
+
+    from stalwart import store
+
+    base = store.rpc_grpc.WatchStub
+
+    class Stub(base):  # type: ignore[misc,valid-type]
+        def __init__(self, channel: Any) -> None:
+            super().__init__(channel)
+            inner = self.Watch
+            self.Watch = lambda *a, **kw: SilenceableStream(inner(*a, **kw))
+
+    store.rpc_grpc.WatchStub = Stub
+
+    def trigger() -> None:
+        while not os.path.exists(os.path.join(marker_dir, "fault-0")):
+            time.sleep(0.02)
+        SilenceableStream.silenced_before = time.monotonic()
+
+    threading.Thread(target=trigger, daemon=True).start()
+
+
 def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
+    if args.self_init != "none":
+        self_init(args.self_init)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.leak_report:
         leak_report(args, rank, restarts)
@@ -203,8 +297,11 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
         ping = STATE.get("ping")
         if ping is not None:
             ping(step)
-    return {"rank": rank, "world": world, "step": step, "checksum": checksum(model), "restarts": restarts,
-            "first_after_restart": STATE["first_after_restart"], "step_times": times, "cpu_marks": cpu}
+    result = {"rank": rank, "world": world, "step": step, "checksum": checksum(model), "restarts": restarts,
+              "first_after_restart": STATE["first_after_restart"], "step_times": times, "cpu_marks": cpu}
+    if args.self_init == "destroy":
+        dist.destroy_process_group()
+    return result
 
 
 def write(args: argparse.Namespace, result: dict[str, Any] | None) -> None:
@@ -244,12 +341,34 @@ def main() -> int:
         return 0
 
     import stalwart
-    from stalwart.restart import InitProcessGroup, RankAssignment
+    from stalwart.restart import FinalizeCallback, InitProcessGroup, IterationContext, RankAssignment
+
+    injected = int(os.environ.get("RANK", "0")) == args.fault_rank
+
+    class StallingInit(InitProcessGroup):
+        def __call__(self, ctx: IterationContext) -> None:
+            if args.init_stall and injected and once(args, "init-stall"):
+                while True:  # busy in Python: progress, but the group is never reached
+                    time.sleep(0.05)
+            super().__call__(ctx)
+
+    class SlowAssignment(RankAssignment):
+        def assign(self, *a: Any, **kw: Any) -> Any:
+            time.sleep(args.slow_assignment)
+            return super().assign(*a, **kw)
+
+    def finalize(ctx: IterationContext) -> None:
+        if args.finalize_hang and injected:
+            time.sleep(3600)  # blocked: no progress, no exit
+
+    if args.silence_slot is not None and int(os.environ.get("RANK", "0")) == args.silence_slot:
+        silence_watches_at_fault(args.marker_dir)
 
     @stalwart.restartable(max_restarts=args.max_restarts, soft_timeout=args.soft_timeout,
                           hard_timeout=args.soft_timeout * 2, barrier_timeout=args.barrier_timeout,
-                          initialize=InitProcessGroup(args.backend, timeout=args.timeout),
-                          rank_assignment=RankAssignment(min_world_size=args.min_world))
+                          initialize=StallingInit(args.backend, timeout=args.timeout),
+                          finalize=FinalizeCallback(finalize),
+                          rank_assignment=SlowAssignment(min_world_size=args.min_world))
     def run(call_wrapper: stalwart.CallWrapper) -> dict[str, Any]:
         STATE["ping"] = lambda s: call_wrapper.ping(step=s)
         return train(args, call_wrapper.iteration)

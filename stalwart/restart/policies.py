@@ -195,6 +195,11 @@ def build_default_group(ctx: IterationContext, args: GroupArgs, init: Callable[.
     ctx.extra["backend"] = args.backend
     ctx.extra.pop("nccl_aborted", None)
     store = ctx.store if ctx.builds == 0 else distributed_c10d.PrefixStore(f"group-{ctx.builds}/", ctx.store)
+    if not distributed_c10d.is_initialized():
+        # torch names the default group after a counter that destroy_process_group() resets; an earlier
+        # init that failed left it raised, and the ranks would then look for each other under different names
+        # (each waiting for keys the others never write). Reset it as destroy_process_group() does.
+        distributed_c10d._world.group_count = 0
     ctx.builds += 1
     (init or distributed_c10d.init_process_group)(
         args.backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
