@@ -43,21 +43,24 @@ __all__ = [
 ]
 
 FaultKind = Literal["exception", "soft_timeout", "peer_lost", "unhealthy", "barrier_timeout",
-                    "completion_timeout", "process_died", "hard_timeout", "stopped", "init_timeout"]
+                    "completion_timeout", "process_died", "hard_timeout", "stopped", "init_timeout",
+                    "non_retryable"]
 """What a fault record says happened. ``exception``: the training function raised (``exception`` and
-``message`` say what). ``soft_timeout``: the process's main thread made no progress for the soft timeout.
-``hard_timeout``: its agent killed it after the hard timeout; ``stopped``: its agent found it stopped
-(SIGSTOP) past the soft timeout and killed it; ``process_died``: it exited or was killed during the iteration
-(recorded by its agent, or by its respawned successor). ``init_timeout``: the iteration's process group was
-not built within its deadline. ``peer_lost``: a peer's heartbeat lease ended; ``completion_timeout``: not every
-rank returned in time; ``barrier_timeout``, ``unhealthy``: as named. The first five are seen at the faulty
-process itself (or by its agent); the others are symptoms a peer observes."""
+``message`` say what); ``non_retryable``: it raised :class:`stalwart.NonRetryable` (every process of the
+job then gives up: no restart can help). ``soft_timeout``: the process's main thread made no progress for
+the soft timeout. ``hard_timeout``: its agent killed it after the hard timeout; ``stopped``: its agent found
+it stopped (SIGSTOP) past the soft timeout and killed it; ``process_died``: it exited or was killed during the
+iteration (recorded by its agent, or by its respawned successor). ``init_timeout``: the iteration's process
+group was not built within its deadline. ``peer_lost``: a peer's heartbeat lease ended;
+``completion_timeout``: not every rank returned in time; ``barrier_timeout``, ``unhealthy``: as named. The
+kinds in :data:`DIRECT_KINDS` are seen at the faulty process itself (or by its agent); the others are
+symptoms a peer observes."""
 
 #: Kinds observed at the faulty process (or by its agent): when an iteration has records of both sorts, the
 #: earliest of these is its cause (a peer's symptom, e.g. its own soft timeout while it waited in a collective
 #: for a stopped rank, is not).
 DIRECT_KINDS: frozenset[str] = frozenset({"exception", "hard_timeout", "stopped", "process_died", "unhealthy",
-                                          "init_timeout"})
+                                          "init_timeout", "non_retryable"})
 
 _REASON = 2048
 

@@ -155,6 +155,7 @@ class _Session:
                 if outcome == "done":
                     self.monitor.update_status(state="done")
                     return None
+                self._take_cause(iteration)
                 iteration += 1
                 continue
             done = self._run_iteration(fn, args, kwargs, inject, iteration=iteration, rank=rank,
@@ -356,7 +357,7 @@ class _Session:
         except NonRetryable as e:
             self.interrupter.leave_user_code()
             self.monitor.end()
-            self._report(iteration, rank, "exception", f"non-retryable: {e!r}", e)
+            self._report(iteration, rank, "non_retryable", f"non-retryable: {e!r}", e)
             self._abort(ctx)
             raise RestartExit(ExitCode.NON_RETRYABLE, f"{exception_name(e)}: {e}") from e
         except (RestartInterrupt, Exception) as e:
@@ -385,11 +386,20 @@ class _Session:
             self._abort(ctx)
             release_frames(fault)
         # The iteration's cause, as every process will see it (this process's error may be a consequence).
-        cause = self.coord.view().cause(iteration)
-        if cause is not None:
-            self.last_cause = cause
-            self.monitor.update_status(last_failure=failure_info(cause))
+        self._take_cause(iteration)
         return None
+
+    def _take_cause(self, iteration: int) -> None:
+        """Note the cause of the interrupted ``iteration`` (for the status and the exit reason); when it is a
+        NonRetryable raised elsewhere, this process gives up too: no restart can help."""
+        cause = self.coord.view().cause(iteration)
+        if cause is None:
+            return
+        self.last_cause = cause
+        self.monitor.update_status(last_failure=failure_info(cause))
+        if cause.kind == "non_retryable":
+            self.monitor.update_status(state="failed")
+            raise RestartExit(ExitCode.NON_RETRYABLE, describe(cause))
 
     def _on_fault(self, ctx: IterationContext, fault: BaseException) -> None:
         """Report ``fault`` unless the iteration was interrupted, or it followed another process's fault."""
