@@ -257,8 +257,15 @@ class Agent:
             self._publish("succeeded", force=True)
         else:
             log.error("%s: giving up: %s", self._ctx, reason)
-            self._note_failure(None, reason)
             self._stop_all(grace=self.options.term_grace)
+            for p in self.procs.values():  # the ranks' last word (each wrote it before exiting)
+                p.status_read = 0.0
+                self._read_status(p)
+            # Ranks that gave up (restarts exhausted, non-retryable) recorded the failure behind it, with the
+            # exception: that is the job's last failure, not "exited 90".
+            if code not in (ExitCode.RESTARTS_EXHAUSTED, ExitCode.NON_RETRYABLE) \
+                    or not any(st.last_failure for st in self.progress.statuses.values()):
+                self._note_failure(None, reason)
             self._publish("failed", force=True)
         return code
 
