@@ -22,7 +22,7 @@ from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTime
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinationTimeout", "Coordinator", "EpochView", "IterationOutcome", "record_fault"]
+__all__ = ["CoordinationTimeout", "Coordinator", "EpochView", "IterationOutcome", "barrier_complete", "record_fault"]
 
 
 class CoordinationTimeout(Exception):
@@ -56,6 +56,25 @@ class EpochView:
 
 
 IterationOutcome = str  # "done" | "fault"
+
+
+def barrier_complete(view: EpochView, iteration: int, slots: int) -> bool:
+    """Whether every slot the barrier of ``iteration`` waits for has arrived. Pure.
+
+    A slot that took no part in the last iteration and has no live process is not waited for again.
+    Arrivals are bound to their process's lease and vanish with it, so the last seal (which is not) also
+    says who took part: a process cut off from etcd for a moment is waited for, and comes back with a new
+    lease, instead of being dropped from the world.
+    """
+    expected = set(range(slots))
+    previous = view.arrivals.get(iteration - 1)
+    if previous is not None:
+        took_part = set(previous)
+        last_seal = view.seals.get(iteration - 1)
+        if last_seal is not None:
+            took_part |= {int(s) for s in last_seal.ranks} | set(last_seal.inactive)
+        expected -= {s for s in expected if s not in took_part and s not in view.alive}
+    return expected <= set(view.arrivals.get(iteration, {}))
 
 
 def fault_key(keys: JobKeys, epoch: int, iteration: int, slot: int) -> str:

@@ -41,7 +41,7 @@ from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ArrivalRecord, FaultKind, FaultRecord, SealRecord, failure_info
 from stalwart.restart.assignment import Candidate, WorldTooSmall, initial_ranks
 from stalwart.restart.config import RestartConfig
-from stalwart.restart.coordination import CoordinationTimeout, Coordinator, EpochView
+from stalwart.restart.coordination import CoordinationTimeout, Coordinator, EpochView, barrier_complete
 from stalwart.restart.environment import RankEnvironment
 from stalwart.restart.errors import NonRetryable, RestartExit, describe, exception_name, release_frames
 from stalwart.restart.interrupt import Interrupter, RestartInterrupt
@@ -215,21 +215,7 @@ class _Session:
         deadline = time.monotonic() + wait
 
         def ready(view: EpochView) -> object:
-            if iteration in view.seals:
-                return view.seals[iteration]
-            expected = set(range(self.env.slots))
-            previous = view.arrivals.get(iteration - 1)
-            if previous is not None:
-                # A slot that took no part in the last iteration and has no live process is not waited for
-                # again. Arrivals are bound to their process's lease and vanish with it, so the last seal
-                # (which is not) also says who took part: a process cut off from etcd for a moment is waited
-                # for, and comes back with a new lease, instead of being dropped from the world.
-                took_part = set(previous)
-                last_seal = view.seals.get(iteration - 1)
-                if last_seal is not None:
-                    took_part |= {int(s) for s in last_seal.ranks} | set(last_seal.inactive)
-                expected -= {s for s in expected if s not in took_part and s not in view.alive}
-            return expected <= set(view.arrivals.get(iteration, {}))
+            return view.seals.get(iteration) or barrier_complete(view, iteration, self.env.slots)
 
         timed_out = False
         try:
