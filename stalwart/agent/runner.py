@@ -76,7 +76,7 @@ class _Proc:
     slot: int
     popen: subprocess.Popen[bytes]
     status_file: Path
-    killed_hung: bool = False
+    killed_hung: str = ""  # why the agent killed it (hung past the hard timeout, stopped), "" when it did not
     exit_code: int | None = None
     status_read: float = 0.0
     done_since: float | None = None  # when its status first said "done" (the function returned)
@@ -322,7 +322,7 @@ class Agent:
 
     def _respawn(self, info: RoundInfo, local_rank: int, code: int, reason: str) -> None:
         old = self.procs[local_rank]
-        why = "hard timeout" if old.killed_hung else reason
+        why = old.killed_hung or reason
         if not old.killed_hung:
             self._record_fault(old, "process_died", f"the process exited {code}" if code >= 0
                                else f"the process was killed by signal {-code}")
@@ -340,7 +340,7 @@ class Agent:
             else:
                 log.warning("%s: local rank %d (pid %d) made no progress within its hard timeout: killing it",
                             self._ctx, local_rank, p.popen.pid)
-            p.killed_hung = True
+            p.killed_hung = "stopped past the soft timeout" if fault == "stopped" else "hard timeout"
             with contextlib.suppress(ProcessLookupError):
                 p.popen.kill()
             self._record_fault(p, fault, reason)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from restart_helpers import expected_checksum, new_job, run_ranks
+from restart_helpers import expected_checksum, new_job, restart_records, run_ranks
 
 from stalwart.api.exit_codes import ExitCode
 from stalwart.local.etcd import EtcdServer
@@ -48,8 +48,15 @@ def test_fault_in_the_first_iteration_before_any_step(etcd: EtcdServer, tmp_path
 
 
 def test_hang_past_the_soft_timeout(etcd: EtcdServer, tmp_path: Path, reference: float) -> None:
+    # Rank 1 blocks in a sleep (no Python runs on its main thread), and rank 0 then in its collective: the
+    # first monitor to see no progress records the hang within the soft timeout + 1 s and both restart.
     run = run_ranks(etcd, tmp_path, *STEPS, "--fault", "hang", "--fault-step", "3", "--soft-timeout", "3")
     assert_recovered(run.codes, run.results, reference)
+    hung = float((tmp_path / "fault-0").read_text())
+    faults = [f for key, f in restart_records(etcd, run.keys, "fault").items() if key.startswith("0/")]
+    first = min(faults, key=lambda f: f["time"])
+    assert first["kind"] == "soft_timeout"
+    assert first["time"] - hung <= 3 + 1
 
 
 def test_second_fault_during_the_restart(etcd: EtcdServer, tmp_path: Path, reference: float) -> None:
