@@ -226,21 +226,26 @@ class AbortProcessGroup(Abort):
 
 
 @contextlib.contextmanager
-def group_released_last() -> Iterator[None]:
+def group_released_last(*, collect: bool = False) -> Iterator[None]:
     """Hold the default process group while the block drops the rest (the group's destruction, DDP, the
-    frames of a failed iteration), collect garbage, then drop the group: last, from its Python object.
+    frames of a failed iteration), then drop the group: last, from its Python object.
 
     torch destroys a process group from its Python object with the GIL released, but from DDP's reducer with
-    the GIL held; a gloo worker thread that still holds a work object needs the GIL to drop it, and the
-    group's destructor joins that thread. Held last, the group goes the first way: no deadlock, and no abort
-    at interpreter exit ("terminate called without an active exception") from a worker thread outliving it.
+    the GIL held; a gloo worker thread that is still dropping a work object of the last collective needs the
+    GIL for it, and the group's destructor joins that thread: deadlock. Held here, the group outlives the
+    reducer and goes the first way. (DDP kept alive in a reference cycle keeps the group until the garbage
+    collector runs, by which time its threads are idle.) ``collect`` runs the collector first, so that such a
+    group goes now too: at the end of a job, where a group left for the interpreter's exit would meet its
+    worker thread still busy ("terminate called without an active exception"). It costs about 0.2 s with
+    torch loaded, too much for every restart.
     """
     import torch.distributed as dist
 
     group = dist.group.WORLD
     try:
         yield
-        gc.collect()
+        if collect:
+            gc.collect()
     finally:
         del group
 

@@ -424,7 +424,7 @@ class _Session:
 
         # DDP keeps the group in reference cycles: the group is destroyed here, before the function returns
         # to the script, and its worker threads joined (see group_released_last).
-        with group_released_last():
+        with group_released_last(collect=True):
             if dist.is_initialized():
                 dist.destroy_process_group()
 
