@@ -348,7 +348,8 @@ class Agent:
     def _record_fault(self, p: _Proc, kind: FaultKind, reason: str) -> None:
         """Record the fault of a wrapped rank process that cannot: in the iteration it was running (or arriving
         at), so that its peers are interrupted now and the fault names it."""
-        st = self.progress.statuses.get(p.local_rank)
+        p.status_read = 0.0  # its last word, not the one read up to status_interval ago
+        st = self._read_status(p)
         info = self.info
         if st is None or info is None or st.state not in ("running", "barrier"):
             return

@@ -81,10 +81,12 @@ def fault_key(keys: JobKeys, epoch: int, iteration: int, slot: int) -> str:
     return f"{keys.restart}{epoch}/fault/{iteration}/{slot}"
 
 
-def record_fault(store: Store, keys: JobKeys, epoch: int, rec: FaultRecord) -> None:
-    """Publish ``rec`` as the fault of slot ``rec.slot`` in its iteration, fenced by ``epoch``: what an agent
-    does for a rank process it found dead, stopped or hung (the process cannot say it itself)."""
-    Fence(store, keys, epoch).put(fault_key(keys, epoch, rec.iteration, rec.slot), rec.to_json_bytes())
+def record_fault(store: Store, keys: JobKeys, epoch: int, rec: FaultRecord) -> bool:
+    """Publish ``rec`` as the fault of slot ``rec.slot`` in its iteration, fenced by ``epoch``, unless that slot
+    recorded one there already (which says more: e.g. the exception before the process died): what an agent
+    does for a rank process it found dead, stopped or hung. Returns whether it was written."""
+    key = fault_key(keys, epoch, rec.iteration, rec.slot)
+    return Fence(store, keys, epoch).txn([Compare(key, "create", "==", 0)], [Put(key, rec.to_json_bytes())]).succeeded
 
 
 T = TypeVar("T")
