@@ -10,12 +10,12 @@ has none).
 Faults are injected once (a marker file records that it happened): ``--fault exception|sigkill|sigstop|hang``
 in rank ``--fault-rank`` at step ``--fault-step``. Stalls for the tests of bounded waits: ``--finalize-hang``
 (after its fault, the rank hangs in its Finalize policy), ``--init-stall`` (in the first iteration the rank
-never reaches its process group: a Python loop in its Initialize policy), ``--silence-watches-after S``
-(the etcd watch streams open in slot ``--silence-slot``'s process stop delivering when the fault is injected:
-fault injection on top of the real etcd). ``--self-init STYLE`` makes the training function call
-``init_process_group`` itself, as a script written for torchrun does. Each rank writes a JSON line to
-``--out`` at the end: its final step, a checksum of the parameters, its restarts, and timing marks for the
-benchmark.
+never reaches its process group: a Python loop in its Initialize policy), ``--silence-slot N`` (every etcd
+watch stream of slot N's process delivers nothing: a stuck watcher, injected on top of the real etcd; the
+process sees changes only by reading again, once it notices the silence). ``--self-init STYLE`` makes the
+training function call ``init_process_group`` itself, as a script written for torchrun does. Each rank
+writes a JSON line to ``--out`` at the end: its final step, a checksum of the parameters, its restarts, and
+timing marks for the benchmark.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slow-assignment", type=float, default=0.0,
                    help="seconds the rank assignment takes (widens the moment between a seal and the run)")
     p.add_argument("--silence-slot", type=int, default=None,
-                   help="the etcd watches open in this slot's process go silent when the fault is injected")
+                   help="every etcd watch of this slot's process delivers nothing")
     p.add_argument("--self-init", choices=["none", "bare", "env", "timeout", "destroy", "bad-world"],
                    default="none",
                    help="the function calls init_process_group itself: ('gloo'), (init_method='env://'), "
@@ -192,33 +192,28 @@ def self_init(style: str) -> None:
                                 rank=int(os.environ["RANK"]))
 
 
-class SilenceableStream:
-    """A watch's response stream that drops everything once silenced (a stuck etcd watcher)."""
-
-    silenced_before: float = float("inf")  # streams opened before this time go silent from then on
+class SilentStream:
+    """A watch's response stream that delivers nothing (a stuck etcd watcher); its creation is let through,
+    so that the watch opens."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.opened = time.monotonic()
 
-    def __iter__(self) -> SilenceableStream:
+    def __iter__(self) -> SilentStream:
         return self
 
     def __next__(self) -> Any:
         while True:
             resp = next(self.inner)
-            if not (self.opened < SilenceableStream.silenced_before <= time.monotonic()):
+            if resp.created and not resp.events:
                 return resp
 
     def cancel(self) -> None:
         self.inner.cancel()
 
 
-def silence_watches_at_fault(marker_dir: str) -> None:
-    """Fault injection on top of the real etcd: the watch streams open when the fault is injected (its marker
-    file appears) stop delivering."""
-    import threading
-
+def silence_watches() -> None:
+    """Fault injection on top of the real etcd: every watch stream of this process delivers nothing."""
     from stalwart import store
 
     base = store.rpc_grpc.WatchStub
@@ -227,16 +222,9 @@ def silence_watches_at_fault(marker_dir: str) -> None:
         def __init__(self, channel: Any) -> None:
             super().__init__(channel)
             inner = self.Watch
-            self.Watch = lambda *a, **kw: SilenceableStream(inner(*a, **kw))
+            self.Watch = lambda *a, **kw: SilentStream(inner(*a, **kw))
 
     store.rpc_grpc.WatchStub = Stub
-
-    def trigger() -> None:
-        while not os.path.exists(os.path.join(marker_dir, "fault-0")):
-            time.sleep(0.02)
-        SilenceableStream.silenced_before = time.monotonic()
-
-    threading.Thread(target=trigger, daemon=True).start()
 
 
 def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
@@ -362,7 +350,7 @@ def main() -> int:
             time.sleep(3600)  # blocked: no progress, no exit
 
     if args.silence_slot is not None and int(os.environ.get("RANK", "0")) == args.silence_slot:
-        silence_watches_at_fault(args.marker_dir)
+        silence_watches()
 
     @stalwart.restartable(max_restarts=args.max_restarts, soft_timeout=args.soft_timeout,
                           hard_timeout=args.soft_timeout * 2, barrier_timeout=args.barrier_timeout,

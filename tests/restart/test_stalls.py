@@ -27,10 +27,10 @@ def test_a_peer_that_never_arrives_is_sealed_out_at_the_barrier_deadline(etcd: E
 
 
 def test_a_silent_watch_is_noticed_and_the_spare_still_arrives(etcd: EtcdServer, tmp_path: Path) -> None:
-    # Slot 2 waits as an in-process spare on an etcd watch. When rank 1 raises, every watch open in slot 2's
-    # process stops delivering (injected on top of the real etcd stream: a stuck watcher). The spare must
-    # still learn of the fault and arrive at the next barrier before it times out (60 s): a silent watch is
-    # noticed within WATCH_IDLE_CHECK + the etcd timeout (15 s), then read again and re-opened.
+    # Slot 2 waits as an in-process spare on etcd watches, and none of them delivers anything (injected on top
+    # of the real etcd streams: a stuck watcher). When rank 1 raises, the spare must still learn of the fault
+    # and arrive at the next barrier before it times out (60 s): a silent watch is noticed within
+    # WATCH_IDLE_CHECK + the etcd timeout (15 s), and the wait reads again.
     run = run_ranks(etcd, tmp_path, "--steps", "8", "--fault", "exception", "--fault-step", "4",
                     "--silence-slot", "2", "--barrier-timeout", "60", slots=3, target=2)
     assert run.codes == [0, 0, 0], run.stderr
