@@ -88,6 +88,8 @@ class IterationContext:
     built: GroupArgs | None = None
     #: Groups built in this iteration so far (each from a fresh scope of ``store``).
     builds: int = 0
+    #: Groups the training function destroyed: held until its frames are gone (see group_released_last).
+    retired: list[Any] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -226,9 +228,10 @@ class AbortProcessGroup(Abort):
 
 
 @contextlib.contextmanager
-def group_released_last(*, collect: bool = False) -> Iterator[None]:
+def group_released_last(retired: list[Any] | None = None, *, collect: bool = False) -> Iterator[None]:
     """Hold the default process group while the block drops the rest (the group's destruction, DDP, the
-    frames of a failed iteration), then drop the group: last, from its Python object.
+    frames of a failed iteration), then drop the group, and the ``retired`` ones the training function
+    destroyed itself (held since): last, from their Python objects.
 
     torch destroys a process group from its Python object with the GIL released, but from DDP's reducer with
     the GIL held; a gloo worker thread that is still dropping a work object of the last collective needs the
@@ -248,6 +251,8 @@ def group_released_last(*, collect: bool = False) -> Iterator[None]:
             gc.collect()
     finally:
         del group
+        if retired is not None:
+            retired.clear()
 
 
 def free_blocked_peers(ctx: IterationContext) -> int:

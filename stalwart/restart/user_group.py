@@ -18,8 +18,11 @@ the function's module bound it to with ``from torch.distributed import init_proc
   fails the job (a restart cannot change the call).
 
 ``init_method`` (``env://``, ``tcp://...``) and ``store`` are not used: a group always bootstraps from the
-iteration's etcd Store. ``destroy_process_group`` needs no stand-in: the wrapper does not tear down a group
-the function destroyed itself.
+iteration's etcd Store. ``destroy_process_group`` destroys the group as usual; the stand-in only keeps the
+group's Python object until the function's frames are gone, so that DDP, dropped with them, does not destroy
+the group while holding the GIL (a deadlock with a gloo thread still dropping its last work object: see
+:func:`~stalwart.restart.policies.group_released_last`). The wrapper does not tear down a group the function
+destroyed itself.
 """
 
 from __future__ import annotations
@@ -131,32 +134,47 @@ class InitStandIn:
         self.deadline = deadline
         self.fn_globals = fn_globals
         self.original: Callable[..., None] = distributed_c10d.init_process_group
+        self.original_destroy: Callable[..., None] = distributed_c10d.destroy_process_group
         self.signature = inspect.signature(self.original)
-        self._replaced: list[tuple[Any, str]] = []
+        self._replaced: list[tuple[Any, str, Any]] = []
         self._said = False
 
     def install(self) -> None:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
-        targets: list[Any] = [distributed_c10d, dist]
-        for target in targets:
-            if getattr(target, "init_process_group", None) is self.original:
-                self._replaced.append((target, "init_process_group"))
-                target.init_process_group = self
+        stand_ins: dict[str, tuple[Any, Any]] = {"init_process_group": (self.original, self),
+                                                 "destroy_process_group": (self.original_destroy, self.destroy)}
+        for target in (distributed_c10d, dist):
+            for name, (original, stand_in) in stand_ins.items():
+                if getattr(target, name, None) is original:
+                    self._replaced.append((target, name, original))
+                    setattr(target, name, stand_in)
         if self.fn_globals is not None:
+            by_original = {id(original): stand_in for original, stand_in in stand_ins.values()}
             for name, value in list(self.fn_globals.items()):
-                if value is self.original:
-                    self._replaced.append((self.fn_globals, name))
-                    self.fn_globals[name] = self
+                if id(value) in by_original:
+                    self._replaced.append((self.fn_globals, name, value))
+                    self.fn_globals[name] = by_original[id(value)]
 
     def restore(self) -> None:
         while self._replaced:
-            target, name = self._replaced.pop()
+            target, name, original = self._replaced.pop()
             if isinstance(target, dict):
-                target[name] = self.original
+                target[name] = original
             else:
-                setattr(target, name, self.original)
+                setattr(target, name, original)
+
+    def destroy(self, group: Any = None) -> None:
+        """``destroy_process_group`` as the training function calls it; the default group's Python object is
+        kept (in the iteration context) until the wrapper drops it, after the function's frames."""
+        import torch.distributed as dist
+
+        if group is None or group is dist.group.WORLD:
+            default = dist.group.WORLD
+            if default is not None:
+                self.ctx.retired.append(default)
+        self.original_destroy(group)
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         from torch.distributed import distributed_c10d

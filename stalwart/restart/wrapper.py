@@ -368,7 +368,7 @@ class _Session:
         ctx.fault = fault
         self._on_fault(ctx, fault)
         self.monitor.update_status(state="restarting")
-        with group_released_last():
+        with group_released_last(ctx.retired):
             self._abort(ctx)
             release_frames(fault)
         # The iteration's cause, as every process will see it (this process's error may be a consequence).
@@ -424,7 +424,7 @@ class _Session:
 
         # DDP keeps the group in reference cycles: the group is destroyed here, before the function returns
         # to the script, and its worker threads joined (see group_released_last).
-        with group_released_last(collect=True):
+        with group_released_last(ctx.retired, collect=True):
             if dist.is_initialized():
                 dist.destroy_process_group()
 
