@@ -61,6 +61,7 @@ from stalwart.api.rendezvous import (
     RerendezvousRequest,
 )
 from stalwart.keys import JobKeys
+from stalwart.outage import Outage
 from stalwart.store import Compare, Get, Put, Store, StoreError, StoreUnavailable, WatchEvent
 
 if TYPE_CHECKING:
@@ -162,6 +163,7 @@ class Rendezvous:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: StoreError | None = None
+        self._outage = Outage(f"etcd (rendezvous watch {self.prefix})", logger=log)
 
     # -- public -----------------------------------------------------------------------------------------
 
@@ -247,6 +249,7 @@ class Rendezvous:
                 self._feed(Reloaded(view, time.monotonic()))
                 self._loaded.set()
                 self.last_error = None
+                self._outage.ok()
                 backoff = 0.1
                 while not self._stop.is_set():
                     now = time.monotonic()
@@ -269,7 +272,7 @@ class Rendezvous:
                 if self._stop.is_set():
                     break
                 self.last_error = e
-                log.warning("rendezvous %s: watch failed, re-reading in %.2fs: %s", self.prefix, backoff, e)
+                self._outage.failed(e)  # logs once per outage
                 self._wake_handles(all_=True)
                 self._stop.wait(backoff * (0.5 + random.random()))
                 backoff = min(2.0, backoff * 2)
@@ -302,7 +305,8 @@ class Rendezvous:
             res = self.store.txn(
                 [Compare(key, "mod", "==", seal.over_epoch),
                  Compare(self.prefix + CLOSED, "create", "==", 0),
-                 Compare(self.prefix + NODES + seal.sealer, "create", "==", seal.sealer_revision)],
+                 Compare(self.prefix + NODES + seal.sealer, "create", "==", seal.sealer_revision),
+                 Compare(self.prefix + NODES, "create", "<", seal.view_revision + 1, prefix=True)],
                 [Put(key, value)])
         except (StoreError, ValueError) as e:
             log.warning("rendezvous %s: sealing round %d failed: %s", self.prefix, seal.manifest.round, e)
@@ -408,7 +412,7 @@ class NodeHandle:
             except StoreUnavailable as e:
                 if time.monotonic() + backoff >= deadline:
                     raise RendezvousTimeout(f"node {self.node_id}: etcd unreachable while joining: {e}") from e
-                log.warning("node %s: etcd unreachable while joining, retrying: %s", self.node_id, e)
+                self.rdzv._outage.failed(f"node {self.node_id} joining: {e}")  # logs once per outage
                 time.sleep(backoff * (0.5 + random.random()))
                 backoff = min(2.0, backoff * 2)
 
