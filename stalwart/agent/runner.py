@@ -32,7 +32,14 @@ from pathlib import Path
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.progress import NodeState, ProgressReporter
-from stalwart.agent.rendezvous import NodeHandle, Rendezvous, RendezvousClosed, RendezvousSettings, RoundInfo
+from stalwart.agent.rendezvous import (
+    NodeHandle,
+    Rendezvous,
+    RendezvousCancelled,
+    RendezvousClosed,
+    RendezvousSettings,
+    RoundInfo,
+)
 from stalwart.agent.settings import AgentSettings
 from stalwart.agent.supervision import ProcView, supervise
 from stalwart.api.exit_codes import ExitCode
@@ -143,13 +150,16 @@ class Agent:
     # -- signals ------------------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """Forward a stop request (SIGTERM): the ranks get SIGTERM, then SIGKILL after ``term_grace``."""
+        """Forward a stop request (SIGTERM): the ranks get SIGTERM, then SIGKILL after ``term_grace``; a join
+        or wait of the rendezvous returns at once."""
         self._terminate.set()
+        self.handle.cancel()
 
     def install_signal_handlers(self) -> None:
         def on_term(signum: int, _frame: object) -> None:
             log.info("%s: signal %d: stopping the rank processes", self._ctx, signum)
-            self.request_stop()
+            # From a thread: the main thread may hold the lock of the very event a stop request sets.
+            threading.Thread(target=self.request_stop, name="stalwart-stop", daemon=True).start()
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
@@ -177,14 +187,17 @@ class Agent:
             except RendezvousClosed:
                 log.info("%s: the rendezvous is closed; nothing left to run", self._ctx)
                 return int(ExitCode.OK)
+            except RendezvousCancelled:
+                break
             self.info = info
             self.job = self._read_job()
             log.info("%s: round %d (epoch %d) as %s, world size %d", self._ctx, info.round, info.epoch, info.role,
                      info.world_size)
             if info.role == "waiting" or (info.role == "spare" and not self.options.spare_ranks):
                 self._publish("joining", force=True)
-                while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
-                    pass
+                with contextlib.suppress(RendezvousCancelled):
+                    while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
+                        pass
                 continue
             self.reporter.book = book_.joined(self.reporter.book, info.round, info.epoch)
             self.reporter.world_size = info.world_size
@@ -254,9 +267,10 @@ class Agent:
 
     def _wait_round_end(self) -> None:
         deadline = time.monotonic() + 3 * self.options.node_ttl
-        while time.monotonic() < deadline and not self._terminate.is_set():
-            if self.handle.wait_round_end(0.5) is not None:
-                return
+        with contextlib.suppress(RendezvousCancelled):
+            while time.monotonic() < deadline and not self._terminate.is_set():
+                if self.handle.wait_round_end(0.5) is not None:
+                    return
 
     def _finish(self, code: int, reason: str, local_ranks: Sequence[int] = ()) -> int:
         if code == 0:
