@@ -24,7 +24,7 @@ def _join_in_thread(h: object) -> tuple[threading.Thread, list[BaseException]]:
     def go() -> None:
         try:
             h.join()  # type: ignore[attr-defined]
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
+        except BaseException as e:
             errors.append(e)
 
     t = threading.Thread(target=go, daemon=True)
