@@ -140,7 +140,9 @@ def test_a_partitioned_node_pauses_its_processes_and_they_act_again_when_it_retu
               f"out = pathlib.Path({str(tmp_path)!r}) / sys.argv[1]\n"
               "def term(*_):\n    (out.parent / (out.name + '.term')).write_text('yes'); sys.exit(0)\n"
               "signal.signal(signal.SIGTERM, term)\nn = 0\n"
-              "while True:\n    n += 1; out.write_text(str(n)); time.sleep(0.05)\n")
+              "tmp = out.with_suffix('.tmp')\n"
+              # Replaced atomically: a process paused halfway through a write must not leave the file empty.
+              "while True:\n    n += 1; tmp.write_text(str(n)); tmp.replace(out); time.sleep(0.05)\n")
     for name in ("zombie", "graceful"):
         body = pod_body(name, victim, script)
         body["spec"]["containers"][0]["command"] += [name]
