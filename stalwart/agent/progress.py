@@ -164,6 +164,10 @@ def _stepped_iteration(p: ProcView, since: dict[tuple[int, int, int], float], no
         return 0 if ran else None
     if st.first_step is not None and st.state in _STEPPED_STATES:
         return st.iteration
+    if st.state == "done" and st.pid == p.pid:
+        # The training function returned in this iteration: it completed its work, steps reported or not (a
+        # script that never pings shows no steps, and a short iteration may end before the grace below).
+        return st.iteration
     if st.state == "running" and st.step is None:
         first = since.get((p.local_rank, p.pid, st.iteration))
         if first is not None and now - first >= NO_STEP_GRACE:

@@ -275,6 +275,9 @@ class Agent:
     def _finish(self, code: int, reason: str, local_ranks: Sequence[int] = ()) -> int:
         if code == 0:
             log.info("%s: %s", self._ctx, reason)
+            for p in self.procs.values():  # the ranks' last word: each returned in its last iteration
+                p.status_read = 0.0
+                self._read_status(p)
             with contextlib.suppress(Exception):
                 self.rdzv.close("job succeeded")
             self._publish("succeeded", force=True)

@@ -62,7 +62,12 @@ def stepped(b: ProgressBook) -> int | None:
     # A script without the restart wrapper (no status file) counts once it ran for the grace period.
     ([proc(None)], NO_STEP_GRACE - 1, None),
     ([proc(None)], NO_STEP_GRACE + 1, 0),
-], ids=["started", "first-step", "iteration-2", "restarting", "barrier", "bare-early", "bare-later"])
+    # A script that never pings returned from its training function in iteration 1: that iteration ran.
+    ([proc(status(state="done", iteration=1))], 1.0, 1),
+    # ... but a status left by an earlier process of the slot says nothing of this one.
+    ([proc(status(state="done", iteration=1, pid=99))], 1.0, None),
+], ids=["started", "first-step", "iteration-2", "restarting", "barrier", "bare-early", "bare-later", "done",
+        "done-other-process"])
 def test_stepped_iteration(procs: list[ProcView], now: float, expected: int | None) -> None:
     assert stepped(observed(book(), procs, now=now, wall=WALL)) == expected
 
