@@ -38,6 +38,7 @@ __all__ = [
     "fact_of_record",
     "rank_facts",
     "reason_of_kind",
+    "short_type",
     "signal_name",
     "split_exception",
 ]
@@ -104,6 +105,12 @@ def split_exception(text: str) -> tuple[str | None, str]:
     return m.group("type").rsplit(".", 1)[-1], message
 
 
+def short_type(name: str) -> str:
+    """``DrillFault`` for ``stalwart.restart.drill.DrillFault``: ``exceptionType`` names the type as its repr
+    does, whichever way a record spelt it."""
+    return name.rsplit(".", 1)[-1]
+
+
 def signal_name(number: int) -> str:
     """``SIGKILL`` for 9; ``signal 77`` for a number without a name."""
     try:
@@ -146,7 +153,7 @@ def rank_facts(faults: Sequence[tuple[int, FaultRecord]], round_: int, places: M
         reason = reason_of_kind(rec.kind)
         exception_type: str | None
         if rec.exception is not None:  # the rank said what it raised: no need to read it from the text
-            exception_type, message = rec.exception, rec.message or ""
+            exception_type, message = short_type(rec.exception), rec.message or ""
         elif rec.kind == "exception":
             exception_type, message = split_exception(rec.reason)
         else:

@@ -19,7 +19,7 @@ from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import FailureInfo, ProgressRecord
 from stalwart.api.spec import FailureReason
 from stalwart.api.status import FailureRecord
-from stalwart.operator.failures import reason_of_kind
+from stalwart.operator.failures import reason_of_kind, short_type
 
 __all__ = ["REASON_NON_RETRYABLE_RAISED", "REASON_RESTARTS_EXHAUSTED", "RankVerdict", "rank_verdict"]
 
@@ -67,5 +67,5 @@ def rank_verdict(pod: str, exit_code: int | None, progress: Iterable[ProgressRec
     return RankVerdict(reason, f"{what}; the last failure, {who}: {_what(last)}", FailureRecord(
         rank=last.rank, pod=last.pod or pod, reason=reason_of_kind(last.kind),
         message=((last.message or "") if last.exception else last.reason)[:32768] or None,
-        exception_type=last.exception, exit_code=exit_code, detected_by="Rank",
+        exception_type=short_type(last.exception) if last.exception else None, exit_code=exit_code, detected_by="Rank",
         round=round_ if last.iteration is not None else None, iteration=last.iteration, time=_time(last.time)))

@@ -53,8 +53,7 @@ def test_a_non_retryable_error_keeps_its_reason_and_names_the_exception() -> Non
     failed = condition(d.status, "Failed")
     assert failed is not None and failed.reason == "NonRetryableExit"
     assert d.status.last_failure is not None
-    assert (d.status.last_failure.exception_type, d.status.last_failure.message) == (
-        "stalwart.restart.errors.NonRetryable", "bad data")
+    assert (d.status.last_failure.exception_type, d.status.last_failure.message) == ("NonRetryable", "bad data")
     assert failed.message.endswith("stalwart.restart.errors.NonRetryable: bad data")
 
 
