@@ -42,7 +42,8 @@ class RestartConfig:
 
     * ``max_restarts``: in-process restarts allowed; one more fault exits ``RESTARTS_EXHAUSTED``.
     * ``soft_timeout``: seconds without progress of the main thread (or ``ping()``) after which the
-      iteration is interrupted and restarted (progress is sampled every ``monitor_interval``).
+      iteration is interrupted and restarted (progress is sampled every ``monitor_interval``); before the
+      iteration's first ``ping()``, ``barrier_timeout`` if longer.
     * ``hard_timeout``: seconds without progress after which the agent kills and respawns the process
       (must exceed ``soft_timeout``).
     * ``barrier_timeout``: how long an iteration barrier waits for missing processes before it seals

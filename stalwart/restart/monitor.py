@@ -93,14 +93,26 @@ class StatusFile:
             log.warning("cannot write status file %s: %s", self.path, e)
 
 
+def stall_limit(soft_timeout: float, startup_timeout: float, *, pinged: bool) -> float:
+    """Seconds without progress after which a running iteration counts as hung: the soft timeout once the
+    training code has pinged in this iteration, the longer startup allowance before."""
+    return soft_timeout if pinged else max(soft_timeout, startup_timeout)
+
+
 class Monitor:
     """One thread per rank process, for its whole life. ``begin``/``end`` bracket each iteration's run."""
 
     def __init__(self, coord: Coordinator, interrupter: Interrupter, *, soft_timeout: float,
-                 interval: float, status: StatusFile, watch_main_thread: bool) -> None:
+                 interval: float, status: StatusFile, watch_main_thread: bool,
+                 startup_timeout: float | None = None) -> None:
         self.coord = coord
         self.interrupter = interrupter
         self.soft_timeout = soft_timeout
+        # Until an iteration's first ping its ranks may wait in the group's first collectives (DDP's parameter
+        # broadcast) for a peer that is still starting: the main thread shows no progress there for as long as
+        # the slowest peer takes, which the barrier timeout bounds, not the soft timeout.
+        self.startup_timeout = max(soft_timeout, startup_timeout or soft_timeout)
+        self._pinged = False
         self.interval = interval
         self.status_file = status
         self._lock = threading.Lock()
@@ -142,6 +154,7 @@ class Monitor:
             self._running = True
             self._timed_out = False
             self._first_step = None
+            self._pinged = False
             self.last_progress = time.monotonic()
             seen = self._faults.get(iteration)
         if seen is not None and seen.slot != self.coord.slot:
@@ -156,6 +169,7 @@ class Monitor:
         """Progress from the training code: a few attribute writes, so that it may be called every step. The
         first step of an iteration is kept with its time: it is when training went on after a restart."""
         self.last_progress = time.monotonic()
+        self._pinged = True
         if step is not None:
             self._step = step
             self._step_time = time.time()
@@ -276,11 +290,13 @@ class Monitor:
                 self.last_progress = max(self.last_progress, answered)
         with self._lock:
             running, ctx, iteration = self._running, self._ctx, self._iteration
-            stalled = running and not self._timed_out and now - self.last_progress > self.soft_timeout
+            limit = stall_limit(self.soft_timeout, self.startup_timeout, pinged=self._pinged)
+            stalled = running and not self._timed_out and now - self.last_progress > limit
             if stalled:
                 self._timed_out = True
         if stalled and ctx is not None:
-            reason = f"no progress for {now - self.last_progress:.1f}s (soft timeout {self.soft_timeout}s)"
+            which = "soft timeout" if limit == self.soft_timeout else "startup timeout, before the first ping"
+            reason = f"no progress for {now - self.last_progress:.1f}s ({which} {limit}s)"
             log.warning("slot %d iteration %d: %s", self.coord.slot, iteration, reason)
             rec = FaultRecord(slot=self.coord.slot, rank=ctx.rank, node_id=self.coord.node_id,
                               iteration=iteration, kind="soft_timeout", reason=reason, time=time.time())

@@ -110,7 +110,7 @@ class _Session:
         main = threading.current_thread() is threading.main_thread()
         self.monitor = Monitor(self.coord, self.interrupter, soft_timeout=config.soft_timeout,
                                interval=config.monitor_interval, status=StatusFile(env.status_file),
-                               watch_main_thread=main)
+                               watch_main_thread=main, startup_timeout=config.barrier_timeout)
         self.monitor.update_status(soft_timeout=config.soft_timeout, hard_timeout=config.hard_timeout)
         drill.install(env.status_file, lambda: self.monitor.status.state == "running")
         self.keep_peers = [(h, int(p)) for h, _, p in (e.rpartition(":") for e in env.etcd_endpoints)]

@@ -7,6 +7,7 @@ import pytest
 
 from stalwart.api.restart import AliveRecord, ArrivalRecord, FaultRecord, SealRecord
 from stalwart.restart.coordination import EpochView, barrier_complete
+from stalwart.restart.monitor import stall_limit
 
 
 def arrivals(*slots: int) -> dict[int, ArrivalRecord]:
@@ -54,3 +55,12 @@ def test_the_cause_of_an_iteration(faults: list[tuple[int, FaultRecord]], cause:
     assert (found.slot if found is not None else None) == cause
     by_revision = [f.slot for _, f in sorted(faults, key=lambda rf: rf[0])]
     assert [f.slot for f in v.faults_of_others(0, 0)] == [s for s in by_revision if s != 0]
+
+
+@pytest.mark.parametrize(("soft", "startup", "pinged", "limit"), [
+    (5.0, 60.0, True, 5.0),    # training has stepped: the soft timeout
+    (5.0, 60.0, False, 60.0),  # still in the first collectives, a peer may be starting: the barrier's allowance
+    (90.0, 60.0, False, 90.0),  # never shorter than the soft timeout
+])
+def test_stall_limit(soft: float, startup: float, pinged: bool, limit: float) -> None:
+    assert stall_limit(soft, startup, pinged=pinged) == limit
