@@ -273,7 +273,7 @@ class DelayProxy:
     injection on top of the real emulator; both sides of the comparison go through it)."""
 
     def __init__(self, upstream: str, delay: float) -> None:
-        host, _, port = upstream.removeprefix("http://").partition(":")
+        host, _, port = upstream.removeprefix("https://").removeprefix("http://").partition(":")
         self.upstream = (host, int(port))
         self.delay = delay
         self.loop = asyncio.new_event_loop()

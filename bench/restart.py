@@ -12,9 +12,17 @@ over ``--runs`` alternating pairs of the first quartile of each run's step times
 step (every thread, so the monitor thread and the etcd client are counted; far less sensitive to other load
 on the machine than wall time); and, for reference, the plain script's step time under torchrun.
 
+``hang``: rank 1 stops itself (SIGSTOP) at a fixed step, the way a hung rank looks from outside. Measured:
+seconds from the stop to the first training step completed after recovery on the slowest rank
+(``metric: seconds``), and for stalwart also to the fault record that names the stopped rank
+(``metric: detect_seconds``, which the soft timeout bounds: it is ``--soft-timeout`` here). stalwart's agent
+kills the stopped process at the soft timeout and respawns it while the healthy rank restarts in process;
+torchrun has no hang detection: the healthy rank fails at the collective timeout (``--timeout``), then
+torchrun stops the group, waiting out its own grace for the stopped process, and starts it again.
+
 Prints one JSON object per line, e.g.
 ``{"bench": "restart", "impl": "stalwart", "ranks": 2, "metric": "seconds", "value": 0.1}``.
-Usage: ``python bench/restart.py [--ranks 2 4] [--runs 5]``.
+Usage: ``python bench/restart.py [--ranks 2 4] [--runs 5] [--what restart overhead hang]``.
 """
 
 from __future__ import annotations
@@ -80,6 +88,30 @@ def run_torchrun(ranks: int, script_args: list[str]) -> tuple[list[dict[str, Any
     raise RuntimeError("torchrun failed three times")
 
 
+def detect_seconds(etcd: EtcdServer, run_id: str, work: Path) -> float:
+    """Seconds from the injected fault to the fault record that names the faulty rank (the earliest record of
+    a kind seen at the faulty process; see stalwart.api.restart.DIRECT_KINDS)."""
+    from stalwart.api.restart import DIRECT_KINDS, FaultRecord
+    from stalwart.keys import JobKeys
+    from stalwart.store import Store
+
+    prefix = JobKeys("bench", run_id).restart
+    values: dict[str, bytes] = {}
+    with Store([etcd.endpoint]) as store:
+        # From etcd's history: the sealer deletes the keys of old iterations, and under load a run may take one
+        # restart more than the one injected.
+        _, revision = store.get_prefix(prefix, keys_only=True)
+        with store.watch(prefix, prefix=True, start_revision=1) as w:
+            while (ev := w.next(timeout=0.5)) is not None and ev.kv.mod_revision <= revision:
+                if ev.type == "put" and "/fault/" in ev.kv.key:
+                    values[ev.kv.key] = ev.kv.value
+    records = [FaultRecord.from_json_bytes(v) for v in values.values()]
+    direct = [r.time for r in records if r.kind in DIRECT_KINDS]
+    if not direct:
+        raise RuntimeError(f"no fault record names the faulty rank: {records}")
+    return min(direct) - _raise_time(work)
+
+
 def recovery_seconds(results: list[dict[str, Any]], work: Path) -> float:
     firsts = [r["first_after_restart"] for r in results if r.get("first_after_restart")]
     if not firsts:
@@ -105,6 +137,31 @@ def quiet_step(results: list[dict[str, Any]], skip: int) -> float:
     return times[len(times) // 4]
 
 
+def bench_hang(etcd: EtcdServer, args: argparse.Namespace, n: int) -> int:
+    ranks = args.ranks[0]
+    stop = ["--steps", str(args.steps), "--fault", "sigstop", "--fault-rank", "1", "--fault-step",
+            str(args.fault_step), "--timeout", str(args.timeout), "--hidden", str(args.hidden)]
+    settings = {"soft_timeout": args.soft_timeout, "collective_timeout": args.timeout}
+    for impl in ("stalwart", "torchrun"):
+        values, detects = [], []
+        for _ in range(args.runs):
+            n += 1
+            if impl == "stalwart":
+                res, work = run_stalwart(etcd, ranks, [*stop, "--soft-timeout", str(args.soft_timeout)], f"run-{n}")
+                detects.append(detect_seconds(etcd, f"run-{n}", work))
+            else:
+                res, work = run_torchrun(ranks, stop)
+            values.append(recovery_seconds(res, work))
+        print(json.dumps({"bench": "hang", "impl": impl, "ranks": ranks, "metric": "seconds",
+                          "value": round(statistics.median(values), 4), "runs": [round(v, 4) for v in values],
+                          **settings}), flush=True)
+        if detects:
+            print(json.dumps({"bench": "hang", "impl": impl, "ranks": ranks, "metric": "detect_seconds",
+                              "value": round(statistics.median(detects), 4),
+                              "runs": [round(v, 4) for v in detects], **settings}), flush=True)
+    return n
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -113,7 +170,9 @@ def main() -> int:
     p.add_argument("--fault-step", type=int, default=6)
     p.add_argument("--overhead-steps", type=int, default=300)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--what", nargs="+", choices=["restart", "overhead"], default=["restart", "overhead"])
+    p.add_argument("--what", nargs="+", choices=["restart", "overhead", "hang"], default=["restart", "overhead"])
+    p.add_argument("--soft-timeout", type=float, default=5.0, help="stalwart's soft timeout in the hang case")
+    p.add_argument("--timeout", type=float, default=20.0, help="collective timeout in the hang case (both)")
     args = p.parse_args()
     fault = ["--steps", str(args.steps), "--fault", "exception", "--fault-rank", "1",
              "--fault-step", str(args.fault_step), "--timeout", "30", "--hidden", str(args.hidden)]
@@ -135,6 +194,8 @@ def main() -> int:
                     print(json.dumps({"bench": "restart", "impl": impl, "ranks": ranks, "metric": "seconds",
                                       "value": round(statistics.median(values), 4),
                                       "runs": [round(v, 4) for v in values]}), flush=True)
+            if "hang" in args.what:
+                n = bench_hang(etcd, args, n)
             if "overhead" not in args.what:
                 return 0
             ranks = args.ranks[0]

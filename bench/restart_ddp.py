@@ -7,14 +7,21 @@ depend on which faults happened on the way. The in-memory state survives in-proc
 of each iteration the ranks adopt the state of the rank that committed the most steps (a respawned process
 has none).
 
-Faults are injected once (a marker file records that it happened): ``--fault exception|sigkill|hang`` in
-rank ``--fault-rank`` at step ``--fault-step``. Each rank writes a JSON line to ``--out`` at the end:
-its final step, a checksum of the parameters, its restarts, and timing marks for the benchmark.
+Faults are injected once (a marker file records that it happened): ``--fault exception|sigkill|sigstop|hang``
+in rank ``--fault-rank`` at step ``--fault-step``. Stalls for the tests of bounded waits: ``--finalize-hang``
+(after its fault, the rank hangs in its Finalize policy), ``--init-stall`` (in the first iteration the rank
+never reaches its process group: a Python loop in its Initialize policy), ``--silence-slot N`` (every etcd
+watch stream of slot N's process delivers nothing: a stuck watcher, injected on top of the real etcd; the
+process sees changes only by reading again, once it notices the silence). ``--self-init STYLE`` makes the
+training function call ``init_process_group`` itself, as a script written for torchrun does. Each rank
+writes a JSON line to ``--out`` at the end: its final step, a checksum of the parameters, its restarts, and
+timing marks for the benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -33,7 +40,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["plain", "wrapped"], default="wrapped")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--fault", choices=["none", "exception", "sigkill", "hang", "hang-hard", "exception-always"],
+    p.add_argument("--fault", choices=["none", "exception", "sigkill", "sigstop", "hang", "hang-hard",
+                                            "exception-always"],
                    default="none")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=5)
@@ -52,6 +60,17 @@ def parse() -> argparse.Namespace:
     p.add_argument("--barrier-timeout", type=float, default=60.0)
     p.add_argument("--min-world", type=int, default=1)
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--finalize-hang", action="store_true")
+    p.add_argument("--init-stall", action="store_true")
+    p.add_argument("--slow-assignment", type=float, default=0.0,
+                   help="seconds the rank assignment takes (widens the moment between a seal and the run)")
+    p.add_argument("--silence-slot", type=int, default=None,
+                   help="every etcd watch of this slot's process delivers nothing")
+    p.add_argument("--self-init", choices=["none", "bare", "env", "timeout", "destroy", "bad-world"],
+                   default="none",
+                   help="the function calls init_process_group itself: ('gloo'), (init_method='env://'), "
+                        "(timeout=20s, another than the wrapper's), ('gloo') and destroy_process_group() at its end, "
+                        "(world_size=world+1)")
     return p.parse_args()
 
 
@@ -82,11 +101,24 @@ def fault_due(args: argparse.Namespace, name: str, rank: int, step: int, index: 
     return False
 
 
+def once(args: argparse.Namespace, name: str) -> bool:
+    """True the first time only (a marker file records it), like an injected fault."""
+    try:
+        fd = os.open(os.path.join(args.marker_dir, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, f"{time.time():.6f}".encode())
+    os.close(fd)
+    return True
+
+
 def inject(kind: str) -> None:
     if kind.startswith("exception"):
         raise RuntimeError("injected fault")
     if kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "hang":
         time.sleep(3600)
     if kind == "hang-hard":
@@ -105,11 +137,24 @@ def leak_report(args: argparse.Namespace, rank: int, restarts: int) -> None:
     endpoints = os.environ["STALWART_ETCD_ENDPOINTS"].split(",")
     uid = os.environ["STALWART_JOB_UID"]
     ns = os.environ["STALWART_JOB"].partition("/")[0]
+    prefix = f"/stalwart/v1/{ns}/{uid}/"
     with Store(endpoints) as s:
-        keys = s.count_prefix(f"/stalwart/v1/{ns}/{uid}/")
+        kvs, _ = s.get_prefix(prefix, keys_only=True)
+    # Which iterations still have keys: restart/<epoch>/<kind>/<iteration>/... and store/<epoch>/<iteration>/...
+    iterations: set[int] = set()
+    faults: dict[int, int] = {}
+    for kv in kvs:
+        parts = kv.key[len(prefix):].split("/")
+        if parts[0] == "restart" and len(parts) >= 4 and parts[2] in ("arrive", "seal", "fault", "done"):
+            iterations.add(int(parts[3]))
+            if parts[2] == "fault":
+                faults[int(parts[3])] = faults.get(int(parts[3]), 0) + 1
+        elif parts[0] == "store" and len(parts) >= 3 and parts[2].isdigit():
+            iterations.add(int(parts[2]))
     native_threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
     report = {"leak": True, "rank": rank, "iteration": restarts, "threads": threading.active_count(),
-              "native_threads": native_threads, "fds": len(os.listdir("/proc/self/fd")), "etcd_keys": keys,
+              "native_threads": native_threads, "fds": len(os.listdir("/proc/self/fd")), "etcd_keys": len(kvs),
+              "iterations": sorted(iterations), "faults": {str(k): v for k, v in faults.items()},
               "children": _children()}
     with open(args.out, "a") as f:
         f.write(json.dumps(report) + "\n")
@@ -130,7 +175,61 @@ def _children() -> int:
     return n
 
 
+def self_init(style: str) -> None:
+    """The function initialises its process group itself, as under torchrun."""
+    import datetime
+
+    if style == "bare":
+        dist.init_process_group("gloo")
+    elif style == "env":
+        dist.init_process_group(backend="gloo", init_method="env://")
+    elif style == "timeout":
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    elif style == "destroy":
+        dist.init_process_group()
+    elif style == "bad-world":
+        dist.init_process_group("gloo", world_size=int(os.environ["WORLD_SIZE"]) + 1,
+                                rank=int(os.environ["RANK"]))
+
+
+class SilentStream:
+    """A watch's response stream that delivers nothing (a stuck etcd watcher); its creation is let through,
+    so that the watch opens."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __iter__(self) -> SilentStream:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            resp = next(self.inner)
+            if resp.created and not resp.events:
+                return resp
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+
+def silence_watches() -> None:
+    """Fault injection on top of the real etcd: every watch stream of this process delivers nothing."""
+    from stalwart import store
+
+    base = store.rpc_grpc.WatchStub
+
+    class Stub(base):  # type: ignore[misc,valid-type]
+        def __init__(self, channel: Any) -> None:
+            super().__init__(channel)
+            inner = self.Watch
+            self.Watch = lambda *a, **kw: SilentStream(inner(*a, **kw))
+
+    store.rpc_grpc.WatchStub = Stub
+
+
 def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
+    if args.self_init != "none":
+        self_init(args.self_init)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.leak_report:
         leak_report(args, rank, restarts)
@@ -186,8 +285,11 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
         ping = STATE.get("ping")
         if ping is not None:
             ping(step)
-    return {"rank": rank, "world": world, "step": step, "checksum": checksum(model), "restarts": restarts,
-            "first_after_restart": STATE["first_after_restart"], "step_times": times, "cpu_marks": cpu}
+    result = {"rank": rank, "world": world, "step": step, "checksum": checksum(model), "restarts": restarts,
+              "first_after_restart": STATE["first_after_restart"], "step_times": times, "cpu_marks": cpu}
+    if args.self_init == "destroy":
+        dist.destroy_process_group()
+    return result
 
 
 def write(args: argparse.Namespace, result: dict[str, Any] | None) -> None:
@@ -215,17 +317,46 @@ def main() -> int:
         else:
             dist.init_process_group("gloo", timeout=timeout)
         result = train(args, restarts)
+        # DDP holds the process group in reference cycles. Destroy the group now, from its Python object
+        # (torch then releases the GIL while it joins the group's gloo worker threads), after collecting
+        # DDP: a worker thread still dropping its last work object while the interpreter finalizes aborts
+        # the process ("terminate called without an active exception").
+        group = dist.group.WORLD
         dist.destroy_process_group()
+        gc.collect()
+        del group
         write(args, result)
         return 0
 
     import stalwart
-    from stalwart.restart import InitProcessGroup, RankAssignment
+    from stalwart.restart import FinalizeCallback, InitProcessGroup, IterationContext, RankAssignment
+
+    injected = int(os.environ.get("RANK", "0")) == args.fault_rank
+
+    class StallingInit(InitProcessGroup):
+        def __call__(self, ctx: IterationContext) -> None:
+            if args.init_stall and injected and once(args, "init-stall"):
+                while True:  # busy in Python: progress, but the group is never reached
+                    time.sleep(0.05)
+            super().__call__(ctx)
+
+    class SlowAssignment(RankAssignment):
+        def assign(self, *a: Any, **kw: Any) -> Any:
+            time.sleep(args.slow_assignment)
+            return super().assign(*a, **kw)
+
+    def finalize(ctx: IterationContext) -> None:
+        if args.finalize_hang and injected:
+            time.sleep(3600)  # blocked: no progress, no exit
+
+    if args.silence_slot is not None and int(os.environ.get("RANK", "0")) == args.silence_slot:
+        silence_watches()
 
     @stalwart.restartable(max_restarts=args.max_restarts, soft_timeout=args.soft_timeout,
                           hard_timeout=args.soft_timeout * 2, barrier_timeout=args.barrier_timeout,
-                          initialize=InitProcessGroup(args.backend, timeout=args.timeout),
-                          rank_assignment=RankAssignment(min_world_size=args.min_world))
+                          initialize=StallingInit(args.backend, timeout=args.timeout),
+                          finalize=FinalizeCallback(finalize),
+                          rank_assignment=SlowAssignment(min_world_size=args.min_world))
     def run(call_wrapper: stalwart.CallWrapper) -> dict[str, Any]:
         STATE["ping"] = lambda s: call_wrapper.ping(step=s)
         return train(args, call_wrapper.iteration)

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 #: Largest value stalwart writes to etcd. etcd's own request limit is 1.5 MiB; our records are small JSON.
 MAX_VALUE_BYTES = 256 * 1024
 DEFAULT_TIMEOUT = 5.0
+#: A watch that has delivered nothing for this many seconds asks etcd for a progress report; one that does not
+#: answer within the store's timeout is silent (see :class:`Watch`).
+WATCH_IDLE_CHECK = 10.0
 
 
 class StoreError(Exception):
@@ -172,6 +175,13 @@ class Watch:
 
     Iterate with :meth:`next` (which takes a timeout, so no wait is unbounded) or as an iterator. Cancel with
     :meth:`cancel` (also done by ``with``). Errors on the stream surface as :class:`StoreError` from ``next``.
+
+    A stream can go silent without breaking: etcd stops delivering to a watcher that falls behind (an
+    "unsynced" watcher) and a proxy can stall while the connection lives, so gRPC keepalives see nothing
+    wrong. Whenever :meth:`next` has seen no response for :data:`WATCH_IDLE_CHECK` seconds it asks etcd for a
+    progress report on the stream (answered at once by a synced watcher); if nothing at all arrives within the
+    store's timeout after that, ``next`` raises :class:`StoreTimeout` and the caller re-reads and watches anew,
+    as after any broken stream. A silent watch is thus noticed within ``WATCH_IDLE_CHECK`` + timeout seconds.
     """
 
     _END = object()
@@ -182,6 +192,9 @@ class Watch:
         self._cancelled = threading.Event()
         self._created = threading.Event()
         self._create_error: StoreError | None = None
+        self._answer_within = store.timeout
+        self._last_response = time.monotonic()
+        self._progress_asked: float | None = None
         create = rpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
         self._requests.put(rpc.WatchRequest(create_request=create))
         self._call = store._watch_stub.Watch(self._request_iter())
@@ -204,6 +217,7 @@ class Watch:
     def _pump(self) -> None:
         try:
             for resp in self._call:
+                self._last_response = time.monotonic()
                 if resp.compact_revision:
                     err: StoreError = WatchCompacted(resp.compact_revision)
                     if not self._created.is_set():
@@ -230,10 +244,11 @@ class Watch:
             self._queue.put(self._END)
 
     def next(self, timeout: float | None) -> WatchEvent | None:
-        """The next event, or ``None`` when ``timeout`` passes first. Raises on a broken stream."""
+        """The next event, or ``None`` when ``timeout`` passes first. Raises on a broken or silent stream."""
         try:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:
+            self._check_silence()
             return None
         if item is self._END:
             self._queue.put(item)
@@ -244,9 +259,22 @@ class Watch:
         assert isinstance(item, WatchEvent)
         return item
 
+    def _check_silence(self) -> None:
+        now = time.monotonic()
+        asked = self._progress_asked
+        if asked is not None and self._last_response >= asked:
+            self._progress_asked = asked = None
+        if asked is None:
+            if now - self._last_response >= WATCH_IDLE_CHECK and not self._cancelled.is_set():
+                self._progress_asked = now
+                self._requests.put(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
+            return
+        if now - asked > self._answer_within:
+            raise StoreTimeout(f"watch silent: no answer to a progress request within {self._answer_within:g}s")
+
     def __iter__(self) -> Iterator[WatchEvent]:
         while True:
-            ev = self.next(timeout=None)
+            ev = self.next(timeout=WATCH_IDLE_CHECK / 2)
             if ev is not None:
                 yield ev
 

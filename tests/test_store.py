@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -227,6 +228,17 @@ def test_call_deadline_is_a_typed_timeout_when_server_is_frozen(private_etcd: Et
         assert private_etcd.process is not None
         os.kill(private_etcd.process.pid, signal.SIGSTOP)
         try:
+            # kill() only queues the signal: a request sent before every thread of etcd has stopped can still
+            # be answered. Wait until all of them are stopped (state T).
+            tasks = Path(f"/proc/{private_etcd.process.pid}/task")
+            for _ in range(1000):
+                try:
+                    states = {(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()}
+                except OSError:  # a thread ended while being read
+                    states = set()
+                if states == {"T"}:
+                    break
+                time.sleep(0.01)
             with pytest.raises(StoreTimeout):
                 s.get("/f/k")
         finally:

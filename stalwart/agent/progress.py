@@ -137,9 +137,18 @@ def exited(book: ProgressBook, proc: ProcView, *, now: float, hung: bool = False
     return replace(book, exits=(*book.exits, ex)[-MAX_EXITS:], last_failure=failure)
 
 
+def gave_up(book: ProgressBook, statuses: Sequence[RankStatus]) -> ProgressBook:
+    """The ranks gave up (restarts exhausted, non-retryable): the failure behind it is the newest one a rank
+    recorded (the exception, with its type and message), not its exit code; the exits stay recorded."""
+    failures = [st.last_failure for st in statuses if st.last_failure is not None]
+    if not failures:
+        return book
+    return replace(book, last_failure=max(failures, key=lambda f: f.time))
+
+
 def _ended_iteration(st: RankStatus) -> int | None:
     """The last iteration a rank's status shows to have ended in a fault (None: none)."""
-    if st.state == "restarting":
+    if st.state in ("restarting", "failed"):  # failed: it gave up after the fault of that iteration
         return st.iteration
     if st.state in ("barrier", "running", "inactive") and st.iteration >= 1:
         return st.iteration - 1
@@ -154,6 +163,10 @@ def _stepped_iteration(p: ProcView, since: dict[tuple[int, int, int], float], no
         ran = now - p.started >= NO_STEP_GRACE and p.exit_code is None
         return 0 if ran else None
     if st.first_step is not None and st.state in _STEPPED_STATES:
+        return st.iteration
+    if st.state == "done" and st.pid == p.pid:
+        # The training function returned in this iteration: it completed its work, steps reported or not (a
+        # script that never pings shows no steps, and a short iteration may end before the grace below).
         return st.iteration
     if st.state == "running" and st.step is None:
         first = since.get((p.local_rank, p.pid, st.iteration))

@@ -1,9 +1,17 @@
 """The per-pod agent: join the node rendezvous, run the rank processes, supervise them, report progress.
 
 One loop per round: join (:class:`~stalwart.agent.rendezvous.NodeHandle`), launch ``nproc_per_node`` rank
-processes with torchrun's environment plus the ``STALWART_*`` variables the restart wrapper reads, then poll
-every ``poll_interval`` seconds: process exits, status files (heartbeat, step, restarts), the round's end,
-SIGTERM. What to do about the processes is :func:`~stalwart.agent.supervision.supervise`'s decision.
+processes with torchrun's environment plus the ``STALWART_*`` variables the restart wrapper reads (the job's
+in-process restart settings among them, from the operator's JobRecord), then poll every ``poll_interval``
+seconds: process exits, status files (heartbeat, step, restarts), the round's end, SIGTERM. What to do about
+the processes is :func:`~stalwart.agent.supervision.supervise`'s decision.
+
+A wrapped rank process that dies, or that the agent kills (hung past its hard timeout, or stopped past its
+soft timeout), cannot say so itself: the agent records the fault in the rank's restart iteration (fenced by
+the round's epoch), which interrupts its peers at once and names the culprit. Every wait on a process has a
+deadline: a stopped process is killed at once when the round ends (it cannot act on SIGTERM), any other gets
+``term_grace`` seconds; one that returned from the training function but does not exit is killed after
+``finish_grace`` seconds.
 """
 
 from __future__ import annotations
@@ -24,15 +32,24 @@ from pathlib import Path
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.progress import NodeState, ProgressReporter
-from stalwart.agent.rendezvous import NodeHandle, Rendezvous, RendezvousClosed, RendezvousSettings, RoundInfo
+from stalwart.agent.rendezvous import (
+    NodeHandle,
+    Rendezvous,
+    RendezvousCancelled,
+    RendezvousClosed,
+    RendezvousSettings,
+    RoundInfo,
+)
 from stalwart.agent.settings import AgentSettings
 from stalwart.agent.supervision import ProcView, supervise
 from stalwart.api.exit_codes import ExitCode
+from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
-from stalwart.api.restart import RankStatus
+from stalwart.api.restart import FaultKind, FaultRecord, RankStatus
 from stalwart.local.etcd import free_port
+from stalwart.restart.coordination import record_fault
 from stalwart.restart.environment import RankEnvironment
-from stalwart.store import Store
+from stalwart.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +83,30 @@ class AgentOptions:
 @dataclass(slots=True)
 class _Proc:
     local_rank: int
+    slot: int
     popen: subprocess.Popen[bytes]
     status_file: Path
-    killed_hung: bool = False
+    killed_hung: str = ""  # why the agent killed it (hung past the hard timeout, stopped), "" when it did not
     exit_code: int | None = None
     status_read: float = 0.0
-    slot: int = 0
-    started: float = 0.0
+    done_since: float | None = None  # when its status first said "done" (the function returned)
+    killed_after_done: bool = False
+    started: float = 0.0  # monotonic time it was started
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/PID/stat`` (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z``...), ``""``
+    when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+#: RankEnvironment field -> JobRecord field: the job's in-process restart settings a rank gets.
+_JOB_SETTINGS = {"max_restarts": "max_restarts", "soft_timeout": "soft_timeout_seconds",
+                 "hard_timeout": "hard_timeout_seconds", "barrier_timeout": "barrier_timeout_seconds"}
 
 
 @dataclass(slots=True)
@@ -106,6 +140,7 @@ class Agent:
         self._wrapped: set[int] = set()
         self.progress = _Progress()
         self.info: RoundInfo | None = None
+        self.job: JobRecord | None = None
         self._terminate = threading.Event()
         self._ctx = f"job={settings.job} node={settings.node_id}"
         self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
@@ -115,13 +150,16 @@ class Agent:
     # -- signals ------------------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """Forward a stop request (SIGTERM): the ranks get SIGTERM, then SIGKILL after ``term_grace``."""
+        """Forward a stop request (SIGTERM): the ranks get SIGTERM, then SIGKILL after ``term_grace``; a join
+        or wait of the rendezvous returns at once."""
         self._terminate.set()
+        self.handle.cancel()
 
     def install_signal_handlers(self) -> None:
         def on_term(signum: int, _frame: object) -> None:
             log.info("%s: signal %d: stopping the rank processes", self._ctx, signum)
-            self.request_stop()
+            # From a thread: the main thread may hold the lock of the very event a stop request sets.
+            threading.Thread(target=self.request_stop, name="stalwart-stop", daemon=True).start()
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
@@ -149,13 +187,17 @@ class Agent:
             except RendezvousClosed:
                 log.info("%s: the rendezvous is closed; nothing left to run", self._ctx)
                 return int(ExitCode.OK)
+            except RendezvousCancelled:
+                break
             self.info = info
+            self.job = self._read_job()
             log.info("%s: round %d (epoch %d) as %s, world size %d", self._ctx, info.round, info.epoch, info.role,
                      info.world_size)
             if info.role == "waiting" or (info.role == "spare" and not self.options.spare_ranks):
                 self._publish("joining", force=True)
-                while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
-                    pass
+                with contextlib.suppress(RendezvousCancelled):
+                    while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
+                        pass
                 continue
             self.reporter.book = book_.joined(self.reporter.book, info.round, info.epoch)
             self.reporter.world_size = info.world_size
@@ -179,7 +221,7 @@ class Agent:
                     return self._finish(action.exit_code, action.reason, action.local_ranks)
                 if action.kind == "kill":
                     for lr in action.local_ranks:
-                        self._kill_hung(lr)
+                        self._kill_hung(lr, action.fault or "hard_timeout", action.reason)
                 elif action.kind == "respawn":
                     for lr in action.local_ranks:
                         self._respawn(info, lr, action.exit_code, action.reason)
@@ -203,6 +245,16 @@ class Agent:
             self._terminate.wait(self.options.poll_interval)
         return None
 
+    def _read_job(self) -> JobRecord | None:
+        """The operator's record of the job (its timeouts), or ``None``: a job run without the operator, or
+        one whose record cannot be read now (the ranks then use their own defaults)."""
+        try:
+            kv = self.store.get(self.settings.keys.job)
+            return None if kv is None else JobRecord.from_json_bytes(kv.value)
+        except (StoreError, ValueError) as e:
+            log.warning("%s: cannot read the job's record: %s", self._ctx, e)
+            return None
+
     def _wait_finishing(self) -> bool:
         """The rendezvous closed because the job is succeeding: give the ranks time to return."""
         deadline = time.monotonic() + self.options.finish_grace
@@ -215,13 +267,17 @@ class Agent:
 
     def _wait_round_end(self) -> None:
         deadline = time.monotonic() + 3 * self.options.node_ttl
-        while time.monotonic() < deadline and not self._terminate.is_set():
-            if self.handle.wait_round_end(0.5) is not None:
-                return
+        with contextlib.suppress(RendezvousCancelled):
+            while time.monotonic() < deadline and not self._terminate.is_set():
+                if self.handle.wait_round_end(0.5) is not None:
+                    return
 
     def _finish(self, code: int, reason: str, local_ranks: Sequence[int] = ()) -> int:
         if code == 0:
             log.info("%s: %s", self._ctx, reason)
+            for p in self.procs.values():  # the ranks' last word: each returned in its last iteration
+                p.status_read = 0.0
+                self._read_status(p)
             with contextlib.suppress(Exception):
                 self.rdzv.close("job succeeded")
             self._publish("succeeded", force=True)
@@ -229,6 +285,13 @@ class Agent:
             log.error("%s: giving up: %s", self._ctx, reason)
             self._note_exits(local_ranks)
             self._stop_all(grace=self.options.term_grace)
+            for p in self.procs.values():  # the ranks' last word (each wrote it before exiting)
+                p.status_read = 0.0
+                self._read_status(p)
+            # Ranks that gave up (restarts exhausted, non-retryable) recorded the failure behind it, with the
+            # exception: that is the job's last failure, not "exited 90".
+            if code in (ExitCode.RESTARTS_EXHAUSTED, ExitCode.NON_RETRYABLE):
+                self.reporter.book = book_.gave_up(self.reporter.book, list(self.progress.statuses.values()))
             self._publish("failed", force=True)
         return code
 
@@ -257,10 +320,12 @@ class Agent:
         })
         if "OMP_NUM_THREADS" not in self.base_env and nproc > 1:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a node must not oversubscribe it
+        job = {} if self.job is None else {k: getattr(self.job, v) for k, v in _JOB_SETTINGS.items()}
         renv = RankEnvironment(etcd_endpoints=s.etcd_endpoints, job=s.job, job_uid=s.job_uid, node_id=s.node_id,
                                epoch=info.epoch, slot=slot, slots=max(slots, slot + 1),
                                target_world=m.world_size, spare=spare,
-                               status_file=str(self.run_dir / f"rank-{local_rank}.json"), local_rank=local_rank)
+                               status_file=str(self.run_dir / f"rank-{local_rank}.json"), local_rank=local_rank,
+                               **job)
         env.update(renv.to_env())
         if s.rpc_token is not None:
             env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
@@ -278,32 +343,57 @@ class Agent:
         self.progress.statuses.pop(local_rank, None)  # the old process's status must not judge the new one
         env = self._rank_env(info, local_rank)
         popen = subprocess.Popen(self.command, env=env, start_new_session=False)
-        self.procs[local_rank] = _Proc(local_rank, popen, status, slot=int(env["STALWART_SLOT"]),
-                                       started=time.monotonic())
+        self.procs[local_rank] = _Proc(local_rank, int(env["STALWART_SLOT"]), popen, status, started=time.monotonic())
         log.info("%s: started local rank %d (pid %d)", self._ctx, local_rank, popen.pid)
 
     def _respawn(self, info: RoundInfo, local_rank: int, code: int, reason: str) -> None:
         old = self.procs[local_rank]
-        why = "hard timeout" if old.killed_hung else reason
+        why = old.killed_hung or reason
+        if not old.killed_hung:
+            self._record_fault(old, "process_died", f"the process exited {code}" if code >= 0
+                               else f"the process was killed by signal {-code}")
         self._note_exits((local_rank,))
         self.progress.process_restarts += 1
         log.warning("%s: respawning local rank %d (%s)", self._ctx, local_rank, why)
         self._spawn(info, local_rank)
         self.reporter.book = book_.respawned(self.reporter.book, local_rank, self.procs[local_rank].popen.pid)
 
-    def _kill_hung(self, local_rank: int) -> None:
+    def _kill_hung(self, local_rank: int, fault: FaultKind, reason: str) -> None:
         p = self.procs[local_rank]
         if p.exit_code is None and not p.killed_hung:
-            log.warning("%s: local rank %d (pid %d) made no progress within its hard timeout: killing it",
-                        self._ctx, local_rank, p.popen.pid)
-            p.killed_hung = True
+            if fault == "stopped":
+                log.warning("%s: local rank %d (pid %d) is stopped and made no progress within its soft "
+                            "timeout: killing it", self._ctx, local_rank, p.popen.pid)
+            else:
+                log.warning("%s: local rank %d (pid %d) made no progress within its hard timeout: killing it",
+                            self._ctx, local_rank, p.popen.pid)
+            p.killed_hung = "stopped past the soft timeout" if fault == "stopped" else "hard timeout"
             with contextlib.suppress(ProcessLookupError):
                 p.popen.kill()
+            self._record_fault(p, fault, reason)
+
+    def _record_fault(self, p: _Proc, kind: FaultKind, reason: str) -> None:
+        """Record the fault of a wrapped rank process that cannot: in the iteration it was running (or arriving
+        at), so that its peers are interrupted now and the fault names it."""
+        p.status_read = 0.0  # its last word, not the one read up to status_interval ago
+        st = self._read_status(p)
+        info = self.info
+        if st is None or info is None or st.state not in ("running", "barrier"):
+            return
+        rec = FaultRecord(slot=p.slot, rank=st.rank if st.state == "running" else None,
+                          node_id=self.settings.node_id, iteration=st.iteration, kind=kind, reason=reason[:2048],
+                          time=time.time())
+        try:
+            record_fault(self.store, self.settings.keys, info.epoch, rec)
+        except (StoreError, ValueError) as e:  # the peers then learn of it from their collectives or its lease
+            log.warning("%s: could not record the fault of local rank %d: %s", self._ctx, p.local_rank, e)
 
     def _poll(self) -> None:
         for p in self.procs.values():
             if p.exit_code is None:
                 p.exit_code = p.popen.poll()
+            if p.exit_code is not None and p.exit_code < 0 and p.killed_after_done:
+                p.exit_code = 0  # it returned from the training function; only its exit hung (and was ended)
 
     def _read_status(self, p: _Proc) -> RankStatus | None:
         # Exits are polled every tick (cheap); status files, which only feed the hard timeout and progress,
@@ -326,14 +416,34 @@ class Agent:
             # Once a script has shown it runs the restart wrapper, its respawns are treated as such too.
             return ProcView(p.local_rank, p.exit_code, wrapped=p.local_rank in self._wrapped)
         self._wrapped.add(p.local_rank)
-        age = time.monotonic() - st.heartbeat if st.state == "running" else None
-        return ProcView(p.local_rank, p.exit_code, wrapped=True, heartbeat_age=age, hard_timeout=st.hard_timeout)
+        now = time.monotonic()
+        if st.state == "done" and p.exit_code is None:
+            p.done_since = p.done_since or now
+            if now - p.done_since > self.options.finish_grace and not p.killed_after_done:
+                log.warning("%s: local rank %d returned from the training function but its process has not "
+                            "exited in %.0fs: killing it", self._ctx, p.local_rank, self.options.finish_grace)
+                p.killed_after_done = True
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.kill()
+        # The heartbeat is the main thread's progress in every phase but the last.
+        age = now - st.heartbeat if st.state not in ("done", "failed") else None
+        stopped = p.exit_code is None and age is not None and process_state(p.popen.pid) == "T"
+        return ProcView(p.local_rank, p.exit_code, wrapped=True, heartbeat_age=age, hard_timeout=st.hard_timeout,
+                        soft_timeout=st.soft_timeout, stopped=stopped)
 
     def _stop_all(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL after ``grace``; a stopped (or traced) process gets SIGKILL at once: it cannot
+        act on SIGTERM, so waiting would only hold the pod up."""
         running = [p for p in self.procs.values() if p.popen.poll() is None]
         for p in running:
+            state = process_state(p.popen.pid)
             with contextlib.suppress(ProcessLookupError):
-                p.popen.terminate()
+                if state in ("T", "t"):
+                    log.warning("%s: local rank %d (pid %d) is stopped: killing it", self._ctx, p.local_rank,
+                                p.popen.pid)
+                    p.popen.kill()
+                else:
+                    p.popen.terminate()
         deadline = time.monotonic() + grace
         for p in running:
             try:
@@ -341,8 +451,13 @@ class Agent:
             except subprocess.TimeoutExpired:
                 log.warning("%s: local rank %d ignored SIGTERM for %.0fs: killing it", self._ctx, p.local_rank,
                             grace)
-                p.popen.kill()
-                p.popen.wait(timeout=10)
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.kill()
+                try:
+                    p.popen.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # in uninterruptible sleep; the kernel reaps it later
+                    log.error("%s: local rank %d (pid %d) survived SIGKILL for 10s", self._ctx, p.local_rank,
+                              p.popen.pid)
         for p in self.procs.values():
             p.exit_code = p.popen.poll()
 
@@ -358,7 +473,7 @@ class Agent:
             p = self.procs.get(lr)
             if p is not None and p.exit_code not in (None, 0):
                 self.reporter.book = book_.exited(self.reporter.book, self._book_view(p), now=time.time(),
-                                                  hung=p.killed_hung)
+                                                  hung=bool(p.killed_hung))
         self.reporter.publish(self._state(), force=True)
 
     def _drill_targets(self) -> list[Target]:

@@ -4,6 +4,11 @@ The agent polls its processes and their status files and asks :func:`supervise` 
 runs :func:`stalwart.restartable` (it has written a status file) is *wrapped*: when it dies it is respawned
 alone and rejoins at the next restart iteration. A plain script is restarted the way torchrun does it:
 every rank of the job starts again, in a new rendezvous round.
+
+A wrapped process that shows no progress is killed (and then respawned like any dead one): past its hard
+timeout, or past its soft timeout when it is stopped (SIGSTOP, state ``T``): a stopped process can neither
+make progress nor obey the interrupt its peers' restart sends, so waiting for the hard timeout only holds the
+job up. A process being traced (a debugger, state ``t``) is left alone.
 """
 
 from __future__ import annotations
@@ -27,17 +32,22 @@ class ProcView:
     wrapped: bool = False
     heartbeat_age: float | None = None
     hard_timeout: float | None = None
+    soft_timeout: float | None = None
+    #: The process is stopped by a signal (``/proc/PID/stat`` state ``T``).
+    stopped: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """``kind``: ``wait``; ``kill`` (hung: SIGKILL, respawned once it is gone); ``respawn`` (start the
-    local rank again); ``restart_all`` (every rank of the job, new round); ``finish`` (exit ``exit_code``)."""
+    """``kind``: ``wait``; ``kill`` (hung: SIGKILL, respawned once it is gone; ``fault`` says why, as a fault
+    record's kind: ``hard_timeout`` or ``stopped``); ``respawn`` (start the local rank again); ``restart_all``
+    (every rank of the job, new round); ``finish`` (exit ``exit_code``)."""
 
     kind: Literal["wait", "kill", "respawn", "restart_all", "finish"]
     local_ranks: tuple[int, ...] = ()
     exit_code: int = 0
     reason: str = ""
+    fault: Literal["hard_timeout", "stopped"] | None = None
 
 
 def supervise(procs: Sequence[ProcView], *, restarts_used: int, max_restarts: int) -> list[Action]:
@@ -50,7 +60,13 @@ def supervise(procs: Sequence[ProcView], *, restarts_used: int, max_restarts: in
                  and p.heartbeat_age > p.hard_timeout)
     if hung:
         actions.append(Action("kill", hung, int(ExitCode.HARD_TIMEOUT),
-                              f"no progress within the hard timeout (local ranks {list(hung)})"))
+                              f"no progress within the hard timeout (local ranks {list(hung)})", "hard_timeout"))
+    stopped = tuple(p.local_rank for p in procs
+                    if p.exit_code is None and p.stopped and p.local_rank not in hung and p.soft_timeout is not None
+                    and p.heartbeat_age is not None and p.heartbeat_age > p.soft_timeout)
+    if stopped:
+        actions.append(Action("kill", stopped, int(ExitCode.HARD_TIMEOUT),
+                              f"stopped (SIGSTOP) past the soft timeout (local ranks {list(stopped)})", "stopped"))
     exited = [p for p in procs if p.exit_code is not None]
     if len(exited) == len(procs) and all(p.exit_code == 0 for p in exited):
         return [Action("finish", exit_code=int(ExitCode.OK), reason="every rank returned")]

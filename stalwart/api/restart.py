@@ -49,10 +49,28 @@ __all__ = [
     "RankStatus",
     "RoundSummary",
     "SealRecord",
+    "failure_info",
 ]
 
 FaultKind = Literal["exception", "soft_timeout", "peer_lost", "unhealthy", "barrier_timeout",
-                    "completion_timeout", "process_died", "hard_timeout"]
+                    "completion_timeout", "process_died", "hard_timeout", "stopped", "init_timeout",
+                    "non_retryable"]
+"""What a fault record says happened. ``exception``: the training function raised (``exception`` and
+``message`` say what); ``non_retryable``: it raised :class:`stalwart.NonRetryable` (every process of the
+job then gives up: no restart can help). ``soft_timeout``: the process's main thread made no progress for
+the soft timeout. ``hard_timeout``: its agent killed it after the hard timeout; ``stopped``: its agent found
+it stopped (SIGSTOP) past the soft timeout and killed it; ``process_died``: it exited or was killed during the
+iteration (recorded by its agent, or by its respawned successor). ``init_timeout``: the iteration's process
+group was not built within its deadline. ``peer_lost``: a peer's heartbeat lease ended;
+``completion_timeout``: not every rank returned in time; ``barrier_timeout``, ``unhealthy``: as named. The
+kinds in :data:`DIRECT_KINDS` are seen at the faulty process itself (or by its agent); the others are
+symptoms a peer observes."""
+
+#: Kinds observed at the faulty process (or by its agent): when an iteration has records of both sorts, the
+#: earliest of these is its cause (a peer's symptom, e.g. its own soft timeout while it waited in a collective
+#: for a stopped rank, is not).
+DIRECT_KINDS: frozenset[str] = frozenset({"exception", "hard_timeout", "stopped", "process_died", "unhealthy",
+                                          "init_timeout", "non_retryable"})
 
 _REASON = 2048
 
@@ -96,6 +114,11 @@ class FaultRecord(ApiModel):
     iteration: int = Field(ge=0, description="The iteration that was interrupted.")
     kind: FaultKind = Field(description="What happened.")
     reason: str = Field(default="", max_length=_REASON, description="Exception text or timeout details.")
+    exception: str | None = Field(
+        default=None, max_length=512,
+        description="For kind exception: the exception's type (qualified unless a builtin), e.g. ValueError.")
+    message: str | None = Field(default=None, max_length=_REASON,
+                                description="For kind exception: the exception's message (str of it).")
     time: float = Field(description="Wall-clock time (Unix seconds), for status only.")
     lost_slots: list[int] = Field(
         default_factory=list, max_length=4096,
@@ -115,6 +138,11 @@ class FailureInfo(ApiModel):
     rank: int | None = Field(default=None, description="Rank that failed first, when known.")
     pod: str = Field(default="", description="The pod (node id) it ran on.")
     reason: str = Field(default="", max_length=_REASON, description="What happened.")
+    kind: FaultKind | None = Field(default=None, description="The fault's kind, when a fault record says it.")
+    exception: str | None = Field(default=None, max_length=512,
+                                  description="The exception's type, when the training function raised.")
+    message: str | None = Field(default=None, max_length=_REASON, description="The exception's message.")
+    iteration: int | None = Field(default=None, ge=0, description="The restart iteration it happened in, when known.")
     time: float = Field(description="Wall-clock time (Unix seconds).")
 
 
@@ -135,6 +163,8 @@ class RankStatus(ApiModel):
     first_step_time: float | None = Field(default=None, description="Wall-clock time of that first step.")
     restarts: int = Field(default=0, ge=0, description="In-process restarts so far.")
     last_failure: FailureInfo | None = Field(default=None, description="The last fault this process saw.")
+    soft_timeout: float | None = Field(
+        default=None, description="Seconds without progress after which the iteration is interrupted.")
     hard_timeout: float | None = Field(
         default=None, description="Seconds without progress after which the agent kills the process.")
     heartbeat: float = Field(
@@ -217,3 +247,9 @@ class ProgressRecord(ApiModel):
                                   description="Rank processes that ended on their own, newest last.")
     history: list[RoundSummary] = Field(default_factory=list, max_length=MAX_HISTORY,
                                         description="The node's last rounds, oldest first.")
+
+
+def failure_info(rec: FaultRecord) -> FailureInfo:
+    """The :class:`FailureInfo` (status form) of a fault record."""
+    return FailureInfo(rank=rec.rank, pod=rec.node_id, reason=f"{rec.kind}: {rec.reason}"[:_REASON], kind=rec.kind,
+                       exception=rec.exception, message=rec.message, iteration=rec.iteration, time=rec.time)

@@ -200,20 +200,26 @@ class InProcessRestart(ApiModel):
 
     max_restarts: int = Field(
         default=10, ge=0, le=1_000_000,
-        description=("How many in-process restarts the job may make in total; past it a failure is handled "
-                     "by pod replacement. 0 disables in-process restart."))
+        description=("How many in-process restarts the ranks may make in a rendezvous round; one more fault "
+                     "ends the job Failed with reason RestartsExhausted (the fault repeats: no restart helps). "
+                     "0: the first fault fails the job. Options the training function's "
+                     "@stalwart.restartable(...) sets itself win over this and the timeouts below."))
     soft_timeout_seconds: float = Field(
         default=60.0, gt=0, le=MAX_TIMEOUT_SECONDS,
-        description=("A rank that reports no progress for this long is considered hung: the job restarts "
-                     "in process. Must be less than hardTimeoutSeconds."))
+        description=("A rank that shows no progress for this long is considered hung: the job restarts in "
+                     "process (progress: call_wrapper.ping(), or the training function's main thread running "
+                     "Python, which a thread blocked in a collective or stopped does not). A rank process "
+                     "stopped by a signal for this long is killed by its agent and respawned. Must be less "
+                     "than hardTimeoutSeconds."))
     hard_timeout_seconds: float = Field(
         default=90.0, gt=0, le=MAX_TIMEOUT_SECONDS,
-        description=("A rank that reports no progress for this long, even after the soft timeout's restart "
-                     "was requested, is killed and its process respawned."))
+        description=("A rank process that shows no progress for this long, in the training function or in "
+                     "stalwart's own steps around it, is killed by its agent and respawned."))
     barrier_timeout_seconds: float = Field(
         default=120.0, gt=0, le=MAX_TIMEOUT_SECONDS,
         description=("How long the ranks wait for each other at a restart barrier before the ranks that "
-                     "have not arrived are declared failed."))
+                     "have not arrived are declared failed, and how long building an iteration's process "
+                     "group may take."))
 
     __rules__: ClassVar[list[Rule]] = [
         Rule(

@@ -1,5 +1,5 @@
-"""``stalwart local up|down|status|lose-node|restore-node --dir DIR``: the local cluster for development, CI and
-the demo (a Kubernetes API emulator, a process kubelet and a real etcd, all on loopback)."""
+"""``stalwart local up|down|status|lose-node|restore-node|kubeconfig --dir DIR``: the local cluster for development,
+CI and the demo (a Kubernetes API emulator, a process kubelet and a real etcd, all on loopback)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ def register(sub: Any) -> None:
                       help="pause the node's processes (SIGSTOP) instead of killing them: they live on, cut off, "
                            "until restore-node resumes them")
     lose.set_defaults(func=cmd_lose)
+    config = add("kubeconfig", "print a kubeconfig for a ServiceAccount (a token the API server issues)")
+    config.add_argument("--service-account", required=True, metavar="NAMESPACE/NAME",
+                        help="the ServiceAccount to authenticate as, e.g. stalwart-system/stalwart-operator")
+    config.add_argument("--duration", type=int, default=3600,
+                        help="seconds the token is valid (600 to 2^32, default 3600)")
+    config.set_defaults(func=cmd_kubeconfig)
     restore = add("restore-node", "bring a lost node back (paused processes resume, its kubelet reports again)")
     restore.add_argument("node", help="node name, e.g. local-1")
     restore.set_defaults(func=cmd_restore)
@@ -148,6 +154,24 @@ def cmd_lose(args: argparse.Namespace) -> int:
     print(f"the node turns Unknown after {cluster.settings.node_monitor_grace_period:g}s without heartbeats; "
           f"its pods are evicted after their tolerationSeconds; bring it back with: stalwart local restore-node "
           f"--dir {args.dir} {args.node}")
+    return 0
+
+
+def cmd_kubeconfig(args: argparse.Namespace) -> int:
+    import yaml
+
+    from stalwart.local.cluster import ClusterError, LocalCluster
+
+    namespace, slash, name = str(args.service_account).partition("/")
+    if not slash or not namespace or not name:
+        print(f"--service-account: expected NAMESPACE/NAME, got {args.service_account!r}")
+        return 2
+    try:
+        config = LocalCluster.attach(args.dir).service_account_kubeconfig(namespace, name, args.duration)
+    except ClusterError as exc:
+        print(f"error: {exc}")
+        return 1
+    print(yaml.safe_dump(config, sort_keys=False), end="")
     return 0
 
 

@@ -9,6 +9,12 @@ Two ways to run it:
 * as a plain torchrun rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): it runs once; a fault
   ends the process and a fresh start resumes from the checkpoint.
 
+Under the agent, the in-process restart settings (``maxRestarts``, the soft and hard timeouts, the barrier
+timeout) come from the TrainingJob's ``restartPolicy.inProcess``: the decorator sets none of them.
+
+One optimizer step and the step counter are one atomic unit (``call_wrapper.atomic()``): an interrupt that
+lands between the weights' update and the count would make the step run again after recovery, applied twice.
+
 Recovery, in the order it is tried:
 
 * **in memory**: the model and the step live in this process across in-process restarts; after a restart the
@@ -28,6 +34,8 @@ Output: one JSON object per line on stdout, each with its ``time`` (``start``, `
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import logging
 import os
@@ -219,7 +227,7 @@ def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
     raise InjectedFault(f"injected fault at step {step} on rank {rank} ({FAIL_AT_STEP_ENV}={opts.fail_at_step})")
 
 
-@stalwart.restartable(max_restarts=10, soft_timeout=30.0, hard_timeout=60.0, barrier_timeout=60.0)
+@stalwart.restartable()
 def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     """Train to ``opts.steps`` within the default process group (the restart wrapper, or :func:`main` in plain
     mode, initialises it). Returns the final loss.
@@ -246,9 +254,11 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
+        # The update and the count together, or neither: a restart between them would apply this step twice.
+        with call_wrapper.atomic() if call_wrapper is not None else contextlib.nullcontext():
+            optimizer.step()
+            _state.step = step + 1
         last_loss = float(loss.detach())
-        _state.step = step + 1
         if call_wrapper is not None:
             call_wrapper.ping(_state.step)
         if rank == 0 and (_state.step % opts.checkpoint_every == 0 or _state.step == opts.steps):
@@ -278,10 +288,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(opts)
         return 0
     dist.init_process_group("gloo")
+    group = dist.group.WORLD
     try:
         train.fn(opts)
     finally:
+        # Destroyed from its Python object after DDP is collected: torch then joins the group's threads
+        # without holding the GIL, and none outlives the interpreter (see stalwart.restart.policies).
         dist.destroy_process_group()
+        gc.collect()
+        del group
     return 0
 
 

@@ -10,14 +10,19 @@ Production is real Kubernetes. Locally, ``stalwart local up --dir DIR`` starts, 
 - a scheduler with resource fit per node (:mod:`.scheduler`), the node lifecycle, taint eviction and pod GC
   controllers (:mod:`.nodelifecycle`), the DefaultTolerationSeconds admission plugin (:mod:`.admission`), and the
   Deployment and ServiceAccount controllers (:mod:`.controllers`); node capacity and timings:
-  :mod:`.settings`.
+  :mod:`.settings`;
+- the garbage collector and the namespace controller (:mod:`.garbage`).
 
 :mod:`.cluster` starts, finds and stops it (:class:`~stalwart.local.cluster.LocalCluster`);
 :mod:`.pytest_plugin` offers it to tests as the session fixture ``local_cluster``.
 
+The API serves HTTPS with a CA of its own (:mod:`.pki`), authenticates bearer tokens and authorizes with RBAC
+(``DIR/kubeconfig`` is the admin's; ``stalwart local kubeconfig --service-account NS/NAME`` prints one for a
+ServiceAccount).
+
 What it does not do: container images, volumes, networking between pods beyond loopback (no Service
-virtual IPs or cluster DNS), ``kubectl exec``/``port-forward``/``attach``, authentication and authorization,
-admission webhooks, and protobuf request bodies other than those of Secret, ConfigMap, Namespace, ServiceAccount
-and DeleteOptions (so ``kubectl create deployment`` and other imperative creators of typed objects are refused
-with 415; ``kubectl apply``/``create -f`` send JSON and work).
+virtual IPs or cluster DNS), ``kubectl exec``/``port-forward``/``attach``, client certificates, admission
+webhooks, and protobuf request bodies other than those of Secret, ConfigMap, Namespace, ServiceAccount, RBAC,
+TokenRequest, the self reviews and DeleteOptions (so ``kubectl create deployment`` and other imperative creators
+of typed objects are refused with 415; ``kubectl apply``/``create -f`` send JSON and work).
 """

@@ -11,10 +11,12 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,9 +131,15 @@ class LocalCluster:
                    list(state["nodes"]), int(state["pid"]), state.get("etcd_pid"),
                    LocalClusterSettings.model_validate(state.get("settings") or {}))
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """Trusts the cluster's CA (the API serves HTTPS)."""
+        from stalwart.local.pki import paths
+
+        return paths(self.dir / "pki").client_context()
+
     def ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.api_url}/readyz", timeout=2.0) as resp:
+            with urllib.request.urlopen(f"{self.api_url}/readyz", timeout=2.0, context=self.ssl_context()) as resp:
                 return bool(resp.status == 200)
         except (urllib.error.URLError, OSError):
             return False
@@ -165,14 +173,57 @@ class LocalCluster:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return result
 
-    def _admin(self, method: str, path: str) -> dict[str, Any]:
-        req = urllib.request.Request(f"{self.api_url}{path}", method=method, data=b"" if method == "POST" else None)
+    def _admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+        req = urllib.request.Request(f"{self.api_url}{path}", method=method, data=data,
+                                     headers={"Authorization": f"Bearer {self.admin_token()}",
+                                              "Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=30.0) as resp:
+            with urllib.request.urlopen(req, timeout=30.0, context=self.ssl_context()) as resp:
                 out: dict[str, Any] = json.loads(resp.read())
                 return out
         except urllib.error.HTTPError as exc:
             raise ClusterError(f"{method} {path}: {exc.code}: {exc.read().decode(errors='replace')}") from None
+
+    def open(self, path: str, *, method: str = "GET", body: bytes | None = None,
+             headers: dict[str, str] | None = None, token: str | None = None) -> Any:
+        """Send one HTTPS request to the API and return urllib's response (a context manager; HTTP errors raise
+        ``urllib.error.HTTPError``). ``token``: the bearer token, the admin's if None, none at all if empty."""
+        bearer = self.admin_token() if token is None else token
+        sent = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+        req = urllib.request.Request(f"{self.api_url}{path}", method=method, data=body,
+                                     headers={**sent, **(headers or {})})
+        return urllib.request.urlopen(req, timeout=30.0, context=self.ssl_context())
+
+    def admin_token(self) -> str:
+        """The admin's bearer token (user ``kubernetes-admin``, group ``system:masters``), from the kubeconfig."""
+        import yaml
+
+        token: str = yaml.safe_load(self.kubeconfig.read_text())["users"][0]["user"]["token"]
+        return token
+
+    def service_account_kubeconfig(self, namespace: str, name: str, seconds: int = 3600) -> dict[str, Any]:
+        """A kubeconfig that authenticates as ServiceAccount ``namespace/name`` with a token the API server issues
+        (TokenRequest) for ``seconds``."""
+        import base64
+
+        import yaml
+
+        from stalwart.local.controlplane import kubeconfig
+
+        ca = base64.b64decode(yaml.safe_load(self.kubeconfig.read_text())["clusters"][0]["cluster"][
+            "certificate-authority-data"])
+        answer = self._admin("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
+                             {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                              "spec": {"expirationSeconds": seconds}})
+        return kubeconfig(self.api_url, answer["status"]["token"], ca, user=f"{namespace}-{name}", namespace=namespace)
+
+    def access(self, user: str | None = None) -> list[dict[str, Any]]:
+        """Every authorization decision the API server made (for ``user``): user, verb, group, resource,
+        subresource, namespace, allowed, count."""
+        query = f"?user={urllib.parse.quote(user)}" if user else ""
+        records: list[dict[str, Any]] = self._admin("GET", f"/stalwart/access{query}")["access"]
+        return records
 
     def lose_node(self, node: str, *, partition: bool = False) -> list[str]:
         """Lose ``node`` as a real cluster loses one: its kubelet stops reporting, so after the node-monitor

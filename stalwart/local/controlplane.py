@@ -1,8 +1,9 @@
 """The local cluster's control-plane process: a real etcd, the API emulator (with the DefaultTolerationSeconds
 admission plugin), the scheduler, the process kubelet, the node lifecycle controller and the controllers of
-:mod:`.controllers`, run until SIGTERM/SIGINT. ``stalwart local up`` starts it in the background
-(``python -m stalwart.local.controlplane``); it starts from a clean ``<dir>/etcd`` and ``<dir>/pods``, writes
-``<dir>/kubeconfig`` and, once everything serves, ``<dir>/state.json`` (see :mod:`.cluster`).
+:mod:`.controllers` and :mod:`.garbage`, run until SIGTERM/SIGINT. ``stalwart local up`` starts it in the
+background (``python -m stalwart.local.controlplane``); it starts from a clean ``<dir>/etcd``, ``<dir>/pods`` and
+``<dir>/pki`` (a new CA and serving certificate: the API serves HTTPS), writes ``<dir>/kubeconfig`` (the admin's
+token and the CA) and, once everything serves, ``<dir>/state.json`` (see :mod:`.cluster`).
 
 On shutdown it stops every pod (SIGTERM, SIGKILL after a short grace), the HTTP server and etcd, and removes
 ``state.json``. Containers are started with a parent-death signal, so even a killed control plane leaves no
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -30,10 +32,13 @@ from pydantic import ValidationError
 from stalwart.local.admission import default_toleration_seconds
 from stalwart.local.apiserver.http import ApiServer
 from stalwart.local.apiserver.objects import ObjectStore
+from stalwart.local.apiserver.security import new_security
 from stalwart.local.controllers import Controllers
 from stalwart.local.etcd import EtcdServer, free_port
+from stalwart.local.garbage import GarbageCollector
 from stalwart.local.kubelet import ProcessKubelet
 from stalwart.local.nodelifecycle import NodeLifecycleController
+from stalwart.local.pki import create as create_pki
 from stalwart.local.scheduler import Scheduler
 from stalwart.local.settings import LocalClusterSettings
 
@@ -42,13 +47,16 @@ STATE_FILE = "state.json"
 KUBECONFIG_FILE = "kubeconfig"
 
 
-def kubeconfig(api_url: str, name: str = "stalwart-local") -> dict[str, Any]:
-    """A kubeconfig for the emulator (plain HTTP on loopback; the token is not checked)."""
+def kubeconfig(api_url: str, token: str, ca_pem: bytes, name: str = "stalwart-local",  # noqa: PLR0917
+               user: str = "admin", namespace: str = "default") -> dict[str, Any]:
+    """A kubeconfig for the emulator (HTTPS on loopback, trusting the cluster CA ``ca_pem``) authenticating with
+    a bearer ``token``."""
+    ca_data = base64.b64encode(ca_pem).decode()
     return {
         "apiVersion": "v1", "kind": "Config", "current-context": name, "preferences": {},
-        "clusters": [{"name": name, "cluster": {"server": api_url}}],
-        "users": [{"name": name, "user": {"token": "local"}}],
-        "contexts": [{"name": name, "context": {"cluster": name, "user": name, "namespace": "default"}}],
+        "clusters": [{"name": name, "cluster": {"server": api_url, "certificate-authority-data": ca_data}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": user, "namespace": namespace}}],
     }
 
 
@@ -98,35 +106,42 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     # Every `up` is a fresh cluster: API objects live in memory, so etcd data and pod directories of an
     # earlier run would only describe things that no longer exist.
-    for stale in ("etcd", "pods"):
+    for stale in ("etcd", "pods", "pki"):
         await asyncio.to_thread(shutil.rmtree, directory / stale, True)
     etcd: EtcdServer | None = None
     if with_etcd:
         etcd = EtcdServer(directory / "etcd")
         await asyncio.to_thread(etcd.start, 90.0)  # generous: CI machines may be heavily loaded
     port = port or free_port()
+    pki = await asyncio.to_thread(create_pki, directory / "pki")
     store = ObjectStore()
     store.admission.append(default_toleration_seconds(settings.default_not_ready_toleration_seconds,
                                                       settings.default_unreachable_toleration_seconds))
+    security = new_security(store)
     kubelet = ProcessKubelet(store, directory, [f"local-{i}" for i in range(nodes)], api_port=port,
                              settings=settings)
     controllers = Controllers(store)
+    collector = GarbageCollector(store)
     scheduler = Scheduler(store)
     node_controller = NodeLifecycleController(store, settings)
     clock: asyncio.Task[None] | None = None
-    server = ApiServer(store, kubelet)
+    server = ApiServer(store, security, kubelet)
     _add_admin_routes(server.app, kubelet)
     runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
+    site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=pki.server_context())
     try:
         await site.start()
         kubelet.start()
         scheduler.start()
         controllers.start()
+        collector.start()
         clock = asyncio.get_running_loop().create_task(_node_clock(kubelet, node_controller))
-        api_url = f"http://127.0.0.1:{port}"
-        (directory / KUBECONFIG_FILE).write_text(yaml.safe_dump(kubeconfig(api_url)))
+        api_url = f"https://127.0.0.1:{port}"
+        config = directory / KUBECONFIG_FILE
+        config.touch(mode=0o600)
+        config.write_text(yaml.safe_dump(kubeconfig(api_url, security.authenticator.admin_token,
+                                                    pki.ca.read_bytes())))
         state = {"pid": os.getpid(), "api_url": api_url, "etcd_endpoint": etcd.endpoint if etcd else None,
                  "etcd_pid": etcd.process.pid if etcd and etcd.process else None,
                  "nodes": list(kubelet.nodes), "kubeconfig": str(directory / KUBECONFIG_FILE),
@@ -146,6 +161,7 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
                 await clock
         await controllers.stop()
         await scheduler.stop()
+        await collector.stop()
         await kubelet.shutdown()
         await runner.cleanup()
         if etcd is not None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stalwart.local.apiserver.objects import now_rfc3339
+from stalwart.local.apiserver.podspec import qos_class
 from stalwart.local.podenv import Placement
 
 JSON = dict[str, Any]
@@ -59,21 +59,6 @@ class PodRun:
 
     def all_containers(self) -> list[ContainerRun]:
         return self.inits + self.containers
-
-
-def qos_class(spec: Mapping[str, Any]) -> str:
-    """Guaranteed (every container's cpu and memory requests equal their limits), BestEffort (no container sets
-    any request or limit), else Burstable."""
-    containers = list(spec.get("containers") or []) + list(spec.get("initContainers") or [])
-    resources = [c.get("resources") or {} for c in containers]
-    if not any(r.get("requests") or r.get("limits") for r in resources):
-        return "BestEffort"
-    for r in resources:
-        limits, requests = r.get("limits") or {}, r.get("requests") or {}
-        for name in ("cpu", "memory"):
-            if name not in limits or str(requests.get(name, limits[name])) != str(limits[name]):
-                return "Burstable"
-    return "Guaranteed"
 
 
 def container_status(c: ContainerRun, image: str) -> JSON:

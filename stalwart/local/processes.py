@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -32,6 +33,8 @@ CLUSTER_MARKER = "STALWART_LOCAL_CLUSTER"
 #: Rounds of "find, then signal" when pausing: a process forked between a scan and the signal is found by the
 #: next scan (a paused process cannot fork, so the rounds end).
 _PAUSE_ROUNDS = 10
+#: Seconds pause_pods waits for the kernel to stop what it signalled (SIGSTOP is only queued by kill()).
+_PAUSE_SETTLE = 5.0
 
 
 def marked_pids(name: str, value: str) -> list[int]:
@@ -87,6 +90,11 @@ def pause_pods(uids: list[str]) -> list[int]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGSTOP)
         paused |= found
+    # kill() only queues SIGSTOP: a process scheduled meanwhile may still act (write, answer) for a moment.
+    # Return once each is stopped (or gone), so that "paused" means it can no longer do anything.
+    deadline = time.monotonic() + _PAUSE_SETTLE
+    while any(process_state(pid) not in ("T", "t", "") for pid in paused) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return sorted(paused)
 
 

@@ -97,8 +97,7 @@ class Scheduler(ControlLoop):
             current = self.store.get(self.pods_info, ns, name)
             if current["metadata"]["uid"] != meta["uid"] or (current.get("spec") or {}).get("nodeName"):
                 return False
-            current["spec"]["nodeName"] = node
-            bound = self.store.update(self.pods_info, ns, name, current)
+            bound = self.store.bind(ns, name, node)  # the binding subresource: spec.nodeName is immutable
             with_condition(bound, "PodScheduled", "True")
             self.store.update(self.pods_info, ns, name, bound, "status")
         except ApiError as exc:

@@ -37,6 +37,8 @@ __all__ = [
     "exit_facts",
     "fact_of_record",
     "rank_facts",
+    "reason_of_kind",
+    "short_type",
     "signal_name",
     "split_exception",
 ]
@@ -103,6 +105,12 @@ def split_exception(text: str) -> tuple[str | None, str]:
     return m.group("type").rsplit(".", 1)[-1], message
 
 
+def short_type(name: str) -> str:
+    """``DrillFault`` for ``stalwart.restart.drill.DrillFault``: ``exceptionType`` names the type as its repr
+    does, whichever way a record spelt it."""
+    return name.rsplit(".", 1)[-1]
+
+
 def signal_name(number: int) -> str:
     """``SIGKILL`` for 9; ``signal 77`` for a number without a name."""
     try:
@@ -122,7 +130,15 @@ _KIND_REASON: dict[str, str] = {
     "peer_lost": "PeerLost",
     "unhealthy": "Unhealthy",
     "process_died": "ProcessExited",
+    "stopped": "Hang",
+    "init_timeout": "Hang",
+    "non_retryable": "Exception",
 }
+
+
+def reason_of_kind(kind: str | None) -> str:
+    """The status reason (``lastFailure.reason``) of a restart fault kind (``stalwart.api.restart.FaultKind``)."""
+    return _KIND_REASON.get(kind, kind) if kind is not None else "Exception"
 
 
 def rank_facts(faults: Sequence[tuple[int, FaultRecord]], round_: int, places: Mapping[int, RankPlace],
@@ -134,8 +150,14 @@ def rank_facts(faults: Sequence[tuple[int, FaultRecord]], round_: int, places: M
     out: list[Fact] = []
     for revision, rec in faults:
         position = Position(round=round_, iteration=rec.iteration)
-        reason = _KIND_REASON.get(rec.kind, rec.kind)
-        exception_type, message = split_exception(rec.reason) if rec.kind == "exception" else (None, rec.reason)
+        reason = reason_of_kind(rec.kind)
+        exception_type: str | None
+        if rec.exception is not None:  # the rank said what it raised: no need to read it from the text
+            exception_type, message = short_type(rec.exception), rec.message or ""
+        elif rec.kind == "exception":
+            exception_type, message = split_exception(rec.reason)
+        else:
+            exception_type, message = None, rec.reason
         out.append(Fact("Rank", reason, rec.time, position, revision, rec.rank, rec.node_id, rec.slot, message,
                         exception_type))
         for slot in rec.lost_slots:

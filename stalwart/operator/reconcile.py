@@ -82,6 +82,7 @@ from stalwart.operator.model import (
     WriteJobRecord,
 )
 from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
+from stalwart.operator.rank_failures import rank_verdict
 
 #: Condition reasons the operator sets (the ``reason`` of conditions and Events).
 REASON_INVALID_SPEC = "InvalidSpec"
@@ -460,11 +461,18 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
         w.actions.append(DeletePod(pod.name, 0 if node_gone else w.settings.delete_grace_seconds,
                                    reason.value))
         if action == FailureAction.FAIL_JOB:
-            why = (REASON_FAIL_RULE if any(_rule_matches(r, reason, pod.exit_code)
-                                           for r in spec.restart_policy.rules) else REASON_NON_RETRYABLE)
-            st.last_failure = FailureRecord(pod=pod.name, reason=reason.value, message=_pod_message(pod, reason),
-                                            exit_code=pod.exit_code, detected_by="Pod", time=to_time(w.now))
-            _fail(w, why, f"pod {pod.name} failed ({reason.value}, {detail})")
+            by_rule = any(_rule_matches(r, reason, pod.exit_code) for r in spec.restart_policy.rules)
+            verdict = None if by_rule else rank_verdict(pod.name, pod.exit_code, w.obs.etcd.progress, w.now)
+            if verdict is not None:  # the ranks gave up: say why, with the failure they last saw
+                st.last_failure = verdict.last_failure
+                _fail(w, verdict.reason, verdict.message)
+                w.event("Warning", verdict.reason, verdict.message)
+            else:
+                st.last_failure = FailureRecord(pod=pod.name, reason=reason.value,
+                                                message=_pod_message(pod, reason), exit_code=pod.exit_code,
+                                                detected_by="Pod", time=to_time(w.now))
+                _fail(w, REASON_FAIL_RULE if by_rule else REASON_NON_RETRYABLE,
+                      f"pod {pod.name} failed ({reason.value}, {detail})")
             _finished(w, spec)
             return
         w.event("Warning", "PodFailed", f"pod {pod.name} failed ({reason.value}, {detail}); "

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from stalwart.agent.rendezvous.fence import Fence
-from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
+from stalwart.api.restart import DIRECT_KINDS, AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
 from stalwart.keys import JobKeys
 from stalwart.outage import Outage
 from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTimeout, StoreUnavailable, Watch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinationTimeout", "Coordinator", "EpochView", "IterationOutcome"]
+__all__ = ["CoordinationTimeout", "Coordinator", "EpochView", "IterationOutcome", "barrier_complete", "record_fault"]
 
 
 class CoordinationTimeout(Exception):
@@ -45,8 +45,49 @@ class EpochView:
         faults = sorted(self.faults.get(iteration, []), key=lambda f: f[0])
         return faults[0][1] if faults else None
 
+    def cause(self, iteration: int) -> FaultRecord | None:
+        """The iteration's cause: its first fault of a kind seen at the faulty process (``DIRECT_KINDS``),
+        else its first fault."""
+        faults = [rec for _, rec in sorted(self.faults.get(iteration, []), key=lambda f: f[0])]
+        return next((rec for rec in faults if rec.kind in DIRECT_KINDS), faults[0] if faults else None)
+
+    def faults_of_others(self, iteration: int, slot: int) -> list[FaultRecord]:
+        """The faults recorded in ``iteration`` by processes other than ``slot``, oldest first."""
+        return [rec for _, rec in sorted(self.faults.get(iteration, []), key=lambda f: f[0]) if rec.slot != slot]
+
 
 IterationOutcome = str  # "done" | "fault"
+
+
+def barrier_complete(view: EpochView, iteration: int, slots: int) -> bool:
+    """Whether every slot the barrier of ``iteration`` waits for has arrived. Pure.
+
+    A slot that took no part in the last iteration and has no live process is not waited for again.
+    Arrivals are bound to their process's lease and vanish with it, so the last seal (which is not) also
+    says who took part: a process cut off from etcd for a moment is waited for, and comes back with a new
+    lease, instead of being dropped from the world.
+    """
+    expected = set(range(slots))
+    previous = view.arrivals.get(iteration - 1)
+    if previous is not None:
+        took_part = set(previous)
+        last_seal = view.seals.get(iteration - 1)
+        if last_seal is not None:
+            took_part |= {int(s) for s in last_seal.ranks} | set(last_seal.inactive)
+        expected -= {s for s in expected if s not in took_part and s not in view.alive}
+    return expected <= set(view.arrivals.get(iteration, {}))
+
+
+def fault_key(keys: JobKeys, epoch: int, iteration: int, slot: int) -> str:
+    return f"{keys.restart}{epoch}/fault/{iteration}/{slot}"
+
+
+def record_fault(store: Store, keys: JobKeys, epoch: int, rec: FaultRecord) -> bool:
+    """Publish ``rec`` as the fault of slot ``rec.slot`` in its iteration, fenced by ``epoch``, unless that slot
+    recorded one there already (which says more: e.g. the exception before the process died): what an agent
+    does for a rank process it found dead, stopped or hung. Returns whether it was written."""
+    key = fault_key(keys, epoch, rec.iteration, rec.slot)
+    return Fence(store, keys, epoch).txn([Compare(key, "create", "==", 0)], [Put(key, rec.to_json_bytes())]).succeeded
 
 
 T = TypeVar("T")
@@ -105,7 +146,7 @@ class Coordinator:
         return f"{self.base}seal/{iteration}"
 
     def fault_key(self, iteration: int, slot: int) -> str:
-        return f"{self.base}fault/{iteration}/{slot}"
+        return fault_key(self.keys, self.epoch, iteration, slot)
 
     def done_key(self, iteration: int, slot: int) -> str:
         return f"{self.base}done/{iteration}/{slot}"

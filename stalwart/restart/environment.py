@@ -1,7 +1,9 @@
 """What a rank process learns from its agent through the environment, validated with clear errors.
 
 Besides torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...), the agent gives every rank
-process the ``STALWART_*`` variables below. The restart wrapper reads them once, at its first call.
+process the ``STALWART_*`` variables below. The restart wrapper reads them once, at its first call. The last
+four carry the TrainingJob's ``restartPolicy.inProcess`` settings when the job has a record in etcd (a job of
+the operator); the wrapper uses them for the options its decorator leaves out.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ ENV = {
     "STALWART_SPARE": "spare",
     "STALWART_STATUS_FILE": "status_file",
     "LOCAL_RANK": "local_rank",
+    "STALWART_MAX_RESTARTS": "max_restarts",
+    "STALWART_SOFT_TIMEOUT": "soft_timeout",
+    "STALWART_HARD_TIMEOUT": "hard_timeout",
+    "STALWART_BARRIER_TIMEOUT": "barrier_timeout",
 }
 
 
@@ -52,6 +58,10 @@ class RankEnvironment(BaseModel):
     spare: bool = False
     status_file: str | None = None
     local_rank: int = Field(default=0, ge=0)
+    max_restarts: int | None = Field(default=None, ge=0)
+    soft_timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    hard_timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    barrier_timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _consistent(self) -> RankEnvironment:
@@ -59,7 +69,17 @@ class RankEnvironment(BaseModel):
             raise ValueError(f"STALWART_SLOT {self.slot} must be below STALWART_SLOTS {self.slots}")
         if self.target_world > self.slots:
             raise ValueError(f"STALWART_TARGET_WORLD {self.target_world} exceeds STALWART_SLOTS {self.slots}")
+        if self.soft_timeout is not None and self.hard_timeout is not None \
+                and self.hard_timeout <= self.soft_timeout:
+            raise ValueError(f"STALWART_HARD_TIMEOUT {self.hard_timeout:g} must exceed STALWART_SOFT_TIMEOUT "
+                             f"{self.soft_timeout:g}")
         return self
+
+    def job_settings(self) -> dict[str, float | int]:
+        """The job's in-process restart settings that the agent passed, by RestartConfig option name."""
+        settings = {"max_restarts": self.max_restarts, "soft_timeout": self.soft_timeout,
+                    "hard_timeout": self.hard_timeout, "barrier_timeout": self.barrier_timeout}
+        return {name: value for name, value in settings.items() if value is not None}
 
     @property
     def keys(self) -> JobKeys:

@@ -2,9 +2,13 @@
 timeout), interrupts the training function, and keeps the status file the agent reads.
 
 Progress of the main thread is observed without help from the training code: every ``interval`` the
-monitor schedules a tiny callback on the main thread (``Py_AddPendingCall``). The interpreter runs it only
-when the main thread executes Python bytecode, so a thread blocked in a collective or a system call shows
-no progress, while any Python-level work does. ``CallWrapper.ping()`` counts as progress too.
+monitor schedules a tiny C callback on the main thread (``Py_AddPendingCall``). The interpreter runs it only
+when the main thread executes Python bytecode, so a thread blocked in a collective (until it completes), in a
+system call or stopped shows no progress, while any Python-level work does. ``CallWrapper.ping()`` counts as
+progress too. The soft timeout applies while the training function runs; the heartbeat in the status file is
+the main thread's last progress in every phase (``now`` only where the wrapper runs outside the main thread),
+so the agent's hard timeout also ends a process stuck in the wrapper's own steps (a Finalize policy, an
+abort that blocks).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import tempfile
 import threading
 import time
 
-from stalwart.api.restart import FailureInfo, FaultRecord, RankStatus
+from stalwart.api.restart import DIRECT_KINDS, FaultRecord, RankStatus, failure_info
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
@@ -31,33 +35,36 @@ __all__ = ["Monitor", "StatusFile"]
 
 
 class _MainThreadProbe:
-    """Schedules ``sysinfo(2)`` on the main thread through ``Py_AddPendingCall`` and reads back the uptime
-    it recorded (one-second resolution). A C function, not a Python callback, on purpose: an interrupt set
+    """Asks the main thread to run ``sem_post`` on a private semaphore (``Py_AddPendingCall``) and tells
+    whether it did. The interpreter runs pending calls only between bytecodes of the main thread, so the
+    post shows that the main thread ran Python code after the request was made: the monitor knows the main
+    thread's progress to within one tick. A C function, not a Python callback, on purpose: an interrupt set
     on the main thread would fire inside a Python callback, where ctypes swallows it."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
-        self._fn = ctypes.cast(libc.sysinfo, ctypes.c_void_p)
-        self._mine = ctypes.create_string_buffer(256)  # struct sysinfo is 112 bytes on 64-bit Linux
-        self._main = ctypes.create_string_buffer(256)
+        self._sem = ctypes.create_string_buffer(64)  # sem_t is 32 bytes on 64-bit Linux
+        if libc.sem_init(ctypes.byref(self._sem), 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+        self._post = ctypes.cast(libc.sem_post, ctypes.c_void_p)
+        self._trywait = libc.sem_trywait
+        self._trywait.argtypes = [ctypes.c_void_p]
+        self._trywait.restype = ctypes.c_int
         self._add = ctypes.pythonapi.Py_AddPendingCall
         self._add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._add.restype = ctypes.c_int
-        self._sysinfo = libc.sysinfo
-        self._sysinfo.argtypes = [ctypes.c_void_p]
-        self._sysinfo.restype = ctypes.c_int
+        self._asked: float | None = None
 
-    def schedule(self) -> None:
-        self._add(self._fn, ctypes.addressof(self._main))
-
-    def uptime(self) -> int:
-        """The uptime now (seconds)."""
-        self._sysinfo(ctypes.addressof(self._mine))
-        return int(ctypes.c_long.from_buffer(self._mine).value)
-
-    def main_seen(self) -> int:
-        """The uptime at which the main thread last ran the probe (0: never)."""
-        return int(ctypes.c_long.from_buffer(self._main).value)
+    def poll(self, now: float) -> float | None:
+        """Called every tick: the monotonic time of the last request the main thread has answered since the
+        previous poll (it ran Python code after that time), or ``None``; then asks again if none is pending.
+        The semaphore outlives the process's threads: it is never destroyed."""
+        answered = None
+        if self._asked is not None and self._trywait(ctypes.addressof(self._sem)) == 0:
+            answered, self._asked = self._asked, None
+        if self._asked is None and self._add(self._post, ctypes.addressof(self._sem)) == 0:
+            self._asked = now
+        return answered
 
 
 def _probe() -> _MainThreadProbe | None:
@@ -86,14 +93,26 @@ class StatusFile:
             log.warning("cannot write status file %s: %s", self.path, e)
 
 
+def stall_limit(soft_timeout: float, startup_timeout: float, *, pinged: bool) -> float:
+    """Seconds without progress after which a running iteration counts as hung: the soft timeout once the
+    training code has pinged in this iteration, the longer startup allowance before."""
+    return soft_timeout if pinged else max(soft_timeout, startup_timeout)
+
+
 class Monitor:
     """One thread per rank process, for its whole life. ``begin``/``end`` bracket each iteration's run."""
 
     def __init__(self, coord: Coordinator, interrupter: Interrupter, *, soft_timeout: float,
-                 interval: float, status: StatusFile, watch_main_thread: bool) -> None:
+                 interval: float, status: StatusFile, watch_main_thread: bool,
+                 startup_timeout: float | None = None) -> None:
         self.coord = coord
         self.interrupter = interrupter
         self.soft_timeout = soft_timeout
+        # Until an iteration's first ping its ranks may wait in the group's first collectives (DDP's parameter
+        # broadcast) for a peer that is still starting: the main thread shows no progress there for as long as
+        # the slowest peer takes, which the barrier timeout bounds, not the soft timeout.
+        self.startup_timeout = max(soft_timeout, startup_timeout or soft_timeout)
+        self._pinged = False
         self.interval = interval
         self.status_file = status
         self._lock = threading.Lock()
@@ -103,7 +122,8 @@ class Monitor:
         self._active: frozenset[int] = frozenset()
         self._running = False
         self._timed_out = False
-        self._faults: dict[int, FaultRecord] = {}
+        self._faults: dict[int, FaultRecord] = {}  # the first fault seen in each iteration
+        self._causes: dict[int, FaultRecord] = {}  # the iteration's cause as known so far (see DIRECT_KINDS)
         self.last_progress = time.monotonic()
         self.status = RankStatus(slot=coord.slot, pid=os.getpid(), state="starting", heartbeat=time.monotonic())
         self._status_dirty = True
@@ -134,6 +154,7 @@ class Monitor:
             self._running = True
             self._timed_out = False
             self._first_step = None
+            self._pinged = False
             self.last_progress = time.monotonic()
             seen = self._faults.get(iteration)
         if seen is not None and seen.slot != self.coord.slot:
@@ -148,6 +169,7 @@ class Monitor:
         """Progress from the training code: a few attribute writes, so that it may be called every step. The
         first step of an iteration is kept with its time: it is when training went on after a restart."""
         self.last_progress = time.monotonic()
+        self._pinged = True
         if step is not None:
             self._step = step
             self._step_time = time.time()
@@ -182,15 +204,20 @@ class Monitor:
             first = rec.iteration not in self._faults
             if first:
                 self._faults[rec.iteration] = rec
+            cause = self._causes.get(rec.iteration)
+            better = cause is None or (rec.kind in DIRECT_KINDS and cause.kind not in DIRECT_KINDS)
+            if better:
+                self._causes[rec.iteration] = rec
             current = self._iteration
-        if first:
-            self.update_status(last_failure=FailureInfo(rank=rec.rank, pod=rec.node_id,
-                                                        reason=f"{rec.kind}: {rec.reason}"[:2048], time=rec.time))
+        if better:
+            self.update_status(last_failure=failure_info(rec))
         if rec.iteration == current and rec.slot != self.coord.slot:
             self._interrupt(f"fault in slot {rec.slot}: {rec.kind}")
 
     def _open_watch(self) -> Watch:
-        view = self.coord.view()
+        # One read, not the coordinator's retrying one: the thread must keep ticking during an outage.
+        kvs, revision = self.coord.store.get_prefix(self.coord.base)
+        view = self.coord.parse(kvs, revision)
         for _it, faults in view.faults.items():
             for _, rec in sorted(faults, key=lambda f: f[0]):
                 self._on_fault(rec)
@@ -222,26 +249,31 @@ class Monitor:
         self._interrupt(reason)
 
     def _run(self) -> None:
+        # Ticks (the soft timeout, the probe, the status file) go on at every interval whatever etcd does:
+        # an outage only delays the watch's reopening.
         watch: Watch | None = None
         backoff = 0.1
+        reopen_at = 0.0
         try:
             while not self._stop.is_set():
-                if watch is None:
+                if watch is None and time.monotonic() >= reopen_at:
                     try:
                         watch = self._open_watch()
                         backoff = 0.1
                     except StoreError as e:
                         self.coord.outage.failed(f"fault watch: {e}")  # logged once per outage
-                        self._stop.wait(backoff * (0.5 + random.random()))
+                        reopen_at = time.monotonic() + backoff * (0.5 + random.random())
                         backoff = min(backoff * 2, 2.0)
-                        continue
-                try:
-                    ev = watch.next(timeout=self.interval)
-                except StoreError as e:
-                    self.coord.outage.failed(f"fault watch: {e}")
-                    watch.cancel()
-                    watch = None
-                    continue
+                ev = None
+                if watch is None:
+                    self._stop.wait(self.interval)
+                else:
+                    try:
+                        ev = watch.next(timeout=self.interval)
+                    except StoreError as e:
+                        self.coord.outage.failed(f"fault watch: {e}")
+                        watch.cancel()
+                        watch = None
                 if ev is not None:
                     self._on_event(ev)
                 self._tick()
@@ -253,18 +285,18 @@ class Monitor:
         self.interrupter.nudge()
         now = time.monotonic()
         if self._probe is not None:
-            seen = self._probe.main_seen()
-            if seen:
-                # The main thread ran the probe (up - seen) whole seconds ago, give or take one.
-                self.last_progress = max(self.last_progress, now - (self._probe.uptime() - seen) - 1.0)
-            self._probe.schedule()
+            answered = self._probe.poll(now)
+            if answered is not None:
+                self.last_progress = max(self.last_progress, answered)
         with self._lock:
             running, ctx, iteration = self._running, self._ctx, self._iteration
-            stalled = running and not self._timed_out and now - self.last_progress > self.soft_timeout
+            limit = stall_limit(self.soft_timeout, self.startup_timeout, pinged=self._pinged)
+            stalled = running and not self._timed_out and now - self.last_progress > limit
             if stalled:
                 self._timed_out = True
         if stalled and ctx is not None:
-            reason = f"no progress for {now - self.last_progress:.1f}s (soft timeout {self.soft_timeout}s)"
+            which = "soft timeout" if limit == self.soft_timeout else "startup timeout, before the first ping"
+            reason = f"no progress for {now - self.last_progress:.1f}s ({which} {limit}s)"
             log.warning("slot %d iteration %d: %s", self.coord.slot, iteration, reason)
             rec = FaultRecord(slot=self.coord.slot, rank=ctx.rank, node_id=self.coord.node_id,
                               iteration=iteration, kind="soft_timeout", reason=reason, time=time.time())
@@ -278,8 +310,9 @@ class Monitor:
         with self._lock:
             if not force and now - self._status_written < 0.5:
                 return
-            # While not running user code the process waits on etcd with deadlines: it is not hung.
-            beat = self.last_progress if self._running else now
+            # Without a probe, progress outside the training function is not seen: the wrapper's own waits
+            # have deadlines, so it is taken as progressing there.
+            beat = self.last_progress if self._running or self._probe is not None else now
             # The first step belongs to the iteration it was taken in; the next one has none until it steps.
             first = self._first_step if self._first_step and self._first_step[0] == self.status.iteration else None
             self.status = self.status.model_copy(update={

@@ -17,11 +17,13 @@ torch Store of the iteration, ...):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,16 +39,29 @@ __all__ = [
     "FaultCounter",
     "Finalize",
     "FinalizeCallback",
+    "GroupArgs",
     "HealthCheck",
     "InitProcessGroup",
     "Initialize",
     "IterationContext",
     "Unhealthy",
+    "group_released_last",
 ]
 
 
 class Unhealthy(Exception):
     """A health check failed: this process must leave the job (exit code ``UNHEALTHY``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupArgs:
+    """How a default process group is built: the backend, the collective timeout (seconds), and torch's
+    ``pg_options`` and ``device_id`` when given."""
+
+    backend: str
+    timeout: float
+    pg_options: Any = None
+    device_id: Any = None
 
 
 @dataclass(slots=True)
@@ -66,6 +81,15 @@ class IterationContext:
     fault: BaseException | None = None
     #: The number of faults this process has raised itself (for FaultCounter).
     own_faults: int = 0
+    #: How the training function asked for the default group in an earlier iteration (it calls
+    #: ``init_process_group`` itself): InitProcessGroup builds it that way from the start.
+    group_args: GroupArgs | None = None
+    #: How the default group of this iteration was built (set by :func:`build_default_group`).
+    built: GroupArgs | None = None
+    #: Groups built in this iteration so far (each from a fresh scope of ``store``).
+    builds: int = 0
+    #: Groups the training function destroyed: held until its frames are gone (see group_released_last).
+    retired: list[Any] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -156,16 +180,33 @@ class InitProcessGroup(Initialize):
         return "nccl" if torch.cuda.is_available() else "gloo"
 
     def __call__(self, ctx: IterationContext) -> None:
-        import torch
-        import torch.distributed as dist
+        build_default_group(ctx, ctx.group_args or GroupArgs(self.resolved_backend(), self.timeout))
 
-        backend = self.resolved_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(int(ctx.extra.get("local_rank", 0)) % max(1, torch.cuda.device_count()))
+
+def build_default_group(ctx: IterationContext, args: GroupArgs, init: Callable[..., None] | None = None) -> None:
+    """Build the default process group of the iteration as ``args`` say, from the iteration's Store (a fresh
+    scope of it for every group after the first, so that no key of an earlier group is read). ``init`` is
+    torch's ``init_process_group`` (pass the original while a stand-in replaces it)."""
+    import torch
+    from torch.distributed import distributed_c10d
+
+    if "nccl" in args.backend and args.device_id is None and torch.cuda.is_available():
+        torch.cuda.set_device(int(ctx.extra.get("local_rank", 0)) % max(1, torch.cuda.device_count()))
+    if ctx.sockets_before is None:
         ctx.sockets_before = SocketSnapshot()
-        ctx.extra["backend"] = backend
-        dist.init_process_group(backend, store=ctx.store, rank=ctx.rank, world_size=ctx.world_size,
-                                timeout=datetime.timedelta(seconds=self.timeout))
+    ctx.extra["backend"] = args.backend
+    ctx.extra.pop("nccl_aborted", None)
+    store = ctx.store if ctx.builds == 0 else distributed_c10d.PrefixStore(f"group-{ctx.builds}/", ctx.store)
+    if not distributed_c10d.is_initialized():
+        # torch names the default group after a counter that destroy_process_group() resets; an earlier
+        # init that failed left it raised, and the ranks would then look for each other under different names
+        # (each waiting for keys the others never write). Reset it as destroy_process_group() does.
+        distributed_c10d._world.group_count = 0
+    ctx.builds += 1
+    (init or distributed_c10d.init_process_group)(
+        args.backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
+        timeout=datetime.timedelta(seconds=args.timeout), pg_options=args.pg_options, device_id=args.device_id)
+    ctx.built = args
 
 
 class AbortProcessGroup(Abort):
@@ -186,6 +227,34 @@ class AbortProcessGroup(Abort):
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def group_released_last(retired: list[Any] | None = None, *, collect: bool = False) -> Iterator[None]:
+    """Hold the default process group while the block drops the rest (the group's destruction, DDP, the
+    frames of a failed iteration), then drop the group, and the ``retired`` ones the training function
+    destroyed itself (held since): last, from their Python objects.
+
+    torch destroys a process group from its Python object with the GIL released, but from DDP's reducer with
+    the GIL held; a gloo worker thread that is still dropping a work object of the last collective needs the
+    GIL for it, and the group's destructor joins that thread: deadlock. Held here, the group outlives the
+    reducer and goes the first way. (DDP kept alive in a reference cycle keeps the group until the garbage
+    collector runs, by which time its threads are idle.) ``collect`` runs the collector first, so that such a
+    group goes now too: at the end of a job, where a group left for the interpreter's exit would meet its
+    worker thread still busy ("terminate called without an active exception"). It costs about 0.2 s with
+    torch loaded, too much for every restart.
+    """
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    try:
+        yield
+        if collect:
+            gc.collect()
+    finally:
+        del group
+        if retired is not None:
+            retired.clear()
+
+
 def free_blocked_peers(ctx: IterationContext) -> int:
     """Free this process and its peers from blocked collectives, from any thread, without waiting: shut down
     the process group's TCP connections (gloo) and abort its NCCL communicators. Idempotent."""
@@ -194,7 +263,7 @@ def free_blocked_peers(ctx: IterationContext) -> int:
     n = shutdown_sockets_since(ctx.sockets_before, keep_peers=ctx.keep_peers)
     if n:
         log.debug("iteration %d: shut down %d process-group connection(s)", ctx.iteration, n)
-    if ctx.extra.get("backend") == "nccl" and not ctx.extra.get("nccl_aborted"):
+    if "nccl" in str(ctx.extra.get("backend", "")) and not ctx.extra.get("nccl_aborted"):
         ctx.extra["nccl_aborted"] = True
         try:
             _abort_nccl()

@@ -5,14 +5,19 @@ Each rank process runs the loop below; all of them agree through etcd (:mod:`.co
 1. **barrier** of iteration *n*: the process says it is ready (and healthy); the first process that sees
    every slot arrived, or the barrier timeout pass, seals the iteration with a rank assignment
    (:mod:`.assignment`); everyone reads the same seal. Processes left out wait as spares.
-2. **run**: Initialize (the process group is built from the iteration's etcd Store), then the function.
-   The monitor thread interrupts it when any process reports a fault in *n*, or when this one stalls past
-   the soft timeout.
-3. **fault**: the process reports it (fenced by the epoch), runs Abort (which shuts the process group's
-   connections, freeing peers blocked in collectives at once), Finalize and HealthCheck, and goes to the
-   barrier of *n + 1*.
+2. **run**: Initialize (the process group is built from the iteration's etcd Store, within the barrier
+   timeout), then the function. The monitor thread interrupts it when any process reports a fault in *n*,
+   or when this one stalls past the soft timeout.
+3. **fault**: the process reports it (fenced by the epoch) unless it is the consequence of a fault another
+   process reported first, runs Abort (which shuts the process group's connections, freeing peers blocked
+   in collectives at once), Finalize and HealthCheck, and goes to the barrier of *n + 1*.
 4. **completion**: when the function returns, the process waits until every active process returned (the
    completion barrier) and returns the result; a fault seen meanwhile restarts the iteration instead.
+
+Two styles of training function work alike: one that leaves the default process group to the wrapper (it
+is ready when the function starts), and one written for torchrun that calls
+``dist.init_process_group(...)`` itself, with or without arguments, and perhaps
+``dist.destroy_process_group()`` at its end (see :mod:`.user_group`).
 
 A rank process gives up with a documented exit code (:mod:`stalwart.api.exit_codes`) after ``max_restarts``
 restarts, when it is unhealthy, when too few processes are left, or when its round is over.
@@ -24,35 +29,32 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
 import os
 import threading
 import time
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from stalwart.agent.rendezvous.errors import StaleEpoch
 from stalwart.api.exit_codes import ExitCode
-from stalwart.api.restart import ArrivalRecord, FailureInfo, FaultKind, FaultRecord, SealRecord
+from stalwart.api.restart import ArrivalRecord, FaultKind, FaultRecord, SealRecord, failure_info
 from stalwart.restart import drill
-from stalwart.restart.assignment import Candidate, RankAssignment, WorldTooSmall, initial_ranks
-from stalwart.restart.coordination import CoordinationTimeout, Coordinator, EpochView
+from stalwart.restart.assignment import Candidate, WorldTooSmall, initial_ranks
+from stalwart.restart.config import RestartConfig
+from stalwart.restart.coordination import CoordinationTimeout, Coordinator, EpochView, barrier_complete
 from stalwart.restart.environment import RankEnvironment
+from stalwart.restart.errors import NonRetryable, RestartExit, describe, exception_name, release_frames
 from stalwart.restart.interrupt import Interrupter, RestartInterrupt
 from stalwart.restart.monitor import Monitor, StatusFile
 from stalwart.restart.policies import (
-    Abort,
-    AbortProcessGroup,
-    CudaHealthCheck,
-    Finalize,
-    HealthCheck,
-    Initialize,
+    GroupArgs,
     InitProcessGroup,
     IterationContext,
     Unhealthy,
+    group_released_last,
 )
+from stalwart.restart.user_group import InitStandIn
 from stalwart.store import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -61,82 +63,6 @@ __all__ = ["CallWrapper", "NonRetryable", "RestartConfig", "RestartExit", "Resta
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-class NonRetryable(Exception):
-    """Raise from the training function to fail the job instead of restarting (exit code NON_RETRYABLE)."""
-
-
-class RestartExit(SystemExit):
-    """The wrapper gives up: the process exits with ``code`` (an :class:`ExitCode`)."""
-
-    def __init__(self, code: ExitCode, reason: str) -> None:
-        super().__init__(int(code))
-        self.exit_code = code
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"exit {int(self.exit_code)} ({self.exit_code.name}): {self.reason}"
-
-
-def _seconds(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class RestartConfig:
-    """Every knob of :func:`restartable`, validated on construction (errors name the argument).
-
-    * ``max_restarts``: in-process restarts allowed; one more fault exits ``RESTARTS_EXHAUSTED``.
-    * ``soft_timeout``: seconds without progress of the main thread (or ``ping()``) after which the
-      iteration is interrupted and restarted (progress is sampled with one-second resolution).
-    * ``hard_timeout``: seconds without progress after which the agent kills and respawns the process
-      (must exceed ``soft_timeout``).
-    * ``barrier_timeout``: how long an iteration barrier waits for missing processes before it seals
-      without them; ``start_timeout``: the same for the first iteration, when processes are still starting.
-    * ``completion_timeout``: how long a returned rank waits for the others to return.
-    * ``heartbeat_ttl``: TTL (seconds) of the process's etcd lease; ``monitor_interval``: the monitor's tick.
-    * ``initialize``, ``abort``, ``finalize``, ``health_check``, ``rank_assignment``: the policies.
-    * ``etcd_timeout``: deadline of each etcd call; ``coordination_timeout``: how long etcd may stay
-      unreachable (calls are retried) before the process exits ``COORDINATION_LOST``.
-    """
-
-    max_restarts: int = 10
-    soft_timeout: float = 60.0
-    hard_timeout: float = 120.0
-    barrier_timeout: float = 60.0
-    start_timeout: float = 300.0
-    completion_timeout: float = 60.0
-    heartbeat_ttl: int = 10
-    monitor_interval: float = 0.1
-    initialize: Initialize = field(default_factory=InitProcessGroup)
-    abort: Abort = field(default_factory=AbortProcessGroup)
-    finalize: Finalize | None = None
-    health_check: HealthCheck | None = field(default_factory=CudaHealthCheck)
-    rank_assignment: RankAssignment = field(default_factory=RankAssignment)
-    etcd_timeout: float = 5.0
-    coordination_timeout: float = 60.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ValueError(f"max_restarts: expected an int >= 0, got {self.max_restarts!r}")
-        for name in ("soft_timeout", "hard_timeout", "barrier_timeout", "start_timeout", "completion_timeout",
-                     "monitor_interval", "etcd_timeout", "coordination_timeout"):
-            _seconds(name, getattr(self, name))
-        if self.hard_timeout <= self.soft_timeout:
-            raise ValueError(f"hard_timeout: must exceed soft_timeout ({self.soft_timeout}s), "
-                             f"got {self.hard_timeout}")
-        if isinstance(self.heartbeat_ttl, bool) or not isinstance(self.heartbeat_ttl, int) or self.heartbeat_ttl < 2:
-            raise ValueError(f"heartbeat_ttl: expected an int >= 2 seconds, got {self.heartbeat_ttl!r}")
-        for name, kind in (("initialize", Initialize), ("abort", Abort), ("finalize", Finalize),
-                           ("health_check", HealthCheck), ("rank_assignment", RankAssignment)):
-            value = getattr(self, name)
-            if value is None and name in ("finalize", "health_check"):
-                continue
-            if not isinstance(value, kind):
-                raise TypeError(f"{name}: expected a {kind.__name__} policy, got {value!r}")
 
 
 class CallWrapper:
@@ -184,12 +110,16 @@ class _Session:
         main = threading.current_thread() is threading.main_thread()
         self.monitor = Monitor(self.coord, self.interrupter, soft_timeout=config.soft_timeout,
                                interval=config.monitor_interval, status=StatusFile(env.status_file),
-                               watch_main_thread=main)
-        self.monitor.update_status(hard_timeout=config.hard_timeout)
+                               watch_main_thread=main, startup_timeout=config.barrier_timeout)
+        self.monitor.update_status(soft_timeout=config.soft_timeout, hard_timeout=config.hard_timeout)
         drill.install(env.status_file, lambda: self.monitor.status.state == "running")
         self.keep_peers = [(h, int(p)) for h, _, p in (e.rpartition(":") for e in env.etcd_endpoints)]
         self.own_faults = 0
         self.last_ctx: IterationContext | None = None
+        #: How the training function asks for its process group, once it has called init_process_group.
+        self.group_args: GroupArgs | None = None
+        #: The cause of the last interrupted iteration (for the exit reason when the budget runs out).
+        self.last_cause: FaultRecord | None = None
 
     def close(self) -> None:
         self.monitor.stop()
@@ -209,8 +139,9 @@ class _Session:
         while True:
             if iteration > self.config.max_restarts:
                 self.monitor.update_status(state="failed")
-                raise RestartExit(ExitCode.RESTARTS_EXHAUSTED,
-                                  f"{iteration} in-process restarts; max_restarts is {self.config.max_restarts}")
+                last = f"; the last failure: {describe(self.last_cause)}" if self.last_cause else ""
+                raise RestartExit(ExitCode.RESTARTS_EXHAUSTED, f"{iteration} in-process restarts; max_restarts is "
+                                                               f"{self.config.max_restarts}{last}")
             healthy, why = self._health()
             self.monitor.update_status(state="barrier", iteration=iteration, restarts=iteration)
             seal = self._barrier(iteration, healthy)
@@ -226,6 +157,7 @@ class _Session:
                 if outcome == "done":
                     self.monitor.update_status(state="done")
                     return None
+                self._take_cause(iteration)
                 iteration += 1
                 continue
             done = self._run_iteration(fn, args, kwargs, inject, iteration=iteration, rank=rank,
@@ -285,21 +217,7 @@ class _Session:
         deadline = time.monotonic() + wait
 
         def ready(view: EpochView) -> object:
-            if iteration in view.seals:
-                return view.seals[iteration]
-            expected = set(range(self.env.slots))
-            previous = view.arrivals.get(iteration - 1)
-            if previous is not None:
-                # A slot that took no part in the last iteration and has no live process is not waited for
-                # again. Arrivals are bound to their process's lease and vanish with it, so the last seal
-                # (which is not) also says who took part: a process cut off from etcd for a moment is waited
-                # for, and comes back with a new lease, instead of being dropped from the world.
-                took_part = set(previous)
-                last_seal = view.seals.get(iteration - 1)
-                if last_seal is not None:
-                    took_part |= {int(s) for s in last_seal.ranks} | set(last_seal.inactive)
-                expected -= {s for s in expected if s not in took_part and s not in view.alive}
-            return expected <= set(view.arrivals.get(iteration, {}))
+            return view.seals.get(iteration) or barrier_complete(view, iteration, self.env.slots)
 
         timed_out = False
         try:
@@ -353,21 +271,51 @@ class _Session:
         return str(result)
 
     def _report(self, iteration: int, rank: int | None, kind: FaultKind, reason: str,
-                lost_slots: list[int] | None = None) -> None:
+                error: BaseException | None = None, *, lost_slots: list[int] | None = None) -> None:
         rec = FaultRecord(slot=self.env.slot, rank=rank, node_id=self.env.node_id, iteration=iteration,
-                          kind=kind, reason=reason[:2048], time=time.time(), lost_slots=lost_slots or [])
+                          kind=kind, reason=reason[:2048], time=time.time(), lost_slots=lost_slots or [],
+                          exception=None if error is None else exception_name(error)[:512],
+                          message=None if error is None else str(error)[:2048])
         self.coord.report_fault(rec)
+
+    @contextlib.contextmanager
+    def _building(self, ctx: IterationContext) -> Iterator[None]:
+        """While the process group is built: the peers passed the barrier together, so every wait for them
+        in the iteration's Store ends within the barrier timeout, not the collective timeout."""
+        ctx.store.deadline = time.monotonic() + self.config.barrier_timeout
+        try:
+            yield
+        finally:
+            ctx.store.deadline = None
+
+    def _learn(self, args: GroupArgs) -> None:
+        self.group_args = args
+
+    def _fallback_group(self) -> GroupArgs:
+        init = self.config.initialize
+        if isinstance(init, InitProcessGroup):
+            return GroupArgs(init.resolved_backend(), init.timeout)
+        return GroupArgs(InitProcessGroup().resolved_backend(), InitProcessGroup().timeout)
+
+    def _peer_fault(self, iteration: int) -> FaultRecord | None:
+        """A fault of another process in ``iteration`` recorded already: an error here now is most likely its
+        consequence (a peer reports before it aborts, and its abort is what breaks our collectives)."""
+        seen = self.monitor.fault_seen(iteration)
+        if seen is not None and seen.slot != self.env.slot:
+            return seen
+        others = self.coord.view().faults_of_others(iteration, self.env.slot)
+        return others[0] if others else None
 
     def _run_iteration(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                        inject: str | None, *, iteration: int, rank: int, world_size: int,
                        active: frozenset[int]) -> _Finished | None:
         from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
 
-        store = EtcdTorchStore(self.store, self.env.keys, self.env.epoch, scope=f"{iteration}/",
-                               timeout=getattr(self.config.initialize, "timeout", 1800.0))
+        timeout = getattr(self.config.initialize, "timeout", 1800.0)
+        store = EtcdTorchStore(self.store, self.env.keys, self.env.epoch, scope=f"{iteration}/", timeout=timeout)
         ctx = IterationContext(iteration=iteration, slot=self.env.slot, rank=rank, world_size=world_size,
                                store=store, keep_peers=self.keep_peers, own_faults=self.own_faults,
-                               extra={"local_rank": self.env.local_rank})
+                               group_args=self.group_args, extra={"local_rank": self.env.local_rank})
         self.last_ctx = ctx
         os.environ["RANK"] = str(rank)
         os.environ["WORLD_SIZE"] = str(world_size)
@@ -375,22 +323,31 @@ class _Session:
         call_kwargs = dict(kwargs)
         if inject is not None:
             call_kwargs[inject] = CallWrapper(self, iteration, rank, world_size)
+        stand_in = InitStandIn(ctx, fallback=self._fallback_group(), learn=self._learn,
+                               deadline=lambda: self._building(ctx), fn_globals=getattr(fn, "__globals__", None))
         fault: BaseException | None = None
         result: Any = None
-        self.interrupter.enter_user_code()
-        self.monitor.begin(iteration, ctx, active)
+        # An interrupt may be delivered from the moment the wrapper enters user code (begin() delivers one
+        # for a fault seen already): everything from there on is inside the try.
         try:
             try:
-                self.config.initialize(ctx)
-                result = fn(*args, **call_kwargs)
+                try:
+                    self.interrupter.enter_user_code()
+                    self.monitor.begin(iteration, ctx, active)
+                    with self._building(ctx):
+                        self.config.initialize(ctx)
+                    stand_in.install()
+                    result = fn(*args, **call_kwargs)
+                finally:
+                    self.interrupter.leave_user_code()
             finally:
-                self.interrupter.leave_user_code()
+                stand_in.restore()
         except NonRetryable as e:
             self.interrupter.leave_user_code()
             self.monitor.end()
-            self._report(iteration, rank, "exception", f"non-retryable: {e!r}")
+            self._report(iteration, rank, "non_retryable", f"non-retryable: {e!r}", e)
             self._abort(ctx)
-            raise RestartExit(ExitCode.NON_RETRYABLE, repr(e)) from e
+            raise RestartExit(ExitCode.NON_RETRYABLE, f"{exception_name(e)}: {e}") from e
         except (RestartInterrupt, Exception) as e:
             self.interrupter.leave_user_code()
             fault = e
@@ -411,25 +368,47 @@ class _Session:
             fault = RestartInterrupt("a peer failed before every rank returned")
         self.monitor.end()
         ctx.fault = fault
-        seen = self.monitor.fault_seen(iteration)
+        self._on_fault(ctx, fault)
+        self.monitor.update_status(state="restarting")
+        with group_released_last(ctx.retired):
+            self._abort(ctx)
+            release_frames(fault)
+        # The iteration's cause, as every process will see it (this process's error may be a consequence).
+        self._take_cause(iteration)
+        return None
+
+    def _take_cause(self, iteration: int) -> None:
+        """Note the cause of the interrupted ``iteration`` (for the status and the exit reason); when it is a
+        NonRetryable raised elsewhere, this process gives up too: no restart can help."""
+        cause = self.coord.view().cause(iteration)
+        if cause is None:
+            return
+        self.last_cause = cause
+        self.monitor.update_status(last_failure=failure_info(cause))
+        if cause.kind == "non_retryable":
+            self.monitor.update_status(state="failed")
+            raise RestartExit(ExitCode.NON_RETRYABLE, describe(cause))
+
+    def _on_fault(self, ctx: IterationContext, fault: BaseException) -> None:
+        """Report ``fault`` unless the iteration was interrupted, or it followed another process's fault."""
+        iteration, rank = ctx.iteration, ctx.rank
         if isinstance(fault, RestartInterrupt) or self.interrupter.requested is not None:
             log.info("slot %d rank %d iteration %d: interrupted (%s)", self.env.slot, rank, iteration,
                      self.interrupter.requested or fault)
+            return
+        peer = self._peer_fault(iteration)
+        if peer is not None:
+            log.info("slot %d rank %d iteration %d: %r after %s: taken as its consequence", self.env.slot, rank,
+                     iteration, fault, describe(peer))
+            return
+        self.own_faults += 1
+        ctx.own_faults = self.own_faults
+        log.warning("slot %d rank %d iteration %d: fault: %r", self.env.slot, rank, iteration, fault)
+        if ctx.store.deadline_hit:
+            self._report(iteration, rank, "init_timeout", f"the process group was not built within "
+                         f"{self.config.barrier_timeout:g}s: {fault!r}", fault)
         else:
-            self.own_faults += 1
-            ctx.own_faults = self.own_faults
-            if seen is None or seen.slot == self.env.slot:
-                log.warning("slot %d rank %d iteration %d: fault: %r", self.env.slot, rank, iteration, fault)
-            self._report(iteration, rank, "exception", repr(fault))
-        self.monitor.update_status(state="restarting")
-        self._abort(ctx)
-        _release(fault)
-        # The iteration's cause is its first fault in etcd (this process's error may be a consequence).
-        first = self.coord.view().first_fault(iteration)
-        if first is not None:
-            self.monitor.update_status(last_failure=FailureInfo(
-                rank=first.rank, pod=first.node_id, reason=f"{first.kind}: {first.reason}"[:2048], time=first.time))
-        return None
+            self._report(iteration, rank, "exception", repr(fault), fault)
 
     def _abort(self, ctx: IterationContext) -> None:
         try:
@@ -445,28 +424,11 @@ class _Session:
     def _finish(self, ctx: IterationContext) -> None:
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _release(fault: BaseException) -> None:
-    """Drop what the failed iteration's frames still hold (model, DDP, the process group and its threads and
-    sockets) now, instead of at the next garbage collection: the traceback links those frames to the
-    exception, and the exception is referenced from a frame still running."""
-    tb = fault.__traceback__
-    if tb is not None:
-        traceback.clear_frames(tb)
-    fault.__traceback__ = None
-    # Exception contexts can form a cycle (an interrupt delivered while another exception is being handled),
-    # so the walk stops at the first exception it has already seen.
-    seen = {id(fault)}
-    ctx = fault.__context__
-    while ctx is not None and id(ctx) not in seen:
-        seen.add(id(ctx))
-        if ctx.__traceback__ is not None:
-            traceback.clear_frames(ctx.__traceback__)
-            ctx.__traceback__ = None
-        ctx = ctx.__context__
+        # DDP keeps the group in reference cycles: the group is destroyed here, before the function returns
+        # to the script, and its worker threads joined (see group_released_last).
+        with group_released_last(ctx.retired, collect=True):
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _injection(fn: Callable[..., Any]) -> str | None:
@@ -485,21 +447,31 @@ class Restartable(Generic[P, R]):
     """The callable :func:`restartable` returns. Calling it runs the function with in-process restarts
     and returns its result (``None`` on a process that stayed a spare until the end)."""
 
-    def __init__(self, fn: Callable[P, R], config: RestartConfig) -> None:
+    def __init__(self, fn: Callable[P, R], config: RestartConfig, explicit: frozenset[str] = frozenset()) -> None:
         self.fn = fn
         self.config = config
+        #: The options the decorator set: the job's settings do not override them.
+        self.explicit = explicit
         self._inject = _injection(fn)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         env = RankEnvironment.from_env()
-        session = _Session(env, self.config)
+        try:
+            config = self.config.for_job(env.job_settings(), self.explicit)
+        except ValueError as e:
+            log.error("slot %d: invalid restart settings: %s", env.slot, e)
+            raise RestartExit(ExitCode.NON_RETRYABLE, f"invalid restart settings: {e}") from None
+        session = _Session(env, config)
         try:
             return session.run(self.fn, tuple(args), dict(kwargs), self._inject)  # type: ignore[no-any-return]
         except StaleEpoch as e:
             raise RestartExit(ExitCode.STALE_EPOCH, str(e)) from e
         except StoreError as e:
             raise RestartExit(ExitCode.COORDINATION_LOST, str(e)) from e
+        except RestartExit as e:
+            log.error("slot %d: giving up: %s", env.slot, e)
+            raise
         finally:
             session.close()
 
@@ -516,14 +488,15 @@ def restartable(fn: Callable[P, R] | None = None, /, **options: Any) \
         -> Restartable[P, R] | Callable[[Callable[P, R]], Restartable[P, R]]:
     """Make a training function restartable in process. Use as ``@restartable`` or
     ``@restartable(max_restarts=5, soft_timeout=30, ...)``; the options are :class:`RestartConfig`'s and are
-    validated here, at decoration time. The process must run under ``stalwart agent`` (which sets the
-    ``STALWART_*`` environment)."""
+    validated here, at decoration time. Under a TrainingJob, ``max_restarts``, ``soft_timeout``,
+    ``hard_timeout`` and ``barrier_timeout`` not given here come from its ``restartPolicy.inProcess``. The
+    process must run under ``stalwart agent`` (which sets the ``STALWART_*`` environment)."""
     config = RestartConfig(**options)
+    explicit = frozenset(options)
 
     def decorate(f: Callable[P, R]) -> Restartable[P, R]:
         if not callable(f):
             raise TypeError(f"restartable: expected a function, got {f!r}")
-        return Restartable(f, config)
+        return Restartable(f, config, explicit)
 
     return decorate(fn) if fn is not None else decorate
-

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "restart"))
-from restart_helpers import SCRIPT, expected_checksum
+from restart_helpers import SCRIPT, expected_checksum, restart_records
 
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ProgressRecord
@@ -114,6 +114,67 @@ def test_hang_beyond_the_soft_timeout_ends_with_the_hard_timeout_kill(etcd: Etcd
     assert all(r["step"] == 8 and r["checksum"] == pytest.approx(reference, abs=1e-6) for r in res)
 
 
+def test_a_stopped_rank_is_killed_at_its_soft_timeout_and_the_job_recovers_in_process(etcd: EtcdServer,
+                                                                                      tmp_path: Path) -> None:
+    # Rank 1 stops itself (SIGSTOP) at step 3. It can neither progress nor obey an interrupt, so its agent
+    # kills it once it has shown no progress for the soft timeout (not the hard one) and records the fault,
+    # naming it, in its iteration: the peer is interrupted at once and keeps its process; the respawned
+    # rank rejoins at the next iteration.
+    agent, keys = start_agent(etcd, tmp_path, "--steps", "8", "--fault", "sigstop", "--fault-step", "3",
+                              "--soft-timeout", "4")
+    _, err = agent.communicate(timeout=TIMEOUT)
+    assert agent.returncode == 0, err[-3000:]
+    assert "local rank 1 (pid" in err and "is stopped and made no progress within its soft timeout" in err
+    assert "respawning local rank 0" not in err
+    stopped = float((tmp_path / "fault-0").read_text())
+    fault = restart_records(etcd, keys, "fault")["0/1"]
+    assert (fault["kind"], fault["rank"]) == ("stopped", 1)
+    assert fault["time"] - stopped <= 4 + 1  # within the soft timeout + 1 s of the stop
+    reference = expected_checksum(steps=8)
+    res = results(tmp_path)
+    assert sorted(r["rank"] for r in res) == [0, 1]
+    assert all(r["step"] == 8 and r["restarts"] == 1 and r["checksum"] == pytest.approx(reference, abs=1e-6)
+               for r in res)
+
+
+def test_a_rank_hung_in_the_wrappers_own_step_is_killed_at_its_hard_timeout(etcd: EtcdServer,
+                                                                          tmp_path: Path) -> None:
+    # Rank 1 raises, then blocks in its Finalize policy (outside the training function, where no soft timeout
+    # applies). Its heartbeat is its main thread's progress there too, so the agent kills it at the hard
+    # timeout (2 x soft) and the respawned process joins the next barrier in time: the world stays whole.
+    agent, _ = start_agent(etcd, tmp_path, "--steps", "8", "--fault", "exception", "--fault-step", "3",
+                           "--finalize-hang", "--soft-timeout", "3", "--barrier-timeout", "40")
+    _, err = agent.communicate(timeout=TIMEOUT)
+    assert agent.returncode == 0, err[-3000:]
+    assert "local rank 1 (pid" in err and "made no progress within its hard timeout" in err
+    res = results(tmp_path)
+    assert sorted((r["rank"], r["world"]) for r in res) == [(0, 2), (1, 2)]
+    assert all(r["step"] == 8 for r in res)
+
+
+def test_a_stopped_rank_is_killed_at_once_when_the_agent_stops(etcd: EtcdServer, tmp_path: Path) -> None:
+    # A stopped process cannot act on SIGTERM: the agent kills it at once instead of waiting out the grace.
+    agent, keys = start_agent(etcd, tmp_path, "--steps", "100000", "--step-sleep", "0.05",
+                              agent_args=("--term-grace", "30"))
+    deadline = time.monotonic() + TIMEOUT
+    while (rec := progress(etcd, keys)) is None or rec.step is None or rec.step < 2:
+        assert time.monotonic() < deadline, "training never reported progress"
+        assert agent.poll() is None, agent.communicate()[1][-3000:]
+        time.sleep(0.2)
+    ranks = sorted(_children(agent.pid))
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGSTOP)
+    start = time.monotonic()
+    agent.send_signal(signal.SIGTERM)
+    _, err = agent.communicate(timeout=TIMEOUT)
+    took = time.monotonic() - start
+    assert agent.returncode == int(ExitCode.TERMINATED), err[-3000:]
+    assert "is stopped: killing it" in err
+    assert took < 15, f"the agent took {took:.1f}s to stop (its term grace is 30 s)"
+    for pid in ranks:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
 def _children(pid: int) -> set[int]:
     out = set()
     for entry in os.listdir("/proc"):
@@ -145,6 +206,31 @@ def test_sigterm_is_forwarded_and_the_ranks_are_gone(etcd: EtcdServer, tmp_path:
     assert agent.returncode == int(ExitCode.TERMINATED), err[-3000:]
     for pid in ranks:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_sigterm_stops_an_agent_waiting_in_the_rendezvous(etcd: EtcdServer, tmp_path: Path) -> None:
+    # One pod of a job of two: its agent waits in the rendezvous's join for a peer that never comes. SIGTERM
+    # (a pod deleted before its gang formed) must end it at once, not after the pod's termination grace
+    # (SIGKILL at 30 s) nor the join timeout.
+    agent, keys = start_agent(etcd, tmp_path, "--steps", "5", nodes=2)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        with Store([etcd.endpoint]) as s:
+            if s.get_prefix(keys.rendezvous, keys_only=True)[0]:
+                break  # registered: its node key is there
+        assert time.monotonic() < deadline, "the agent never joined"
+        assert agent.poll() is None, agent.communicate()[1][-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside join()
+    agent.send_signal(signal.SIGTERM)
+    try:
+        _, err = agent.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        pytest.fail("the agent ignored SIGTERM while joining: " + agent.communicate()[1][-3000:])
+    assert agent.returncode == int(ExitCode.TERMINATED), err[-3000:]
+    with Store([etcd.endpoint]) as s:  # it left: its node key went with it
+        assert not [kv for kv in s.get_prefix(keys.rendezvous, keys_only=True)[0] if "/nodes/" in kv.key]
 
 
 def test_bad_pod_environment_is_reported_by_variable(tmp_path: Path) -> None:

@@ -62,7 +62,12 @@ def stepped(b: ProgressBook) -> int | None:
     # A script without the restart wrapper (no status file) counts once it ran for the grace period.
     ([proc(None)], NO_STEP_GRACE - 1, None),
     ([proc(None)], NO_STEP_GRACE + 1, 0),
-], ids=["started", "first-step", "iteration-2", "restarting", "barrier", "bare-early", "bare-later"])
+    # A script that never pings returned from its training function in iteration 1: that iteration ran.
+    ([proc(status(state="done", iteration=1))], 1.0, 1),
+    # ... but a status left by an earlier process of the slot says nothing of this one.
+    ([proc(status(state="done", iteration=1, pid=99))], 1.0, None),
+], ids=["started", "first-step", "iteration-2", "restarting", "barrier", "bare-early", "bare-later", "done",
+        "done-other-process"])
 def test_stepped_iteration(procs: list[ProcView], now: float, expected: int | None) -> None:
     assert stepped(observed(book(), procs, now=now, wall=WALL)) == expected
 
@@ -74,6 +79,9 @@ def test_an_iteration_that_ran_into_a_fault_is_recorded() -> None:
     # A rank seen only at the barrier of iteration 5 (its agent reads its status now and then): 4 ended in a fault.
     b = observed(b, [proc(status(state="barrier", iteration=5, step=4))], now=2.0, wall=WALL)
     assert b.history[-1].faulted == 4
+    # The rank gave up (its restarts exhausted) after the fault of iteration 5: that iteration ran to a fault too.
+    b = observed(b, [proc(status(state="failed", iteration=5, step=4))], now=3.0, wall=WALL)
+    assert b.history[-1].faulted == 5
 
 
 def test_a_rank_that_reports_no_steps_counts_after_the_grace_in_its_training_function() -> None:

@@ -52,7 +52,21 @@ def test_hung_rank_is_killed_after_its_hard_timeout() -> None:
     procs = [ProcView(0, None, wrapped=True, heartbeat_age=5.0, hard_timeout=10.0),
              ProcView(1, None, wrapped=True, heartbeat_age=11.0, hard_timeout=10.0)]
     [a] = supervise(procs, restarts_used=0, max_restarts=3)
-    assert (a.kind, a.local_ranks, a.exit_code) == ("kill", (1,), int(ExitCode.HARD_TIMEOUT))
+    assert (a.kind, a.local_ranks, a.exit_code, a.fault) == ("kill", (1,), int(ExitCode.HARD_TIMEOUT), "hard_timeout")
+
+
+def test_stopped_rank_is_killed_past_its_soft_timeout_and_a_running_or_traced_one_is_not() -> None:
+    procs = [ProcView(0, None, wrapped=True, heartbeat_age=5.0, soft_timeout=4.0, hard_timeout=8.0, stopped=True),
+             ProcView(1, None, wrapped=True, heartbeat_age=5.0, soft_timeout=4.0, hard_timeout=8.0),
+             ProcView(2, None, wrapped=True, heartbeat_age=3.0, soft_timeout=4.0, hard_timeout=8.0, stopped=True)]
+    [a] = supervise(procs, restarts_used=0, max_restarts=3)
+    assert (a.kind, a.local_ranks, a.fault) == ("kill", (0,), "stopped")
+
+
+def test_a_rank_past_its_hard_timeout_is_killed_as_hung_even_when_stopped() -> None:
+    procs = [ProcView(0, None, wrapped=True, heartbeat_age=9.0, soft_timeout=4.0, hard_timeout=8.0, stopped=True)]
+    [a] = supervise(procs, restarts_used=0, max_restarts=3)
+    assert (a.kind, a.local_ranks, a.fault) == ("kill", (0,), "hard_timeout")
 
 
 def test_stale_epoch_rejoins() -> None:

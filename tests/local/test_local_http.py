@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 from typing import Any
 
 import pytest
@@ -53,21 +52,18 @@ def test_watch_from_a_compacted_version_reports_410(local_cluster: LocalCluster,
     core = client.CoreV1Api(kube_api)
     old = core.list_namespaced_config_map(k8s_namespace).metadata.resource_version
     core.create_namespaced_config_map(k8s_namespace, {"metadata": {"name": "x"}})
-    req = urllib.request.Request(f"{local_cluster.api_url}/stalwart/compact", method="POST", data=b"")
-    with urllib.request.urlopen(req, timeout=30):
+    with local_cluster.open("/stalwart/compact", method="POST", body=b""):
         pass
-    url = (f"{local_cluster.api_url}/api/v1/namespaces/{k8s_namespace}/configmaps?watch=true"
-           f"&resourceVersion={old}&timeoutSeconds=5")
-    with urllib.request.urlopen(url, timeout=30) as resp:
+    path = f"/api/v1/namespaces/{k8s_namespace}/configmaps?watch=true&resourceVersion={old}&timeoutSeconds=5"
+    with local_cluster.open(path) as resp:
         event = json.loads(resp.readline())
     assert event["type"] == "ERROR"
     assert event["object"]["code"] == 410 and event["object"]["reason"] == "Expired"
 
 
 def test_table_output_for_pods_and_custom_columns(local_cluster: LocalCluster, k8s_namespace: str) -> None:
-    req = urllib.request.Request(f"{local_cluster.api_url}/api/v1/namespaces/{k8s_namespace}/pods",
-                                 headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
+    with local_cluster.open(f"/api/v1/namespaces/{k8s_namespace}/pods",
+                            headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}) as resp:
         table = json.loads(resp.read())
     assert table["kind"] == "Table"
     assert [c["name"] for c in table["columnDefinitions"]][:5] == ["Name", "Ready", "Status", "Restarts", "Age"]

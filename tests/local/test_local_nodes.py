@@ -135,12 +135,14 @@ def test_a_partitioned_node_pauses_its_processes_and_they_act_again_when_it_retu
         local_cluster: LocalCluster, kube_api: Any, k8s_namespace: str, tmp_path: Path) -> None:
     core, ns = k8s.CoreV1Api(kube_api), k8s_namespace
     victim = local_cluster.nodes[2]
-    # Each pod counts its ticks into a file and notes the SIGTERM it gets.
+    # Each pod counts its ticks into a file and notes the SIGTERM it gets. The count is replaced whole (a pause
+    # between truncating and writing the file would leave it empty).
     script = ("import pathlib, signal, sys, time\n"
               f"out = pathlib.Path({str(tmp_path)!r}) / sys.argv[1]\n"
+              "tmp = out.parent / (out.name + '.tmp')\n"
               "def term(*_):\n    (out.parent / (out.name + '.term')).write_text('yes'); sys.exit(0)\n"
               "signal.signal(signal.SIGTERM, term)\nn = 0\n"
-              "while True:\n    n += 1; out.write_text(str(n)); time.sleep(0.05)\n")
+              "while True:\n    n += 1; tmp.write_text(str(n)); tmp.replace(out); time.sleep(0.05)\n")
     for name in ("zombie", "graceful"):
         body = pod_body(name, victim, script)
         body["spec"]["containers"][0]["command"] += [name]

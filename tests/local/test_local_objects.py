@@ -232,7 +232,7 @@ def test_deleting_a_crd_stops_serving_it_and_removes_its_objects(store: ObjectSt
     assert store.list_objects(jobs(store), "default")[0] == []
 
 
-# --- deletion: finalizers, grace, garbage collection, namespaces ----------------------------------------------
+# --- deletion: finalizers, preconditions (garbage collection: test_local_garbage.py) -------------------------
 
 def test_finalizers_hold_an_object_until_removed(store: ObjectStore) -> None:
     store.create(cms(store), "default", {"metadata": {"name": "f", "finalizers": ["example.dev/hold"]}})
@@ -252,56 +252,6 @@ def test_delete_preconditions(store: ObjectStore) -> None:
         store.delete(cms(store), "default", "p", {"preconditions": {"uid": "not-the-uid"}})
     with expect(400, "BadRequest"):
         store.delete(cms(store), "default", "p", {"propagationPolicy": "Sometimes"})
-
-
-def _owned(store: ObjectStore, name: str, owner: JSON, finalizers: list[str] | None = None) -> JSON:
-    ref = {"apiVersion": "example.dev/v1", "kind": "Job", "name": owner["metadata"]["name"],
-           "uid": owner["metadata"]["uid"], "blockOwnerDeletion": True}
-    meta: JSON = {"name": name, "ownerReferences": [ref]}
-    if finalizers:
-        meta["finalizers"] = finalizers
-    return store.create(cms(store), "default", {"metadata": meta})
-
-
-def test_background_deletion_collects_dependents(store: ObjectStore) -> None:
-    owner = store.create(jobs(store), "default", job())
-    _owned(store, "d1", owner)
-    _owned(store, "d2", owner)
-    store.delete(jobs(store), "default", "j", {"propagationPolicy": "Background"})
-    assert store.list_objects(cms(store), "default")[0] == []
-
-
-def test_orphan_deletion_keeps_dependents_without_the_owner_reference(store: ObjectStore) -> None:
-    owner = store.create(jobs(store), "default", job())
-    _owned(store, "d1", owner)
-    store.delete(jobs(store), "default", "j", {"propagationPolicy": "Orphan"})
-    dep = store.get(cms(store), "default", "d1")
-    assert "ownerReferences" not in dep["metadata"]
-
-
-def test_foreground_deletion_waits_for_dependents(store: ObjectStore) -> None:
-    owner = store.create(jobs(store), "default", job())
-    _owned(store, "blocker", owner, finalizers=["example.dev/slow"])
-    obj = store.delete(jobs(store), "default", "j", {"propagationPolicy": "Foreground"})
-    assert "foregroundDeletion" in obj["metadata"]["finalizers"] and obj["metadata"]["deletionTimestamp"]
-    assert store.get(cms(store), "default", "blocker")["metadata"]["deletionTimestamp"]
-    assert store.get(jobs(store), "default", "j")  # still there: a dependent remains
-    store.patch(cms(store), "default", "blocker", "merge", {"metadata": {"finalizers": None}})
-    with expect(404):
-        store.get(jobs(store), "default", "j")
-
-
-def test_namespace_deletion_empties_then_removes_it(store: ObjectStore) -> None:
-    nss = store.info("", "v1", "namespaces")
-    store.create(nss, "", {"metadata": {"name": "gone"}})
-    store.create(cms(store), "gone", {"metadata": {"name": "a", "finalizers": ["x/y"]}})
-    ns = store.delete(nss, "", "gone")
-    assert ns["status"]["phase"] == "Terminating"
-    with expect(403, "Forbidden"):
-        store.create(cms(store), "gone", {"metadata": {"name": "b"}})
-    store.patch(cms(store), "gone", "a", "merge", {"metadata": {"finalizers": None}})
-    with expect(404):
-        store.get(nss, "", "gone")
 
 
 # --- list, watch, selectors ------------------------------------------------------------------------------------
@@ -347,9 +297,15 @@ def test_watch_without_version_starts_with_the_current_state(store: ObjectStore)
     first = w.queue.get_nowait()
     assert first is not None and first.type == "ADDED" and first.obj["metadata"]["name"] == "x"
     assert w.queue.empty()
+    # Entering the selection is an ADDED for this watch, leaving it a DELETED, as the API server's watch cache
+    # reports them.
     store.patch(cms(store), "default", "y", "merge", {"metadata": {"labels": {"k": "1"}}})
     ev = w.queue.get_nowait()
-    assert ev is not None and ev.type == "MODIFIED" and ev.obj["metadata"]["name"] == "y"
+    assert ev is not None and ev.type == "ADDED" and ev.obj["metadata"]["name"] == "y"
+    left = store.patch(cms(store), "default", "x", "merge", {"metadata": {"labels": {"k": "2"}}})
+    ev = w.queue.get_nowait()
+    assert ev is not None and ev.type == "DELETED" and ev.obj["metadata"]["labels"] == {"k": "1"}
+    assert ev.obj["metadata"]["resourceVersion"] == left["metadata"]["resourceVersion"]
 
 
 # --- patch flavours --------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from stalwart.local.apiserver import protobuf, tables
+from stalwart.local.apiserver import fieldmanager, protobuf, tables
+from stalwart.local.apiserver.catalog import ResourceInfo
 from stalwart.local.apiserver.cel import CelError, CelEvalError, compile_rule
 from stalwart.local.apiserver.patches import PatchError, json_patch, merge_patch, strategic_merge
 from stalwart.local.apiserver.schema import apply_defaults, prune, unsupported_rules, validate
@@ -66,12 +67,17 @@ def test_strategic_merge_ports_by_port_or_container_port() -> None:
     assert out["spec"]["ports"] == [{"port": 80, "name": "web"}, {"port": 443}]
 
 
-def test_server_side_apply_removes_fields_a_manager_gives_up() -> None:
-    from stalwart.local.apiserver.patches import server_side_apply
+THINGS = ResourceInfo("example.dev", "v1", "things", "thing", "Thing", True)
 
-    live = server_side_apply({}, {"apiVersion": "v1", "spec": {"a": 1, "x": {"y": 1}}}, "m", "t")
-    live = server_side_apply(live, {"apiVersion": "v1", "spec": {"b": 2}}, "other", "t")
-    out = server_side_apply(live, {"apiVersion": "v1", "spec": {"a": 2}}, "m", "t")
+
+def ssa(live: dict[str, Any], applied: dict[str, Any], manager: str, force: bool = False) -> dict[str, Any]:
+    return fieldmanager.apply(THINGS, live, applied, manager, force, "", "t")
+
+
+def test_server_side_apply_removes_fields_a_manager_gives_up() -> None:
+    live = ssa({}, {"apiVersion": "v1", "spec": {"a": 1, "x": {"y": 1}}}, "m")
+    live = ssa(live, {"apiVersion": "v1", "spec": {"b": 2}}, "other")
+    out = ssa(live, {"apiVersion": "v1", "spec": {"a": 2}}, "m")
     assert out["spec"] == {"a": 2, "b": 2}  # x.y and the emptied x went; other's b stays
     fields = {m["manager"]: m["fieldsV1"] for m in out["metadata"]["managedFields"]}
     assert fields["m"]["f:spec"] == {"f:a": {}}

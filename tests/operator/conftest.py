@@ -1,20 +1,21 @@
 """Fixtures of the operator's integration tests: the local cluster (real kopf, real kubectl, real etcd, process
 kubelet), the TrainingJob CRD installed from ``crds/``, and the operator itself running embedded in a thread
-of the test process, serving only the test's namespace."""
+of the test process, serving only the test's namespace, as the Helm chart's ServiceAccount with the chart's RBAC
+(:mod:`chart_rbac`): a permission the chart lacks fails here with the API server's 403, and the API server's
+record of the account's calls is what ``stalwart/operator/rbac.py`` is checked against (test_zz_rbac.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import helm_python
 import pytest
+from chart_rbac import CHART, OperatorAccount, OperatorFactory, operator_factory
 from test_operator_cluster import Jobs
 
 from stalwart.local.cluster import LocalCluster
-from stalwart.operator.embedded import EmbeddedOperator
-from stalwart.operator.handlers import OperatorConfig
-from stalwart.operator.model import OperatorSettings
 from stalwart.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,22 +26,26 @@ def trainingjob_crd(local_cluster: LocalCluster) -> None:
     local_cluster.kubectl("apply", "-f", str(REPO / "crds" / "trainingjob.yaml"))
 
 
-OperatorFactory = Callable[..., EmbeddedOperator]
+@pytest.fixture(scope="session")
+def chart() -> Iterator[helm_python.Chart]:
+    with helm_python.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="session")
+def operator_account(local_cluster: LocalCluster, chart: helm_python.Chart,
+                     tmp_path_factory: pytest.TempPathFactory) -> OperatorAccount:
+    """The chart's ServiceAccount ``stalwart-operator`` in ``stalwart-system``, with its cluster-wide RBAC."""
+    return OperatorAccount.create(local_cluster, chart, "stalwart-operator", tmp_path_factory.mktemp("operator"))
 
 
 @pytest.fixture
-def start_operator(local_cluster: LocalCluster, trainingjob_crd: None) -> Iterator[OperatorFactory]:
-    """``start_operator(namespace, **config)`` starts an operator serving that namespace; stopped after."""
-    started: list[EmbeddedOperator] = []
-
-    def start(namespace: str, **overrides: Any) -> EmbeddedOperator:
-        settings = overrides.pop("settings", OperatorSettings(status_interval=0.5))
-        config = OperatorConfig(namespaces=(namespace,), default_endpoints=(str(local_cluster.etcd_endpoint),),
-                                settings=settings, **overrides)
-        op = EmbeddedOperator(config, str(local_cluster.kubeconfig)).start()
-        started.append(op)
-        return op
-
+def start_operator(local_cluster: LocalCluster, trainingjob_crd: None, operator_account: OperatorAccount,
+                   k8s_namespace: str) -> Iterator[OperatorFactory]:
+    """``start_operator(namespace, **config)`` starts an operator serving that namespace, as the chart's
+    ServiceAccount with the chart's Role granted there; stopped after, before the test's namespace (and the Role
+    in it) is deleted."""
+    start, started = operator_factory(operator_account, str(local_cluster.etcd_endpoint))
     yield start
     for op in started:
         op.stop()

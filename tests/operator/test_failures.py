@@ -89,3 +89,13 @@ def test_secondary_errors_are_bounded() -> None:
 def test_no_facts_keep_the_record() -> None:
     old = FailureRecord(pod="p", reason="PodLost", time=datetime.fromtimestamp(T, UTC))
     assert compose([], old) is old and compose([]) is None
+
+
+def test_a_record_that_names_its_exception_is_read_from_its_fields_with_the_short_type() -> None:
+    # The rank records the type (qualified) and the message apart: no need to parse a repr, and a message that
+    # does not look like one (a multi-line text, quotes) stays whole.
+    raised = fault(1, "exception", "DrillFault('it said \"no\"\\nline 2')").model_copy(
+        update={"exception": "stalwart.restart.drill.DrillFault", "message": 'it said "no"\nline 2'})
+    record = compose(rank_facts([(11, raised)], 2, PLACES))
+    assert record is not None
+    assert (record.exception_type, record.message) == ("DrillFault", 'it said "no"\nline 2')

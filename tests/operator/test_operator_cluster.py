@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chart_rbac import OperatorAccount
 from kubernetes import client as k8s
 from prometheus_client import REGISTRY
 
@@ -351,7 +352,7 @@ def test_two_replicas_with_peering_one_works_and_the_other_takes_over(
     assert sum(standby.kube.calls.values()) > 0
 
 
-def test_etcd_credentials_come_from_the_jobs_secret(jobs: Jobs, local_cluster: LocalCluster) -> None:
+def test_etcd_credentials_come_from_the_jobs_secret(jobs: Jobs, operator_account: OperatorAccount) -> None:
     import asyncio
 
     from stalwart.operator.etcd_access import EtcdAccess
@@ -367,7 +368,8 @@ def test_etcd_credentials_come_from_the_jobs_secret(jobs: Jobs, local_cluster: L
     body["metadata"].update(namespace=jobs.ns, uid="u-1", generation=1)
     body["spec"]["rendezvous"] = {"endpoints": ["etcd.example:2379"], "tls": True,
                                   "secretRef": {"name": "etcd-creds"}}
-    kube = kube_from_config(str(local_cluster.kubeconfig), 2)
+    operator_account.grant(jobs.ns)  # read as the operator reads it: with the chart's Role
+    kube = kube_from_config(str(operator_account.kubeconfig), 2)
     try:
         ctx = OperatorContext(kube=kube, etcd=EtcdAccess(), default_endpoints=("default:2379",))
         target = asyncio.run(etcd_target(ctx, jobs.ns, job_view(body)))

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 from stalwart.keys import JobKeys
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
+from stalwart.store import Store, StoreError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "bench" / "restart_ddp.py")
@@ -56,9 +57,10 @@ def rank_env(etcd: EtcdServer, keys: JobKeys, epoch: int, *, slot: int, slots: i
 
 
 def run_ranks(etcd: EtcdServer, tmp: Path, *args: str, slots: int = 2, target: int | None = None,
-              job: tuple[JobKeys, int] | None = None) -> Run:
+              job: tuple[JobKeys, int] | None = None, until: list[int] | None = None) -> Run:
     """Run ``slots`` rank processes of the script (``target`` of them active at first) to the end, in
-    ``job`` (keys and epoch, see :func:`new_job`) or a new one."""
+    ``job`` (keys and epoch, see :func:`new_job`) or a new one. With ``until``, wait for those slots only and
+    then kill the others (left hung by the test); their code is then -9."""
     target = slots if target is None else target
     if job is None:
         with Store([etcd.endpoint]) as store:
@@ -70,11 +72,27 @@ def run_ranks(etcd: EtcdServer, tmp: Path, *args: str, slots: int = 2, target: i
         cmd = [sys.executable, SCRIPT, "--mode", "wrapped", "--marker-dir", str(tmp), "--out", str(out), *args]
         env = rank_env(etcd, keys, epoch, slot=slot, slots=slots, target=target, work=tmp)
         procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-    codes, errs = [], []
+    errs = [""] * slots
+
+    def read(slot: int) -> None:
+        stream = procs[slot].stderr
+        assert stream is not None
+        errs[slot] = stream.read()
+
+    readers = [threading.Thread(target=read, args=(slot,), daemon=True) for slot in range(slots)]
+    for t in readers:
+        t.start()
+    for slot in until if until is not None else range(slots):
+        try:
+            procs[slot].wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            break
     for p in procs:
-        _, err = p.communicate(timeout=TIMEOUT)
-        codes.append(p.returncode)
-        errs.append(err)
+        if p.poll() is None:
+            p.kill()
+    codes = [p.wait(timeout=TIMEOUT) for p in procs]
+    for t in readers:
+        t.join(timeout=10)
     lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     results = [r for r in lines if not r.get("leak")]
     leaks = [r for r in lines if r.get("leak")]
@@ -104,3 +122,30 @@ def expected_checksum(*, steps: int, hidden: int = 32, ranks: int = 2) -> float:
         (sum(losses) / ranks).backward()  # type: ignore[operator]
         opt.step()
     return checksum(model)
+
+
+def restart_records(etcd: EtcdServer, keys: JobKeys, kind: str) -> dict[str, dict[str, Any]]:
+    """The job's restart records of one kind (``fault``, ``seal``...), by key relative to the epoch's prefix
+    (``"0/1"``: iteration 0, slot 1 for a fault; ``"1"`` for a seal): every one ever written, read from etcd's
+    history (the sealer deletes the keys of old iterations, and under load a run may take more restarts than
+    the test injected), the last value of each key."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def keep(key: str, value: bytes) -> None:
+        rel = key[len(keys.restart):].split("/", 1)[1]  # drop the epoch
+        if rel.startswith(kind + "/"):
+            out[rel[len(kind) + 1:]] = json.loads(value)
+
+    with Store([etcd.endpoint]) as s:
+        kvs, revision = s.get_prefix(keys.restart)
+        try:
+            with s.watch(keys.restart, prefix=True, start_revision=max(1, revision - 90_000)) as w:
+                while (ev := w.next(timeout=0.5)) is not None and ev.kv.mod_revision <= revision:
+                    if ev.type == "put":
+                        keep(ev.kv.key, ev.kv.value)
+                    if ev.kv.mod_revision == revision:
+                        break
+        except StoreError:  # compacted: what is still there
+            for kv in kvs:
+                keep(kv.key, kv.value)
+    return out

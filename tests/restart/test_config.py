@@ -142,9 +142,34 @@ def test_rank_environment_round_trips() -> None:
     ({"STALWART_EPOCH": "zero"}, "STALWART_EPOCH"),
     ({"STALWART_JOB": "nojob"}, "STALWART_JOB"),
     ({"STALWART_SLOT": "5"}, "must be below STALWART_SLOTS"),
+    ({"STALWART_SOFT_TIMEOUT": "-1"}, "STALWART_SOFT_TIMEOUT"),
+    ({"STALWART_SOFT_TIMEOUT": "nan"}, "STALWART_SOFT_TIMEOUT"),
+    ({"STALWART_SOFT_TIMEOUT": "30", "STALWART_HARD_TIMEOUT": "30"}, "STALWART_HARD_TIMEOUT 30 must exceed"),
+    ({"STALWART_MAX_RESTARTS": "many"}, "STALWART_MAX_RESTARTS"),
     ({"STALWART_ETCD_ENDPOINTS": None, "STALWART_SLOT": "x"}, "STALWART_ETCD_ENDPOINTS: is required"),
 ])
 def test_rank_environment_errors_name_the_variable(change: dict, message: str) -> None:
     env = {k: v for k, v in {**GOOD_ENV, **change}.items() if v is not None}
     with pytest.raises(EnvironmentError_, match=message):
         RankEnvironment.from_env(env)
+
+
+def test_the_jobs_settings_reach_the_rank_and_fill_in_what_the_decorator_leaves_out() -> None:
+    env = RankEnvironment.from_env({**GOOD_ENV, "STALWART_MAX_RESTARTS": "2", "STALWART_SOFT_TIMEOUT": "30",
+                                    "STALWART_HARD_TIMEOUT": "45", "STALWART_BARRIER_TIMEOUT": "90"})
+    assert RankEnvironment.from_env(env.to_env()) == env
+    job = env.job_settings()
+    assert job == {"max_restarts": 2, "soft_timeout": 30.0, "hard_timeout": 45.0, "barrier_timeout": 90.0}
+    decorated = RestartConfig(soft_timeout=10.0, hard_timeout=40.0)
+    config = decorated.for_job(job, frozenset({"soft_timeout", "hard_timeout"}))
+    assert (config.max_restarts, config.soft_timeout, config.hard_timeout, config.barrier_timeout) == (2, 10, 40, 90)
+    unchanged = RestartConfig()
+    assert unchanged.for_job({}, frozenset()) is unchanged
+
+
+def test_a_mix_of_decorator_and_job_settings_that_does_not_hold_names_both() -> None:
+    with pytest.raises(ValueError) as e:
+        RestartConfig(soft_timeout=60.0, hard_timeout=120.0).for_job({"hard_timeout": 45.0},
+                                                                     frozenset({"soft_timeout"}))
+    assert "hard_timeout: must exceed soft_timeout" in str(e.value)
+    assert "@restartable(soft_timeout=60.0)" in str(e.value) and "hardTimeoutSeconds=45.0" in str(e.value)

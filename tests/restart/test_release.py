@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from stalwart.restart.wrapper import _release
+from stalwart.restart.errors import release_frames
 
 
 class Held:
@@ -28,7 +28,7 @@ def test_release_clears_frames_and_survives_a_context_cycle() -> None:
     # A cycle: what an interrupt delivered while the first exception was being handled can leave behind.
     second.__context__ = first
     first.__context__ = second
-    _release(second)  # must return
+    release_frames(second)  # must return
     assert first.__traceback__ is None and second.__traceback__ is None
     gc.collect()
     assert ref() is None, "the failed frame's locals are still alive"

@@ -57,7 +57,7 @@ def test_a_new_round_moves_the_epoch_and_excludes_other_nodes(etcd: EtcdServer) 
             b.register(Member("b", 1, "127.0.0.1:1002", "i2"), node="node-b")
             a.wait_for(2, timeout=30)
             a.advance(7, keep_nodes={"node-a"})
-            assert WorkerLeft("b", "not a member of the round of epoch 7") in seen
+            assert WorkerLeft("b", "not a member of the round of epoch 7", "i2") in seen
             assert a.view().epoch == 7 and "b" not in a.view().members
 
             def reregistered() -> bool:

@@ -20,7 +20,18 @@ import torch.distributed as dist
 from stalwart.agent.rendezvous.errors import StaleEpoch
 from stalwart.agent.rendezvous.fence import Fence
 from stalwart.keys import JobKeys
-from stalwart.store import Compare, Delete, Get, Op, Put, Store, StoreError, TxnResult
+from stalwart.store import (
+    Compare,
+    Delete,
+    Get,
+    Op,
+    Put,
+    Store,
+    StoreError,
+    StoreTimeout,
+    StoreUnavailable,
+    TxnResult,
+)
 
 #: How often a waiter re-checks that its round is still current while no key event arrives.
 _EPOCH_CHECK_INTERVAL = 1.0
@@ -44,7 +55,15 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
     0; ``compare_set`` sets ``desired`` when the key holds ``expected`` (or is absent and ``expected`` is
     empty) and returns the value now stored (``expected`` when absent and not set); ``wait`` raises
     ``DistStoreError`` on timeout. Every method raises :class:`StaleEpoch` once the round is over.
+
+    ``deadline`` (a ``time.monotonic()`` instant, or ``None``) caps every wait whatever timeout torch passes:
+    the restart wrapper sets it while it builds an iteration's process group, so that a group whose peers
+    never arrive fails within the wrapper's deadline instead of the collective timeout (``deadline_hit``
+    then tells that this was why).
     """
+
+    deadline: float | None = None
+    deadline_hit: bool = False
 
     def __init__(self, store: Store, keys: JobKeys, epoch: int, *, holder: tuple[str, int] | None = None,
                  timeout: float = 300.0, scope: str = "") -> None:
@@ -176,20 +195,39 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
         """Block until every key exists (watch, not polling); ``DistStoreError`` after the timeout,
         :class:`StaleEpoch` as soon as the round is seen to be over."""
         limit = self._timeout if timeout is None else timeout.total_seconds()
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
+        deadline = start + limit
+        capped = self.deadline is not None and self.deadline < deadline
+        if capped:
+            deadline = self.deadline  # type: ignore[assignment]
         self._check_epoch()
         missing, revision = self._absent([self._key(k) for k in keys])
-        if not missing:
-            return
+        while missing:
+            try:
+                self._wait_watching(missing, revision, deadline)
+            except (StoreTimeout, StoreUnavailable):
+                # The watch broke or went silent: read again, watch again (until the deadline).
+                missing, revision = self._absent(sorted(missing))
+                if time.monotonic() < deadline:
+                    continue
+            if missing:
+                names = sorted(k[len(self.prefix):] for k in missing)
+                if capped:
+                    self.deadline_hit = True
+                    raise dist.DistStoreError(
+                        f"keys {names} did not appear within the deadline for building the process group "
+                        f"({time.monotonic() - start:.1f}s; epoch {self.epoch})")
+                raise dist.DistStoreError(f"wait timed out after {limit:.1f}s for keys {names} (epoch {self.epoch})")
+
+    def _wait_watching(self, missing: builtins.set[str], revision: int, deadline: float) -> None:
+        """Discard keys from ``missing`` as they are put, until none is left or ``deadline`` passes."""
         # Watching from just after the reads' revision: a key set in between is not missed.
         with self.etcd.watch(self.prefix, prefix=True, start_revision=revision + 1) as w:
             next_check = time.monotonic() + _EPOCH_CHECK_INTERVAL
             while missing:
                 now = time.monotonic()
                 if now >= deadline:
-                    names = sorted(k[len(self.prefix):] for k in missing)
-                    raise dist.DistStoreError(
-                        f"wait timed out after {limit:.1f}s for keys {names} (epoch {self.epoch})")
+                    return
                 if now >= next_check:
                     self._check_epoch()
                     next_check = now + _EPOCH_CHECK_INTERVAL

@@ -97,6 +97,7 @@ class _Call:
     retry_timer: Timer | None = None
     forks_created: list[str] = field(default_factory=list)
     started: float = 0.0
+    inc: str = ""  # the incarnation of ``dst`` it was sent to
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,7 +437,7 @@ class RpcAgent:
 
         call = _Call(id=self._alloc_id(), dst=member.name, address=member.address, mtype=mtype,
                      deadline=now + timeout, retry=retry, restamp=False, epoch=self._epoch, on_done=done,
-                     fn=fn, user=True, started=now)
+                     fn=fn, user=True, started=now, inc=member.incarnation)
         if handle is not None:
             call.rref, call.fork = handle.rref_id, handle.fork_id
             assert handle.fork_id is not None
@@ -633,7 +634,7 @@ class RpcAgent:
         retry = self._control_retry
         call = _Call(id=self._alloc_id(), dst=c.dst, address=member.address, mtype=c.kind,
                      deadline=now + retry.deadline, retry=retry, restamp=True, epoch=self._epoch, on_done=done,
-                     rref=c.rref, fork=c.fork, started=now)
+                     rref=c.rref, fork=c.fork, started=now, inc=member.incarnation)
         self._launch(call)
 
     def _send_controls(self, controls: list[Control]) -> None:
@@ -764,7 +765,8 @@ class RpcAgent:
                                                        "attempt_timeout": None})
         call = _Call(id=self._alloc_id(), dst=member.name, address=member.address, mtype="fetch",
                      deadline=now + timeout, retry=retry, restamp=True, epoch=self._epoch, on_done=done,
-                     rref=handle.rref_id, fork=handle.fork_id, payload={"timeout": timeout}, started=now)
+                     rref=handle.rref_id, fork=handle.fork_id, payload={"timeout": timeout}, started=now,
+                     inc=member.incarnation)
         self._launch(call)
 
     # -- incoming requests (loop thread) ----------------------------------------------------------------
@@ -977,7 +979,7 @@ class RpcAgent:
 
     def _apply_event(self, event: MembershipEvent) -> None:
         if isinstance(event, WorkerLeft):
-            self._worker_left(event.name, event.reason)
+            self._worker_left(event.name, event.reason, event.incarnation)
             return
         # the latest view, not the event's snapshot: events from several threads may arrive out of order
         view = self._membership.view() if self._membership is not None else event.view
@@ -993,24 +995,39 @@ class RpcAgent:
         self._view, self._epoch = view, view.epoch
         self._poke()
 
-    def _worker_left(self, name: str, reason: str) -> None:
-        if name == self.name or name in self._dead:
+    def _worker_left(self, name: str, reason: str, incarnation: str = "") -> None:
+        """``name``'s incarnation ``incarnation`` (``""``: whichever it was) is gone: its calls fail, its values
+        and the references it held go with it. When a newer incarnation of the name is in the membership
+        already (events from several threads may come late), the name stays reachable: only what belonged to
+        the one that went is given up."""
+        if name == self.name:
+            return
+        latest = self._membership.view().members.get(name) if self._membership is not None else None
+        replaced = bool(incarnation) and latest is not None and latest.incarnation not in ("", incarnation)
+        if not replaced and name in self._dead and self._dead[name] in ("", incarnation):
             return
         member = self._view.members.get(name)
-        self._dead[name] = member.incarnation if member is not None else ""
-        log.warning("%s: worker %s is gone (%s); failing its calls and dropping its references",
-                    self.name, name, reason)
+        gone = incarnation or (member.incarnation if member is not None else "")
+        log.warning("%s: worker %s%s is gone (%s); failing its calls and dropping its references", self.name,
+                    name, f" (incarnation {gone})" if gone else "", reason)
+        if not replaced:
+            self._dead[name] = gone
         self._wake_values(self._book.worker_died(name))
         self._send_controls(self._book.after_death)
         self._book.after_death = []
-        for call in [c for c in self._pending.values() if c.dst == name]:
+        if replaced:
+            self._book.dead.discard(name)  # the name lives on in its new incarnation
+        for call in [c for c in self._pending.values() if c.dst == name and (not replaced or c.inc == gone)]:
             self._finish(call, None, E.OwnerDied(name, reason) if call.mtype == "fetch"
                          else E.WorkerDied(name, reason))
-        self._dedup.forget_worker(name)
-        for key in [k for k in self._dup_waiters if k[0] == name]:
-            del self._dup_waiters[key]
-        self._done_from.add(name)
-        if member is not None:
+        if replaced:
+            self._dedup.forget_sender((name, gone))
+        else:
+            self._dedup.forget_worker(name)
+            for key in [k for k in self._dup_waiters if k[0] == name]:
+                del self._dup_waiters[key]
+            self._done_from.add(name)
+        if member is not None and member.incarnation == gone:
             self._spawn(self._transport.disconnect(member.address))
         self._poke()
 

@@ -73,6 +73,11 @@ class CompletionTable(Generic[R]):
             dropped += len(self._senders.pop(key).records)
         return dropped
 
+    def forget_sender(self, sender: Sender) -> int:
+        """Drop the records of one incarnation of a worker; returns how many were dropped."""
+        s = self._senders.pop(sender, None)
+        return 0 if s is None else len(s.records)
+
     def forget_others(self, keep: Iterable[Sender]) -> None:
         """Drop every sender not in ``keep`` (e.g. incarnations that were replaced)."""
         keep_set = set(keep)

@@ -92,10 +92,13 @@ class ViewChanged:
 
 @dataclass(frozen=True, slots=True)
 class WorkerLeft:
-    """A worker is gone (lease expired, or it left); everything it owned or held is to be given up."""
+    """A worker is gone (lease expired, or it left); everything it owned or held is to be given up.
+    ``incarnation`` is the one that went (``""``: unknown): a process respawned under the same name is a new
+    incarnation, and the name lives on with it."""
 
     name: str
     reason: str
+    incarnation: str = ""
 
 
 MembershipEvent = ViewChanged | WorkerLeft
@@ -149,8 +152,9 @@ class StaticMembership(Membership):
         self._emit(ViewChanged(view))
 
     def worker_left(self, name: str, reason: str = "left") -> None:
+        gone = self._view.members.get(name)
         members = {k: v for k, v in self._view.members.items() if k != name}
-        self._emit(WorkerLeft(name, reason))
+        self._emit(WorkerLeft(name, reason, gone.incarnation if gone is not None else ""))
         self._emit(ViewChanged(View(self._view.epoch, MappingProxyType(members))))
 
 
@@ -158,7 +162,9 @@ class EtcdMembership(Membership):
     """Membership from lease-bound worker records in etcd (one key per worker under ``JobKeys.rpc``).
 
     ``register`` puts this worker's record with ``lease`` (granted here with ``lease_ttl`` when not given);
-    a watch thread keeps the view and reports deletions as :class:`WorkerLeft`. The view holds every live
+    a watch thread keeps the view and reports as :class:`WorkerLeft` a deleted record and a record replaced by
+    another incarnation of the same name (a respawned process), naming the incarnation that went, before
+    the view that holds its successor. The view holds every live
     record not excluded by the rendezvous; its epoch is this worker's round. ``older_rounds=False`` leaves
     out the records of rounds older than ours: right where every round has processes of its own (ranks
     launched by ``stalwart agent``), whose predecessors' records linger until their lease expires; keep the
@@ -222,7 +228,7 @@ class EtcdMembership(Membership):
         for record in list(self._records.values()):
             if record.node and record.node in nodes and record.name not in self._excluded:
                 self._excluded.add(record.name)
-                self._emit(WorkerLeft(record.name, reason))
+                self._emit(WorkerLeft(record.name, reason, record.incarnation))
 
     def _reregister_if_needed(self) -> None:
         with self._changed:
@@ -257,13 +263,18 @@ class EtcdMembership(Membership):
                                    f"{self._epoch} within {timeout}s (world size {world_size})")
             return self._view
 
-    def _absorb_put(self, key: str, value: bytes) -> None:
+    def _absorb_put(self, key: str, value: bytes) -> RpcWorkerRecord | None:
+        """Take a record in; returns the record it replaced when that was another incarnation of the name."""
         try:
             record = RpcWorkerRecord.from_json_bytes(value)
         except ValueError as e:
             log.warning("ignoring invalid RPC worker record at %s: %s", key, e)
-            return
+            return None
+        old = self._records.get(record.name)
         self._records[record.name] = record
+        if old is not None and old.incarnation != record.incarnation and record.name not in self._excluded:
+            return old
+        return None
 
     def _publish(self) -> None:
         epoch = self._epoch
@@ -294,18 +305,23 @@ class EtcdMembership(Membership):
                         start_revision = event.kv.mod_revision + 1
                         name = event.kv.key[len(self._prefix):]
                         if event.type == "put":
-                            self._absorb_put(event.kv.key, event.kv.value)
-                        elif self._records.pop(name, None) is not None and name not in self._excluded:
-                            self._emit(WorkerLeft(name, "its lease expired or it left"))
+                            old = self._absorb_put(event.kv.key, event.kv.value)
+                            if old is not None:
+                                self._emit(WorkerLeft(name, f"restarted: its incarnation {old.incarnation or '?'} "
+                                                            "was replaced", old.incarnation))
+                        elif (gone := self._records.pop(name, None)) is not None and name not in self._excluded:
+                            self._emit(WorkerLeft(name, "its lease expired or it left", gone.incarnation))
                         self._publish()
             except WatchCompacted:
                 kvs, revision = self._store.get_prefix(self._prefix)
-                gone = set(self._records) - {kv.key[len(self._prefix):] for kv in kvs}
+                before = dict(self._records)
                 self._records.clear()
                 for kv in kvs:
                     self._absorb_put(kv.key, kv.value)
-                for name in gone:
-                    self._emit(WorkerLeft(name, "its lease expired or it left"))
+                for name, record in before.items():
+                    now = self._records.get(name)
+                    if now is None or now.incarnation != record.incarnation:
+                        self._emit(WorkerLeft(name, "its lease expired or it left", record.incarnation))
                 self._publish()
                 start_revision = revision + 1
             except StoreError as e:

@@ -11,9 +11,20 @@ aiohttp application (:mod:`.http`). What is reused from kmock is its catalogue o
 resources (``kmock/_internal/resources.json.gz``, a discovery dump of a real cluster), so every built-in kind
 (Deployment, RBAC, ServiceAccount, Lease, ...) is discoverable and stored without being listed by hand here.
 
-Module map: :mod:`.catalog` (resource descriptions, discovery documents), :mod:`.selectors` (label/field
-selectors), :mod:`.patches` (merge, strategic merge, JSON patch, apply), :mod:`.schema` (CRD structural schema:
-validation, defaulting, pruning), :mod:`.cel` (the CEL subset for ``x-kubernetes-validations``), :mod:`.tables`
-(server-side Table output), :mod:`.openapi` (OpenAPI v3 documents for ``kubectl explain``), :mod:`.objects`
-(the object store: metadata semantics, watch history, finalizers, garbage collection) and :mod:`.http` (routes).
+Module map:
+- the object store: :mod:`.storage` (objects, revisions, history, watches, snapshots, pages), :mod:`.objects`
+  (write semantics), :mod:`.subresources`, :mod:`.deletion`, :mod:`.fieldmanager` (managedFields, apply);
+- admission: :mod:`.admission` (the order of checks), :mod:`.metadata` (names, labels, annotations),
+  :mod:`.core_schema` (built-in kinds against their OpenAPI schemas), :mod:`.builtins` and :mod:`.podspec`
+  (defaults and semantic checks; quantities by :mod:`stalwart.local.quantity`), :mod:`.crds` and :mod:`.celcheck`
+  (CRDs when stored),
+  :mod:`.schema` and :mod:`.cel` (custom resources: structural schema, defaulting, pruning, the CEL subset);
+- security: :mod:`.authentication` (tokens), :mod:`.authorization` (RBAC), :mod:`.security` (the gate, the
+  record of decisions, the default roles), :mod:`.reviews` (TokenRequest, token and access reviews);
+- HTTP: :mod:`.requestinfo` (request attributes), :mod:`.http` (routes), :mod:`.watching` (watch streams),
+  :mod:`.errors` (Status bodies), :mod:`.catalog` (resources, discovery), :mod:`.selectors`, :mod:`.patches`,
+  :mod:`.tables` (Table output), :mod:`.openapi` (OpenAPI for ``kubectl explain``), :mod:`.protobuf` (the
+  protobuf bodies typed Go clients send).
+
+Garbage collection and namespace deletion are controllers outside the API server (:mod:`stalwart.local.garbage`).
 """

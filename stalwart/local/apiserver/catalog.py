@@ -12,7 +12,8 @@ from typing import Any
 JSON = dict[str, Any]
 
 # Groups in kmock's catalogue that belong to add-ons rather than to kube-apiserver itself.
-_SKIPPED_GROUPS = ("gateway.networking.k8s.io", "metrics.k8s.io", "apiregistration.k8s.io")
+_SKIPPED_GROUPS = ("gateway.networking.k8s.io", "metrics.k8s.io")
+_SERVED_SUBRESOURCES = ("status", "scale", "log", "binding", "eviction", "token", "finalize")
 # The "all" category (``kubectl get all``), which the catalogue does not record.
 _CATEGORY_ALL = {("", "pods"), ("", "services"), ("", "replicationcontrollers"), ("apps", "deployments"),
                  ("apps", "replicasets"), ("apps", "statefulsets"), ("apps", "daemonsets"), ("batch", "jobs"),
@@ -64,7 +65,8 @@ class ResourceInfo:
             main["categories"] = list(self.categories)
         out = [main]
         for sub, kind in sorted(self.subresources.items()):
-            verbs = ["get"] if sub == "log" else ["get", "patch", "update"]
+            verbs = {"log": ["get"], "binding": ["create"], "eviction": ["create"], "token": ["create"],
+                     "finalize": ["update"]}.get(sub, ["get", "patch", "update"])
             out.append({"name": f"{self.plural}/{sub}", "singularName": "", "namespaced": self.namespaced,
                         "kind": kind, "verbs": verbs})
         return out
@@ -98,7 +100,7 @@ class Registry:
                     info.categories.append("all")
                 for s in subs:
                     parent, _, sub = s["name"].partition("/")
-                    if parent == r["name"] and sub in ("status", "scale", "log", "binding", "eviction"):
+                    if parent == r["name"] and sub in _SERVED_SUBRESOURCES:
                         info.subresources[sub] = s["kind"]
                 self.add(info)
 

@@ -36,6 +36,7 @@ class CelEvalError(ValueError):
 class _Tok:
     kind: str
     text: str
+    pos: int = 0
 
 
 def _tokenize(src: str) -> list[_Tok]:
@@ -47,11 +48,11 @@ def _tokenize(src: str) -> list[_Tok]:
         if not m or m.end() == pos:
             raise CelError(f"unexpected character {src[pos]!r} at offset {pos}")
         kind = m.lastgroup or ""
-        toks.append(_Tok(kind, m.group(kind)))
+        toks.append(_Tok(kind, m.group(kind), m.start(kind)))
         pos = m.end()
         while pos < len(src) and src[pos].isspace():
             pos += 1
-    toks.append(_Tok("eof", ""))
+    toks.append(_Tok("eof", "", len(src)))
     return toks
 
 
@@ -130,7 +131,8 @@ class _Parser:
             t = self.peek().text
             if t == ".":
                 self.take()
-                name = self.take().text
+                name_tok = self.take()
+                name = name_tok.text
                 if self.peek().text == "(":
                     if name in _MACROS:
                         self.take("(")
@@ -144,7 +146,7 @@ class _Parser:
                     else:
                         raise CelError(f"unsupported method {name}()")
                 else:
-                    node = ("field", node, name)
+                    node = ("field", node, name, name_tok.pos)
             elif t == "[":
                 self.take()
                 idx = self.expr()
@@ -181,7 +183,7 @@ class _Parser:
                 if tok.text not in _FUNCS:
                     raise CelError(f"unsupported function {tok.text}()")
                 return ("call", tok.text, self.args())
-            return ("var", tok.text)
+            return ("var", tok.text, tok.pos)
         raise CelError(f"unexpected {tok.text or 'end of rule'!r}")
 
 
@@ -333,9 +335,15 @@ class Rule:
     uses_old_self: bool
 
 
+def parse_rule(source: str) -> Node:
+    """The syntax tree of a rule (tuples; ``var`` and ``field`` nodes end with their offset in the source);
+    :class:`CelError` if it is outside the subset."""
+    return _Parser(source).parse()
+
+
 def compile_rule(source: str) -> Rule:
     """Parse a rule; raise :class:`CelError` if it is outside the subset."""
-    tree = _Parser(source).parse()
+    tree = parse_rule(source)
 
     def evaluate(env: dict[str, Any]) -> Any:
         try:

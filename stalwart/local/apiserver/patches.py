@@ -6,10 +6,9 @@
   (containers by ``name``, ports by ``containerPort``/``port``, conditions by ``type``, ...) merge element-wise;
   ``finalizers`` merge as a set; the directives ``$patch`` (replace/delete/merge), ``$retainKeys``,
   ``$deleteFromPrimitiveList/<field>`` and ``$setElementOrder/<field>`` are honoured.
-- Server-side apply: the applied configuration is merged like a strategic merge patch without directives; each
-  field manager's applied field set is recorded in ``metadata.managedFields`` (``FieldsV1``), and fields that a
-  manager applied before and omits now are removed unless another manager applied them too. Ownership
-  conflicts with non-apply writers are not detected (``force`` is accepted and changes nothing).
+
+Server-side apply merges like a strategic merge patch without directives; its field ownership is
+:mod:`.fieldmanager`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ import json
 from typing import Any
 
 import jsonpatch
+
+from stalwart.local.apiserver.errors import ApiError
 
 JSON = dict[str, Any]
 
@@ -64,7 +65,7 @@ def json_patch(target: JSON, ops: Any) -> JSON:
     return result
 
 
-def _merge_key(field: str | None, items: list[Any]) -> str | None:
+def merge_key(field: str | None, items: list[Any]) -> str | None:
     if field == "ports":
         for item in items:
             if isinstance(item, dict):
@@ -124,7 +125,7 @@ def strategic_merge(target: Any, patch: Any, *, field: str | None = None, direct
 def _apply_order(items: Any, order: Any, field: str) -> Any:
     if not isinstance(items, list) or not isinstance(order, list):
         return items
-    key = _merge_key(field, items + order)
+    key = merge_key(field, items + order)
 
     def ident(x: Any) -> str:
         return json.dumps(x.get(key) if key and isinstance(x, dict) else x, sort_keys=True)
@@ -140,7 +141,7 @@ def _merge_list(target: list[Any], patch: list[Any], field: str | None, directiv
             if item not in out:
                 out.append(item)
         return out
-    key = _merge_key(field, patch + target)
+    key = merge_key(field, patch + target)
     if key is None or not all(isinstance(x, dict) for x in patch):
         if directives and any(isinstance(x, dict) and x.get("$patch") == "replace" for x in patch):
             return [copy.deepcopy(x) for x in patch if not (isinstance(x, dict) and "$patch" in x)]
@@ -161,133 +162,29 @@ def _merge_list(target: list[Any], patch: list[Any], field: str | None, directiv
     return out
 
 
-# --- server-side apply -------------------------------------------------------------------------------------------
-
-Path = tuple[str, ...]
-
-
-def field_paths(obj: Any, field: str | None = None, prefix: Path = ()) -> set[Path]:
-    """The leaf field paths of an applied configuration, in FieldsV1 step notation (``f:name``,
-    ``k:{"name":"x"}`` for keyed list elements, ``v:value`` for set elements)."""
-    out: set[Path] = set()
-    if isinstance(obj, dict):
-        if not obj and prefix:
-            out.add(prefix)
-        for key, value in obj.items():
-            out |= field_paths(value, key, (*prefix, f"f:{key}"))
-        return out
-    if isinstance(obj, list):
-        key = _merge_key(field, obj)
-        if field in SET_LISTS:
-            for item in obj:
-                out.add((*prefix, "v:" + json.dumps(item)))
-        elif key is not None and all(isinstance(x, dict) and key in x for x in obj):
-            for item in obj:
-                step = "k:" + json.dumps({key: item[key]}, separators=(",", ":"))
-                out.add((*prefix, step))
-                out |= field_paths(item, None, (*prefix, step))
+def patch_object(current: JSON, patch_type: str, patch: Any, *, custom: bool) -> JSON:
+    """``current`` with ``patch`` of ``patch_type`` (json, merge, strategic) applied, or the API's error
+    (422 for a patch that does not apply, 415 for strategic merge on a ``custom`` resource)."""
+    try:
+        if patch_type == "json":
+            new = json_patch(current, patch)
+        elif patch_type == "merge":
+            if not isinstance(patch, dict):
+                raise PatchError("a merge patch must be a JSON object")
+            new = merge_patch(current, patch)
+        elif patch_type == "strategic":
+            if custom:
+                raise ApiError(415, "UnsupportedMediaType",
+                               "the body of the request was in an unknown format - accepted media types include: "
+                               "application/json-patch+json, application/merge-patch+json, "
+                               "application/apply-patch+yaml")
+            if not isinstance(patch, dict):
+                raise PatchError("a strategic merge patch must be a JSON object")
+            new = strategic_merge(current, patch)
         else:
-            out.add(prefix)
-        return out
-    out.add(prefix)
-    return out
-
-
-def paths_to_fieldsv1(paths: set[Path]) -> JSON:
-    """Encode paths as a FieldsV1 tree; a path that is also a prefix of others is marked with ``"."``."""
-    root: JSON = {}
-    for path in sorted(paths):
-        node = root
-        for step in path:
-            node = node.setdefault(step, {})
-    for path in paths:
-        node = root
-        for step in path:
-            node = node[step]
-        if node:
-            node["."] = {}
-    return root
-
-
-def fieldsv1_to_paths(fields: JSON, prefix: Path = ()) -> set[Path]:
-    out: set[Path] = set()
-    if prefix and (not fields or "." in fields):
-        out.add(prefix)
-    for step, sub in fields.items():
-        if step != ".":
-            out |= fieldsv1_to_paths(sub if isinstance(sub, dict) else {}, (*prefix, step))
-    return out
-
-
-def remove_path(obj: JSON, path: Path) -> None:
-    """Remove the field at a FieldsV1 path from ``obj`` in place, if present."""
-    cur: Any = obj
-    for i, step in enumerate(path):
-        last = i == len(path) - 1
-        kind, _, rest = step.partition(":")
-        if kind == "f" and isinstance(cur, dict):
-            if last:
-                cur.pop(rest, None)
-                return
-            cur = cur.get(rest)
-        elif kind == "k" and isinstance(cur, list):
-            want = json.loads(rest)
-            idx = next((j for j, x in enumerate(cur)
-                        if isinstance(x, dict) and all(x.get(k) == v for k, v in want.items())), None)
-            if idx is None:
-                return
-            if last:
-                cur.pop(idx)
-                return
-            cur = cur[idx]
-        elif kind == "v" and isinstance(cur, list):
-            value = json.loads(rest)
-            if last and value in cur:
-                cur.remove(value)
-            return
-        else:
-            return
-
-
-def _lookup(obj: Any, path: Path) -> Any:
-    cur = obj
-    for step in path:
-        kind, _, rest = step.partition(":")
-        if kind != "f" or not isinstance(cur, dict) or rest not in cur:
-            return None
-        cur = cur[rest]
-    return cur
-
-
-def server_side_apply(live: JSON, applied: JSON, manager: str, now: str) -> JSON:
-    """Merge an applied configuration into the live object for field manager ``manager`` (see module doc)."""
-    managed: list[JSON] = [dict(m) for m in (live.get("metadata") or {}).get("managedFields") or []]
-    body = {k: v for k, v in applied.items() if k not in ("status",)}
-    meta = {k: v for k, v in (body.get("metadata") or {}).items()
-            if k in ("labels", "annotations", "finalizers", "ownerReferences")}
-    body["metadata"] = meta
-    new_paths = field_paths({k: v for k, v in body.items() if k not in ("apiVersion", "kind")})
-    old_paths: set[Path] = set()
-    others: set[Path] = set()
-    for entry in managed:
-        paths = fieldsv1_to_paths(entry.get("fieldsV1") or {})
-        if entry.get("manager") == manager and entry.get("operation") == "Apply":
-            old_paths = paths
-        elif entry.get("operation") == "Apply":
-            others |= paths
-    result = strategic_merge(live, body, directives=False)
-    kept = new_paths | others
-    for path in sorted(old_paths - kept, key=len, reverse=True):
-        remove_path(result, path)
-        # A map this manager owned only through the removed field goes too once it is empty.
-        for cut in range(len(path) - 1, 0, -1):
-            parent = path[:cut]
-            if any(p[:cut] == parent for p in kept) or _lookup(result, parent) != {}:
-                break
-            remove_path(result, parent)
-    entry = {"manager": manager, "operation": "Apply", "apiVersion": applied.get("apiVersion", ""),
-             "time": now, "fieldsType": "FieldsV1", "fieldsV1": paths_to_fieldsv1(new_paths)}
-    managed = [m for m in managed if not (m.get("manager") == manager and m.get("operation") == "Apply")]
-    managed.append(entry)
-    result.setdefault("metadata", {})["managedFields"] = managed
-    return dict(result)
+            raise ApiError(415, "UnsupportedMediaType", f"unsupported patch type {patch_type!r}")
+    except PatchError as exc:
+        raise ApiError(422, "Invalid", str(exc)) from exc
+    if not isinstance(new, dict):
+        raise ApiError(422, "Invalid", "the patch must leave an object")
+    return new

@@ -3,8 +3,9 @@
 Helm's release storage writes Secrets (or ConfigMaps) through client-go's typed client, which encodes request
 bodies as ``application/vnd.kubernetes.protobuf`` whatever the server answers in; so the emulator reads the
 ``k8s\\0`` envelope (``runtime.Unknown``) and the messages of Secret, ConfigMap, ObjectMeta,
-OwnerReference, DeleteOptions, and the metadata of Namespace and ServiceAccount (``kubectl create
-namespace``) into JSON. Other kinds are answered with 415 Unsupported Media Type. Responses are
+OwnerReference, DeleteOptions, the metadata of Namespace and ServiceAccount (``kubectl create
+namespace``), TokenRequest (``kubectl create token``) and the self reviews (``kubectl auth whoami`` and
+``can-i``) into JSON. Other kinds are answered with 415 Unsupported Media Type. Responses are
 always JSON, which these clients accept.
 """
 
@@ -102,7 +103,7 @@ def object_meta(buf: bytes) -> JSON:
     out: JSON = {}
     strings = {1: "name", 2: "generateName", 3: "namespace", 5: "uid", 6: "resourceVersion"}
     for n, v in fields(buf):
-        if n in strings:
+        if n in strings and _s(v):
             out[strings[n]] = _s(v)
         elif n == 7:
             out["generation"] = v
@@ -184,9 +185,94 @@ def _meta_only(kind: str) -> Callable[[bytes], JSON]:
     return decode
 
 
+def _strings(buf: bytes, names: dict[int, str]) -> JSON:
+    """The string fields ``names`` of a message; empty ones are left out, as JSON omits them."""
+    return {names[n]: _s(v) for n, v in fields(buf) if n in names and _s(v)}
+
+
+def _spec_fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """The fields of a message's ``spec`` (field 2, after ``metadata``)."""
+    for n, v in fields(buf):
+        if n == 2:
+            yield from fields(_b(v))
+
+
+def _token_request(buf: bytes) -> JSON:
+    spec: JSON = {}
+    for m, x in _spec_fields(buf):
+        if m == 1:
+            spec.setdefault("audiences", []).append(_s(x))
+        elif m == 3:
+            spec["boundObjectRef"] = _strings(_b(x), {1: "kind", 2: "apiVersion", 3: "name", 4: "uid"})
+        elif m == 4 and isinstance(x, int):
+            spec["expirationSeconds"] = x
+    return {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+
+
+def _access_review(buf: bytes) -> JSON:
+    spec: JSON = {}
+    for m, x in _spec_fields(buf):
+        if m == 1:
+            spec["resourceAttributes"] = _strings(_b(x), {1: "namespace", 2: "verb", 3: "group", 4: "version",
+                                                          5: "resource", 6: "subresource", 7: "name"})
+        elif m == 2:
+            spec["nonResourceAttributes"] = _strings(_b(x), {1: "path", 2: "verb"})
+    return {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview", "spec": spec}
+
+
+def _rules_review(buf: bytes) -> JSON:
+    spec: JSON = {}
+    for m, x in _spec_fields(buf):
+        if m == 1 and _s(x):
+            spec["namespace"] = _s(x)
+    return {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectRulesReview", "spec": spec}
+
+
+def _policy_rule(buf: bytes) -> JSON:
+    names = {1: "verbs", 2: "apiGroups", 3: "resources", 4: "resourceNames", 5: "nonResourceURLs"}
+    out: JSON = {}
+    for n, v in fields(buf):
+        if n in names:
+            out.setdefault(names[n], []).append(_s(v))
+    return out
+
+
+def _rbac(kind: str) -> Callable[[bytes], JSON]:
+    """Role and ClusterRole (rules), RoleBinding and ClusterRoleBinding (subjects, roleRef):
+    ``kubectl create role|clusterrole|rolebinding|clusterrolebinding``."""
+    binding = kind.endswith("Binding")
+
+    def decode(buf: bytes) -> JSON:
+        out: JSON = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": kind}
+        for n, v in fields(buf):
+            if n == 1:
+                out["metadata"] = object_meta(_b(v))
+            elif n == 2 and binding:
+                out.setdefault("subjects", []).append(
+                    _strings(_b(v), {1: "kind", 2: "apiGroup", 3: "name", 4: "namespace"}))
+            elif n == 2:
+                out.setdefault("rules", []).append(_policy_rule(_b(v)))
+            elif n == 3 and binding:
+                out["roleRef"] = _strings(_b(v), {1: "apiGroup", 2: "kind", 3: "name"})
+            elif n == 3:
+                out["aggregationRule"] = {"clusterRoleSelectors": [
+                    {"matchLabels": dict((k, val.decode()) for m, x in fields(_b(sel)) if m == 1
+                                         for k, val in [_map_entry(x)])}
+                    for m0, sel in fields(_b(v)) if m0 == 1]}
+        return out
+
+    return decode
+
+
 _KINDS: dict[str, Callable[[bytes], JSON]] = {
+    "Role": _rbac("Role"), "ClusterRole": _rbac("ClusterRole"), "RoleBinding": _rbac("RoleBinding"),
+    "ClusterRoleBinding": _rbac("ClusterRoleBinding"),
     "Secret": _secret, "ConfigMap": _configmap, "DeleteOptions": _delete_options,
     "Namespace": _meta_only("Namespace"), "ServiceAccount": _meta_only("ServiceAccount"),
+    # kubectl create token, kubectl auth whoami / can-i
+    "TokenRequest": _token_request, "SelfSubjectAccessReview": _access_review,
+    "SelfSubjectRulesReview": _rules_review,
+    "SelfSubjectReview": lambda buf: {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
 }
 
 

@@ -1,0 +1,110 @@
+"""Every option of :func:`stalwart.restartable`, validated on construction, and how the job's settings fill in
+the options a decorator leaves out."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from stalwart.restart.assignment import RankAssignment
+from stalwart.restart.policies import (
+    Abort,
+    AbortProcessGroup,
+    CudaHealthCheck,
+    Finalize,
+    HealthCheck,
+    Initialize,
+    InitProcessGroup,
+)
+
+__all__ = ["JOB_SETTINGS", "RestartConfig"]
+
+#: The options a TrainingJob's ``restartPolicy.inProcess`` sets (through the agent), by its field.
+JOB_SETTINGS: Mapping[str, str] = {
+    "max_restarts": "maxRestarts",
+    "soft_timeout": "softTimeoutSeconds",
+    "hard_timeout": "hardTimeoutSeconds",
+    "barrier_timeout": "barrierTimeoutSeconds",
+}
+
+
+def _seconds(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    """Every knob of :func:`restartable`, validated on construction (errors name the argument).
+
+    * ``max_restarts``: in-process restarts allowed; one more fault exits ``RESTARTS_EXHAUSTED``.
+    * ``soft_timeout``: seconds without progress of the main thread (or ``ping()``) after which the
+      iteration is interrupted and restarted (progress is sampled every ``monitor_interval``); before the
+      iteration's first ``ping()``, ``barrier_timeout`` if longer.
+    * ``hard_timeout``: seconds without progress after which the agent kills and respawns the process
+      (must exceed ``soft_timeout``).
+    * ``barrier_timeout``: how long an iteration barrier waits for missing processes before it seals
+      without them, and how long building an iteration's process group may take; ``start_timeout``: the
+      barrier's wait in the first iteration, when processes are still starting.
+    * ``completion_timeout``: how long a returned rank waits for the others to return.
+    * ``heartbeat_ttl``: TTL (seconds) of the process's etcd lease; ``monitor_interval``: the monitor's tick.
+    * ``initialize``, ``abort``, ``finalize``, ``health_check``, ``rank_assignment``: the policies.
+    * ``etcd_timeout``: deadline of each etcd call; ``coordination_timeout``: how long etcd may stay
+      unreachable (calls are retried) before the process exits ``COORDINATION_LOST``.
+
+    Under a TrainingJob, the options in :data:`JOB_SETTINGS` that the decorator does not set come from the
+    job's ``restartPolicy.inProcess`` (:meth:`for_job`).
+    """
+
+    max_restarts: int = 10
+    soft_timeout: float = 60.0
+    hard_timeout: float = 120.0
+    barrier_timeout: float = 60.0
+    start_timeout: float = 300.0
+    completion_timeout: float = 60.0
+    heartbeat_ttl: int = 10
+    monitor_interval: float = 0.1
+    initialize: Initialize = field(default_factory=InitProcessGroup)
+    abort: Abort = field(default_factory=AbortProcessGroup)
+    finalize: Finalize | None = None
+    health_check: HealthCheck | None = field(default_factory=CudaHealthCheck)
+    rank_assignment: RankAssignment = field(default_factory=RankAssignment)
+    etcd_timeout: float = 5.0
+    coordination_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts: expected an int >= 0, got {self.max_restarts!r}")
+        for name in ("soft_timeout", "hard_timeout", "barrier_timeout", "start_timeout", "completion_timeout",
+                     "monitor_interval", "etcd_timeout", "coordination_timeout"):
+            _seconds(name, getattr(self, name))
+        if self.hard_timeout <= self.soft_timeout:
+            raise ValueError(f"hard_timeout: must exceed soft_timeout ({self.soft_timeout}s), "
+                             f"got {self.hard_timeout}")
+        if isinstance(self.heartbeat_ttl, bool) or not isinstance(self.heartbeat_ttl, int) or self.heartbeat_ttl < 2:
+            raise ValueError(f"heartbeat_ttl: expected an int >= 2 seconds, got {self.heartbeat_ttl!r}")
+        for name, kind in (("initialize", Initialize), ("abort", Abort), ("finalize", Finalize),
+                           ("health_check", HealthCheck), ("rank_assignment", RankAssignment)):
+            value = getattr(self, name)
+            if value is None and name in ("finalize", "health_check"):
+                continue
+            if not isinstance(value, kind):
+                raise TypeError(f"{name}: expected a {kind.__name__} policy, got {value!r}")
+
+    def for_job(self, settings: Mapping[str, float | int], explicit: frozenset[str]) -> RestartConfig:
+        """This configuration with the job's ``settings`` (option name -> value) in place of the options not
+        in ``explicit`` (those the decorator set). Raises ValueError naming both sources when the mix is
+        invalid (e.g. a decorator's ``soft_timeout`` above the job's hard timeout)."""
+        changes = {name: value for name, value in settings.items() if name in JOB_SETTINGS and name not in explicit}
+        if not changes:
+            return self
+        try:
+            return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            given = ", ".join(f"{n}={getattr(self, n)!r}" for n in sorted(explicit & JOB_SETTINGS.keys()))
+            job = ", ".join(f"{JOB_SETTINGS[n]}={v!r}" for n, v in sorted(changes.items()))
+            raise ValueError(f"{e} (from @restartable({given}) and the TrainingJob's "
+                             f"restartPolicy.inProcess {job})") from None

@@ -1,0 +1,110 @@
+"""The operator's identity in the operator tests: the Helm chart's ServiceAccount and RBAC, rendered by the real
+Helm library exactly as ``helm install --set operator.watchNamespaces={ns}`` renders them, applied to the local
+cluster, and a kubeconfig with a token the API server issued for that ServiceAccount. So every call the operator
+makes in a test is authorized by the chart's rules, and recorded by the API server under the account's name."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import yaml
+
+from stalwart.local.cluster import LocalCluster
+from stalwart.operator.embedded import EmbeddedOperator
+from stalwart.operator.handlers import OperatorConfig
+from stalwart.operator.model import OperatorSettings
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "stalwart"
+NAMESPACE = "stalwart-system"
+RELEASE = "ops"
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+JSON = dict[str, Any]
+
+
+def render(chart: helm_python.Chart, values: JSON) -> list[JSON]:
+    """The chart's ServiceAccount and RBAC documents for ``values``."""
+    files = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    docs = [d for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
+            for d in yaml.safe_load_all(text) if d]
+    return [d for d in docs if d["kind"] in RBAC_KINDS]
+
+
+def without_verb(docs: list[JSON], resource: str, verb: str) -> list[JSON]:
+    """``docs`` with ``verb`` taken off every rule that grants it on ``resource``."""
+    out = copy.deepcopy(docs)
+    for doc in out:
+        for rule in doc.get("rules") or []:
+            if resource in rule.get("resources", []) and verb in rule.get("verbs", []):
+                rule["verbs"] = [v for v in rule["verbs"] if v != verb]
+    return out
+
+
+@dataclass
+class OperatorAccount:
+    """A ServiceAccount the operator runs as, with the chart's cluster-wide rules bound to it."""
+    cluster: LocalCluster
+    chart: helm_python.Chart
+    name: str
+    kubeconfig: Path
+    #: Edits the rendered documents before they are applied (e.g. :func:`without_verb`).
+    edit: Callable[[list[JSON]], list[JSON]] = lambda docs: docs
+
+    @property
+    def user(self) -> str:
+        return f"system:serviceaccount:{NAMESPACE}:{self.name}"
+
+    def _values(self, namespace: str, peering: bool, gang: str | None) -> JSON:
+        return {"operator": {"watchNamespaces": [namespace], "replicas": 2 if peering else 1,
+                             "gangScheduler": gang or ""},
+                "serviceAccount": {"name": self.name}}
+
+    def grant(self, namespace: str, *, peering: bool = False, gang: str | None = None) -> None:
+        """Apply the chart's Role and RoleBinding for an operator serving ``namespace`` (configured so)."""
+        docs = [d for d in self.edit(render(self.chart, self._values(namespace, peering, gang)))
+                if d["kind"] in ("Role", "RoleBinding")]
+        self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+    @classmethod
+    def create(cls, cluster: LocalCluster, chart: helm_python.Chart, name: str, directory: Path,
+               edit: Callable[[list[JSON]], list[JSON]] = lambda docs: docs) -> OperatorAccount:
+        """The chart's ServiceAccount (named ``name``) with its ClusterRole and binding, and a kubeconfig for it."""
+        cluster.kubectl("apply", "-f", "-", input=f"apiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n")
+        account = cls(cluster, chart, name, directory / f"{name}.kubeconfig", edit)
+        values = account._values("unused", False, None)
+        docs = [d for d in edit(render(chart, values)) if d["kind"] in ("ServiceAccount", "ClusterRole",
+                                                                         "ClusterRoleBinding")]
+        for doc in docs:  # one release's cluster-wide objects per account
+            if doc["kind"] != "ServiceAccount":
+                doc["metadata"]["name"] = f"{doc['metadata']['name']}-{name}"
+            if doc["kind"] == "ClusterRoleBinding":
+                doc["roleRef"]["name"] = f"{doc['roleRef']['name']}-{name}"
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+        config = cluster.service_account_kubeconfig(NAMESPACE, name, seconds=24 * 3600)
+        account.kubeconfig.touch(mode=0o600)
+        account.kubeconfig.write_text(yaml.safe_dump(config))
+        return account
+
+
+OperatorFactory = Callable[..., EmbeddedOperator]
+
+
+def operator_factory(account: OperatorAccount, etcd_endpoint: str) -> tuple[OperatorFactory, list[EmbeddedOperator]]:
+    """``start(namespace, **OperatorConfig fields)``, which grants the account the chart's Role in ``namespace``
+    and starts an embedded operator serving it as the account; and the list of those started (to stop)."""
+    started: list[EmbeddedOperator] = []
+
+    def start(namespace: str, **overrides: Any) -> EmbeddedOperator:
+        settings = overrides.pop("settings", OperatorSettings(status_interval=0.5))
+        config = OperatorConfig(namespaces=(namespace,), default_endpoints=(etcd_endpoint,), settings=settings,
+                                **overrides)
+        account.grant(namespace, peering=config.peering is not None, gang=config.gang_scheduler)
+        op = EmbeddedOperator(config, str(account.kubeconfig)).start()
+        started.append(op)
+        return op
+
+    return start, started
