@@ -13,8 +13,7 @@ between those calls is followed step by step, as the wrapper on this branch does
    whole prefix again after every batch of changes (``Coordinator.wait_until``);
 3. the first rank that reads every arrival writes the seal; a rank is **released** when a read shows it.
 
-The barrier's completion rule (every slot of the world arrived, for a world where all took part before) is
-the one in ``_Session._barrier`` (a closure there, so it is restated in :func:`barrier_ready`).
+The barrier's completion rule is the real ``barrier_complete``.
 Every rank's read at one revision returns the same bytes, so the simulator reads and parses once per
 revision (with the real ``Coordinator.parse``) and charges every rank's read to the model server.
 """
@@ -33,25 +32,11 @@ from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.keys import JobKeys
 from stalwart.restart.assignment import RankAssignment
-from stalwart.restart.coordination import Coordinator, EpochView
+from stalwart.restart.coordination import Coordinator, EpochView, barrier_complete
 from stalwart.restart.wrapper import _Session
 from stalwart.store import KeyValue
 
 KEYS = JobKeys("scale", "sim1")
-
-
-def barrier_ready(view: EpochView, iteration: int, slots: int) -> bool:
-    """``_Session._barrier``'s rule: every expected slot arrived (a slot that took no part in the last
-    iteration and has no live process is not expected)."""
-    expected = set(range(slots))
-    previous = view.arrivals.get(iteration - 1)
-    if previous is not None:
-        took_part = set(previous)
-        last_seal = view.seals.get(iteration - 1)
-        if last_seal is not None:
-            took_part |= {int(s) for s in last_seal.ranks} | set(last_seal.inactive)
-        expected -= {s for s in expected if s not in took_part and s not in view.alive}
-    return expected <= set(view.arrivals.get(iteration, {}))
 
 
 class _Reads:
@@ -119,7 +104,7 @@ class Rank:
         view = self.coord.view()
         self.seen = view.revision
         seal = view.seals.get(1)
-        if seal is None and barrier_ready(view, 1, self.slots):
+        if seal is None and barrier_complete(view, 1, self.slots):
             stand_in = SimpleNamespace(env=SimpleNamespace(slot=self.coord.slot, slots=self.slots,
                                                            target_world=self.slots),
                                        config=SimpleNamespace(rank_assignment=RankAssignment()))
