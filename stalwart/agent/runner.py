@@ -30,9 +30,9 @@ from stalwart.agent.supervision import ProcView, supervise
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.restart import RankStatus
+from stalwart.etcd_client import connect
 from stalwart.local.etcd import free_port
 from stalwart.restart.environment import RankEnvironment
-from stalwart.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class Agent:
         self.command = list(command)
         self.options = options or AgentOptions()
         self.base_env = dict(os.environ if environ is None else environ)
-        self.store = Store(settings.etcd_endpoints)
+        self.store = connect(settings.etcd_endpoints, settings.etcd_credentials(),
+                             probe=settings.keys.prefix if settings.etcd_secret_dir else None)
         self.rdzv = Rendezvous(self.store, settings.keys, RendezvousSettings(
             min_nodes=settings.min_nodes, max_nodes=settings.max_nodes,
             last_call_timeout=self.options.last_call_timeout, join_timeout=self.options.join_timeout,
@@ -262,6 +263,7 @@ class Agent:
                                target_world=m.world_size, spare=spare,
                                status_file=str(self.run_dir / f"rank-{local_rank}.json"), local_rank=local_rank)
         env.update(renv.to_env())
+        env.update(s.etcd_env())
         if s.rpc_token is not None:
             env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
         return env

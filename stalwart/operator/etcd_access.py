@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import ClosedRecord, ExpectedNodes
+from stalwart.etcd_client import EtcdCredentials
 from stalwart.keys import ROOT, JobKeys
 from stalwart.operator import metrics
 from stalwart.operator.model import EtcdView
@@ -45,6 +46,12 @@ class EtcdTarget:
     def __post_init__(self) -> None:
         if not self.endpoints:
             raise ValueError("endpoints: at least one etcd endpoint (host:port) is required")
+
+    @classmethod
+    def of(cls, endpoints: Sequence[str], credentials: EtcdCredentials) -> EtcdTarget:
+        return cls(tuple(endpoints), user=credentials.user, password=credentials.password,
+                   ca_cert=credentials.ca_cert, client_cert=credentials.client_cert,
+                   client_key=credentials.client_key)
 
 
 class EtcdAccess:

@@ -35,8 +35,8 @@ def start_operator(local_cluster: LocalCluster, trainingjob_crd: None) -> Iterat
 
     def start(namespace: str, **overrides: Any) -> EmbeddedOperator:
         settings = overrides.pop("settings", OperatorSettings(status_interval=0.5))
-        config = OperatorConfig(namespaces=(namespace,), default_endpoints=(str(local_cluster.etcd_endpoint),),
-                                settings=settings, **overrides)
+        overrides.setdefault("default_endpoints", (str(local_cluster.etcd_endpoint),))
+        config = OperatorConfig(namespaces=(namespace,), settings=settings, **overrides)
         op = EmbeddedOperator(config, str(local_cluster.kubeconfig)).start()
         started.append(op)
         return op

@@ -32,6 +32,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
 from stalwart.api.rendezvous import TorchRendezvousState
+from stalwart.etcd_client import EtcdCredentials, connect
 from stalwart.store import Compare, Get, KeyValue, Put, Store, StoreError
 
 BACKEND_NAME = "stalwart-etcd"
@@ -130,7 +131,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     etcd_timeout = float(params.get("etcd_timeout", 10))
     store_timeout = float(params.get("store_timeout", 300))
     run = urllib.parse.quote(params.run_id, safe="")
-    store = Store(_endpoints(params), timeout=etcd_timeout)
+    store = connect(_endpoints(params), EtcdCredentials.from_env(), timeout=etcd_timeout)
     backend = EtcdV3RendezvousBackend(store, f"{prefix}{run}/state")
     return backend, EtcdTorchStore.unfenced(store, f"{prefix}{run}/store/", timeout=store_timeout)
 
