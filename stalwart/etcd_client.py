@@ -16,12 +16,17 @@ start with an error naming the cause, before anything is written.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stalwart.etcd_admin import ROOT_USER
+from stalwart.etcd_admin import enable_auth as turn_on_auth
 from stalwart.store import DEFAULT_TIMEOUT, Store, StorePermissionDenied, StoreSecurityError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ENV_SECRET_DIR", "ENV_TLS", "CredentialsError", "EtcdCredentials", "connect"]
 
@@ -106,14 +111,27 @@ class EtcdCredentials:
 
 
 def connect(endpoints: Sequence[str], credentials: EtcdCredentials | None = None, *,
-            timeout: float = DEFAULT_TIMEOUT, probe: str | None = None) -> Store:
+            timeout: float = DEFAULT_TIMEOUT, probe: str | None = None, enable_auth: bool = False) -> Store:
     """A :class:`Store` for ``endpoints`` with ``credentials``, checked before it is returned: the login (when
     there is one), then a read of the keys under ``probe`` (a job's prefix: proves the user may read it), else
     a status call. Raises :class:`~stalwart.store.StoreSecurityError` naming the cause (TLS, no login, wrong
-    login, no permission) or ``StoreUnavailable``; nothing has been written then."""
+    login, no permission) or ``StoreUnavailable``; nothing has been written then.
+
+    With ``enable_auth`` and the ``root`` login, an etcd whose authentication is still off gets it turned on
+    first (the root user created with the given password): how the operator secures the chart's etcd."""
     creds = credentials or EtcdCredentials()
-    store = Store(endpoints, timeout=timeout, user=creds.user, password=creds.password, ca_cert=creds.ca_cert,
-                  client_cert=creds.client_cert, client_key=creds.client_key)
+    try:
+        store = Store(endpoints, timeout=timeout, user=creds.user, password=creds.password,
+                      ca_cert=creds.ca_cert, client_cert=creds.client_cert, client_key=creds.client_key)
+    except StoreSecurityError as e:
+        if not (enable_auth and creds.user == ROOT_USER and "authentication is not enabled" in str(e)):
+            raise
+        with Store(endpoints, timeout=timeout, ca_cert=creds.ca_cert, client_cert=creds.client_cert,
+                   client_key=creds.client_key) as bare:
+            turn_on_auth(bare, creds.password or "")
+        log.warning("etcd authentication was off at %s; turned it on with the root user", ",".join(endpoints))
+        store = Store(endpoints, timeout=timeout, user=creds.user, password=creds.password,
+                      ca_cert=creds.ca_cert, client_cert=creds.client_cert, client_key=creds.client_key)
     try:
         if probe is not None:
             store.count_prefix(probe)

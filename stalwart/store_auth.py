@@ -25,7 +25,7 @@ from pyetcd.etcdrpc import rpc_pb2_grpc as rpc_grpc
 __all__ = ["Login", "Refusal", "refusal", "token_is_stale"]
 
 #: What kind of refusal a failure was; None for everything else (down, slow, a bad request).
-Refusal = Literal["tls", "login", "no-login", "permission"]
+Refusal = Literal["tls", "login", "no-login", "auth-off", "permission"]
 
 # etcd's messages (server/etcdserver/api/v3rpc/rpctypes), matched on the text gRPC carries.
 _STALE_TOKEN = ("invalid auth token", "revision of auth store is old")
@@ -54,7 +54,9 @@ def refusal(e: grpc.RpcError) -> Refusal | None:
         return "tls"
     if "user name is empty" in details:
         return "no-login"
-    if "authentication failed" in details or "authentication is not enabled" in details:
+    if "authentication is not enabled" in details:
+        return "auth-off"
+    if "authentication failed" in details:
         return "login"
     if "permission denied" in details or code == grpc.StatusCode.PERMISSION_DENIED:
         return "permission"
@@ -70,6 +72,7 @@ EXPLAIN: dict[Refusal, str] = {
     "no-login": ("etcd has authentication on and no user was given: set username/password in the etcd "
                  "credentials Secret"),
     "login": "etcd refused the login: the username or password is wrong",
+    "auth-off": "etcd has authentication off, so it cannot log this user in (turn it on, or give no login)",
     "permission": "etcd refused the request: the user has no permission on these keys",
 }
 

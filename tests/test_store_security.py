@@ -99,6 +99,19 @@ def test_token_is_renewed_past_its_ttl(secure_etcd: EtcdServer, root: Store) -> 
     assert [kv.key for kv in root.get_prefix(keys.prefix)[0]] == [keys.prefix + "a", keys.prefix + "b"]
 
 
+def test_the_operator_turns_authentication_on_where_it_is_off(tmp_path: Path) -> None:
+    with EtcdServer(tmp_path / "etcd", tls=True) as server:
+        root = server.credentials().with_login("root", "the-root-password")
+        with pytest.raises(StoreSecurityError, match="authentication off"):
+            connect([server.endpoint], root)
+        with connect([server.endpoint], root, enable_auth=True) as store:
+            store.put("/stalwart/v1/x", b"1")
+        with connect([server.endpoint], root, enable_auth=True) as store:  # on already: a plain login
+            assert store.get("/stalwart/v1/x") is not None
+        with pytest.raises(StoreSecurityError, match="needs a login"):
+            connect([server.endpoint], server.credentials(), probe="/stalwart/v1/")
+
+
 def test_deleted_job_login_is_refused(secure_etcd: EtcdServer, root: Store) -> None:
     keys, login = _job(root)
     delete_job_login(root, keys)

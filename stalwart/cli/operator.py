@@ -72,6 +72,10 @@ def register(sub: Any) -> None:
                    default=os.environ.get("STALWART_JOB_ETCD_USERS", "").lower() in ("1", "true"),
                    help="give each job on the default etcd an etcd user and role limited to its key prefix "
                         "(etcd authentication on; the operator's login must be an etcd administrator)")
+    p.add_argument("--etcd-enable-auth", action="store_true",
+                   default=os.environ.get("STALWART_ETCD_ENABLE_AUTH", "").lower() in ("1", "true"),
+                   help="when the default etcd's authentication is off, turn it on, creating its root user with "
+                        "the root login in --etcd-secret-dir (how the chart secures its bundled etcd)")
     p.add_argument("--kubeconfig", default=None,
                    help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG)")
     p.add_argument("--health-port", type=_port, default=8080,
@@ -114,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     config = OperatorConfig(
         etcd_credentials=credentials,
         job_etcd_users=args.job_etcd_users,
+        etcd_enable_auth=args.etcd_enable_auth,
         namespaces=tuple(sorted(set(args.namespace))),
         default_endpoints=args.etcd_endpoints,
         settings=OperatorSettings(status_interval=args.status_interval),

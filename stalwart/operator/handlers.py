@@ -61,6 +61,8 @@ class OperatorConfig:
     etcd_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
     #: One etcd user per job on the default etcd, limited to the job's prefix (needs etcd auth on).
     job_etcd_users: bool = False
+    #: Turn etcd authentication on (creating root) where it is off, when the operator logs in as root.
+    etcd_enable_auth: bool = False
     settings: OperatorSettings = field(default_factory=OperatorSettings)
     concurrency: int = 16
     peering: str | None = None  # None: standalone
@@ -115,7 +117,8 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
             settings.peering.name = config.peering
             settings.peering.mandatory = True
             settings.peering.clusterwide = not config.namespaces
-        ctx = OperatorContext(kube=kube, etcd=EtcdAccess(timeout=config.etcd_timeout),
+        ctx = OperatorContext(kube=kube, etcd=EtcdAccess(timeout=config.etcd_timeout,
+                                                         enable_auth=config.etcd_enable_auth),
                               settings=config.settings, default_endpoints=config.default_endpoints,
                               default_credentials=config.etcd_credentials, job_logins=config.job_etcd_users,
                               agent_command=config.agent_command, gang_scheduler=config.gang_scheduler,
