@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: etcd hashes passwords with bcrypt, cost 10 by default: ~0.1 s of CPU per login, and etcd checks logins one at
+#: a time, so 1,000 rank processes logging in at a job's start wait minutes. stalwart's passwords are random
+#: (192 bits), which no work factor makes harder to guess; cost 4 (etcd's least) makes a login ~1 ms.
+BCRYPT_COST = 4
+
+
 class EtcdNotFound(RuntimeError):
     pass
 
@@ -66,7 +72,7 @@ class EtcdServer:
     def __init__(self, data_dir: str | Path | None = None, *, host: str = "127.0.0.1",
                  client_port: int | None = None, peer_port: int | None = None,
                  log_path: str | Path | None = None, tls: bool = False, auth: bool = False,
-                 auth_token_ttl: int | None = None) -> None:
+                 auth_token_ttl: int | None = None, bcrypt_cost: int | None = BCRYPT_COST) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="stalwart-etcd-"))
         self.host = host
@@ -75,12 +81,22 @@ class EtcdServer:
         self.log_path = Path(log_path) if log_path else self.data_dir / "etcd.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.tls = tls
+        # With TLS the client port's /metrics wants a client certificate: serve metrics on plain HTTP apart.
+        self.metrics_port = free_port(host) if tls else None
         self.auth = auth
         if auth_token_ttl is not None and auth_token_ttl < 1:
             raise ValueError(f"auth_token_ttl: must be >= 1 second, got {auth_token_ttl}")
         self.auth_token_ttl = auth_token_ttl
+        if bcrypt_cost is not None and not 4 <= bcrypt_cost <= 31:
+            raise ValueError(f"bcrypt_cost: etcd takes 4 to 31, got {bcrypt_cost}")
+        self.bcrypt_cost = bcrypt_cost
         self.root_password = secrets.token_urlsafe(16) if auth else None
         self._auth_on = False
+
+    @property
+    def metrics_endpoint(self) -> str:
+        """``host:port`` of the plain-HTTP ``/metrics``."""
+        return f"{self.host}:{self.metrics_port}" if self.metrics_port else self.endpoint
 
     @property
     def pki_dir(self) -> Path:
@@ -113,7 +129,10 @@ class EtcdServer:
         if self.tls:
             pki = self.pki_dir
             security += ["--cert-file", str(pki / "server.crt"), "--key-file", str(pki / "server.key"),
-                         "--trusted-ca-file", str(pki / "ca.crt"), "--client-cert-auth"]
+                         "--trusted-ca-file", str(pki / "ca.crt"), "--client-cert-auth",
+                         "--listen-metrics-urls", f"http://{self.metrics_endpoint}"]
+        if self.auth and self.bcrypt_cost is not None:
+            security += ["--bcrypt-cost", str(self.bcrypt_cost)]
         if self.auth_token_ttl is not None:
             security += ["--auth-token-ttl", str(self.auth_token_ttl)]
         return [
