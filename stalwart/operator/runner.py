@@ -10,6 +10,7 @@ the job's Service and Secret exist.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -133,6 +134,7 @@ class JobRunner:
         self.deleted: dict[str, tuple[int, float]] = {}
         self.phase: str | None = None
         self._target: tuple[int, EtcdTarget | None] | None = None  # (generation, target)
+        self._told_credentials: int | None = None  # the generation whose bad credentials an Event named
         #: The resourceVersion of the object the decided status was computed from (sent with every status
         #: patch: a conflict means someone else wrote, and the next reconcile starts again from the API).
         self.resource_version: str | None = None
@@ -212,6 +214,12 @@ class JobRunner:
         except (KubeError, ValueError) as e:
             self._target = None
             log.warning("job %s/%s: cannot resolve its etcd: %s", self.namespace, self.name, e)
+            if isinstance(e, CredentialsError) and self._told_credentials != job.generation:
+                # Named once per spec generation where `kubectl describe tj` shows it; nothing is started.
+                self._told_credentials = job.generation
+                with contextlib.suppress(KubeError):
+                    await self.ctx.kube.event(self.namespace, self.name, job.uid, type_="Warning",
+                                              reason="EtcdCredentialsInvalid", message=str(e)[:1024])
             return False
         endpoints = target.endpoints if target is not None else ()
         keys = JobKeys(self.namespace, job.uid) if job.uid else None

@@ -70,3 +70,19 @@ def test_a_whole_job_runs_against_a_secured_etcd_with_its_own_user(
         connect([secure_etcd.endpoint], job_login)
     with connect([secure_etcd.endpoint], secure_etcd.credentials()) as root:
         assert root.count_prefix(keys.prefix) == 0
+
+
+def test_a_tls_job_whose_secret_lacks_the_ca_is_told_and_never_started(
+        start_operator: OperatorFactory, jobs: Jobs, secure_etcd: EtcdServer) -> None:
+    start_operator(jobs.ns, agent_command=())
+    jobs.core.create_namespaced_secret(jobs.ns, {"metadata": {"name": "etcd-no-ca"},
+                                                 "stringData": {"username": "u", "password": "p"}})
+    body = job_body("no-ca", replicas=1, command=["sleep", "60"])
+    body["spec"]["rendezvous"].update(endpoints=[secure_etcd.endpoint], tls=True, secretRef={"name": "etcd-no-ca"})
+    jobs.create(body)
+    wait_for("the EtcdCredentialsInvalid event", lambda: "EtcdCredentialsInvalid" in jobs.events("no-ca"),
+             timeout=60)
+    message = next(e.message for e in jobs.core.list_namespaced_event(jobs.ns).items
+                   if e.reason == "EtcdCredentialsInvalid")
+    assert "Secret etcd-no-ca (spec.rendezvous.secretRef): ca.crt: required with TLS" in message
+    assert jobs.pods("no-ca") == []  # nothing runs in plaintext
