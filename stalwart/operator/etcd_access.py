@@ -33,25 +33,15 @@ OnChange = Callable[[str, str], None]
 
 @dataclass(frozen=True, slots=True)
 class EtcdTarget:
-    """An etcd cluster and how to log in to it: TLS material and/or a user (from the job's
-    ``spec.rendezvous.secretRef``). Secrets are left out of ``repr`` so they never reach a log line."""
+    """An etcd cluster and how to log in to it (TLS material and/or a user, from the job's
+    ``spec.rendezvous.secretRef`` or the operator's own). The credentials keep secrets out of ``repr``."""
 
     endpoints: tuple[str, ...]
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    ca_cert: bytes | None = field(default=None, repr=False)
-    client_cert: bytes | None = field(default=None, repr=False)
-    client_key: bytes | None = field(default=None, repr=False)
+    credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
 
     def __post_init__(self) -> None:
         if not self.endpoints:
             raise ValueError("endpoints: at least one etcd endpoint (host:port) is required")
-
-    @classmethod
-    def of(cls, endpoints: Sequence[str], credentials: EtcdCredentials) -> EtcdTarget:
-        return cls(tuple(endpoints), user=credentials.user, password=credentials.password,
-                   ca_cert=credentials.ca_cert, client_cert=credentials.client_cert,
-                   client_key=credentials.client_key)
 
 
 class EtcdAccess:
@@ -78,10 +68,8 @@ class EtcdAccess:
                 raise StoreError("the operator's etcd access is closed")
             store = self._stores.get(key)
             if store is None:
-                store = connect(list(key.endpoints), EtcdCredentials(
-                    tls=key.ca_cert is not None, user=key.user, password=key.password, ca_cert=key.ca_cert,
-                    client_cert=key.client_cert, client_key=key.client_key), timeout=self.timeout,
-                    enable_auth=self.enable_auth)
+                store = connect(list(key.endpoints), key.credentials, timeout=self.timeout,
+                                enable_auth=self.enable_auth)
                 self._stores[key] = store
                 if self.on_change is not None:
                     t = threading.Thread(target=self._watch, args=(store,), name=f"etcd-watch-{len(self._stores)}",

@@ -103,14 +103,14 @@ async def etcd_target(ctx: OperatorContext, namespace: str, job: JobView) -> Etc
     if spec is None or spec.rendezvous.secret_ref is None:
         if spec is not None and spec.rendezvous.endpoints:
             return EtcdTarget(endpoints)
-        return EtcdTarget.of(endpoints, ctx.default_credentials)
+        return EtcdTarget(endpoints, ctx.default_credentials)
     secret = spec.rendezvous.secret_ref.name
     data = await ctx.kube.get_secret_data(namespace, secret)
     try:
         credentials = EtcdCredentials.from_secret(data, tls=spec.rendezvous.tls)
     except CredentialsError as e:  # never fall back to plaintext or no login
         raise CredentialsError(f"Secret {secret} (spec.rendezvous.secretRef): {e}") from None
-    return EtcdTarget.of(endpoints, credentials)
+    return EtcdTarget(endpoints, credentials)
 
 
 def uses_job_login(ctx: OperatorContext, job: JobView) -> bool:
