@@ -12,6 +12,7 @@ from typing import Any
 from stalwart.api import naming
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.trainingjob import API_VERSION, KIND
+from stalwart.operator.pod_defaults import with_defaults
 
 #: Key of the RPC token in the job's Secret.
 RPC_TOKEN_KEY = naming.RPC_TOKEN_KEY
@@ -135,6 +136,7 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
         pod_spec["schedulerName"] = GANG_SCHEDULERS[gang][2]
     elif gang == "coscheduling":
         labels["scheduling.x-k8s.io/pod-group"] = job
+    pod_spec = with_defaults(pod_spec)
     pod_spec["restartPolicy"] = "Never"
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = naming.service_name(job)

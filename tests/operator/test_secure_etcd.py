@@ -41,7 +41,7 @@ def test_a_whole_job_runs_against_a_secured_etcd_with_its_own_user(
     container = pods[0].spec.containers[0]
     env = {e.name: e.value for e in container.env}
     assert env["STALWART_ETCD_TLS"] == "true" and env["STALWART_ETCD_SECRET_DIR"] == "/etc/stalwart/etcd"
-    assert [m.mount_path for m in container.volume_mounts] == ["/etc/stalwart/etcd"]
+    assert [m.mount_path for m in container.volume_mounts] == ["/etc/stalwart/etcd", "/dev/shm"]
     secret = jobs.core.read_namespaced_secret(naming.secret_name("secure"), jobs.ns).data
     user = base64.b64decode(secret["username"]).decode()
     password = base64.b64decode(secret["password"]).decode()
