@@ -14,7 +14,7 @@ from stalwart.etcd_admin import JobLogin, delete_job_login, ensure_job_login, jo
 from stalwart.etcd_client import CredentialsError, EtcdCredentials, connect
 from stalwart.keys import JobKeys
 from stalwart.local.etcd import EtcdServer
-from stalwart.local.pki import LocalCA
+from stalwart.local.etcd_pki import LocalCA
 from stalwart.store import Store, StorePermissionDenied, StoreSecurityError, StoreUnavailable
 
 pytestmark = pytest.mark.integration

