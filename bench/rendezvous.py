@@ -6,7 +6,10 @@ real etcd server on this machine, with min = max = N:
 * ``stalwart``: :class:`stalwart.agent.rendezvous.Rendezvous` (one Store, one watch for the process);
 * ``torch-c10d``: torch's DynamicRendezvousHandler with its C10d backend (one TCPStore server, a client per
   node);
-* ``torch-etcd-v3``: torch's DynamicRendezvousHandler with stalwart's etcd-v3 backend (one shared Store).
+* ``torch-etcd-v3``: torch's DynamicRendezvousHandler with stalwart's etcd-v3 backend (one shared Store);
+* ``stalwart-tls``: ``stalwart`` against a second etcd that serves clients over TLS only (client certificates
+  required) with authentication on, logged in as a job's own etcd user limited to its prefix (as the operator
+  sets up a job): what TLS and auth cost.
 
 Metrics per implementation and N: ``seconds`` from the start signal until every node has its rank;
 ``writes_per_node``: etcd raft proposals committed during the run / N (stalwart, torch-etcd-v3), or
@@ -35,6 +38,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from stalwart.local.etcd import EtcdServer, free_port  # noqa: E402
 
-IMPLS = ["stalwart", "torch-c10d", "torch-etcd-v3"]
+IMPLS = ["stalwart", "stalwart-tls", "torch-c10d", "torch-etcd-v3"]
 
 
 def proposals(endpoint: str) -> int:
@@ -54,6 +58,33 @@ def proposals(endpoint: str) -> int:
             if line.startswith("etcd_server_proposals_committed_total"):
                 return int(float(line.split()[-1]))
     raise RuntimeError("etcd_server_proposals_committed_total not found in /metrics")
+
+
+@dataclass(frozen=True)
+class SecureEtcd:
+    """How a worker reaches the TLS+auth etcd: the mounted-Secret directory, the job uid its user may use,
+    and the plain-HTTP metrics endpoint."""
+
+    secret_dir: str
+    uid: str
+    metrics: str
+
+
+def job_login(server: EtcdServer) -> SecureEtcd:
+    """A job's etcd user on ``server`` (as the operator makes it), written out as a mounted Secret would be."""
+    from stalwart.etcd_admin import ensure_job_login, new_password
+    from stalwart.etcd_client import connect
+    from stalwart.keys import JobKeys
+
+    uid = uuid.uuid4().hex[:12]
+    with connect([server.endpoint], server.credentials()) as root:
+        login = ensure_job_login(root, JobKeys("bench", uid), new_password())
+    creds = server.credentials(login.user, login.password)
+    secret = Path(tempfile.mkdtemp(prefix="bench-etcd-login-", dir=server.data_dir))
+    for name, data in {"ca.crt": creds.ca_cert, "tls.crt": creds.client_cert, "tls.key": creds.client_key,
+                       "username": login.user.encode(), "password": login.password.encode()}.items():
+        (secret / name).write_bytes(data or b"")
+    return SecureEtcd(str(secret), uid, server.metrics_endpoint)
 
 
 def join_within(threads: list[threading.Thread], deadline: float) -> bool:
@@ -76,14 +107,17 @@ def start_together(n: int, target: Any) -> tuple[list[threading.Thread], threadi
 # -- workers (one fresh process each) ------------------------------------------------------------------------
 
 
-def worker_stalwart(n: int, endpoint: str, cap: float) -> dict[str, Any]:
+def worker_stalwart(n: int, endpoint: str, cap: float, secure: SecureEtcd | None = None) -> dict[str, Any]:
     from stalwart.agent.rendezvous import Rendezvous, RendezvousSettings
     from stalwart.api.rendezvous import NodeRecord
+    from stalwart.etcd_client import EtcdCredentials, connect
     from stalwart.keys import JobKeys
-    from stalwart.store import Store
 
-    store = Store([endpoint], timeout=30)
-    rdzv = Rendezvous(store, JobKeys("bench", uuid.uuid4().hex[:12]),
+    uid = secure.uid if secure else uuid.uuid4().hex[:12]
+    credentials = EtcdCredentials.from_dir(secure.secret_dir, tls=True) if secure else None
+    store = connect([endpoint], credentials, timeout=30)
+    metrics = secure.metrics if secure else endpoint
+    rdzv = Rendezvous(store, JobKeys("bench", uid),
                       RendezvousSettings(min_nodes=n, max_nodes=n, node_ttl=60, join_timeout=300))
     rdzv.wait_loaded(30)
     handles = [rdzv.node(NodeRecord(node_id=f"node-{i}", address="127.0.0.1")) for i in range(n)]
@@ -96,13 +130,13 @@ def worker_stalwart(n: int, endpoint: str, cap: float) -> dict[str, Any]:
         ranks[i] = info.member.group_rank
 
     threads, go = start_together(n, node)
-    before = proposals(endpoint)
+    before = proposals(metrics)
     t0 = time.monotonic()
     go.set()
     if not join_within(threads, t0 + cap):
         return {"capped": True, "done": len(ranks)}
     seconds = time.monotonic() - t0
-    writes = proposals(endpoint) - before
+    writes = proposals(metrics) - before
     assert sorted(ranks.values()) == list(range(n)), "ranks are not 0..N-1"
     for h in handles:
         h.leave()
@@ -253,6 +287,9 @@ def worker_torch(impl: str, n: int, endpoint: str, cap: float) -> dict[str, Any]
 def worker_main(args: argparse.Namespace) -> int:
     if args.worker == "stalwart":
         result = worker_stalwart(args.worker_nodes, args.endpoint, args.cap)
+    elif args.worker == "stalwart-tls":
+        secure = SecureEtcd(args.secret_dir, args.uid, args.metrics)
+        result = worker_stalwart(args.worker_nodes, args.endpoint, args.cap, secure)
     elif args.worker == "stalwart-rerdzv":
         result = worker_stalwart_rerdzv(args.worker_nodes, args.endpoint)
     else:
@@ -264,9 +301,12 @@ def worker_main(args: argparse.Namespace) -> int:
 # -- the driver ----------------------------------------------------------------------------------------------
 
 
-def run_worker(mode: str, n: int, endpoint: str, cap: float) -> tuple[dict[str, Any] | None, str]:
+def run_worker(mode: str, n: int, endpoint: str, cap: float,
+               secure: SecureEtcd | None = None) -> tuple[dict[str, Any] | None, str]:
     cmd = [sys.executable, __file__, "--worker", mode, "--worker-nodes", str(n), "--endpoint", endpoint,
            "--cap", str(cap)]
+    if secure is not None:
+        cmd += ["--secret-dir", secure.secret_dir, "--uid", secure.uid, "--metrics", secure.metrics]
     # Room on top of the cap for the process to start and build its nodes.
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -299,6 +339,9 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-nodes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--secret-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--uid", help=argparse.SUPPRESS)
+    parser.add_argument("--metrics", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker_main(args)
@@ -306,10 +349,17 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     etcd = EtcdServer()
     etcd.start()
+    secure_etcd = EtcdServer(tls=True, auth=True) if "stalwart-tls" in args.impls else None
     try:
+        if secure_etcd is not None:
+            secure_etcd.start()
         for n in args.nodes:
             for impl in args.impls:
-                result, why = run_worker(impl, n, etcd.endpoint, args.cap)
+                if impl == "stalwart-tls":
+                    assert secure_etcd is not None
+                    result, why = run_worker(impl, n, secure_etcd.endpoint, args.cap, job_login(secure_etcd))
+                else:
+                    result, why = run_worker(impl, n, etcd.endpoint, args.cap)
                 if result is None:
                     emit(impl, n, "seconds", args.cap, capped=True, note=why)
                     continue
@@ -333,6 +383,8 @@ def main() -> int:
                 emit("stalwart", n, "rerendezvous_all_seconds", result["rerendezvous_all_seconds"])
     finally:
         etcd.cleanup()
+        if secure_etcd is not None:
+            secure_etcd.cleanup()
     return 0
 
 

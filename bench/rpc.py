@@ -13,8 +13,10 @@ Each is measured twice: as it runs between two processes on one host (stalwart's
 TensorPipe's shm/cma), and restricted to TCP as between hosts (``-tcp``: stalwart without arenas,
 TensorPipe with its ``uv`` transport and ``basic`` channel). All the processes stay up for the whole run
 and the sides are measured in alternating rounds; each value is the median over the rounds (the rounds'
-own values are printed beside it). Usage: ``python bench/rpc.py [--calls N] [--tensor-calls N]
-[--rounds N] [--no-tcp]``. torch needs numpy for TensorPipe's start-up.
+own values are printed beside it). With ``--etcd`` (the default), also what etcd's TLS and authentication
+cost RPC: its membership join, plain vs secured (``bench/rpc_etcd.py``; calls never touch etcd). Usage:
+``python bench/rpc.py [--calls N] [--tensor-calls N] [--rounds N] [--no-tcp] [--no-etcd]``. torch needs numpy
+for TensorPipe's start-up.
 """
 
 from __future__ import annotations
@@ -204,6 +206,8 @@ def main() -> int:
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--tcp", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure both restricted to TCP (as across hosts)")
+    parser.add_argument("--etcd", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure the RPC membership join on etcd plain vs with TLS and auth")
     args = parser.parse_args()
 
     def emit(impl: str, metric: str, value: float, **extra: Any) -> None:
@@ -239,6 +243,12 @@ def main() -> int:
     sched = bench_scheduler()
     for impl, value in sched.items():
         emit(impl, "scheduler_us_per_op", value, pending=100_000)
+    if args.etcd:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import rpc_etcd
+
+        for row in rpc_etcd.run(world=8, rounds=args.rounds, puts=500):
+            print(json.dumps(row), flush=True)
     return 0
 
 

@@ -10,6 +10,9 @@ typed errors:
   caller knows whether it is safe to repeat.
 * :class:`StoreTimeout` -- the call's deadline passed.
 * :class:`WatchCompacted` -- a watch asked to start at a revision etcd has already compacted away.
+* :class:`StoreSecurityError` -- etcd refused who we are: a failed TLS handshake, no login where one is needed,
+  a wrong user or password, a key outside the user's permissions (:class:`StorePermissionDenied`). Never
+  transient: the message says what to fix (see :mod:`stalwart.store_auth`, which also renews the auth token).
 * :class:`StoreError` -- anything else etcd refused (the base class of all of the above).
 
 Values are bytes; callers store JSON documents of ``stalwart.api`` models and check the size with
@@ -31,6 +34,8 @@ import grpc
 from pyetcd.etcdrpc import rpc_pb2 as rpc
 from pyetcd.etcdrpc import rpc_pb2_grpc as rpc_grpc
 
+from stalwart import store_auth
+
 log = logging.getLogger(__name__)
 
 #: Largest value stalwart writes to etcd. etcd's own request limit is 1.5 MiB; our records are small JSON.
@@ -51,6 +56,14 @@ class StoreUnavailable(StoreError):
 
 class StoreTimeout(StoreError):
     """A call to etcd did not finish before its deadline."""
+
+
+class StoreSecurityError(StoreError):
+    """etcd refused this client's TLS handshake, login or permissions; retrying will not help."""
+
+
+class StorePermissionDenied(StoreSecurityError):
+    """The user may not read or write these keys."""
 
 
 class WatchCompacted(StoreError):
@@ -197,8 +210,9 @@ class Watch:
         self._progress_asked: float | None = None
         create = rpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
         self._requests.put(rpc.WatchRequest(create_request=create))
-        self._call = store._watch_stub.Watch(self._request_iter())
-        self._thread = threading.Thread(target=self._pump, name=f"etcd-watch:{key[:40]!r}", daemon=True)
+        self._call = store._watch_stub.Watch(self._request_iter(), metadata=store._auth_metadata())
+        self._thread = threading.Thread(target=self._pump, args=(key,), name=f"etcd-watch:{key[:40]!r}",
+                                        daemon=True)
         self._thread.start()
         if not self._created.wait(store.timeout):
             self.cancel()
@@ -214,7 +228,7 @@ class Watch:
                 return
             yield req
 
-    def _pump(self) -> None:
+    def _pump(self, key: bytes) -> None:
         try:
             for resp in self._call:
                 self._last_response = time.monotonic()
@@ -225,10 +239,16 @@ class Watch:
                         self._created.set()
                     self._queue.put(err)
                     return
-                if resp.created:
+                if resp.created and not resp.canceled:
                     self._created.set()
                 if resp.canceled:
-                    self._queue.put(StoreError(f"watch canceled by server: {resp.cancel_reason}"))
+                    reason = resp.cancel_reason
+                    err = StorePermissionDenied(f"watch on {key!r}: {store_auth.EXPLAIN['permission']}") \
+                        if "permission denied" in reason else StoreError(f"watch canceled by server: {reason}")
+                    if not self._created.is_set():
+                        self._create_error = err
+                        self._created.set()
+                    self._queue.put(err)
                     return
                 for ev in resp.events:
                     kind: Literal["put", "delete"] = "put" if ev.type == 0 else "delete"
@@ -296,6 +316,11 @@ class Watch:
 def _map_error(e: grpc.RpcError, what: str) -> StoreError:
     code = e.code() if hasattr(e, "code") else None
     details = e.details() if hasattr(e, "details") else str(e)
+    refused = store_auth.refusal(e)
+    if refused == "permission":
+        return StorePermissionDenied(f"etcd {what}: {store_auth.EXPLAIN[refused]} ({details})")
+    if refused is not None:
+        return StoreSecurityError(f"etcd {what}: {store_auth.EXPLAIN[refused]} ({details})")
     if code == grpc.StatusCode.UNAVAILABLE:
         return StoreUnavailable(f"etcd unavailable during {what}: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -353,29 +378,57 @@ class Store:
         self._lease = rpc_grpc.LeaseStub(self._channel)
         self._watch_stub = rpc_grpc.WatchStub(self._channel)
         self._maint = rpc_grpc.MaintenanceStub(self._channel)
-        self._metadata: list[tuple[str, str]] = []
+        self._login: store_auth.Login | None = None
         self._closed = False
         self._keepalive: _KeepAlive | None = None
         self._keepalive_lock = threading.Lock()
         if user is not None:
-            auth = rpc_grpc.AuthStub(self._channel)
+            self._login = store_auth.Login(self._channel, user, password or "", self.timeout)
             try:
-                resp = auth.Authenticate(rpc.AuthenticateRequest(name=user, password=password or ""),
-                                         timeout=self.timeout)
+                self._login.login()
             except grpc.RpcError as e:
                 self._channel.close()
-                raise _map_error(e, "authenticate") from e
-            self._metadata = [("token", resp.token)]
+                raise _map_error(e, f"login as {user!r}") from e
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
     def _call(self, fn: Any, req: Any, what: str, timeout: float | None) -> Any:
         if self._closed:
             raise StoreError("store is closed")
+        metadata = self._auth_metadata()
         try:
-            return fn(req, timeout=timeout or self.timeout, metadata=self._metadata or None)
+            return fn(req, timeout=timeout or self.timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            if not self._renewed(e, metadata, what):
+                raise _map_error(e, what) from e
+        try:  # refused unapplied for a stale token (store_auth): once more with the new one
+            return fn(req, timeout=timeout or self.timeout, metadata=self._auth_metadata())
         except grpc.RpcError as e:
             raise _map_error(e, what) from e
+
+    def _auth_metadata(self) -> list[tuple[str, str]] | None:
+        return None if self._login is None else self._login.metadata()
+
+    def _renewed(self, e: grpc.RpcError, stale: list[tuple[str, str]] | None, what: str) -> bool:
+        """Log in again when ``e`` says the token went stale; False when it did not (or there is no login)."""
+        if self._login is None or not store_auth.token_is_stale(e):
+            return False
+        try:
+            self._login.renew(stale)
+        except grpc.RpcError as err:
+            raise _map_error(err, f"{what} (renewing the login of {self._login.user!r})") from err
+        log.info("etcd auth token of %r renewed (%s)", self._login.user, what)
+        return True
+
+    @property
+    def token_renewals(self) -> int:
+        """How often this store logged in again after its auth token went stale."""
+        return 0 if self._login is None else self._login.renewals
+
+    def auth(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        """Call one method of etcd's Auth service (``UserAdd``, ``RoleGrantPermission``, ...) with this
+        store's login; for :mod:`stalwart.etcd_admin`."""
+        return self._call(getattr(rpc_grpc.AuthStub(self._channel), method), request, f"auth {method}", timeout)
 
     # -- key-value ------------------------------------------------------------------------------------
 
@@ -459,7 +512,17 @@ class Store:
     def watch(self, key: str, *, prefix: bool = False, start_revision: int = 0) -> Watch:
         """Watch ``key`` (or every key under it with ``prefix``) from ``start_revision`` (0 = from now)."""
         k = _b(key)
-        return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
+        try:
+            return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
+        except StorePermissionDenied:
+            # etcd reports a stale token on a watch as a plain denial: log in again once and see.
+            if self._login is None:
+                raise
+            try:
+                self._login.renew(None)
+            except grpc.RpcError as e:
+                raise _map_error(e, f"watch {key} (renewing the login of {self._login.user!r})") from e
+            return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
 
     # -- leases -------------------------------------------------------------------------------------------
 
@@ -493,13 +556,16 @@ class Store:
 
     def lease_refresh(self, lease_id: int, *, timeout: float | None = None) -> int:
         """Send one keep-alive for a lease; returns the TTL granted (0 or less if the lease is gone)."""
-        call = self._lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
-                                          timeout=timeout or self.timeout, metadata=self._metadata or None)
-        try:
-            for resp in call:
-                return int(resp.TTL)
-        except grpc.RpcError as e:
-            raise _map_error(e, "lease keep-alive") from e
+        for attempt in (0, 1):
+            metadata = self._auth_metadata()
+            call = self._lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                                              timeout=timeout or self.timeout, metadata=metadata)
+            try:
+                for resp in call:
+                    return int(resp.TTL)
+            except grpc.RpcError as e:
+                if attempt or not self._renewed(e, metadata, "lease keep-alive"):
+                    raise _map_error(e, "lease keep-alive") from e
         return 0
 
     def lost_leases(self) -> set[int]:

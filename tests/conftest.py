@@ -56,6 +56,16 @@ def private_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServe
     server.cleanup()
 
 
+@pytest.fixture(scope="session")
+def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the session serving clients over TLS only (client certificates required) with
+    authentication on; a token unused for 3 s expires, so tests run past the token's life."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd-secure"), tls=True, auth=True, auth_token_ttl=3)
+    server.start()
+    yield server
+    server.cleanup()
+
+
 @pytest.fixture
 def store(etcd: EtcdServer) -> Iterator[Store]:
     s = Store([etcd.endpoint], timeout=5.0)

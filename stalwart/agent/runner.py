@@ -46,10 +46,11 @@ from stalwart.api.exit_codes import ExitCode
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.restart import FaultKind, FaultRecord, RankStatus
+from stalwart.etcd_client import connect
 from stalwart.local.etcd import free_port
 from stalwart.restart.coordination import record_fault
 from stalwart.restart.environment import RankEnvironment
-from stalwart.store import Store, StoreError
+from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,8 @@ class Agent:
         self.command = list(command)
         self.options = options or AgentOptions()
         self.base_env = dict(os.environ if environ is None else environ)
-        self.store = Store(settings.etcd_endpoints)
+        self.store = connect(settings.etcd_endpoints, settings.etcd_credentials(),
+                             probe=settings.keys.prefix if settings.etcd_secret_dir else None)
         self.rdzv = Rendezvous(self.store, settings.keys, RendezvousSettings(
             min_nodes=settings.min_nodes, max_nodes=settings.max_nodes,
             last_call_timeout=self.options.last_call_timeout, join_timeout=self.options.join_timeout,
@@ -327,6 +329,7 @@ class Agent:
                                status_file=str(self.run_dir / f"rank-{local_rank}.json"), local_rank=local_rank,
                                **job)
         env.update(renv.to_env())
+        env.update(s.etcd_env())
         if s.rpc_token is not None:
             env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
         return env

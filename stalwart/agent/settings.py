@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from stalwart.api.pod_env import EtcdEndpoints, JobRef
+from stalwart.etcd_client import EtcdCredentials
 from stalwart.keys import JobKeys
 
 __all__ = ["AGENT_ENV", "AgentSettings", "SettingsError"]
@@ -24,6 +25,8 @@ AGENT_ENV = {
     "STALWART_MAX_NODES": "max_nodes",
     "STALWART_ETCD_ENDPOINTS": "etcd_endpoints",
     "STALWART_RPC_TOKEN": "rpc_token",
+    "STALWART_ETCD_TLS": "etcd_tls",
+    "STALWART_ETCD_SECRET_DIR": "etcd_secret_dir",
 }
 
 
@@ -46,6 +49,9 @@ class AgentSettings(BaseModel):
     max_nodes: int = Field(default=1, ge=1)
     etcd_endpoints: EtcdEndpoints
     rpc_token: SecretStr | None = None
+    #: The mounted etcd credentials Secret (stalwart.etcd_client); files, so no secret is in the environment.
+    etcd_tls: bool = False
+    etcd_secret_dir: str | None = None
 
     @model_validator(mode="after")
     def _bounds(self) -> AgentSettings:
@@ -62,6 +68,17 @@ class AgentSettings(BaseModel):
     @property
     def keys(self) -> JobKeys:
         return JobKeys(self.namespace, self.job_uid)
+
+    def etcd_env(self) -> dict[str, str]:
+        """The variables that hand the etcd credentials on to rank processes (paths, never the secrets)."""
+        if self.etcd_secret_dir is None:
+            return {}
+        return {"STALWART_ETCD_TLS": "true" if self.etcd_tls else "false",
+                "STALWART_ETCD_SECRET_DIR": self.etcd_secret_dir}
+
+    def etcd_credentials(self) -> EtcdCredentials:
+        """Read the mounted credentials; raises CredentialsError naming the missing key."""
+        return EtcdCredentials.from_env(self.etcd_env())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> AgentSettings:

@@ -160,3 +160,6 @@ class TorchRendezvousState(ApiModel):
 
     format: str = Field(description="Always 'torch-dynamic-rendezvous/v1'.")
     state: str = Field(description="torch's encoded state, base64.")
+    mac: str = Field(default="", max_length=64,
+                     description=("HMAC-SHA256 (hex) of the key, the format and the state with the run's secret: "
+                                  "torch unpickles the state, so one that fails the check is refused."))

@@ -133,3 +133,9 @@ class RpcWorkerRecord(ApiModel):
     @classmethod
     def _name(cls, v: str) -> str:
         return check_worker_name(v)
+
+    def may_replace(self, current: RpcWorkerRecord | None) -> bool:
+        """Whether this record may take the place of ``current`` (the record under the same name now): a
+        worker of an older round never replaces one of a newer round (it is a zombie: its round is over). A
+        worker of the same round may (a rank process respawned within the round is a new incarnation)."""
+        return current is None or current.epoch <= self.epoch

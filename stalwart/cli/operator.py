@@ -62,6 +62,20 @@ def register(sub: Any) -> None:
                    default=_endpoints(os.environ.get("STALWART_DEFAULT_ETCD_ENDPOINTS", "")),
                    help="etcd for jobs whose spec.rendezvous.endpoints is empty "
                         "(default: $STALWART_DEFAULT_ETCD_ENDPOINTS)")
+    p.add_argument("--etcd-secret-dir", default=os.environ.get("STALWART_ETCD_SECRET_DIR") or None, metavar="DIR",
+                   help="the operator's etcd credentials for the default etcd, one file per key: ca.crt, "
+                        "tls.crt, tls.key, username, password (default: $STALWART_ETCD_SECRET_DIR)")
+    p.add_argument("--etcd-tls", action="store_true",
+                   default=os.environ.get("STALWART_ETCD_TLS", "").lower() in ("1", "true"),
+                   help="connect to the default etcd over TLS with the CA in --etcd-secret-dir")
+    p.add_argument("--job-etcd-users", action="store_true",
+                   default=os.environ.get("STALWART_JOB_ETCD_USERS", "").lower() in ("1", "true"),
+                   help="give each job on the default etcd an etcd user and role limited to its key prefix "
+                        "(etcd authentication on; the operator's login must be an etcd administrator)")
+    p.add_argument("--etcd-enable-auth", action="store_true",
+                   default=os.environ.get("STALWART_ETCD_ENABLE_AUTH", "").lower() in ("1", "true"),
+                   help="when the default etcd's authentication is off, turn it on, creating its root user with "
+                        "the root login in --etcd-secret-dir (how the chart secures its bundled etcd)")
     p.add_argument("--kubeconfig", default=None,
                    help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG)")
     p.add_argument("--health-port", type=_port, default=8080,
@@ -90,7 +104,21 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         log.error("--concurrency: must be >= 1, got %d", args.concurrency)
         return 2
+    from stalwart.etcd_client import CredentialsError, EtcdCredentials
+
+    try:
+        credentials = EtcdCredentials.from_dir(args.etcd_secret_dir, tls=args.etcd_tls) \
+            if args.etcd_secret_dir else EtcdCredentials(tls=args.etcd_tls)
+    except CredentialsError as e:
+        log.error("--etcd-secret-dir: %s", e)
+        return 2
+    if args.job_etcd_users and not credentials.user:
+        log.error("--job-etcd-users: needs an etcd administrator login (username/password in --etcd-secret-dir)")
+        return 2
     config = OperatorConfig(
+        etcd_credentials=credentials,
+        job_etcd_users=args.job_etcd_users,
+        etcd_enable_auth=args.etcd_enable_auth,
         namespaces=tuple(sorted(set(args.namespace))),
         default_endpoints=args.etcd_endpoints,
         settings=OperatorSettings(status_interval=args.status_interval),

@@ -9,7 +9,8 @@ Contract, per pod:
   and a directory ``<workdir>/pods/<namespace>_<name>_<uid>/`` that is the default working directory and holds
   the container logs (``<container>.log``, the previous instance's as ``<container>.previous.log``).
 - Environment: :mod:`.podenv`. The image is recorded and ignored; a container without ``command`` cannot run
-  (there is no image entrypoint) and terminates with reason ``ContainerCannotRun``. Volumes are not mounted.
+  (there is no image entrypoint) and terminates with reason ``ContainerCannotRun``. Of the volumes only Secrets
+  are mounted, as files under the pod's directory (:mod:`.podenv`).
 - Init containers run one by one before the containers; each container is restarted per ``restartPolicy`` with
   an exponential back-off (``CrashLoopBackOff`` while waiting). Status (:mod:`.pods`): phase, conditions,
   container statuses with state, last state, exit code, signal and restart count; probes: :mod:`.probes`.

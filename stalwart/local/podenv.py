@@ -99,7 +99,30 @@ class PodEnvironment:
                 val = {"": ""}
             if val:
                 env[name] = next(iter(val.values()))
+        self._mount_secrets(pod, where, container, env)
         return env
+
+    def _mount_secrets(self, pod: JSON, where: Placement, container: JSON, env: dict[str, str]) -> None:
+        """Secret volumes, as far as processes without a mount namespace allow: each mounted Secret's keys are
+        written as files (owner-only) under ``<pod dir>/volumes/<volume>/``, and an environment value naming
+        the mount path (or a path under it) is pointed there instead."""
+        volumes = {str(v.get("name")): v for v in pod["spec"].get("volumes") or []}
+        for mount in container.get("volumeMounts") or []:
+            volume = volumes.get(str(mount.get("name"))) or {}
+            if "secret" not in volume:
+                continue
+            ref = {"name": volume["secret"].get("secretName"), "optional": volume["secret"].get("optional")}
+            data = self._config(pod["metadata"]["namespace"], "secrets", ref, None)
+            local = where.home / "volumes" / str(mount["name"])
+            local.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for key, value in data.items():
+                path = local / key
+                path.write_text(value)
+                path.chmod(0o600)
+            target = str(mount.get("mountPath", "")).rstrip("/")
+            for name, value in env.items():
+                if target and (value == target or value.startswith(target + "/")):
+                    env[name] = str(local) + value[len(target):]
 
     def _config(self, namespace: str, plural: str, ref: JSON, key: str | None) -> dict[str, str]:
         optional = bool(ref.get("optional"))

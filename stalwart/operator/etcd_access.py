@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import ClosedRecord, ExpectedNodes
+from stalwart.etcd_client import EtcdCredentials, connect
 from stalwart.keys import ROOT, JobKeys
 from stalwart.operator import metrics
 from stalwart.operator.model import EtcdView
@@ -32,15 +33,11 @@ OnChange = Callable[[str, str], None]
 
 @dataclass(frozen=True, slots=True)
 class EtcdTarget:
-    """An etcd cluster and how to log in to it: TLS material and/or a user (from the job's
-    ``spec.rendezvous.secretRef``). Secrets are left out of ``repr`` so they never reach a log line."""
+    """An etcd cluster and how to log in to it (TLS material and/or a user, from the job's
+    ``spec.rendezvous.secretRef`` or the operator's own). The credentials keep secrets out of ``repr``."""
 
     endpoints: tuple[str, ...]
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    ca_cert: bytes | None = field(default=None, repr=False)
-    client_cert: bytes | None = field(default=None, repr=False)
-    client_key: bytes | None = field(default=None, repr=False)
+    credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -50,11 +47,14 @@ class EtcdTarget:
 class EtcdAccess:
     """The etcd side of the operator. ``on_change`` (optional) is called from a watch thread."""
 
-    def __init__(self, *, timeout: float = 5.0, on_change: OnChange | None = None) -> None:
+    def __init__(self, *, timeout: float = 5.0, on_change: OnChange | None = None,
+                 enable_auth: bool = False) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
         self.timeout = timeout
         self.on_change = on_change
+        #: Turn authentication on where it is off, when logging in as root (see etcd_client.connect).
+        self.enable_auth = enable_auth
         self._stores: dict[EtcdTarget, Store] = {}
         self._watchers: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -68,8 +68,8 @@ class EtcdAccess:
                 raise StoreError("the operator's etcd access is closed")
             store = self._stores.get(key)
             if store is None:
-                store = Store(list(key.endpoints), timeout=self.timeout, user=key.user, password=key.password,
-                              ca_cert=key.ca_cert, client_cert=key.client_cert, client_key=key.client_key)
+                store = connect(list(key.endpoints), key.credentials, timeout=self.timeout,
+                                enable_auth=self.enable_auth)
                 self._stores[key] = store
                 if self.on_change is not None:
                     t = threading.Thread(target=self._watch, args=(store,), name=f"etcd-watch-{len(self._stores)}",

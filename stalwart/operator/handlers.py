@@ -28,14 +28,16 @@ import kopf
 
 from stalwart.api import naming
 from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
+from stalwart.etcd_client import EtcdCredentials
 from stalwart.keys import JobKeys
 from stalwart.operator.etcd_access import EtcdAccess
+from stalwart.operator.job_login import retire
 from stalwart.operator.kube import Kube, KubeError
 from stalwart.operator.manifests import AGENT_COMMAND
 from stalwart.operator.model import DeleteJob, OperatorSettings, PodView
 from stalwart.operator.node_loss import node_unreachable
 from stalwart.operator.observe import job_view, pod_view
-from stalwart.operator.runner import JobRunner, OperatorContext, etcd_target
+from stalwart.operator.runner import JobRunner, OperatorContext, etcd_target, uses_job_login
 from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,12 @@ class OperatorConfig:
 
     namespaces: tuple[str, ...] = ()  # empty: every namespace
     default_endpoints: tuple[str, ...] = ()
+    #: How to log in to the default etcd (TLS, user); with ``job_etcd_users`` an etcd administrator.
+    etcd_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
+    #: One etcd user per job on the default etcd, limited to the job's prefix (needs etcd auth on).
+    job_etcd_users: bool = False
+    #: Turn etcd authentication on (creating root) where it is off, when the operator logs in as root.
+    etcd_enable_auth: bool = False
     settings: OperatorSettings = field(default_factory=OperatorSettings)
     concurrency: int = 16
     peering: str | None = None  # None: standalone
@@ -109,8 +117,10 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
             settings.peering.name = config.peering
             settings.peering.mandatory = True
             settings.peering.clusterwide = not config.namespaces
-        ctx = OperatorContext(kube=kube, etcd=EtcdAccess(timeout=config.etcd_timeout),
+        ctx = OperatorContext(kube=kube, etcd=EtcdAccess(timeout=config.etcd_timeout,
+                                                         enable_auth=config.etcd_enable_auth),
                               settings=config.settings, default_endpoints=config.default_endpoints,
+                              default_credentials=config.etcd_credentials, job_logins=config.job_etcd_users,
                               agent_command=config.agent_command, gang_scheduler=config.gang_scheduler,
                               loop=asyncio.get_running_loop())
         ctx.etcd.on_change = ctx.wake_uid_threadsafe
@@ -228,7 +238,10 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
                 log.warning("job %s/%s: no etcd endpoints; nothing to clean up in etcd", namespace, name)
                 return
             deleted = await asyncio.to_thread(ctx.etcd.delete_job, target, keys)
-        except (StoreError, KubeError) as e:
+            if uses_job_login(ctx, job):
+                await asyncio.to_thread(retire, ctx.etcd.store(target), keys)
+                log.info("job %s/%s: deleted its etcd user", namespace, name)
+        except (StoreError, KubeError, ValueError) as e:
             if elapsed > ETCD_CLEANUP_SECONDS:
                 message = (f"could not delete etcd prefix {keys.prefix} for {elapsed:.0f}s ({e}); "
                            "leaving the keys behind")

@@ -105,10 +105,12 @@ class Kube:
             name, namespace, body=opts, grace_period_seconds=grace, _request_timeout=self.timeout,
             _preload_content=False), ok_status=(404,))
 
-    async def get_secret_data(self, namespace: str, name: str) -> dict[str, bytes]:
-        """The decoded ``data`` of a Secret (for the etcd credentials a job names)."""
+    async def get_secret_data(self, namespace: str, name: str, *, missing_ok: bool = False) -> dict[str, bytes]:
+        """The decoded ``data`` of a Secret (for the etcd credentials a job names); ``{}`` for a missing one
+        with ``missing_ok``."""
         result = await self._call("get", "secrets", name, lambda: self.core.read_namespaced_secret(
-            name, namespace, _request_timeout=self.timeout, _preload_content=False))
+            name, namespace, _request_timeout=self.timeout, _preload_content=False),
+            ok_status=(404,) if missing_ok else ())
         if result is None:
             return {}
         data = json.loads(result.data).get("data") or {}

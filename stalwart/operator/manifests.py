@@ -12,6 +12,7 @@ from typing import Any
 from stalwart.api import naming
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.trainingjob import API_VERSION, KIND
+from stalwart.operator.pod_defaults import with_defaults
 
 #: Key of the RPC token in the job's Secret.
 RPC_TOKEN_KEY = naming.RPC_TOKEN_KEY
@@ -39,8 +40,14 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
+def etcd_secret(spec: TrainingJobSpec) -> tuple[str, bool] | None:
+    """The Secret with the job's etcd credentials that the user named, and whether to use TLS."""
+    ref = spec.rendezvous.secret_ref
+    return None if ref is None else (ref.name, spec.rendezvous.tls)
+
+
 def stalwart_env(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, spare: bool,
-                 endpoints: Sequence[str]) -> list[dict[str, Any]]:
+                 endpoints: Sequence[str], credentials: tuple[str, bool] | None = None) -> list[dict[str, Any]]:
     """The environment every worker/spare container gets (design: "What a worker pod gets")."""
     env = [
         _env("STALWART_JOB", f"{namespace}/{job}"),
@@ -55,9 +62,8 @@ def stalwart_env(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, s
         {"name": "STALWART_RPC_TOKEN",
          "valueFrom": {"secretKeyRef": {"name": naming.secret_name(job), "key": RPC_TOKEN_KEY}}},
     ]
-    rdzv = spec.rendezvous
-    if rdzv.secret_ref is not None:
-        env.append(_env("STALWART_ETCD_TLS", "true" if rdzv.tls else "false"))
+    if credentials is not None:
+        env.append(_env("STALWART_ETCD_TLS", "true" if credentials[1] else "false"))
         env.append(_env("STALWART_ETCD_SECRET_DIR", ETCD_SECRET_DIR))
     return env
 
@@ -89,13 +95,14 @@ def pod_group_manifest(*, gang: str, job: str, namespace: str, uid: str, min_mem
 
 def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, name: str, role: str,
                  index: int, endpoints: Sequence[str], agent_command: Sequence[str] = AGENT_COMMAND,
-                 gang: str | None = None) -> dict[str, Any]:
+                 gang: str | None = None, credentials: tuple[str, bool] | None = None) -> dict[str, Any]:
     """The pod ``name`` of the job: the template, with the first container's command wrapped by the agent,
     the stalwart environment on every container, the job's labels, hostname/subdomain for DNS through the
     headless Service, the owner reference, and ``restartPolicy: Never`` (the agent restarts rank processes
     itself; a pod that exits is replaced by the operator). ``agent_command`` is the entrypoint prefix (an
     empty one runs the user's command bare, for scale tests of the operator alone). With ``gang``, the pod
-    names the job's PodGroup the way that scheduler expects (and its scheduler, for Volcano)."""
+    names the job's PodGroup the way that scheduler expects (and its scheduler, for Volcano). ``credentials``:
+    the etcd credentials Secret to mount and whether etcd speaks TLS (default: the one the spec names)."""
     _check_gang(gang)
     if not endpoints:
         raise ValueError("endpoints: the job has no etcd endpoints (spec.rendezvous.endpoints) and the "
@@ -105,8 +112,9 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
     pod_spec: dict[str, Any] = copy.deepcopy(template["spec"])
     labels = {**(meta.get("labels") or {}), **naming.pod_labels(job, role, index)}
     annotations = dict(meta.get("annotations") or {})
+    credentials = credentials or etcd_secret(spec)
     env = stalwart_env(job=job, namespace=namespace, uid=uid, spec=spec, spare=role == naming.ROLE_SPARE,
-                       endpoints=endpoints)
+                       endpoints=endpoints, credentials=credentials)
     ours = {e["name"] for e in env}
     for i, container in enumerate(pod_spec["containers"]):
         if i == 0:
@@ -115,19 +123,20 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
             container.pop("args", None)
         user_env = [e for e in container.get("env") or [] if e.get("name") not in ours]
         container["env"] = [*env, *user_env]
-        if spec.rendezvous.secret_ref is not None:
+        if credentials is not None:
             mounts = list(container.get("volumeMounts") or [])
             mounts.append({"name": ETCD_SECRET_VOLUME, "mountPath": ETCD_SECRET_DIR, "readOnly": True})
             container["volumeMounts"] = mounts
-    if spec.rendezvous.secret_ref is not None:
+    if credentials is not None:
         volumes = list(pod_spec.get("volumes") or [])
-        volumes.append({"name": ETCD_SECRET_VOLUME, "secret": {"secretName": spec.rendezvous.secret_ref.name}})
+        volumes.append({"name": ETCD_SECRET_VOLUME, "secret": {"secretName": credentials[0]}})
         pod_spec["volumes"] = volumes
     if gang == "volcano":
         annotations["scheduling.k8s.io/group-name"] = job
         pod_spec["schedulerName"] = GANG_SCHEDULERS[gang][2]
     elif gang == "coscheduling":
         labels["scheduling.x-k8s.io/pod-group"] = job
+    pod_spec = with_defaults(pod_spec)
     pod_spec["restartPolicy"] = "Never"
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = naming.service_name(job)
@@ -154,8 +163,10 @@ def service_manifest(*, job: str, namespace: str, uid: str) -> dict[str, Any]:
     }
 
 
-def secret_manifest(*, job: str, namespace: str, uid: str, token: str) -> dict[str, Any]:
-    """The job's Secret holding the RPC token that authenticates RPC between the job's processes."""
+def secret_manifest(*, job: str, namespace: str, uid: str, token: str,
+                    extra: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+    """The job's Secret holding the RPC token that authenticates RPC between the job's processes, and
+    ``extra`` keys (the job's etcd login, when the operator gives each job an etcd user)."""
     if len(token) < 32:
         raise ValueError("token: an RPC token needs at least 32 characters")
     return {
@@ -164,5 +175,6 @@ def secret_manifest(*, job: str, namespace: str, uid: str, token: str) -> dict[s
         "type": "Opaque",
         "metadata": {"name": naming.secret_name(job), "namespace": namespace,
                      "labels": {naming.LABEL_JOB_NAME: job}, "ownerReferences": [owner_reference(job, uid)]},
-        "data": {RPC_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        "data": {RPC_TOKEN_KEY: base64.b64encode(token.encode()).decode(),
+                 **{k: base64.b64encode(v).decode() for k, v in (extra or {}).items()}},
     }

@@ -10,18 +10,22 @@ the job's Service and Secret exist.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from stalwart.api import naming
 from stalwart.api.job_record import JobRecord
 from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import TrainingJob
+from stalwart.etcd_client import CredentialsError, EtcdCredentials
 from stalwart.keys import JobKeys
 from stalwart.operator import metrics
 from stalwart.operator.etcd_access import EtcdAccess, EtcdTarget
+from stalwart.operator.job_login import job_secret_data, provision
 from stalwart.operator.kube import Kube, KubeError, new_rpc_token
 from stalwart.operator.manifests import (
     AGENT_COMMAND,
@@ -63,6 +67,10 @@ class OperatorContext:
     etcd: EtcdAccess
     settings: OperatorSettings = field(default_factory=OperatorSettings)
     default_endpoints: tuple[str, ...] = ()
+    #: How the operator logs in to its default etcd (TLS, user); an administrator with ``job_logins``.
+    default_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
+    #: Give each job on the default etcd an etcd user of its own (:mod:`stalwart.operator.job_login`).
+    job_logins: bool = False
     agent_command: tuple[str, ...] = AGENT_COMMAND
     #: "volcano" or "coscheduling": create a PodGroup per job and point its pods at it; None: no gang scheduler.
     gang_scheduler: str | None = None
@@ -93,19 +101,22 @@ async def etcd_target(ctx: OperatorContext, namespace: str, job: JobView) -> Etc
     if not endpoints:
         return None
     if spec is None or spec.rendezvous.secret_ref is None:
-        return EtcdTarget(endpoints)
-    data = await ctx.kube.get_secret_data(namespace, spec.rendezvous.secret_ref.name)
-    user = data.get("username")
-    password = data.get("password")
-    tls = spec.rendezvous.tls
-    if tls and "ca.crt" not in data:
-        log.warning("job %s/%s: Secret %s has no ca.crt; connecting to etcd without TLS", namespace, job.name,
-                    spec.rendezvous.secret_ref.name)
-    return EtcdTarget(endpoints, user=user.decode() if user else None,
-                      password=password.decode() if password else None,
-                      ca_cert=data.get("ca.crt") if tls else None,
-                      client_cert=data.get("tls.crt") if tls else None,
-                      client_key=data.get("tls.key") if tls else None)
+        if spec is not None and spec.rendezvous.endpoints:
+            return EtcdTarget(endpoints)
+        return EtcdTarget(endpoints, ctx.default_credentials)
+    secret = spec.rendezvous.secret_ref.name
+    data = await ctx.kube.get_secret_data(namespace, secret)
+    try:
+        credentials = EtcdCredentials.from_secret(data, tls=spec.rendezvous.tls)
+    except CredentialsError as e:  # never fall back to plaintext or no login
+        raise CredentialsError(f"Secret {secret} (spec.rendezvous.secretRef): {e}") from None
+    return EtcdTarget(endpoints, credentials)
+
+
+def uses_job_login(ctx: OperatorContext, job: JobView) -> bool:
+    """Whether the operator gives this job an etcd user of its own (it uses the operator's etcd)."""
+    return ctx.job_logins and job.spec is not None and job.spec.rendezvous.endpoints is None \
+        and job.spec.rendezvous.secret_ref is None
 
 
 class JobRunner:
@@ -123,6 +134,7 @@ class JobRunner:
         self.deleted: dict[str, tuple[int, float]] = {}
         self.phase: str | None = None
         self._target: tuple[int, EtcdTarget | None] | None = None  # (generation, target)
+        self._told_credentials: int | None = None  # the generation whose bad credentials an Event named
         #: The resourceVersion of the object the decided status was computed from (sent with every status
         #: patch: a conflict means someone else wrote, and the next reconcile starts again from the API).
         self.resource_version: str | None = None
@@ -202,6 +214,12 @@ class JobRunner:
         except (KubeError, ValueError) as e:
             self._target = None
             log.warning("job %s/%s: cannot resolve its etcd: %s", self.namespace, self.name, e)
+            if isinstance(e, CredentialsError) and self._told_credentials != job.generation:
+                # Named once per spec generation where `kubectl describe tj` shows it; nothing is started.
+                self._told_credentials = job.generation
+                with contextlib.suppress(KubeError):
+                    await self.ctx.kube.event(self.namespace, self.name, job.uid, type_="Warning",
+                                              reason="EtcdCredentialsInvalid", message=str(e)[:1024])
             return False
         endpoints = target.endpoints if target is not None else ()
         keys = JobKeys(self.namespace, job.uid) if job.uid else None
@@ -280,10 +298,16 @@ class JobRunner:
 
     async def _ensure_owned(self, job: JobView) -> None:
         ns = self.namespace
+        extra: dict[str, bytes] = {}
+        if uses_job_login(self.ctx, job):
+            existing = await self.ctx.kube.get_secret_data(ns, naming.secret_name(self.name), missing_ok=True)
+            store = self.ctx.etcd.store(_need(await self.target(job)))
+            login = await asyncio.to_thread(provision, store, JobKeys(ns, job.uid), existing)
+            extra = job_secret_data(login, self.ctx.default_credentials)
         calls = [
             self.ctx.kube.create_service(ns, service_manifest(job=self.name, namespace=ns, uid=job.uid)),
             self.ctx.kube.create_secret(ns, secret_manifest(job=self.name, namespace=ns, uid=job.uid,
-                                                            token=new_rpc_token()))]
+                                                            token=new_rpc_token(), extra=extra))]
         if self.ctx.gang_scheduler is not None and job.spec is not None:
             calls.append(self.ctx.kube.create_pod_group(ns, pod_group_manifest(
                 gang=self.ctx.gang_scheduler, job=self.name, namespace=ns, uid=job.uid,
@@ -295,7 +319,9 @@ class JobRunner:
         assert job.spec is not None
         body = pod_manifest(job=self.name, namespace=self.namespace, uid=job.uid, spec=job.spec,
                             name=action.name, role=action.role, index=action.index, endpoints=endpoints,
-                            agent_command=self.ctx.agent_command, gang=self.ctx.gang_scheduler)
+                            agent_command=self.ctx.agent_command, gang=self.ctx.gang_scheduler,
+                            credentials=(naming.secret_name(self.name), self.ctx.default_credentials.tls)
+                            if uses_job_login(self.ctx, job) else None)
         self.deleted.pop(action.name, None)
         await self.ctx.kube.create_pod(self.namespace, body)
         self.created[action.name] = (PodView(name=action.name, role=action.role, index=action.index,

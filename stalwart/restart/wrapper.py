@@ -39,6 +39,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 from stalwart.agent.rendezvous.errors import StaleEpoch
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ArrivalRecord, FaultKind, FaultRecord, SealRecord, failure_info
+from stalwart.etcd_client import EtcdCredentials, connect
 from stalwart.restart import drill
 from stalwart.restart.assignment import Candidate, WorldTooSmall, initial_ranks
 from stalwart.restart.config import RestartConfig
@@ -55,7 +56,7 @@ from stalwart.restart.policies import (
     group_released_last,
 )
 from stalwart.restart.user_group import InitStandIn
-from stalwart.store import Store, StoreError
+from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class _Session:
     def __init__(self, env: RankEnvironment, config: RestartConfig) -> None:
         self.env = env
         self.config = config
-        self.store = Store(env.etcd_endpoints, timeout=config.etcd_timeout)
+        self.store = connect(env.etcd_endpoints, EtcdCredentials.from_env(), timeout=config.etcd_timeout)
         self.coord = Coordinator(self.store, env.keys, env.epoch, slot=env.slot, node_id=env.node_id,
                                  lease_ttl=config.heartbeat_ttl, retry_for=config.coordination_timeout)
         self.interrupter = Interrupter()

@@ -32,6 +32,8 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "metrics": {"metrics": {"enabled": True}},
     "etcd-1": {"etcd": {"enabled": True}},
     "etcd-3": {"etcd": {"enabled": True, "replicas": 3, "persistence": {"size": "10Gi", "storageClassName": "fast"}}},
+    "etcd-plain": {"etcd": {"enabled": True, "security": {"enabled": False}, "networkPolicy": {"enabled": False}}},
+    "etcd-own-certificates": {"etcd": {"enabled": True, "security": {"serverSecret": "etcd-certs", "jobUsers": False}}},
     "external-etcd": {"etcd": {"externalEndpoints": ["etcd-0.etcd.infra.svc:2379", "etcd-1.etcd.infra.svc:2379"]}},
     "digest": {"image": {"digest": "sha256:" + "ab" * 32}, "imagePullSecrets": [{"name": "registry"}]},
     "existing-account": {"serviceAccount": {"create": False, "name": "ops"}, "rbac": {"create": False}},
@@ -273,7 +275,7 @@ def test_bundled_etcd(render: Render, members: int) -> None:
     assert headless["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == headless["metadata"]["name"]
     args = etcd_args(sts)
     hosts = [f"{name}-{i}.{name}.{NAMESPACE}.svc" for i in range(members)]
-    assert args["initial-cluster"] == ",".join(f"{name}-{i}=http://{h}:2380" for i, h in enumerate(hosts))
+    assert args["initial-cluster"] == ",".join(f"{name}-{i}=https://{h}:2380" for i, h in enumerate(hosts))
     assert args["initial-cluster-state"] == "new"
     # Data lives on a persistent volume, the only writable path of the container.
     (claim,) = sts["spec"]["volumeClaimTemplates"]

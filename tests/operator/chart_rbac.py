@@ -100,8 +100,8 @@ def operator_factory(account: OperatorAccount, etcd_endpoint: str) -> tuple[Oper
 
     def start(namespace: str, **overrides: Any) -> EmbeddedOperator:
         settings = overrides.pop("settings", OperatorSettings(status_interval=0.5))
-        config = OperatorConfig(namespaces=(namespace,), default_endpoints=(etcd_endpoint,), settings=settings,
-                                **overrides)
+        overrides.setdefault("default_endpoints", (etcd_endpoint,))
+        config = OperatorConfig(namespaces=(namespace,), settings=settings, **overrides)
         account.grant(namespace, peering=config.peering is not None, gang=config.gang_scheduler)
         op = EmbeddedOperator(config, str(account.kubeconfig)).start()
         started.append(op)

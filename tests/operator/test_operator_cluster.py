@@ -374,12 +374,13 @@ def test_etcd_credentials_come_from_the_jobs_secret(jobs: Jobs, operator_account
         ctx = OperatorContext(kube=kube, etcd=EtcdAccess(), default_endpoints=("default:2379",))
         target = asyncio.run(etcd_target(ctx, jobs.ns, job_view(body)))
         assert target is not None and target.endpoints == ("etcd.example:2379",)
-        assert (target.user, target.password) == ("trainer", "s3cret")
-        assert (target.ca_cert, target.client_cert, target.client_key) == (b"CA", b"CERT", b"KEY")
+        creds = target.credentials
+        assert (creds.user, creds.password) == ("trainer", "s3cret")
+        assert (creds.ca_cert, creds.client_cert, creds.client_key) == (b"CA", b"CERT", b"KEY")
         assert "s3cret" not in repr(target) and "KEY" not in repr(target)
         body["spec"]["rendezvous"] = {}
         plain = asyncio.run(etcd_target(ctx, jobs.ns, job_view(body)))
-        assert plain is not None and plain.endpoints == ("default:2379",) and plain.user is None
+        assert plain is not None and plain.endpoints == ("default:2379",) and plain.credentials.user is None
     finally:
         kube.close()
 

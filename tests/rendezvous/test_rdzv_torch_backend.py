@@ -22,11 +22,12 @@ from stalwart.store import Store
 pytestmark = pytest.mark.integration
 
 TRAIN = Path(__file__).with_name("torchrun_script.py")
+SECRET = b"the-run-secret-0123456789"
 
 
 @pytest.fixture
 def backend(store: Store, prefix: str) -> EtcdV3RendezvousBackend:
-    return EtcdV3RendezvousBackend(store, prefix + "state")
+    return EtcdV3RendezvousBackend(store, prefix + "state", secret=SECRET)
 
 
 def test_set_state_is_a_compare_and_set_on_the_fencing_token(backend: EtcdV3RendezvousBackend) -> None:
@@ -72,7 +73,7 @@ def test_corrupt_state_raises_rendezvous_state_error(backend: EtcdV3RendezvousBa
 def test_connection_failure_raises_rendezvous_connection_error(private_etcd: EtcdServer) -> None:
     store = Store([private_etcd.endpoint], timeout=1.0)
     try:
-        b = EtcdV3RendezvousBackend(store, "/test/conn/state")
+        b = EtcdV3RendezvousBackend(store, "/test/conn/state", secret=SECRET)
         private_etcd.stop()
         with pytest.raises(RendezvousConnectionError):
             b.get_state()
@@ -83,8 +84,9 @@ def test_connection_failure_raises_rendezvous_connection_error(private_etcd: Etc
         store.close()
 
 
-def test_torch_dynamic_handler_runs_on_etcd_v3_through_the_registry(etcd: EtcdServer) -> None:
+def test_torch_dynamic_handler_runs_on_etcd_v3_through_the_registry(etcd: EtcdServer, tmp_path: Path) -> None:
     register()
+    (tmp_path / "secret").write_bytes(SECRET)
     run_id = f"threads-{uuid.uuid4().hex[:8]}"
     n = 3
     results: dict[int, object] = {}
@@ -93,7 +95,7 @@ def test_torch_dynamic_handler_runs_on_etcd_v3_through_the_registry(etcd: EtcdSe
     def node(i: int) -> None:
         params = RendezvousParameters(backend=BACKEND_NAME, endpoint=etcd.endpoint, run_id=run_id,
                                       min_nodes=n, max_nodes=n, join_timeout="60", last_call_timeout="1",
-                                      local_addr="127.0.0.1")
+                                      local_addr="127.0.0.1", hmac_key_file=str(tmp_path / "secret"))
         handler = get_rendezvous_handler(params)
         try:
             info = handler.next_rendezvous()
@@ -115,7 +117,7 @@ def test_torch_dynamic_handler_runs_on_etcd_v3_through_the_registry(etcd: EtcdSe
 def test_torchrun_with_the_stalwart_etcd_backend(etcd: EtcdServer, tmp_path: Path) -> None:
     """Two torchrun agents (separate processes) rendezvous on etcd v3 and run a gloo all-reduce."""
     run_id = f"torchrun-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "OUT_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OUT_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1", "STALWART_RPC_TOKEN": SECRET.decode()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
            f"--rdzv-backend={BACKEND_NAME}", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
            "--rdzv-conf=join_timeout=120,last_call_timeout=1", "--local-addr=127.0.0.1",
@@ -131,3 +133,60 @@ def test_torchrun_with_the_stalwart_etcd_backend(etcd: EtcdServer, tmp_path: Pat
     assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
     assert {r["world_size"] for r in reports} == {4}
     assert {r["sum"] for r in reports} == {10.0}
+
+
+class _Payload:
+    """Unpickling this runs ``os.mkdir(path)``: the proof that something was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.mkdir, (self.path,)
+
+
+def test_a_tampered_state_is_refused_before_torch_unpickles_it(etcd: EtcdServer, store: Store, prefix: str,
+                                                                tmp_path: Path) -> None:
+    import base64
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
+    from stalwart.api.rendezvous import TorchRendezvousState
+
+    backend = EtcdV3RendezvousBackend(store, prefix + "state", secret=SECRET)
+    forger = EtcdV3RendezvousBackend(store, prefix + "state", secret=b"not-the-run-secret-at-all")
+    marker = tmp_path / "unpickled"
+    evil = pickle.dumps(_Payload(str(marker)))
+    # Signed with another secret (what anyone with write access to etcd but not the secret could do).
+    forger.set_state(evil, None)
+    with pytest.raises(RendezvousStateError, match="fails its signature check"):
+        backend.get_state()
+    # A genuine record whose state bytes were swapped afterwards.
+    store.delete(backend.key)
+    _, token, ok = backend.set_state(b"genuine", None) or (None, None, False)
+    assert ok and backend.get_state() == (b"genuine", token)
+    kv = store.get(backend.key)
+    assert kv is not None
+    envelope = TorchRendezvousState.from_json_bytes(kv.value)
+    store.put(backend.key, envelope.model_copy(update={"state": base64.b64encode(evil).decode()}).to_json_bytes())
+    with pytest.raises(RendezvousStateError, match="fails its signature check"):
+        backend.set_state(b"next", token)  # the compare fails, and the current value read back is refused
+    # torch's own handler on the tampered state: it stops at the refusal and nothing was unpickled.
+    params = RendezvousParameters(backend=BACKEND_NAME, endpoint=etcd.endpoint, run_id="tampered", min_nodes=1,
+                                  max_nodes=1, join_timeout="10", local_addr="127.0.0.1")
+    handler = create_handler(EtcdTorchStore.unfenced(store, prefix + "store/", timeout=10), backend, params)
+    with pytest.raises(RendezvousStateError, match="fails its signature check"):
+        handler.next_rendezvous()
+    assert not marker.exists()
+
+
+def test_the_backend_needs_the_runs_secret(etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.agent.rendezvous.torch_backend import create_backend
+
+    monkeypatch.delenv("STALWART_RPC_TOKEN", raising=False)
+    params = RendezvousParameters(backend=BACKEND_NAME, endpoint=etcd.endpoint, run_id="r", min_nodes=1,
+                                  max_nodes=1)
+    with pytest.raises(ValueError, match="hmac_key_file: the stalwart-etcd backend signs"):
+        create_backend(params)

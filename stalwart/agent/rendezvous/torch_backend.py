@@ -6,19 +6,28 @@ the one state key of torch's DynamicRendezvousHandler in etcd v3; the fencing to
 
     torchrun --rdzv-backend=stalwart-etcd --rdzv-endpoint=HOST:PORT[,HOST:PORT...] --rdzv-id=RUN ...
 
-(``--rdzv-conf key_prefix=/some/prefix/`` moves the keys; ``etcd_timeout=SECONDS`` sets each call's deadline).
+(``--rdzv-conf key_prefix=/some/prefix/`` moves the keys; ``etcd_timeout=SECONDS`` sets each call's deadline;
+``hmac_key_file=PATH`` names the file with the run's secret, see below). etcd credentials come from the pod
+contract (``STALWART_ETCD_SECRET_DIR``/``STALWART_ETCD_TLS``, :mod:`stalwart.etcd_client`).
 The name is registered through the ``torchrun.handlers`` entry point, which torch's registry loads on start,
 and by :func:`register` for programs that build handlers themselves.
 
-torch's handler pickles its own state; this module stores those bytes opaquely (base64 in a JSON envelope)
-and never unpickles anything. That unpickling happens inside torch, as with every torch backend.
+torch's handler pickles its own state, and unpickles what it reads back: whoever may write the state key could
+run code in every torchrun agent. So the state is signed: the envelope carries an HMAC-SHA256 over the key name,
+the format and the state bytes with the run's secret (``hmac_key_file``, else the job's ``STALWART_RPC_TOKEN``),
+and a record whose MAC does not verify is refused with ``RendezvousStateError`` before torch sees its bytes.
+This module itself never unpickles anything.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
+import os
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -32,6 +41,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
 from stalwart.api.rendezvous import TorchRendezvousState
+from stalwart.etcd_client import EtcdCredentials, connect
 from stalwart.store import Compare, Get, KeyValue, Put, Store, StoreError
 
 BACKEND_NAME = "stalwart-etcd"
@@ -51,11 +61,18 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     * a failed connection raises ``RendezvousConnectionError``; a corrupt value ``RendezvousStateError``.
     """
 
-    def __init__(self, store: Store, key: str) -> None:
+    def __init__(self, store: Store, key: str, *, secret: bytes) -> None:
         if not key or key.endswith("/"):
             raise ValueError(f"key: must be a key name (not a prefix), got {key!r}")
+        if len(secret) < 16:
+            raise ValueError("secret: the state's signing key needs at least 16 bytes")
         self._store = store
         self._key = key
+        self._secret = secret
+
+    def _mac(self, fmt: str, state: bytes) -> str:
+        message = b"\0".join([self._key.encode(), fmt.encode(), state])
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
     @property
     def name(self) -> str:
@@ -77,6 +94,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             state = base64.b64decode(envelope.state, validate=True)
         except (binascii.Error, ValueError) as e:
             raise RendezvousStateError(f"the rendezvous state at {self._key!r} is not valid base64: {e}") from None
+        if not hmac.compare_digest(envelope.mac, self._mac(envelope.format, state)):
+            raise RendezvousStateError(
+                f"the rendezvous state at {self._key!r} fails its signature check (written without the run's "
+                "secret, or altered); refused before torch reads it")
         return state, kv.mod_revision
 
     def get_state(self) -> tuple[bytes, Any] | None:
@@ -93,7 +114,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             # Not a token this backend ever handed out: it cannot match.
             current = self.get_state()
             return None if current is None else (*current, False)
-        envelope = TorchRendezvousState(format=STATE_FORMAT, state=base64.b64encode(state).decode())
+        envelope = TorchRendezvousState(format=STATE_FORMAT, state=base64.b64encode(state).decode(),
+                                        mac=self._mac(STATE_FORMAT, state))
         try:
             value = envelope.to_json_bytes()
         except ValueError as e:
@@ -118,20 +140,38 @@ def _endpoints(params: RendezvousParameters) -> list[str]:
     return [e if ":" in e else f"{e}:2379" for e in endpoints]
 
 
+def _secret(params: RendezvousParameters) -> bytes:
+    path = params.get("hmac_key_file", None)
+    if path:
+        try:
+            secret = Path(str(path)).read_bytes().strip()
+        except OSError as e:
+            raise ValueError(f"rdzv_conf hmac_key_file: cannot read {path!r}: {e}") from None
+    else:
+        secret = os.environ.get("STALWART_RPC_TOKEN", "").encode()
+    if len(secret) < 16:
+        raise ValueError("rdzv_conf hmac_key_file: the stalwart-etcd backend signs torch's rendezvous state (torch "
+                         "unpickles it); give a file holding a secret of at least 16 bytes shared by the run's "
+                         "agents (in a TrainingJob's pods, STALWART_RPC_TOKEN is used)")
+    return secret
+
+
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdTorchStore]:
     """The backend and the torch Store (both on etcd v3) for torchrun's parameters.
 
     ``rdzv_conf`` keys: ``key_prefix`` (default ``/stalwart/torchrun/v1/``), ``etcd_timeout`` (seconds per
-    etcd call, default 10), ``store_timeout`` (seconds for the Store's waits, default 300).
+    etcd call, default 10), ``store_timeout`` (seconds for the Store's waits, default 300), ``hmac_key_file``
+    (the run's secret that signs the state; default: the job's ``STALWART_RPC_TOKEN``).
     """
+    secret = _secret(params)
     prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX))
     if not prefix.endswith("/"):
         prefix += "/"
     etcd_timeout = float(params.get("etcd_timeout", 10))
     store_timeout = float(params.get("store_timeout", 300))
     run = urllib.parse.quote(params.run_id, safe="")
-    store = Store(_endpoints(params), timeout=etcd_timeout)
-    backend = EtcdV3RendezvousBackend(store, f"{prefix}{run}/state")
+    store = connect(_endpoints(params), EtcdCredentials.from_env(), timeout=etcd_timeout)
+    backend = EtcdV3RendezvousBackend(store, f"{prefix}{run}/state", secret=secret)
     return backend, EtcdTorchStore.unfenced(store, f"{prefix}{run}/store/", timeout=store_timeout)
 
 

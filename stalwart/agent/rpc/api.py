@@ -19,6 +19,7 @@ from stalwart.agent.rpc.environment import RpcEnvironment
 from stalwart.agent.rpc.errors import RpcShutdown
 from stalwart.agent.rpc.membership import EtcdMembership, Membership, WorkerInfo
 from stalwart.agent.rref.handle import RRef
+from stalwart.etcd_client import EtcdCredentials, connect
 from stalwart.keys import JobKeys
 from stalwart.store import Store
 
@@ -105,7 +106,7 @@ def init_rpc(name: str | None = None, rank: int | None = None, *, membership: Me
         try:
             agent.start()
             if env is not None:
-                own_store = Store(env.rank_env.etcd_endpoints)
+                own_store = connect(env.rank_env.etcd_endpoints, EtcdCredentials.from_env())
                 # each round has processes of its own: the records an older round's processes left
                 # (until their lease expires) are neither peers nor count towards the wait
                 etcd = EtcdMembership(own_store, env.keys, epoch=env.epoch, lease_ttl=lease_ttl,

@@ -25,9 +25,13 @@ from typing import Any
 from stalwart.api.rpc import RpcWorkerRecord, check_worker_name
 from stalwart.keys import JobKeys
 from stalwart.outage import Backoff, Outage
-from stalwart.store import Store, StoreError, WatchCompacted
+from stalwart.store import Compare, Delete, Put, Store, StoreError, WatchCompacted
 
 log = logging.getLogger(__name__)
+
+
+class Fenced(StoreError):
+    """A worker of an older round tried to change the records of a newer one; nothing was written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +211,29 @@ class EtcdMembership(Membership):
         record = RpcWorkerRecord(name=member.name, rank=member.rank, address=member.address,
                                  epoch=self._epoch, incarnation=member.incarnation, node=node)
         self._me = record
-        self._store.put(self._prefix + member.name, record.to_json_bytes(), lease=self._lease)
+        self._put_fenced(record)
+
+    def _put_fenced(self, record: RpcWorkerRecord) -> None:
+        """Write our record unless a worker of a newer round holds the name (then :class:`Fenced`): read the
+        record, decide (:meth:`RpcWorkerRecord.may_replace`), write on condition that it is unchanged."""
+        key = self._prefix + record.name
+        for _ in range(8):  # bounded: each lost race means another worker of the name wrote in between
+            kv = self._store.get(key)
+            current = None
+            if kv is not None:
+                try:
+                    current = RpcWorkerRecord.from_json_bytes(kv.value)
+                except ValueError:
+                    current = None  # a corrupt record holds no round: ours replaces it
+            if not record.may_replace(current):
+                assert current is not None
+                raise Fenced(f"RPC worker {record.name!r} of the round of epoch {record.epoch} is fenced: a "
+                             f"worker of the newer round of epoch {current.epoch} holds the name")
+            unchanged = Compare(key, "mod", "==", kv.mod_revision) if kv is not None else \
+                Compare(key, "create", "==", 0)
+            if self._store.txn([unchanged], [Put(key, record.to_json_bytes(), lease=self._lease)]).succeeded:
+                return
+        raise StoreError(f"RPC worker {record.name!r}: the record kept changing while it registered")
 
     def advance(self, epoch: int, keep_nodes: set[str] | None = None) -> None:
         """Move to the round ``epoch`` (from the rendezvous). Workers on nodes outside ``keep_nodes`` (the
@@ -237,7 +263,10 @@ class EtcdMembership(Membership):
             self._reregister = False
             self._me = self._me.model_copy(update={"epoch": self._epoch})
             me = self._me
-        self._store.put(self._prefix + me.name, me.to_json_bytes(), lease=self._lease)
+        try:
+            self._put_fenced(me)
+        except Fenced as e:
+            log.error("%s; this worker stays out of the round", e)
 
     def wait_for(self, count: int, timeout: float) -> View:
         """Block until ``count`` workers are in the view; raises TimeoutError after ``timeout`` seconds."""
@@ -335,8 +364,9 @@ class EtcdMembership(Membership):
         try:
             if self._own_lease:
                 self._store.lease_revoke(self._lease)
-            elif self._me is not None:
-                self._store.delete(self._prefix + self._me.name)
+            elif self._me is not None:  # only our own record: a newer worker of the name keeps its own
+                key = self._prefix + self._me.name
+                self._store.txn([Compare(key, "lease", "==", self._lease)], [Delete(key)])
         except StoreError as e:
             log.warning("could not remove our RPC worker record: %s", e)
 
