@@ -29,10 +29,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stalwart.agent.handover import handover_env, keep_at_round_end, next_step, write_handover
 from stalwart.agent.rendezvous import NodeHandle, Rendezvous, RendezvousClosed, RendezvousSettings, RoundInfo
 from stalwart.agent.settings import AgentSettings
 from stalwart.agent.supervision import ProcView, supervise
 from stalwart.api.exit_codes import ExitCode
+from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.restart import FailureInfo, FaultKind, FaultRecord, ProgressRecord, RankStatus
@@ -60,6 +62,8 @@ class AgentOptions:
     last_call_timeout: float = 5.0
     node_ttl: int = 10
     spare_ranks: bool = False
+    #: Keep rank processes across rounds and start a spare's parked (also on when the job's record says so).
+    warm_spares: bool = False
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -134,6 +138,8 @@ class Agent:
         self.info: RoundInfo | None = None
         self.job: JobRecord | None = None
         self._terminate = threading.Event()
+        self._kept = False  # the processes outlived the last round (warm spares)
+        self._parked = False  # they wait for their first round
         self._ctx = f"job={settings.job} node={settings.node_id}"
 
     # -- signals ------------------------------------------------------------------------------------------
@@ -175,12 +181,24 @@ class Agent:
             self.job = self._read_job()
             log.info("%s: round %d (epoch %d) as %s, world size %d", self._ctx, info.round, info.epoch, info.role,
                      info.world_size)
-            if info.role == "waiting" or (info.role == "spare" and not self.options.spare_ranks):
+            step = next_step(info.role, kept=self._kept, warm=self._warm(), spare_ranks=self.options.spare_ranks)
+            if self._kept and not (step == "hand_over" or (step == "park" and self._parked)):
+                self._stop_all(grace=self.options.term_grace)
+            self._kept = False
+            if step in ("park", "wait"):
+                if step == "park" and not self._parked:
+                    self._launch_parked()
                 self._publish("joining", force=True)
                 while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
                     pass
+                self._poll()
+                self._kept = keep_at_round_end([self._view(p) for p in self.procs.values()], parked=self._parked,
+                                               warm=step == "park")
                 continue
-            self._launch_all(info)
+            if step == "hand_over":
+                self._hand_over(info)
+            else:
+                self._launch_all(info)
             outcome = self._supervise_round(info)
             if outcome is not None:
                 return outcome
@@ -217,11 +235,17 @@ class Agent:
                 if end.closed and self._wait_finishing():
                     continue
                 log.info("%s: round %d ended: %s", self._ctx, info.round, end.reason)
-                self._stop_all(grace=self.options.term_grace)
+                self._kept = keep_at_round_end([self._view(p) for p in self.procs.values()], parked=False,
+                                               warm=self._warm())
+                if not self._kept:
+                    self._stop_all(grace=self.options.term_grace)
                 return None
             self._publish(self._state())
             self._terminate.wait(self.options.poll_interval)
         return None
+
+    def _warm(self) -> bool:
+        return self.options.warm_spares or (self.job is not None and self.job.warm_spares)
 
     def _read_job(self) -> JobRecord | None:
         """The operator's record of the job (its timeouts), or ``None``: a job run without the operator, or
@@ -301,19 +325,53 @@ class Agent:
                                status_file=str(self.run_dir / f"rank-{local_rank}.json"), local_rank=local_rank,
                                **job)
         env.update(renv.to_env())
+        env[HANDOVER_FILE_ENV] = str(self.run_dir / f"handover-{local_rank}.json")
         if s.rpc_token is not None:
             env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
         return env
 
     def _launch_all(self, info: RoundInfo) -> None:
         self.procs = {}
+        self._parked = False
         for lr in range(self.settings.nproc_per_node):
             self._spawn(info, lr)
 
+    def _launch_parked(self) -> None:
+        """Start this spare's processes before any round takes them: they import the script and wait."""
+        self.procs = {}
+        self._parked = True
+        s = self.settings
+        for lr in range(s.nproc_per_node):
+            handover = self.run_dir / f"handover-{lr}.json"
+            with contextlib.suppress(FileNotFoundError):
+                handover.unlink()
+            env = dict(self.base_env)
+            env.update({"LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(s.nproc_per_node), PARKED_ENV: "true",
+                        HANDOVER_FILE_ENV: str(handover), "STALWART_NODE_ID": s.node_id})
+            if s.rpc_token is not None:
+                env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
+            popen = subprocess.Popen(self.command, env=env, start_new_session=False)
+            self.procs[lr] = _Proc(lr, -1, popen, self.run_dir / f"rank-{lr}.json")
+            log.info("%s: started local rank %d parked (pid %d)", self._ctx, lr, popen.pid)
+
+    def _hand_over(self, info: RoundInfo) -> None:
+        """Give the running processes their places in the new round (they continue there in process)."""
+        for p in self.procs.values():
+            env = self._rank_env(info, p.local_rank)
+            write_handover(self.run_dir / f"handover-{p.local_rank}.json",
+                           Handover(epoch=info.epoch, round=info.round, env=handover_env(env)))
+            p.slot, p.status_read, p.done_since = int(env["STALWART_SLOT"]), 0.0, None
+            if self._parked:
+                self._wrapped.add(p.local_rank)
+        log.info("%s: handed %d running rank process(es) over to round %d%s", self._ctx, len(self.procs),
+                 info.round, " (a warm spare promoted)" if self._parked else "")
+        self._parked = False
+
     def _spawn(self, info: RoundInfo, local_rank: int) -> None:
         status = self.run_dir / f"rank-{local_rank}.json"
-        with contextlib.suppress(FileNotFoundError):
-            status.unlink()
+        for stale in (status, self.run_dir / f"handover-{local_rank}.json"):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
         self.progress.statuses.pop(local_rank, None)  # the old process's status must not judge the new one
         env = self._rank_env(info, local_rank)
         popen = subprocess.Popen(self.command, env=env, start_new_session=False)
