@@ -52,7 +52,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
-from stalwart.restart import CallWrapper
+from stalwart.restart import CallWrapper, sync_from_peers
 
 log = logging.getLogger("stalwart.examples.train")
 
@@ -192,24 +192,6 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
 
 
-def agree_on_state(state: TrainState, rank: int, world_size: int) -> int:
-    """Make every rank hold the most advanced state; returns the rank it came from.
-
-    After an in-process restart, survivors hold the model at the step they reached and a newcomer holds
-    the checkpoint's; the highest step wins (ties: the lowest rank), and its parameters are broadcast.
-    """
-    steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(steps, torch.tensor([state.step], dtype=torch.int64))
-    values = [int(s.item()) for s in steps]
-    best = max(values)
-    source = values.index(best)
-    with torch.no_grad():
-        for tensor in [*state.model.parameters(), *state.model.buffers()]:
-            dist.broadcast(tensor, src=source)
-    state.step = best
-    return source
-
-
 def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
     if opts.fail_at_step is None or step != opts.fail_at_step or rank != opts.fail_rank:
         return
@@ -241,7 +223,9 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
         model = build_model(opts.seed)
         _state = TrainState(model, load_checkpoint(opts.checkpoint_dir, model))
         emit("start", rank=rank, world_size=world_size, step=_state.step)
-    source = agree_on_state(_state, rank, world_size)
+    # The most advanced replica in memory wins over the checkpoint a newcomer loaded (a warm spare's).
+    synced = sync_from_peers(_state.model, step=_state.step)
+    _state.step, source = synced.step or 0, synced.source
     emit("resume", rank=rank, world_size=world_size, step=_state.step, source=source,
          iteration=call_wrapper.iteration if call_wrapper is not None else 0)
     ddp = DistributedDataParallel(_state.model)
@@ -272,7 +256,8 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
             emit("step", rank=rank, step=_state.step, loss=round(last_loss, 6))
         if opts.step_delay:
             time.sleep(opts.step_delay)
-    emit("done", rank=rank, world_size=world_size, step=_state.step, loss=round(last_loss, 6))
+    emit("done", rank=rank, world_size=world_size, step=_state.step, loss=round(last_loss, 6),
+         params=[float(v) for p in _state.model.parameters() for v in p.detach().flatten().tolist()])
     return last_loss
 
 
