@@ -121,7 +121,7 @@ class _Session:
         self.last_cause: FaultRecord | None = None
         self.rounds = rounds  # a handover to a later round interrupts the function; the checks then leave
         if rounds is not None:
-            rounds.on_new = lambda h: self.interrupter.request(f"round {h.round} (epoch {h.epoch}) took over")
+            rounds.on_new = lambda h: self.monitor._interrupt(f"round {h.round} (epoch {h.epoch}) took over")
 
     def check_round(self) -> None:
         if self.rounds is not None:

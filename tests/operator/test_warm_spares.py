@@ -13,16 +13,20 @@ from typing import Any
 
 import pytest
 import torch
+from test_operator_cluster import TRAIN, Jobs, OperatorFactory, job_body, phase_is, wait_for
 from torch import nn
 
 from stalwart.examples import train as example
 from stalwart.local.cluster import LocalCluster
 
-from .test_operator_cluster import TRAIN, Jobs, OperatorFactory, job_body, phase_is, wait_for
-
 pytestmark = pytest.mark.integration
 
 STEPS = 400
+
+
+@pytest.fixture
+def jobs(kube_api: Any, k8s_namespace: str) -> Jobs:
+    return Jobs(kube_api, k8s_namespace)
 
 
 def pod_pids(pod: str) -> set[int]:
