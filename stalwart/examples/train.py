@@ -84,6 +84,7 @@ class Options:
     fail_at_step: int | None
     fail_rank: int
     fail_times: int = 1
+    hidden: int = HIDDEN
 
 
 @dataclass
@@ -120,6 +121,9 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                         help=f"where rank 0 keeps the checkpoint (default ${CHECKPOINT_DIR_ENV}, "
                              "else a directory per job under the temporary directory)")
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=HIDDEN,
+                        help=f"width of the hidden layer (default {HIDDEN}); the model has "
+                             f"{IN_FEATURES + OUT_FEATURES + 1} parameters per unit plus {OUT_FEATURES}")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--step-delay", type=float, default=0.0,
                         help="seconds to sleep per step, so that a demo can be watched (default 0)")
@@ -150,12 +154,13 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                    lr=args.lr, seed=args.seed, checkpoint_dir=Path(checkpoint_dir),
                    checkpoint_every=_positive("--checkpoint-every", args.checkpoint_every),
                    log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
-                   fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times)
+                   fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times,
+                   hidden=_positive("--hidden", args.hidden))
 
 
-def build_model(seed: int) -> nn.Module:
+def build_model(seed: int, hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT_FEATURES))
+    return nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, OUT_FEATURES))
 
 
 def batch(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +225,7 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     global _state
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if _state is None:
-        model = build_model(opts.seed)
+        model = build_model(opts.seed, opts.hidden)
         _state = TrainState(model, load_checkpoint(opts.checkpoint_dir, model))
         emit("start", rank=rank, world_size=world_size, step=_state.step)
     # The most advanced replica in memory wins over the checkpoint a newcomer loaded (a warm spare's).

@@ -92,17 +92,19 @@ def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, start_ope
     # The survivor's processes are the ones it started with: none was started again.
     survivor_log = events(local_cluster, jobs.ns, survivor)
     assert [e["event"] for e in survivor_log].count("start") == 1, survivor_log[:5]
-    assert before  # (its processes have exited by now; their count of starts is the log's)
     # The spare took the lost rank in process, with the state from the survivor, not from a checkpoint.
     spare_log = events(local_cluster, jobs.ns, spare)
+    own_rank = next(e["rank"] for e in survivor_log if e["event"] == "start")
     resumed = [e for e in spare_log if e["event"] == "resume"]
-    assert resumed and resumed[0]["rank"] == 1 and resumed[0]["source"] == 0 and resumed[0]["step"] > 0
+    assert resumed and resumed[0]["rank"] == 1 - own_rank, spare_log[:5]
+    assert resumed[0]["source"] == own_rank and resumed[0]["step"] > 0, resumed[0]
     done = {e["rank"]: e for e in survivor_log + spare_log if e["event"] == "done"}
     assert sorted(done) == [0, 1] and all(d["step"] == STEPS for d in done.values())
     expected = fault_free_params(STEPS, world=2)
     for d in done.values():
         assert torch.allclose(torch.tensor(d["params"]), expected, rtol=1e-5, atol=1e-6)
     assert st["restarts"]["podReplacements"] == 1, st
-    assert st["lastFailure"]["pod"] == victim, st
+    if fault != "delete":  # a pod deleted on purpose is replaced, not a failure
+        assert st["lastFailure"]["pod"] == victim, st
     jobs.delete(name)
     wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
