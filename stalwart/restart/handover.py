@@ -76,7 +76,7 @@ class RoundWatch:
     interval: float = 0.05
     on_new: Callable[[Handover], object] | None = None
     _pending: Handover | None = None
-    _mtime: float = 0.0
+    _seen: tuple[int, int, int] = (0, 0, 0)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -118,12 +118,14 @@ class RoundWatch:
     def poll(self) -> Handover | None:
         """Read the file if it changed; return (and remember) a handover to a newer round."""
         try:
-            mtime = os.stat(self.path).st_mtime_ns / 1e9
+            st = os.stat(self.path)
         except OSError:
             return None
-        if mtime == self._mtime:
+        # The agent replaces the file (a new inode each time): mtime alone can repeat within its granularity.
+        changed = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if changed == self._seen:
             return None
-        self._mtime = mtime
+        self._seen = changed
         with self._lock:
             found = newer(read_handover(self.path), self.epoch)
             if found is None or (self._pending is not None and self._pending.epoch >= found.epoch):

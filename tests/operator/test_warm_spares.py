@@ -104,7 +104,5 @@ def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, start_ope
     for d in done.values():
         assert torch.allclose(torch.tensor(d["params"]), expected, rtol=1e-5, atol=1e-6)
     assert st["restarts"]["podReplacements"] == 1, st
-    if fault != "delete":  # a pod deleted on purpose is replaced, not a failure
-        assert st["lastFailure"]["pod"] == victim, st
     jobs.delete(name)
     wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
