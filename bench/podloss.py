@@ -5,8 +5,8 @@
   survivor (``sync_from_peers``);
 * ``stalwart-process-restart``: the same job with warm spares off (every rank process of the job is started
   again in the new round; the state comes from the checkpoint);
-* ``torchrun``: the anchor users have now: two ``torchrun --max-restarts 3`` "nodes" (c10d rendezvous on a
-  store outside both), the lost node's processes killed and a replacement node started at once (as a
+* ``torchrun``: the anchor users have now: two ``torchrun --max-restarts 3`` "nodes" (c10d rendezvous, its store
+  hosted by the surviving node), the lost node's processes killed and a replacement node started at once (as a
   PyTorchJob's new pod would be, without its scheduling and image pull); every worker restarts and loads the
   checkpoint.
 
@@ -92,8 +92,12 @@ def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Event
     gaps = [b - a for a, b in itertools.pairwise(before)]
     step_s = statistics.median(gaps) if gaps else 0.0
     done_before = max((e["step"] for e in steps if e["time"] < t_fault), default=0)
-    after = [e for e in steps if e["time"] >= t_fault]
-    firsts = [min((e["time"] for e in after if e["rank"] == r), default=float("nan")) for r in (0, 1)]
+    # Recovered: every rank resumed after the fault (a "resume" line) and completed a step after that.
+    firsts = []
+    for r in (0, 1):
+        resumes = [e["time"] for e in events if e["event"] == "resume" and e["rank"] == r and e["time"] >= t_fault]
+        after = [e["time"] for e in steps if e["rank"] == r and resumes and e["time"] > min(resumes)]
+        firsts.append(min(after, default=float("nan")))
     resumed = [e["step"] for e in events if e["event"] == "resume" and e["time"] >= t_fault]
     restart_from = min(resumed) if resumed else done_before
     starts = sum(1 for e in survivor if e["event"] == "start" and e["time"] >= t_fault)
@@ -165,10 +169,7 @@ def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, p
 
 
 def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[float, Events, Events]:
-    import torch.distributed as dist
-
     port = free_port("127.0.0.1")
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     work = Path(tempfile.mkdtemp(prefix="podloss-torchrun-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STALWART_CHECKPOINT_DIR": str(work / "ckpt")}
     env.pop("STALWART_JOB", None)
@@ -177,13 +178,15 @@ def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[fl
         out = work / f"node-{tag}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "podloss",
-               "--rdzv-conf", "is_host=false", "--max-restarts", "3", "--monitor-interval", "0.1",
+               "--max-restarts", "3", "--monitor-interval", "0.1",
                "-m", "stalwart.examples.train", *train_args(args, params)]
         with open(out, "wb") as f:
             return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True), out
 
+    # Node 0 hosts the rendezvous store (the first to bind its port), so the lost node is node 1.
     survivor, survivor_log = node(0, "0")
+    time.sleep(2.0)
     victim, victim_log = node(1, "1")
     deadline = time.monotonic() + 600
     while max((e.get("step", 0) for e in parse(survivor_log.read_text()) if e["event"] == "step"),
@@ -202,7 +205,6 @@ def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[fl
         for p in (survivor, replacement):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    del store
     logs = [parse(p.read_text()) for p in (survivor_log, victim_log, replacement_log)]
     return t_fault, [e for evs in logs for e in evs], logs[0]
 
