@@ -95,9 +95,17 @@ def detect_seconds(etcd: EtcdServer, run_id: str, work: Path) -> float:
     from stalwart.keys import JobKeys
     from stalwart.store import Store
 
+    prefix = JobKeys("bench", run_id).restart
+    values: dict[str, bytes] = {}
     with Store([etcd.endpoint]) as store:
-        kvs, _ = store.get_prefix(JobKeys("bench", run_id).restart)
-    records = [FaultRecord.from_json_bytes(kv.value) for kv in kvs if "/fault/" in kv.key]
+        # From etcd's history: the sealer deletes the keys of old iterations, and under load a run may take one
+        # restart more than the one injected.
+        _, revision = store.get_prefix(prefix, keys_only=True)
+        with store.watch(prefix, prefix=True, start_revision=1) as w:
+            while (ev := w.next(timeout=0.5)) is not None and ev.kv.mod_revision <= revision:
+                if ev.type == "put" and "/fault/" in ev.kv.key:
+                    values[ev.kv.key] = ev.kv.value
+    records = [FaultRecord.from_json_bytes(v) for v in values.values()]
     direct = [r.time for r in records if r.kind in DIRECT_KINDS]
     if not direct:
         raise RuntimeError(f"no fault record names the faulty rank: {records}")

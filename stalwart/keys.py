@@ -61,6 +61,11 @@ class JobKeys:
         return f"{self.prefix}store/{epoch}/"
 
     @property
+    def drill(self) -> str:
+        """Sub-prefix of fault drills: signed requests for the agents and their answers."""
+        return self.prefix + "drill/"
+
+    @property
     def rpc(self) -> str:
         """Sub-prefix of the RPC layer (worker addresses)."""
         return self.prefix + "rpc/"

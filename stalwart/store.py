@@ -103,18 +103,22 @@ class Compare:
     """One condition of a transaction. ``target`` picks which field of ``key`` is compared with ``value``.
 
     A key that does not exist has version, create and mod revision 0, so ``Compare(k, "create", "==", 0)``
-    means "k is absent".
+    means "k is absent". With ``prefix=True`` the condition must hold for every key under ``key`` (etcd's
+    compare over a range; no key under it means it holds).
     """
 
     key: str
     target: Literal["mod", "create", "version", "value", "lease"]
     op: Literal["==", "!=", "<", ">"]
     value: int | bytes
+    prefix: bool = False
 
     def _to_pb(self) -> Any:
         result = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS,
                   ">": rpc.Compare.GREATER}[self.op]
         c = rpc.Compare(key=_b(self.key), result=result)
+        if self.prefix:
+            c.range_end = prefix_range_end(_b(self.key))
         if self.target == "mod":
             c.target, c.mod_revision = rpc.Compare.MOD, int(self.value)
         elif self.target == "create":

@@ -93,6 +93,20 @@ def test_txn_value_and_version_compares_and_multi_ops(store: Store, prefix: str)
     assert store.get(prefix + "y") is not None
 
 
+def test_txn_compare_over_a_prefix_holds_for_every_key_under_it(store: Store, prefix: str) -> None:
+    first = store.put(prefix + "nodes/a", b"1")
+    later = store.put(prefix + "nodes/b", b"1")
+    store.put(prefix + "other", b"1")  # outside the compared range
+    # Every node key created before `later`? No: nodes/b was created at `later`.
+    assert not store.txn([Compare(prefix + "nodes/", "create", "<", later, prefix=True)],
+                         [Put(prefix + "sealed", b"x")]).succeeded
+    assert store.get(prefix + "sealed") is None
+    assert store.txn([Compare(prefix + "nodes/", "create", "<", later + 1, prefix=True)],
+                     [Put(prefix + "sealed", b"x")]).succeeded
+    # An empty range holds any condition.
+    assert store.txn([Compare(prefix + "none/", "create", "<", first, prefix=True)], []).succeeded
+
+
 def test_value_size_cap(store: Store, prefix: str) -> None:
     with pytest.raises(ValueTooLarge, match="limit"):
         store.put(prefix + "big", b"x" * (MAX_VALUE_BYTES + 1))

@@ -29,15 +29,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stalwart.agent import progress as book_
+from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.handover import handover_env, keep_at_round_end, next_step, write_handover
-from stalwart.agent.rendezvous import NodeHandle, Rendezvous, RendezvousClosed, RendezvousSettings, RoundInfo
+from stalwart.agent.progress import NodeState, ProgressReporter
+from stalwart.agent.rendezvous import (
+    NodeHandle,
+    Rendezvous,
+    RendezvousCancelled,
+    RendezvousClosed,
+    RendezvousSettings,
+    RoundInfo,
+)
 from stalwart.agent.settings import AgentSettings
 from stalwart.agent.supervision import ProcView, supervise
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
-from stalwart.api.restart import FailureInfo, FaultKind, FaultRecord, ProgressRecord, RankStatus
+from stalwart.api.restart import FaultKind, FaultRecord, RankStatus
 from stalwart.local.etcd import free_port
 from stalwart.restart.coordination import record_fault
 from stalwart.restart.environment import RankEnvironment
@@ -85,6 +95,7 @@ class _Proc:
     status_read: float = 0.0
     done_since: float | None = None  # when its status first said "done" (the function returned)
     killed_after_done: bool = False
+    started: float = 0.0  # monotonic time it was started
 
 
 def process_state(pid: int) -> str:
@@ -105,9 +116,6 @@ _JOB_SETTINGS = {"max_restarts": "max_restarts", "soft_timeout": "soft_timeout_s
 @dataclass(slots=True)
 class _Progress:
     process_restarts: int = 0
-    last_failure: FailureInfo | None = None
-    last_written: float = 0.0
-    last_body: str = ""
     statuses: dict[int, RankStatus] = field(default_factory=dict)
 
 
@@ -141,17 +149,23 @@ class Agent:
         self._kept = False  # the processes outlived the last round (warm spares)
         self._parked = False  # they wait for their first round
         self._ctx = f"job={settings.job} node={settings.node_id}"
+        self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
+                                         interval=self.options.progress_interval, context=self._ctx)
+        self.drill = DrillListener(self.store, settings, self._drill_targets, context=self._ctx)
 
     # -- signals ------------------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """Forward a stop request (SIGTERM): the ranks get SIGTERM, then SIGKILL after ``term_grace``."""
+        """Forward a stop request (SIGTERM): the ranks get SIGTERM, then SIGKILL after ``term_grace``; a join
+        or wait of the rendezvous returns at once."""
         self._terminate.set()
+        self.handle.cancel()
 
     def install_signal_handlers(self) -> None:
         def on_term(signum: int, _frame: object) -> None:
             log.info("%s: signal %d: stopping the rank processes", self._ctx, signum)
-            self.request_stop()
+            # From a thread: the main thread may hold the lock of the very event a stop request sets.
+            threading.Thread(target=self.request_stop, name="stalwart-stop", daemon=True).start()
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
@@ -159,9 +173,11 @@ class Agent:
     # -- the loop -------------------------------------------------------------------------------------------
 
     def run(self) -> int:
+        self.drill.start()
         try:
             return self._run()
         finally:
+            self.drill.stop()
             self._stop_all(grace=self.options.term_grace)
             with contextlib.suppress(Exception):
                 self.handle.leave()
@@ -177,6 +193,8 @@ class Agent:
             except RendezvousClosed:
                 log.info("%s: the rendezvous is closed; nothing left to run", self._ctx)
                 return int(ExitCode.OK)
+            except RendezvousCancelled:
+                break
             self.info = info
             self.job = self._read_job()
             log.info("%s: round %d (epoch %d) as %s, world size %d", self._ctx, info.round, info.epoch, info.role,
@@ -189,12 +207,15 @@ class Agent:
                 if step == "park" and not self._parked:
                     self._launch_parked()
                 self._publish("joining", force=True)
-                while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
-                    pass
+                with contextlib.suppress(RendezvousCancelled):
+                    while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
+                        pass
                 self._poll()
                 self._kept = keep_at_round_end([self._view(p) for p in self.procs.values()], parked=self._parked,
                                                warm=step == "park")
                 continue
+            self.reporter.book = book_.joined(self.reporter.book, info.round, info.epoch)
+            self.reporter.world_size = info.world_size
             if step == "hand_over":
                 self._hand_over(info)
             else:
@@ -215,7 +236,7 @@ class Agent:
                                 max_restarts=self.options.max_restarts)
             for action in actions:
                 if action.kind == "finish":
-                    return self._finish(action.exit_code, action.reason)
+                    return self._finish(action.exit_code, action.reason, action.local_ranks)
                 if action.kind == "kill":
                     for lr in action.local_ranks:
                         self._kill_hung(lr, action.fault or "hard_timeout", action.reason)
@@ -223,8 +244,9 @@ class Agent:
                     for lr in action.local_ranks:
                         self._respawn(info, lr, action.exit_code, action.reason)
                 elif action.kind == "restart_all":
-                    self._note_failure(action.local_ranks[0] if action.local_ranks else None, action.reason)
+                    self._note_exits(action.local_ranks)
                     self.progress.process_restarts += 1
+                    self.reporter.book = book_.restarted_all(self.reporter.book)
                     self._stop_all(grace=self.options.term_grace)
                     with contextlib.suppress(Exception):
                         self.handle.request_rerendezvous(action.reason)
@@ -269,27 +291,31 @@ class Agent:
 
     def _wait_round_end(self) -> None:
         deadline = time.monotonic() + 3 * self.options.node_ttl
-        while time.monotonic() < deadline and not self._terminate.is_set():
-            if self.handle.wait_round_end(0.5) is not None:
-                return
+        with contextlib.suppress(RendezvousCancelled):
+            while time.monotonic() < deadline and not self._terminate.is_set():
+                if self.handle.wait_round_end(0.5) is not None:
+                    return
 
-    def _finish(self, code: int, reason: str) -> int:
+    def _finish(self, code: int, reason: str, local_ranks: Sequence[int] = ()) -> int:
         if code == 0:
             log.info("%s: %s", self._ctx, reason)
+            for p in self.procs.values():  # the ranks' last word: each returned in its last iteration
+                p.status_read = 0.0
+                self._read_status(p)
             with contextlib.suppress(Exception):
                 self.rdzv.close("job succeeded")
             self._publish("succeeded", force=True)
         else:
             log.error("%s: giving up: %s", self._ctx, reason)
+            self._note_exits(local_ranks)
             self._stop_all(grace=self.options.term_grace)
             for p in self.procs.values():  # the ranks' last word (each wrote it before exiting)
                 p.status_read = 0.0
                 self._read_status(p)
             # Ranks that gave up (restarts exhausted, non-retryable) recorded the failure behind it, with the
             # exception: that is the job's last failure, not "exited 90".
-            if code not in (ExitCode.RESTARTS_EXHAUSTED, ExitCode.NON_RETRYABLE) \
-                    or not any(st.last_failure for st in self.progress.statuses.values()):
-                self._note_failure(None, reason)
+            if code in (ExitCode.RESTARTS_EXHAUSTED, ExitCode.NON_RETRYABLE):
+                self.reporter.book = book_.gave_up(self.reporter.book, list(self.progress.statuses.values()))
             self._publish("failed", force=True)
         return code
 
@@ -375,7 +401,7 @@ class Agent:
         self.progress.statuses.pop(local_rank, None)  # the old process's status must not judge the new one
         env = self._rank_env(info, local_rank)
         popen = subprocess.Popen(self.command, env=env, start_new_session=False)
-        self.procs[local_rank] = _Proc(local_rank, int(env["STALWART_SLOT"]), popen, status)
+        self.procs[local_rank] = _Proc(local_rank, int(env["STALWART_SLOT"]), popen, status, started=time.monotonic())
         log.info("%s: started local rank %d (pid %d)", self._ctx, local_rank, popen.pid)
 
     def _respawn(self, info: RoundInfo, local_rank: int, code: int, reason: str) -> None:
@@ -384,10 +410,11 @@ class Agent:
         if not old.killed_hung:
             self._record_fault(old, "process_died", f"the process exited {code}" if code >= 0
                                else f"the process was killed by signal {-code}")
-        self._note_failure(local_rank, why)
+        self._note_exits((local_rank,))
         self.progress.process_restarts += 1
         log.warning("%s: respawning local rank %d (%s)", self._ctx, local_rank, why)
         self._spawn(info, local_rank)
+        self.reporter.book = book_.respawned(self.reporter.book, local_rank, self.procs[local_rank].popen.pid)
 
     def _kill_hung(self, local_rank: int, fault: FaultKind, reason: str) -> None:
         p = self.procs[local_rank]
@@ -494,42 +521,30 @@ class Agent:
 
     # -- progress -----------------------------------------------------------------------------------------
 
-    def _note_failure(self, local_rank: int | None, reason: str) -> None:
-        rank = None
-        if local_rank is not None and self.info is not None and self.info.member is not None:
-            rank = self.info.member.rank_offset + local_rank
-        self.progress.last_failure = FailureInfo(rank=rank, pod=self.settings.node_id, reason=reason[:2048],
-                                                 time=time.time())
+    def _book_view(self, p: _Proc) -> book_.ProcView:
+        return book_.ProcView(p.local_rank, p.slot, p.popen.pid, p.started, self.progress.statuses.get(p.local_rank),
+                              p.exit_code)
 
-    def _state(self) -> str:
+    def _note_exits(self, local_ranks: Sequence[int]) -> None:
+        """Record rank processes that ended on their own (or were killed for a hang) for the operator."""
+        for lr in local_ranks:
+            p = self.procs.get(lr)
+            if p is not None and p.exit_code not in (None, 0):
+                self.reporter.book = book_.exited(self.reporter.book, self._book_view(p), now=time.time(),
+                                                  hung=bool(p.killed_hung))
+        self.reporter.publish(self._state(), force=True)
+
+    def _drill_targets(self) -> list[Target]:
+        """The live rank processes, for fault drills."""
+        epoch = self.info.epoch if self.info is not None else 0
+        return [Target(p.local_rank, p.popen.pid, self.progress.statuses.get(p.local_rank), epoch, str(p.status_file))
+                for p in list(self.procs.values()) if p.exit_code is None]
+
+    def _state(self) -> NodeState:
         states = {st.state for st in self.progress.statuses.values()}
         return "restarting" if states & {"barrier", "restarting"} else "running"
 
-    def _publish(self, state: str, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.progress.last_written < self.options.progress_interval:
-            return
-        sts = list(self.progress.statuses.values())
-        steps = [st.step for st in sts if st.step is not None]
-        failures = [st.last_failure for st in sts if st.last_failure is not None]
-        if self.progress.last_failure is not None:
-            failures.append(self.progress.last_failure)
-        worlds = [st.world_size for st in sts if st.world_size is not None]
-        info = self.info
-        rec = ProgressRecord(
-            node_id=self.settings.node_id, epoch=info.epoch if info else 0, round=info.round if info else 0,
-            state=state,
-            step=max(steps) if steps else None, world_size=max(worlds) if worlds else None,
-            restarts_in_process=max((st.restarts for st in sts), default=0),
-            process_restarts=self.progress.process_restarts,
-            last_failure=max(failures, key=lambda f: f.time) if failures else None, updated=time.time())
-        body = rec.model_copy(update={"updated": 0.0}).model_dump_json()
-        if not force and body == self.progress.last_body and now - self.progress.last_written < 10.0:
-            return
-        try:
-            self.store.put(self.settings.keys.progress + self.settings.node_id, rec.to_json_bytes())
-        except StoreError as e:
-            log.warning("%s: could not publish progress: %s", self._ctx, e)
-            return
-        self.progress.last_written = now
-        self.progress.last_body = body
+    def _publish(self, state: NodeState, *, force: bool = False) -> None:
+        self.reporter.book = book_.observed(self.reporter.book, [self._book_view(p) for p in self.procs.values()],
+                                            now=time.monotonic(), wall=time.time())
+        self.reporter.publish(state, force=force)

@@ -56,6 +56,8 @@ class JobRecord(ApiModel):
     rules: list[FailureRule] = Field(default_factory=list, description="restartPolicy.rules, in order.")
     success_policy: SuccessPolicy = Field(
         default=SuccessPolicy.ALL_WORKERS, description="spec.successPolicy.")
+    fault_injection: bool = Field(
+        default=False, description="spec.faultInjection.enabled: agents carry out authenticated fault drills.")
 
     @field_validator("members")
     @classmethod
@@ -124,4 +126,5 @@ class JobRecord(ApiModel):
             backoff_limit=spec.restart_policy.backoff_limit,
             rules=list(spec.restart_policy.rules),
             success_policy=spec.success_policy,
+            fault_injection=spec.fault_injection.enabled,
         )

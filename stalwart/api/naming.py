@@ -88,6 +88,10 @@ def secret_name(job_name: str) -> str:
     return f"{check_job_name(job_name)}-stalwart"
 
 
+#: Key of the job's token in its Secret: it authenticates RPC between the job's processes and fault drills.
+RPC_TOKEN_KEY = "rpc-token"
+
+
 def selector(job_name: str) -> str:
     """The label selector of the job's pods, as the scale subresource's ``status.selector`` wants it."""
     return f"{LABEL_JOB_NAME}={check_job_name(job_name)}"

@@ -18,7 +18,12 @@ Keys of iterations older than the previous one are deleted by the process that s
 so the number of keys stays bounded however many restarts happen.
 
 ``JobKeys.progress + "<nodeId>"`` -> :class:`ProgressRecord`, written by each agent (rate-limited) for the
-operator. The agent reads each rank's :class:`RankStatus` from a local file, never from the network.
+operator. The agent reads each rank's :class:`RankStatus` from a local file, never from the network. Besides
+the node's state it carries the facts the operator's status is decided from: each rank's last completed
+step and progress (:class:`RankReport`), rank processes that ended on their own (:class:`RankExit`), and per
+round the last iteration in which a step completed and the iterations respawned processes joined
+(:class:`RoundSummary`). The operator counts recoveries and names culprits from these and from the
+:class:`FaultRecord` keys; nothing there is a counter the operator adds up blindly.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from pydantic import Field
 from stalwart.api.base import ApiModel
 
 __all__ = [
+    "MAX_EXITS",
+    "MAX_HISTORY",
     "AliveRecord",
     "ArrivalRecord",
     "DoneRecord",
@@ -37,7 +44,10 @@ __all__ = [
     "FaultKind",
     "FaultRecord",
     "ProgressRecord",
+    "RankExit",
+    "RankReport",
     "RankStatus",
+    "RoundSummary",
     "SealRecord",
     "failure_info",
 ]
@@ -110,6 +120,9 @@ class FaultRecord(ApiModel):
     message: str | None = Field(default=None, max_length=_REASON,
                                 description="For kind exception: the exception's message (str of it).")
     time: float = Field(description="Wall-clock time (Unix seconds), for status only.")
+    lost_slots: list[int] = Field(
+        default_factory=list, max_length=4096,
+        description="For peer_lost: the slots whose heartbeat lease ended (the culprits, not the reporter).")
 
 
 class DoneRecord(ApiModel):
@@ -129,6 +142,7 @@ class FailureInfo(ApiModel):
     exception: str | None = Field(default=None, max_length=512,
                                   description="The exception's type, when the training function raised.")
     message: str | None = Field(default=None, max_length=_REASON, description="The exception's message.")
+    iteration: int | None = Field(default=None, ge=0, description="The restart iteration it happened in, when known.")
     time: float = Field(description="Wall-clock time (Unix seconds).")
 
 
@@ -143,6 +157,10 @@ class RankStatus(ApiModel):
     rank: int | None = Field(default=None, description="Rank in the current iteration (none while inactive).")
     world_size: int | None = Field(default=None, description="World size of the current iteration.")
     step: int | None = Field(default=None, description="Last step the training function reported.")
+    step_time: float | None = Field(default=None, description="Wall-clock time that step was reported.")
+    first_step: int | None = Field(
+        default=None, description="The first step reported in the current iteration (None before it).")
+    first_step_time: float | None = Field(default=None, description="Wall-clock time of that first step.")
     restarts: int = Field(default=0, ge=0, description="In-process restarts so far.")
     last_failure: FailureInfo | None = Field(default=None, description="The last fault this process saw.")
     soft_timeout: float | None = Field(
@@ -151,6 +169,61 @@ class RankStatus(ApiModel):
         default=None, description="Seconds without progress after which the agent kills the process.")
     heartbeat: float = Field(
         description="CLOCK_MONOTONIC time of the last sign of progress of the process's main thread.")
+
+
+#: Most rank exits a progress record keeps (the newest).
+MAX_EXITS = 8
+#: Most rounds a progress record summarises (the newest): enough for an operator that was away for a few.
+MAX_HISTORY = 4
+
+RankState = Literal["starting", "barrier", "running", "inactive", "restarting", "done", "failed"]
+
+
+class RankReport(ApiModel):
+    """One local rank process as its agent last saw it."""
+
+    local_rank: int = Field(ge=0, description="Local rank on the node.")
+    slot: int = Field(ge=0, description="The process's slot (its identity within the round).")
+    rank: int | None = Field(default=None, description="Global rank in the current iteration (None while inactive).")
+    pid: int = Field(ge=1, description="Process id.")
+    state: RankState | None = Field(default=None, description="What its status file says (None: none written yet).")
+    iteration: int = Field(default=0, ge=0, description="Its in-process restart iteration.")
+    step: int | None = Field(default=None, description="Last step it reported.")
+    step_time: float | None = Field(default=None, description="Wall-clock time of that step.")
+    first_step: int | None = Field(default=None, description="First step it reported in this iteration.")
+    first_step_time: float | None = Field(default=None, description="Wall-clock time of that first step.")
+    progress_time: float | None = Field(
+        default=None, description="Wall-clock time of the last progress of its main thread (None: unknown).")
+
+
+class RankExit(ApiModel):
+    """A rank process that ended on its own (not stopped by its agent), and where it was."""
+
+    local_rank: int = Field(ge=0, description="Local rank on the node.")
+    slot: int = Field(ge=0, description="The process's slot.")
+    rank: int | None = Field(default=None, description="Its global rank when it ended, when known.")
+    round: int = Field(ge=0, description="Rendezvous round.")
+    iteration: int = Field(default=0, ge=0, description="The iteration it was in.")
+    pid: int = Field(ge=1, description="Process id.")
+    exit_code: int | None = Field(default=None, description="Exit code (None when a signal ended it).")
+    signal: str | None = Field(default=None, max_length=16, description="The signal that ended it, e.g. SIGKILL.")
+    hung: bool = Field(default=False, description="The agent killed it: no progress within its hard timeout.")
+    time: float = Field(description="Wall-clock time the agent saw it end (Unix seconds).")
+
+
+class RoundSummary(ApiModel):
+    """What a node saw of one round: how far training got and which iterations needed new processes."""
+
+    round: int = Field(ge=0, description="Rendezvous round.")
+    epoch: int = Field(ge=0, description="Its epoch.")
+    stepped: int | None = Field(
+        default=None, description="The last in-process iteration in which one of the node's ranks completed a step.")
+    faulted: int | None = Field(
+        default=None,
+        description="The last iteration one of the node's ranks ran its training function in that ended in a fault.")
+    respawned: list[int] = Field(
+        default_factory=list, max_length=1024,
+        description="Iterations that respawned rank processes of this node joined (process restarts).")
 
 
 class ProgressRecord(ApiModel):
@@ -167,9 +240,16 @@ class ProgressRecord(ApiModel):
     process_restarts: int = Field(default=0, ge=0, description="Rank processes respawned by the agent.")
     last_failure: FailureInfo | None = Field(default=None, description="The node's most recent failure.")
     updated: float = Field(description="Wall-clock time (Unix seconds) of this report.")
+    incarnation: str = Field(default="", max_length=64,
+                             description="Identity of the reporting agent process (a new one after a restart).")
+    ranks: list[RankReport] = Field(default_factory=list, max_length=1024, description="The node's rank processes.")
+    exits: list[RankExit] = Field(default_factory=list, max_length=MAX_EXITS,
+                                  description="Rank processes that ended on their own, newest last.")
+    history: list[RoundSummary] = Field(default_factory=list, max_length=MAX_HISTORY,
+                                        description="The node's last rounds, oldest first.")
 
 
 def failure_info(rec: FaultRecord) -> FailureInfo:
     """The :class:`FailureInfo` (status form) of a fault record."""
     return FailureInfo(rank=rec.rank, pod=rec.node_id, reason=f"{rec.kind}: {rec.reason}"[:_REASON], kind=rec.kind,
-                       exception=rec.exception, message=rec.message, time=rec.time)
+                       exception=rec.exception, message=rec.message, iteration=rec.iteration, time=rec.time)

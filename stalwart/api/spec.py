@@ -260,7 +260,8 @@ class FailureReason(StrEnum):
     PROCESS_EXITED = "ProcessExited"  # a rank process died (its exit code is matched by onExitCodes)
     OOM_KILLED = "OOMKilled"  # a container was killed for exceeding its memory limit
     EVICTED = "Evicted"  # the pod was evicted or preempted
-    POD_LOST = "PodLost"  # the pod or its node vanished (deleted, lease expired)
+    POD_LOST = "PodLost"  # the pod vanished (deleted, lease expired)
+    NODE_LOST = "NodeLost"  # the pod's node stopped reporting or was lost (a PodLost rule matches it too)
 
 
 class ExitCodeOperator(StrEnum):
@@ -316,7 +317,7 @@ class FailureRule(ApiModel):
         default=None, min_length=1, max_length=len(FailureReason),
         description=("Match the failure's reason: Exception (the training function raised), Hang (no "
                      "progress for softTimeoutSeconds), ProcessExited (a rank process died), OOMKilled, "
-                     "Evicted, PodLost (the pod or its node vanished)."),
+                     "Evicted, PodLost (the pod vanished; also matches NodeLost), NodeLost (its node was lost)."),
         json_schema_extra={"x-kubernetes-list-type": "set"})
 
     __rules__: ClassVar[list[Rule]] = [
@@ -379,6 +380,16 @@ class RunPolicy(ApiModel):
         default=CleanPodPolicy.RUNNING,
         description=("Pods to delete when the job finishes: All, Running (those still running, e.g. "
                      "spares; finished pods keep their logs) or None."))
+
+
+class FaultInjection(ApiModel):
+    """Whether ``stalwart drill`` may inject faults into the job's ranks through its agents."""
+
+    enabled: bool = Field(
+        default=False,
+        description=("Let the job's agents carry out fault drills (a rank exception, SIGKILL or hang) requested "
+                     "with the job's Secret. Off by default: without it every such request is refused. Pod "
+                     "deletions go through the Kubernetes API and need no opt-in."))
 
 
 class SuccessPolicy(StrEnum):
@@ -447,6 +458,9 @@ class TrainingJobSpec(ApiModel):
         default=SuccessPolicy.ALL_WORKERS,
         description=("When the job has succeeded: AllWorkers (every rank's process exited 0) or RankZero "
                      "(rank 0's process exited 0)."))
+    fault_injection: FaultInjection = Field(
+        default_factory=FaultInjection, description="Fault drills through the job's agents (stalwart drill).",
+        json_schema_extra={"default": {}})
 
     __rules__: ClassVar[list[Rule]] = [
         Rule(field="minReplicas",

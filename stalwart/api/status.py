@@ -14,9 +14,9 @@ class Phase(StrEnum):
     """The job's phase, as ``kubectl get tj`` shows it."""
 
     PENDING = "Pending"  # accepted; pods not yet created or not yet scheduled
-    STARTING = "Starting"  # pods exist; the first rendezvous round is not sealed yet
-    RUNNING = "Running"  # a round is sealed and the ranks are training
-    RESTARTING = "Restarting"  # a fault is being handled: in-process restart or a spare taking over
+    STARTING = "Starting"  # pods exist; no training step has completed yet
+    RUNNING = "Running"  # steps complete: the ranks reported progress within the soft timeout
+    RESTARTING = "Restarting"  # a fault is known and training has not completed a step since
     SUCCEEDED = "Succeeded"  # finished per successPolicy
     FAILED = "Failed"  # budget exhausted, a FailJob rule, or the deadline passed
     SUSPENDED = "Suspended"  # runPolicy.suspend is true
@@ -35,6 +35,10 @@ class ConditionType(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     SUSPENDED = "Suspended"
+    #: Nothing progressed for longer than the soft timeout (reason NoProgress; the message names the ranks).
+    STALLED = "Stalled"
+    #: The operator cannot reach the job's etcd; training may go on undisturbed, but its progress is unseen.
+    COORDINATION_DEGRADED = "CoordinationDegraded"
 
 
 class ConditionStatus(StrEnum):
@@ -46,7 +50,8 @@ class ConditionStatus(StrEnum):
 class Condition(ApiModel):
     """One aspect of the job's state (Kubernetes condition conventions)."""
 
-    type: str = Field(description="Condition type: Created, Running, Restarting, Succeeded, Failed, Suspended.",
+    type: str = Field(description=("Condition type: Created, Running, Restarting, Succeeded, Failed, Suspended, "
+                                   "Stalled, CoordinationDegraded."),
                       min_length=1, max_length=316)
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str | None = Field(
@@ -61,33 +66,83 @@ class Condition(ApiModel):
 
 
 class RestartCounts(ApiModel):
-    """Restarts so far."""
+    """Recoveries and pod replacements so far. One fault is one recovery, counted once: in ``inProcess`` when
+    every surviving rank kept its process, else in ``processRestarts``."""
 
-    in_process: int = Field(default=0, ge=0, description="In-process restarts of the job's ranks.")
-    pod_replacements: int = Field(default=0, ge=0, description="Pods replaced after failures.")
+    in_process: int = Field(
+        default=0, ge=0,
+        description="Recoveries in which every surviving rank re-ran the training function in its own process.")
+    process_restarts: int = Field(
+        default=0, ge=0,
+        description=("Recoveries that needed new rank processes: a rank process respawned, or every rank started "
+                     "again in a new rendezvous round."))
+    pod_replacements: int = Field(
+        default=0, ge=0, description="Pods replaced after failures, whatever the recovery.")
 
     @property
     def total(self) -> int:
-        return self.in_process + self.pod_replacements
+        """The recoveries (the RESTARTS column)."""
+        return self.in_process + self.process_restarts
+
+
+class SecondaryFailure(ApiModel):
+    """An error seen during the same fault that did not cause it (e.g. a survivor's connection reset)."""
+
+    rank: int | None = Field(default=None, ge=0, description="Global rank that saw it, when known.")
+    pod: str | None = Field(default=None, description="Pod of that rank, when known.")
+    reason: str | None = Field(default=None, description="What it was: Exception, Hang, ProcessExited...")
+    message: str | None = Field(default=None, max_length=2048, description="Details.")
+
+
+#: Most secondary errors kept in ``lastFailure.secondary``.
+MAX_SECONDARY = 8
 
 
 class FailureRecord(ApiModel):
-    """The most recent failure."""
+    """The most recent fault, one record per fault, naming the culprit: the rank or pod that failed first."""
 
     rank: int | None = Field(default=None, ge=0, description="Global rank that failed, when known.")
     pod: str | None = Field(default=None, description="Pod that failed, when known.")
     reason: str | None = Field(
-        default=None, description="Why: Exception, Hang, ProcessExited, OOMKilled, Evicted, PodLost...")
+        default=None,
+        description=("The kind of fault: Exception, Hang, ProcessExited, PodLost, NodeLost, OOMKilled, Evicted, "
+                     "Unhealthy."))
     message: str | None = Field(default=None, max_length=32768,
-                                description="Details, e.g. the exception or the exit code.")
-    time: datetime | None = Field(default=None, description="When the failure was detected.")
+                                description="Details, e.g. the exception's message or the exit code.")
+    exception_type: str | None = Field(default=None, max_length=256,
+                                       description="The exception's type name, for reason Exception.")
+    exit_code: int | None = Field(default=None, description="Exit code of the process or container that ended.")
+    signal: str | None = Field(default=None, max_length=16,
+                               description="The signal that ended the process (e.g. SIGKILL), when one did.")
+    detected_by: str | None = Field(
+        default=None,
+        description=("How the fault was detected: Pod (the operator saw the pod fail or go), Process (an agent "
+                     "saw a rank process end), Heartbeat (a rank's heartbeat lease ran out), Rank (a rank "
+                     "reported it), Progress (nothing progressed past the soft timeout)."))
+    round: int | None = Field(default=None, ge=0, description="Rendezvous round in which it happened.")
+    iteration: int | None = Field(default=None, ge=0,
+                                  description="In-process restart iteration in which it happened.")
+    time: datetime | None = Field(default=None, description="When the failure happened (or was detected).")
+    secondary: list[SecondaryFailure] | None = Field(
+        default=None, max_length=MAX_SECONDARY,
+        description="Errors other ranks saw during the same fault (consequences, not the cause).")
+
+
+class Position(ApiModel):
+    """Where training stands: a rendezvous round and an in-process restart iteration within it."""
+
+    round: int = Field(ge=0, description="Rendezvous round.")
+    iteration: int = Field(ge=0, description="In-process restart iteration within the round (0 before any).")
+
+    def key(self) -> tuple[int, int]:
+        return (self.round, self.iteration)
 
 
 class Progress(ApiModel):
     """Training progress as reported by the ranks."""
 
     step: int | None = Field(default=None, ge=0, description="Latest training step reported.")
-    updated: datetime | None = Field(default=None, description="When the step was last reported.")
+    updated: datetime | None = Field(default=None, description="When that step completed.")
 
 
 class TrainingJobStatus(ApiModel):
@@ -107,13 +162,18 @@ class TrainingJobStatus(ApiModel):
     world_size: int | None = Field(
         default=None, ge=0, description="Ranks in the current rendezvous round (nodes x nprocPerNode).")
     round: int | None = Field(default=None, ge=0, description="Current rendezvous round.")
-    restarts: RestartCounts | None = Field(default=None, description="Restarts so far.")
+    restarts: RestartCounts | None = Field(default=None, description="Recoveries and pod replacements so far.")
     total_restarts: int | None = Field(
         default=None, ge=0,
-        description=("restarts.inProcess + restarts.podReplacements, the RESTARTS printer column (derived "
-                     "from restarts by the model)."))
+        description=("restarts.inProcess + restarts.processRestarts (the recoveries), the RESTARTS printer "
+                     "column (derived from restarts by the model)."))
     last_failure: FailureRecord | None = Field(default=None, description="The most recent failure.")
     progress: Progress | None = Field(default=None, description="Training progress.")
+    position: Position | None = Field(
+        default=None,
+        description=("Round and in-process iteration up to which the restart counters account for what the "
+                     "ranks ran: each restart is counted once, as training moves past it (kept in the status so "
+                     "that an operator that restarts neither loses nor repeats a count)."))
     start_time: datetime | None = Field(default=None, description="When the job first started running.")
     completion_time: datetime | None = Field(default=None, description="When the job finished.")
     selector: str | None = Field(

@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ["dev", "crd", "validate", "local", "agent", "operator", "demo"]
+COMMANDS = ["dev", "crd", "validate", "local", "agent", "operator", "demo", "drill"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,15 +25,55 @@ def register(sub: Any) -> None:
     up.add_argument("--nodes", type=int, default=3, help="number of virtual nodes (default 3)")
     up.add_argument("--port", type=int, default=0, help="API port on 127.0.0.1 (default: a free one)")
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to serve (default 60)")
+    for name, field in _SETTINGS_FLAGS.items():
+        metavar = "QUANTITY" if field in ("node_cpu", "node_memory") else "SECONDS" if "seconds" in field \
+            or "period" in field else "N"
+        up.add_argument(name, dest=field, default=None, metavar=metavar, help=_settings_help(field))
     up.set_defaults(func=cmd_up)
     add("down", "stop the local cluster and everything it started").set_defaults(func=cmd_down)
     add("status", "show whether the local cluster runs, and where").set_defaults(func=cmd_status)
-    lose = add("lose-node", "simulate losing a node: kill its processes, fail its pods")
+    lose = add("lose-node", "lose a node as a real cluster does: its kubelet stops reporting, its processes are "
+                            "killed (or, with --partition, paused)")
     lose.add_argument("node", help="node name, e.g. local-1")
+    lose.add_argument("--partition", action="store_true",
+                      help="pause the node's processes (SIGSTOP) instead of killing them: they live on, cut off, "
+                           "until restore-node resumes them")
     lose.set_defaults(func=cmd_lose)
-    restore = add("restore-node", "make a lost node Ready again")
+    restore = add("restore-node", "bring a lost node back (paused processes resume, its kubelet reports again)")
     restore.add_argument("node", help="node name, e.g. local-1")
     restore.set_defaults(func=cmd_restore)
+
+
+#: ``stalwart local up`` flags -> LocalClusterSettings fields.
+_SETTINGS_FLAGS = {
+    "--node-cpu": "node_cpu", "--node-memory": "node_memory", "--node-gpus": "node_gpus",
+    "--node-pods": "node_pods", "--node-monitor-grace-period": "node_monitor_grace_period",
+    "--default-not-ready-toleration-seconds": "default_not_ready_toleration_seconds",
+    "--default-unreachable-toleration-seconds": "default_unreachable_toleration_seconds",
+}
+
+
+def _settings_help(field: str) -> str:
+    from stalwart.local.settings import LocalClusterSettings
+
+    info = LocalClusterSettings.model_fields[field]
+    return f"{info.description} (default {info.default})"
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    """The LocalClusterSettings the flags ask for; ValueError naming the flag when one is wrong."""
+    from pydantic import ValidationError
+
+    from stalwart.local.settings import LocalClusterSettings
+
+    given = {field: getattr(args, field) for field in _SETTINGS_FLAGS.values() if getattr(args, field) is not None}
+    try:
+        return LocalClusterSettings.model_validate(given)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else ""
+        flag = next((f for f, name in _SETTINGS_FLAGS.items() if name == field), field)
+        raise ValueError(f"{flag}: {err['msg']} (got {err.get('input')!r})") from None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -43,7 +83,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("--nodes: expected at least 1")
         return 2
     try:
-        c = LocalCluster.up(args.dir, nodes=args.nodes, port=args.port, timeout=args.timeout)
+        settings = _settings(args)
+    except ValueError as exc:
+        print(exc)
+        return 2
+    try:
+        c = LocalCluster.up(args.dir, nodes=args.nodes, port=args.port, timeout=args.timeout, settings=settings)
     except ClusterError as exc:
         print(f"error: {exc}")
         return 1
@@ -93,11 +138,16 @@ def cmd_lose(args: argparse.Namespace) -> int:
     from stalwart.local.cluster import ClusterError, LocalCluster
 
     try:
-        pods = LocalCluster.attach(args.dir).lose_node(args.node)
+        cluster = LocalCluster.attach(args.dir)
+        pods = cluster.lose_node(args.node, partition=args.partition)
     except ClusterError as exc:
         print(f"error: {exc}")
         return 1
-    print(f"node {args.node} lost; failed pods: {', '.join(pods) or 'none'}")
+    how = "partitioned (its processes are paused)" if args.partition else "lost (its processes are killed)"
+    print(f"node {args.node} {how}; its pods: {', '.join(pods) or 'none'}")
+    print(f"the node turns Unknown after {cluster.settings.node_monitor_grace_period:g}s without heartbeats; "
+          f"its pods are evicted after their tolerationSeconds; bring it back with: stalwart local restore-node "
+          f"--dir {args.dir} {args.node}")
     return 0
 
 
@@ -109,5 +159,5 @@ def cmd_restore(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"error: {exc}")
         return 1
-    print(f"node {args.node} is Ready again")
+    print(f"node {args.node} is back; it reports Ready again")
     return 0

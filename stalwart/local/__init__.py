@@ -6,8 +6,11 @@ Production is real Kubernetes. Locally, ``stalwart local up --dir DIR`` starts, 
 - a Kubernetes API emulator (:mod:`.apiserver`) that the real kopf, kubernetes client, kubectl and Helm library
   use unmodified, through ``DIR/kubeconfig``;
 - a process kubelet (:mod:`.kubelet`) that runs each pod's containers as local processes, one loopback address
-  per pod, on a few virtual nodes that can be "lost" for fault tests;
-- the Deployment and ServiceAccount controllers (:mod:`.controllers`).
+  per pod, on a few virtual nodes that can be lost (killed or partitioned) for fault tests;
+- a scheduler with resource fit per node (:mod:`.scheduler`), the node lifecycle, taint eviction and pod GC
+  controllers (:mod:`.nodelifecycle`), the DefaultTolerationSeconds admission plugin (:mod:`.admission`), and the
+  Deployment and ServiceAccount controllers (:mod:`.controllers`); node capacity and timings:
+  :mod:`.settings`.
 
 :mod:`.cluster` starts, finds and stops it (:class:`~stalwart.local.cluster.LocalCluster`);
 :mod:`.pytest_plugin` offers it to tests as the session fixture ``local_cluster``.

@@ -16,11 +16,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stalwart.local.controlplane import STATE_FILE
+from stalwart.local.settings import LocalClusterSettings
 
 
 class ClusterError(RuntimeError):
@@ -67,15 +68,18 @@ class LocalCluster:
     nodes: list[str]
     pid: int
     etcd_pid: int | None = None
+    settings: LocalClusterSettings = field(default_factory=LocalClusterSettings)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
     @classmethod
     def up(cls, directory: str | Path, *, nodes: int = 3, port: int = 0, etcd: bool = True,
-           timeout: float = 60.0, owner_pid: int | None = None) -> LocalCluster:
+           timeout: float = 60.0, owner_pid: int | None = None,
+           settings: LocalClusterSettings | None = None) -> LocalCluster:
         """Start a cluster in ``directory`` and wait until its API serves. Raise :class:`ClusterError` if one
         already runs there or it does not come up within ``timeout`` seconds. With ``owner_pid``, the cluster
-        shuts itself down once that process is gone (so a killed test session leaves nothing running)."""
+        shuts itself down once that process is gone (so a killed test session leaves nothing running).
+        ``settings``: node capacity and node-loss timings (defaults: a real cluster's timings)."""
         d = Path(directory).resolve()
         d.mkdir(parents=True, exist_ok=True)
         try:
@@ -88,7 +92,7 @@ class LocalCluster:
         (d / STATE_FILE).unlink(missing_ok=True)
         logf = open(d / "controlplane.log", "ab")  # noqa: SIM115 - the child owns it
         cmd = [sys.executable, "-m", "stalwart.local.controlplane", "--dir", str(d), "--nodes", str(nodes),
-               "--port", str(port)]
+               "--port", str(port), "--settings", (settings or LocalClusterSettings()).model_dump_json()]
         if not etcd:
             cmd.append("--no-etcd")
         if owner_pid:
@@ -122,7 +126,8 @@ class LocalCluster:
         if not _alive(int(state["pid"])):
             raise ClusterError(f"the local cluster in {d} is not running (pid {state['pid']} is gone)")
         return cls(d, str(state["api_url"]), state.get("etcd_endpoint"), Path(state["kubeconfig"]),
-                   list(state["nodes"]), int(state["pid"]), state.get("etcd_pid"))
+                   list(state["nodes"]), int(state["pid"]), state.get("etcd_pid"),
+                   LocalClusterSettings.model_validate(state.get("settings") or {}))
 
     def ready(self) -> bool:
         try:
@@ -169,14 +174,20 @@ class LocalCluster:
         except urllib.error.HTTPError as exc:
             raise ClusterError(f"{method} {path}: {exc.code}: {exc.read().decode(errors='replace')}") from None
 
-    def lose_node(self, node: str) -> list[str]:
-        """Simulate losing ``node``: its container processes are killed at once and its pods become Failed
-        (reason NodeLost); the node turns NotReady. Returns the ``namespace/name`` of the failed pods."""
-        pods: list[str] = self._admin("POST", f"/stalwart/nodes/{node}/lose")["failedPods"]
+    def lose_node(self, node: str, *, partition: bool = False) -> list[str]:
+        """Lose ``node`` as a real cluster loses one: its kubelet stops reporting, so after the node-monitor
+        grace period the node's Ready turns Unknown, it is tainted unreachable, and its pods stay Running with
+        Ready=False until they are evicted ``tolerationSeconds`` later (then Terminating until force-deleted).
+        Without ``partition`` the node's processes are killed; with it they are paused (SIGSTOP) and live on
+        until :meth:`restore_node`. Returns the ``namespace/name`` of the pods it ran."""
+        flag = "true" if partition else "false"
+        pods: list[str] = self._admin("POST", f"/stalwart/nodes/{node}/lose?partition={flag}")["pods"]
         return pods
 
     def restore_node(self, node: str) -> None:
-        """Make a lost node Ready again (new pods may be scheduled onto it)."""
+        """Bring a lost node back: paused processes resume, its kubelet reports Ready again and stops whatever
+        the API no longer has (a node that was down restarts its pods' containers, or fails pods whose
+        restartPolicy is Never)."""
         self._admin("POST", f"/stalwart/nodes/{node}/restore")
 
     def status(self) -> dict[str, Any]:
@@ -207,7 +218,7 @@ def kill_leftover_containers(directory: Path) -> None:
     """Kill any process marked as a container process of this cluster, or whose working directory is one of
     its pod directories (a belt to the parent-death-signal braces, for processes that left their container's
     process group or changed their parent-death setting)."""
-    from stalwart.local.kubelet import CLUSTER_MARKER, signal_marked
+    from stalwart.local.processes import CLUSTER_MARKER, signal_marked
 
     signal_marked(CLUSTER_MARKER, str(directory.resolve()), signal.SIGKILL)
     pods = str((directory / "pods").resolve())

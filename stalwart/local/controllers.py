@@ -11,7 +11,6 @@ comes to life:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import hashlib
@@ -23,6 +22,7 @@ from typing import Any
 
 from stalwart.local.apiserver.objects import ApiError, Event, ObjectStore, now_rfc3339
 from stalwart.local.apiserver.selectors import labels_match, selector_from_label_selector_object
+from stalwart.local.loop import ControlLoop
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
@@ -33,39 +33,22 @@ def template_hash(template: JSON) -> str:
     return digest[:10]
 
 
-class Controllers:
+class Controllers(ControlLoop):
     """Runs the controllers above on the store's loop; ``start``/``stop`` bracket their life."""
 
     def __init__(self, store: ObjectStore) -> None:
+        super().__init__("controllers", 2.0)
         self.store = store
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self.deployments = store.info("apps", "v1", "deployments")
         self.pods = store.info("", "v1", "pods")
         store.listeners.append(self._on_event)
 
     def _on_event(self, ev: Event) -> None:
         if (ev.group, ev.plural) in (("apps", "deployments"), ("", "pods"), ("", "namespaces")):
-            self._wake.set()
+            self.wake()
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            self._wake.clear()
-            try:
-                self.reconcile()
-            except Exception:
-                log.exception("controllers: reconcile failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 2.0)
+    def step(self) -> None:
+        self.reconcile()
 
     def reconcile(self) -> None:
         self._service_accounts()

@@ -1,5 +1,6 @@
-"""The local cluster's control-plane process: a real etcd, the API emulator, the process kubelet and the
-controllers of :mod:`.controllers`, run until SIGTERM/SIGINT. ``stalwart local up`` starts it in the background
+"""The local cluster's control-plane process: a real etcd, the API emulator (with the DefaultTolerationSeconds
+admission plugin), the scheduler, the process kubelet, the node lifecycle controller and the controllers of
+:mod:`.controllers`, run until SIGTERM/SIGINT. ``stalwart local up`` starts it in the background
 (``python -m stalwart.local.controlplane``); it starts from a clean ``<dir>/etcd`` and ``<dir>/pods``, writes
 ``<dir>/kubeconfig`` and, once everything serves, ``<dir>/state.json`` (see :mod:`.cluster`).
 
@@ -24,12 +25,17 @@ from typing import Any
 
 import yaml
 from aiohttp import web
+from pydantic import ValidationError
 
+from stalwart.local.admission import default_toleration_seconds
 from stalwart.local.apiserver.http import ApiServer
 from stalwart.local.apiserver.objects import ObjectStore
 from stalwart.local.controllers import Controllers
 from stalwart.local.etcd import EtcdServer, free_port
 from stalwart.local.kubelet import ProcessKubelet
+from stalwart.local.nodelifecycle import NodeLifecycleController
+from stalwart.local.scheduler import Scheduler
+from stalwart.local.settings import LocalClusterSettings
 
 log = logging.getLogger(__name__)
 STATE_FILE = "state.json"
@@ -48,21 +54,24 @@ def kubeconfig(api_url: str, name: str = "stalwart-local") -> dict[str, Any]:
 
 def _add_admin_routes(app: web.Application, kubelet: ProcessKubelet) -> None:
     async def lose(request: web.Request) -> web.Response:
+        node = request.match_info["node"]
+        partition = request.query.get("partition", "false") == "true"
         try:
-            pods = await kubelet.lose_node(request.match_info["node"])
+            pods = await kubelet.lose_node(node, partition=partition)
         except KeyError as exc:
             return web.json_response({"error": str(exc.args[0])}, status=404)
-        return web.json_response({"node": request.match_info["node"], "failedPods": pods})
+        return web.json_response({"node": node, "state": kubelet.nodes[node], "pods": pods})
 
     async def restore(request: web.Request) -> web.Response:
+        node = request.match_info["node"]
         try:
-            kubelet.restore_node(request.match_info["node"])
+            await kubelet.restore_node(node)
         except KeyError as exc:
             return web.json_response({"error": str(exc.args[0])}, status=404)
-        return web.json_response({"node": request.match_info["node"], "ready": True})
+        return web.json_response({"node": node, "state": kubelet.nodes[node]})
 
     async def nodes(request: web.Request) -> web.Response:
-        return web.json_response({"nodes": [{"name": n, "ready": r} for n, r in kubelet.nodes.items()],
+        return web.json_response({"nodes": [{"name": n, "state": s} for n, s in kubelet.nodes.items()],
                                   "pods": len(kubelet.runs)})
 
     app.router.add_post("/stalwart/nodes/{node}/lose", lose)
@@ -70,7 +79,22 @@ def _add_admin_routes(app: web.Application, kubelet: ProcessKubelet) -> None:
     app.router.add_get("/stalwart/nodes", nodes)
 
 
-async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop: asyncio.Event) -> None:
+async def _node_clock(kubelet: ProcessKubelet, controller: NodeLifecycleController) -> None:
+    """Kubelet heartbeats, then the node lifecycle controller's look, in one loop: both live in this process, so
+    a stall of the process delays both alike instead of reading as lost heartbeats."""
+    while True:
+        kubelet.node_agents.heartbeat()
+        try:
+            wait = controller.tick()
+        except Exception:
+            log.exception("node lifecycle controller failed")
+            wait = controller.settings.node_monitor_period
+        await asyncio.sleep(wait)
+
+
+async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop: asyncio.Event,
+                settings: LocalClusterSettings | None = None) -> None:
+    settings = settings or LocalClusterSettings()
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     # Every `up` is a fresh cluster: API objects live in memory, so etcd data and pod directories of an
     # earlier run would only describe things that no longer exist.
@@ -82,8 +106,14 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
         await asyncio.to_thread(etcd.start, 90.0)  # generous: CI machines may be heavily loaded
     port = port or free_port()
     store = ObjectStore()
-    kubelet = ProcessKubelet(store, directory, [f"local-{i}" for i in range(nodes)], api_port=port)
+    store.admission.append(default_toleration_seconds(settings.default_not_ready_toleration_seconds,
+                                                      settings.default_unreachable_toleration_seconds))
+    kubelet = ProcessKubelet(store, directory, [f"local-{i}" for i in range(nodes)], api_port=port,
+                             settings=settings)
     controllers = Controllers(store)
+    scheduler = Scheduler(store)
+    node_controller = NodeLifecycleController(store, settings)
+    clock: asyncio.Task[None] | None = None
     server = ApiServer(store, kubelet)
     _add_admin_routes(server.app, kubelet)
     runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
@@ -92,12 +122,15 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
     try:
         await site.start()
         kubelet.start()
+        scheduler.start()
         controllers.start()
+        clock = asyncio.get_running_loop().create_task(_node_clock(kubelet, node_controller))
         api_url = f"http://127.0.0.1:{port}"
         (directory / KUBECONFIG_FILE).write_text(yaml.safe_dump(kubeconfig(api_url)))
         state = {"pid": os.getpid(), "api_url": api_url, "etcd_endpoint": etcd.endpoint if etcd else None,
                  "etcd_pid": etcd.process.pid if etcd and etcd.process else None,
-                 "nodes": list(kubelet.nodes), "kubeconfig": str(directory / KUBECONFIG_FILE)}
+                 "nodes": list(kubelet.nodes), "kubeconfig": str(directory / KUBECONFIG_FILE),
+                 "settings": settings.model_dump()}
         tmp = directory / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(directory / STATE_FILE)
@@ -107,7 +140,12 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
         with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
             if json.loads((directory / STATE_FILE).read_text())["pid"] == os.getpid():
                 (directory / STATE_FILE).unlink()
+        if clock is not None:
+            clock.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await clock
         await controllers.stop()
+        await scheduler.stop()
         await kubelet.shutdown()
         await runner.cleanup()
         if etcd is not None:
@@ -134,9 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=3, help="number of virtual nodes (default 3)")
     parser.add_argument("--port", type=int, default=0, help="API port (default: a free one)")
     parser.add_argument("--no-etcd", action="store_true", help="do not start etcd")
+    parser.add_argument("--settings", default="{}",
+                        help="LocalClusterSettings as JSON (node capacity, node-loss timings)")
     parser.add_argument("--owner-pid", type=int, default=0,
                         help="shut down when this process is gone (a test session that was killed)")
     args = parser.parse_args(argv)
+    try:
+        settings = LocalClusterSettings.model_validate_json(args.settings)
+    except ValidationError as exc:
+        parser.error(f"--settings: {exc}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -146,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         watcher = loop.create_task(_watch_owner(args.owner_pid, stop)) if args.owner_pid > 1 else None
-        await serve(args.dir, nodes=args.nodes, port=args.port, with_etcd=not args.no_etcd, stop=stop)
+        await serve(args.dir, nodes=args.nodes, port=args.port, with_etcd=not args.no_etcd, stop=stop,
+                    settings=settings)
         if watcher is not None:
             watcher.cancel()
 

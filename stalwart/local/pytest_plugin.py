@@ -2,7 +2,9 @@
 
 Enable with ``pytest_plugins = ["stalwart.local.pytest_plugin"]`` in the top-level ``conftest.py``.
 
-- ``local_cluster`` (session): a running :class:`~stalwart.local.cluster.LocalCluster` with 3 nodes. Use
+- ``local_cluster`` (session): a running :class:`~stalwart.local.cluster.LocalCluster` with 3 nodes of the default
+  capacity and a short node-monitor grace period (:data:`TEST_SETTINGS`: a lost node turns Unknown within
+  seconds; pods keep the real default tolerations of 300 s unless a test sets its own). Use
   ``.kubeconfig`` (path), ``.api_url``, ``.etcd_endpoint`` (``host:port`` of its real etcd), ``.env()``
   (KUBECONFIG etc. for subprocesses), ``.kubectl(*args)``, ``.lose_node(name)`` / ``.restore_node(name)``
   (node names in ``.nodes``). Stopped, with every process it started, at the end of the session.
@@ -20,12 +22,16 @@ from typing import Any
 import pytest
 
 from stalwart.local.cluster import LocalCluster
+from stalwart.local.settings import LocalClusterSettings
+
+#: The session cluster's settings: node loss is noticed after 3 s instead of 40 s.
+TEST_SETTINGS = LocalClusterSettings(node_monitor_grace_period=3.0)
 
 
 @pytest.fixture(scope="session")
 def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     cluster = LocalCluster.up(tmp_path_factory.mktemp("local-cluster"), nodes=3, timeout=120.0,
-                              owner_pid=os.getpid())
+                              owner_pid=os.getpid(), settings=TEST_SETTINGS)
     try:
         yield cluster
     finally:

@@ -11,7 +11,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from stalwart.api.job_record import JobRecord
@@ -19,7 +19,7 @@ from stalwart.api.rendezvous import ClosedRecord, ExpectedNodes
 from stalwart.keys import ROOT, JobKeys
 from stalwart.operator import metrics
 from stalwart.operator.model import EtcdView
-from stalwart.operator.observe import etcd_view
+from stalwart.operator.observe import etcd_view, fault_entries
 from stalwart.store import Get, Put, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -81,15 +81,20 @@ class EtcdAccess:
     # -- reads ---------------------------------------------------------------------------------------------
 
     def read(self, endpoints: EtcdTarget | Sequence[str], keys: JobKeys) -> EtcdView:
-        """The job's records (JobRecord, rendezvous, progress) read at one revision, in one round trip."""
+        """The job's records (JobRecord, rendezvous, progress) read at one revision, in one round trip, then
+        the fault records of the current round (a second read: their prefix depends on the round's epoch)."""
         store = self.store(endpoints)
         try:
             result = store.txn([], [Get(keys.job), Get(keys.rendezvous, prefix=True),
                                     Get(keys.progress, prefix=True)])
+            view = etcd_view(keys, [kv for kvs in result.responses for kv in kvs])
+            if view.epoch:
+                kvs, _ = store.get_prefix(f"{keys.restart}{view.epoch}/fault/")
+                view = replace(view, faults=fault_entries(kvs))
         except StoreError:
             metrics.ETCD_ERRORS.labels("read").inc()
             raise
-        return etcd_view(keys, [kv for kvs in result.responses for kv in kvs])
+        return view
 
     # -- writes --------------------------------------------------------------------------------------------
 

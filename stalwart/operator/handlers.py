@@ -1,7 +1,9 @@
 """The kopf side of the operator: thin handlers that gather observations and hand them to a
 :class:`~stalwart.operator.runner.JobRunner`.
 
-- an index of the job's pods (from kopf's own pod watch: no list call per reconcile);
+- an index of the job's pods (from kopf's own pod watch: no list call per reconcile) and one of the nodes
+  that are unreachable (:mod:`~stalwart.operator.node_loss`); a node turning unreachable or back wakes the jobs
+  with pods on it;
 - one daemon per TrainingJob that reconciles whenever the job, one of its pods or its etcd records change,
   and at least every ``resync_interval`` seconds;
 - a deletion handler (kopf's finalizer, named ``stalwart.dev/finalizer``) that deletes the job's etcd prefix
@@ -31,6 +33,7 @@ from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.kube import Kube, KubeError
 from stalwart.operator.manifests import AGENT_COMMAND
 from stalwart.operator.model import DeleteJob, OperatorSettings, PodView
+from stalwart.operator.node_loss import node_unreachable
 from stalwart.operator.observe import job_view, pod_view
 from stalwart.operator.runner import JobRunner, OperatorContext, etcd_target
 from stalwart.store import StoreError
@@ -77,6 +80,14 @@ def _index_pod(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[s
     return {(namespace, job): (str(owner), view)}
 
 
+def _index_node(body: kopf.Body, name: str | None, **_: Any) -> dict[str, bool]:
+    return {name: node_unreachable(body)} if name else {}
+
+
+def _unreachable(nodes: kopf.Index[str, bool]) -> frozenset[str]:
+    return frozenset(name for name, flags in nodes.items() if any(flags))
+
+
 def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
     """A kopf registry with the operator's handlers, calling the API through ``kube`` (kopf logs in with the
     same credentials)."""
@@ -121,6 +132,22 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
 
     kopf.index("v1", "pods", labels={naming.LABEL_JOB_NAME: kopf.PRESENT}, id="stalwart_pods",
                registry=registry)(_index_pod)
+    kopf.index("v1", "nodes", id="stalwart_nodes", registry=registry)(_index_node)
+    node_seen: dict[str, bool] = {}
+
+    @kopf.on.event("v1", "nodes", registry=registry)
+    def node_changed(name: str | None, body: kopf.Body, event: kopf.RawEvent, **kwargs: Any) -> None:
+        ctx = state.get("ctx")
+        if ctx is None or not name:
+            return
+        lost = node_unreachable(body) and event.get("type") != "DELETED"
+        if node_seen.get(name, False) == lost:
+            return
+        node_seen[name] = lost
+        stalwart_pods: kopf.Index[tuple[str, str], tuple[str, PodView]] = kwargs["stalwart_pods"]
+        for key, views in stalwart_pods.items():
+            if any(view.node == name for _, view in views):
+                ctx.wake(*key)
 
     @kopf.on.event("v1", "pods", labels={naming.LABEL_JOB_NAME: kopf.PRESENT}, registry=registry)
     def pod_changed(body: kopf.Body, namespace: str | None, **_: Any) -> None:
@@ -141,6 +168,7 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
         ctx = state["ctx"]
         namespace = namespace or "default"
         stalwart_pods: kopf.Index[tuple[str, str], tuple[str, PodView]] = kwargs["stalwart_pods"]
+        stalwart_nodes: kopf.Index[str, bool] = kwargs["stalwart_nodes"]
         runner = JobRunner(ctx, namespace, name)
         key = (namespace, name)
         wake = asyncio.Event()
@@ -153,7 +181,7 @@ def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
                 wake.clear()
                 pods = [view for owner, view in stalwart_pods.get(key, []) if owner in (uid, "")]
                 try:
-                    decision = await runner.step(body, pods)
+                    decision = await runner.step(body, pods, _unreachable(stalwart_nodes))
                     failures = 0
                 except Exception:
                     failures += 1

@@ -137,12 +137,24 @@ class Kube:
 
     # -- the TrainingJob ------------------------------------------------------------------------------------
 
-    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        """Merge-patch ``status`` (fields set to None are removed)."""
-        await self._call("patch", "trainingjobs/status", name,
-                         lambda: self.custom.patch_namespaced_custom_object_status(
-                             GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)},
-                             _request_timeout=self.timeout, _preload_content=False))
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any], *,
+                           resource_version: str | None = None) -> dict[str, Any]:
+        """Merge-patch ``status`` (fields set to None are removed); returns the job as written. With
+        ``resource_version`` the patch applies only to that version of the job (else 409, a KubeError)."""
+        body: dict[str, Any] = {"status": dict(status)}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        result = await self._call("patch", "trainingjobs/status", name,
+                                  lambda: self.custom.patch_namespaced_custom_object_status(
+                                      GROUP, VERSION, namespace, PLURAL, name, body,
+                                      _request_timeout=self.timeout, _preload_content=False))
+        if result is None:
+            return {}
+        try:
+            written: dict[str, Any] = json.loads(result.data)
+        except (ValueError, AttributeError):
+            return {}
+        return written
 
     async def delete_job(self, namespace: str, name: str) -> None:
         await self._call("delete", "trainingjobs", name, lambda: self.custom.delete_namespaced_custom_object(

@@ -14,7 +14,7 @@ from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.trainingjob import API_VERSION, KIND
 
 #: Key of the RPC token in the job's Secret.
-RPC_TOKEN_KEY = "rpc-token"
+RPC_TOKEN_KEY = naming.RPC_TOKEN_KEY
 #: Where the etcd credentials Secret (spec.rendezvous.secretRef) is mounted in every container.
 ETCD_SECRET_DIR = "/etc/stalwart/etcd"
 ETCD_SECRET_VOLUME = "stalwart-etcd-credentials"

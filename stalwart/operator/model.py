@@ -11,7 +11,7 @@ from typing import Literal
 
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import Manifest
-from stalwart.api.restart import ProgressRecord
+from stalwart.api.restart import FaultRecord, ProgressRecord
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus
 
@@ -26,15 +26,13 @@ class OperatorSettings:
     status_interval: float = 1.0
     #: A pod still Terminating this long after its deletion grace period ended is force-deleted.
     terminating_grace_limit: float = 30.0
-    #: A pod whose node stopped reporting (Ready=Unknown) for this long is treated as lost.
-    node_lost_after: float = 40.0
     #: Grace period given to pods the operator deletes (suspend, clean-up, scale-down, replacement).
     delete_grace_seconds: int = 30
     #: Longest sleep between two reconciles of a running job, even when nothing is reported.
     resync_interval: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("status_interval", "terminating_grace_limit", "node_lost_after", "resync_interval"):
+        for name in ("status_interval", "terminating_grace_limit", "resync_interval"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {value!r}")
@@ -62,8 +60,10 @@ class PodView:
     message: str = ""
     #: The scheduler reported it cannot place the pod.
     unschedulable: bool = False
-    #: Unix time since when the pod's node stopped reporting (Ready=Unknown), else None.
-    unreachable_since: float | None = None
+    #: The node the pod is bound to (spec.nodeName), else None.
+    node: str | None = None
+    #: Unix time the kubelet started the pod (status.startTime), else None.
+    started_at: float | None = None
     #: Not seen in the watch yet: the operator created it and assumes it exists (see ``observe.overlay``).
     #: Such a pod is never tracked, so one whose creation the watch has not shown cannot count as vanished.
     assumed: bool = False
@@ -92,6 +92,8 @@ class EtcdView:
     leases: dict[str, int] = field(default_factory=dict)
     progress: tuple[ProgressRecord, ...] = ()
     closed: bool = False
+    #: The restart protocol's fault records of the current round, as ``(mod_revision, record)``.
+    faults: tuple[tuple[int, FaultRecord], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,8 @@ class Observation:
     written_status: TrainingJobStatus | None = None
     #: The job's headless Service and Secret were created (or found) by this operator already.
     owned_objects_ready: bool = False
+    #: Nodes whose kubelet is gone (Ready=Unknown or the unreachable taint; see ``node_loss``).
+    unreachable_nodes: frozenset[str] = frozenset()
 
 
 # -- actions -------------------------------------------------------------------------------------------------

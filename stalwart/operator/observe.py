@@ -16,7 +16,7 @@ from stalwart.api import naming
 from stalwart.api.base import RuleViolation
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import ExpectedNodes, Manifest
-from stalwart.api.restart import ProgressRecord
+from stalwart.api.restart import FaultRecord, ProgressRecord
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import API_VERSION, KIND
@@ -57,10 +57,6 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
     ready = (conditions.get("Ready") or {}).get("status") == "True"
     scheduled = conditions.get("PodScheduled") or {}
     unschedulable = scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
-    unreachable_since = None
-    ready_cond = conditions.get("Ready") or {}
-    if ready_cond.get("status") == "Unknown":
-        unreachable_since = parse_time(ready_cond.get("lastTransitionTime")) or 0.0
     reason = status.get("reason")
     message = str(status.get("message") or "")
     exit_code = None
@@ -89,7 +85,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         name=str(meta.get("name")), role=str(role), index=int(index_text), phase=phase, ready=ready,
         deleting_since=deleting_since, deletion_grace=float(grace if grace is not None else 30),
         exit_code=int(exit_code) if isinstance(exit_code, int) else None, reason=reason, message=message[:1024],
-        unschedulable=unschedulable and phase == "Pending", unreachable_since=unreachable_since)
+        unschedulable=unschedulable and phase == "Pending", node=(pod.get("spec") or {}).get("nodeName") or None,
+        started_at=parse_time(status.get("startTime")))
 
 
 def _problem_of(e: ValidationError | RuleViolation) -> tuple[str, str]:
@@ -162,6 +159,18 @@ def etcd_view(keys: JobKeys, kvs: Iterable[KeyValue]) -> EtcdView:
             log.warning("skipping unreadable etcd record %s: %s", kv.key, e)
     return EtcdView(reachable=True, record=record, expected=expected, manifest=manifest, epoch=epoch,
                     leases=leases, progress=tuple(progress), closed=closed)
+
+
+def fault_entries(kvs: Iterable[KeyValue]) -> tuple[tuple[int, FaultRecord], ...]:
+    """The fault records under a round's ``fault/`` prefix as ``(mod_revision, record)``, in revision order
+    (the order the restart protocol reads them in). Unreadable records are skipped with a warning."""
+    out: list[tuple[int, FaultRecord]] = []
+    for kv in kvs:
+        try:
+            out.append((kv.mod_revision, FaultRecord.from_json_bytes(kv.value)))
+        except (ValidationError, ValueError) as e:
+            log.warning("skipping unreadable fault record %s: %s", kv.key, e)
+    return tuple(sorted(out, key=lambda f: f[0]))
 
 
 def overlay(pods: Iterable[PodView], created: Mapping[str, tuple[PodView, float]],

@@ -29,6 +29,9 @@ PERMISSIONS: tuple[Permission, ...] = (
                "kopf discovers the TrainingJob resource and notices CRD changes"),
     Permission("", "namespaces", ("list", "watch"), "cluster", "always",
                "kopf follows the namespaces it serves as they appear and go"),
+    Permission("", "nodes", ("list", "watch"), "cluster", "always",
+               "kopf's node index: a pod on a node whose Ready is Unknown or that is tainted unreachable is lost "
+               "(fenced, force-deleted, replaced) long before it would be evicted"),
     Permission("stalwart.dev", "trainingjobs", ("list", "watch"), "namespace", "always",
                "kopf's watch of TrainingJobs (daemons, deletion handler)"),
     Permission("stalwart.dev", "trainingjobs", ("patch",), "namespace", "always",

@@ -37,7 +37,7 @@ starts from no longer lists a pod that was counted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -62,6 +62,9 @@ from stalwart.api.status import (
     RestartCounts,
     TrainingJobStatus,
 )
+from stalwart.operator.failures import Fact
+from stalwart.operator.incidents import REASON_DISAPPEARED, assess
+from stalwart.operator.ledger import advance, round_facts
 from stalwart.operator.model import (
     Action,
     CloseRendezvous,
@@ -78,6 +81,7 @@ from stalwart.operator.model import (
     RevokeLease,
     WriteJobRecord,
 )
+from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
 from stalwart.operator.rank_failures import rank_verdict
 
 #: Condition reasons the operator sets (the ``reason`` of conditions and Events).
@@ -90,7 +94,7 @@ REASON_SUCCEEDED = "SucceededPerPolicy"
 REASON_SUSPENDED = "Suspended"
 REASON_RESUMED = "Resumed"
 REASON_UNSCHEDULABLE = "Unschedulable"
-REASON_DISAPPEARED = "PodDisappeared"
+__all__ = ["REASON_DISAPPEARED", "condition", "failure_action", "failure_reason", "reconcile", "set_condition"]
 
 
 def to_time(t: float) -> datetime:
@@ -105,20 +109,24 @@ def from_time(t: datetime | None) -> float | None:
 # -- failure classification ----------------------------------------------------------------------------------
 
 
-def failure_reason(pod: PodView) -> FailureReason:
-    """The FailureReason of a failed or lost pod."""
+def failure_reason(pod: PodView, lost: bool = False, node_lost: bool = False) -> FailureReason:
+    """The FailureReason of a failed pod, or of one ``lost`` (see ``node_loss.lost_pods``; ``node_lost``: its node
+    is unreachable)."""
     if pod.reason in ("Evicted", "Preempting", "Preempted", "DeadlineExceeded"):
         return FailureReason.EVICTED
     if pod.reason == "OOMKilled":
         return FailureReason.OOM_KILLED
-    if pod.reason == "NodeLost" or pod.unreachable_since is not None or pod.deleting:
+    if pod.reason == "NodeLost" or node_lost:
+        return FailureReason.NODE_LOST
+    if lost or pod.deleting:
         return FailureReason.POD_LOST
     return FailureReason.PROCESS_EXITED
 
 
 def _rule_matches(rule: FailureRule, reason: FailureReason, exit_code: int | None) -> bool:
     """A rule matches when any of its matchers does (onExitCodes needs a known exit code)."""
-    if rule.on_reasons is not None and reason in rule.on_reasons:
+    if rule.on_reasons is not None and (reason in rule.on_reasons or (
+            reason == FailureReason.NODE_LOST and FailureReason.POD_LOST in rule.on_reasons)):
         return True
     if rule.on_exit_codes is not None and exit_code is not None:
         listed = exit_code in rule.on_exit_codes.values
@@ -184,11 +192,9 @@ def condition(status: TrainingJobStatus, type_: str) -> Condition | None:
     return None
 
 
-def _is_live(pod: PodView, now: float, settings: OperatorSettings) -> bool:
-    """A pod that counts towards replicas + spares: not finished, not being deleted, and its node not
-    unreachable for longer than ``node_lost_after``."""
-    lost = pod.unreachable_since is not None and now - pod.unreachable_since >= settings.node_lost_after
-    return not pod.deleting and not pod.finished and not lost
+def _is_live(pod: PodView, lost: Mapping[str, str]) -> bool:
+    """A pod that counts towards replicas + spares: not finished, not being deleted, not lost."""
+    return not pod.deleting and not pod.finished and pod.name not in lost
 
 
 @dataclass
@@ -263,23 +269,29 @@ def _finish(w: _Work) -> Decision:
                 f"phase {old.phase.value if old.phase else 'None'} -> {status.phase.value}{detail}")
     if w.obs.job.spec is not None:
         status.observed_generation = w.obs.job.generation
+        if status.restarts is None:
+            status.restarts = RestartCounts()  # RESTARTS shows 0, not a blank, from the start
     # Re-validate so derived fields (totalRestarts) follow the counters.
     status = TrainingJobStatus.model_validate(status.model_dump())
     actions: list[Action] = [*w.actions, *w.events]
     written = w.obs.written_status if w.obs.written_status is not None else old
     changed = status != written
+    order = _APPLY_ORDER
     if changed:
         last = w.obs.last_status_patch
         wait = 0.0 if last is None else w.settings.status_interval - (w.now - last)
-        # A new replacement is written at once: an operator that restarts reads the counter and the tracked
-        # pods from the API, and the longer they lag, the likelier a replacement goes uncounted.
+        # A new replacement is written at once, and before the replacement pods are created: the count and the
+        # tracked pods are durable (or the patch conflicts and nothing is created) before anything depends on
+        # them, so an operator that restarts or loses a race can neither miss the replacement nor count it twice.
         replaced = _replacements(status) != _replacements(written)
         if wait <= 0 or replaced:
             actions.append(PatchStatus(status))
         else:
             w.wake_in(wait)
+        if replaced:
+            order = _APPLY_ORDER_COUNTED
     requeue = min(w.requeue) if w.requeue else None
-    actions.sort(key=lambda a: _APPLY_ORDER.index(type(a)))
+    actions.sort(key=lambda a: order.index(type(a)))
     return Decision(tuple(actions), status, requeue)
 
 
@@ -292,6 +304,9 @@ def _replacements(status: TrainingJobStatus) -> int:
 #: the status after the changes it describes. The sort is stable, so pods keep their decided order.
 _APPLY_ORDER: tuple[type, ...] = (EnsureOwnedObjects, RevokeLease, DeletePod, WriteJobRecord, CreatePod,
                                   CloseRendezvous, PatchStatus, EmitEvent, DeleteJob)
+#: The order when the decision counts new pod replacements: the status (the count) before the pods.
+_APPLY_ORDER_COUNTED: tuple[type, ...] = (EnsureOwnedObjects, RevokeLease, DeletePod, WriteJobRecord, PatchStatus,
+                                          CreatePod, CloseRendezvous, EmitEvent, DeleteJob)
 
 
 def _invalid_spec(w: _Work) -> None:
@@ -317,6 +332,10 @@ def _invalid_spec(w: _Work) -> None:
 def _finished(w: _Work, spec: TrainingJobSpec) -> None:
     policy = spec.run_policy.clean_pod_policy
     w.status.tracked_pods = None  # nothing counts once the job is over
+    # The pod counts keep following the pods (finished pods are not ready), and nothing is stalled any more.
+    _count_pods(w, [p for p in w.obs.pods if not p.deleting])
+    if condition(w.status, ConditionType.STALLED) is not None:
+        w.cond(ConditionType.STALLED, ConditionStatus.FALSE, "Finished", "the job is over")
     for pod in w.obs.pods:
         if pod.deleting:
             continue
@@ -335,11 +354,25 @@ def _finished(w: _Work, spec: TrainingJobSpec) -> None:
 
 
 def _fail(w: _Work, reason: str, message: str) -> None:
+    _tally(w)  # a failed job is not looked at again: count what its ranks ran up to now
     w.status.phase = Phase.FAILED
     w.status.completion_time = to_time(w.now)
     w.cond(ConditionType.FAILED, ConditionStatus.TRUE, reason, message)
     w.cond(ConditionType.RUNNING, ConditionStatus.FALSE, reason, message)
     w.cond(ConditionType.RESTARTING, ConditionStatus.FALSE, reason, message)
+
+
+def _tally(w: _Work) -> None:
+    """Add the restarts the ranks ran since the counted position (see :mod:`.ledger`)."""
+    etcd = w.obs.etcd
+    if not etcd.reachable or w.obs.job.spec is None:
+        return
+    st = w.status
+    t = advance(st.position, round_facts(etcd.progress), None, False)
+    restarts = st.restarts or RestartCounts()
+    st.restarts = restarts.model_copy(update={"in_process": restarts.in_process + t.in_process,
+                                              "process_restarts": restarts.process_restarts + t.process_restarts})
+    st.position = t.position
 
 
 def _succeed(w: _Work, message: str) -> None:
@@ -378,6 +411,9 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     # Pods stuck terminating: force-delete them (their node is likely gone).
     for pod in obs.pods:
         if pod.deleting_since is not None and not pod.finished:
+            if pod.deletion_grace > 0 and on_unreachable_node(pod, obs):
+                _force_delete_unreachable(w, pod)
+                continue
             overdue = pod.deleting_since + pod.deletion_grace + w.settings.terminating_grace_limit - w.now
             if overdue <= 0 and pod.deletion_grace > 0:
                 w.fence(pod.name)
@@ -393,34 +429,35 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     # outlive its API object.
     present = {p.name for p in obs.pods}
     vanished = [name for name in st.tracked_pods or [] if name not in present]
-    for name in vanished:
+    for name in [*vanished, *strangers(obs)]:
         w.fence(name)
 
     # Failed and lost pods: fence, delete, decide. ``leaving`` are pods being deleted (by someone else, or by
     # us for a scale-down or a suspension): they count as losses only once the job has started.
     casualties: list[str] = []
     leaving: list[str] = []
+    facts: list[tuple[str, Fact]] = []  # (pod, what happened to it)
+    lost_alive = lost_pods(obs)
+    if (again := recheck_in(obs)) is not None:
+        w.wake_in(again)
     for pod in obs.pods:
-        lost_node = pod.unreachable_since is not None and not pod.finished
-        if lost_node and pod.unreachable_since is not None \
-                and w.now - pod.unreachable_since < w.settings.node_lost_after:
-            w.wake_in(pod.unreachable_since + w.settings.node_lost_after - w.now)
-            continue
         if pod.deleting and not pod.finished:
             w.fence(pod.name)
             leaving.append(pod.name)
             continue
-        if pod.phase != "Failed" and not lost_node:
+        if pod.phase != "Failed" and pod.name not in lost_alive:
             continue
         if pod.deleting:
             continue
-        reason = failure_reason(pod)
+        reason = failure_reason(pod, pod.name in lost_alive, on_unreachable_node(pod, obs))
         action = failure_action(spec.restart_policy.rules, reason, pod.exit_code)
-        detail = f"exit code {pod.exit_code}" if pod.exit_code is not None else (pod.message or reason.value)
-        st.last_failure = FailureRecord(pod=pod.name, reason=reason.value, message=detail, time=to_time(w.now))
+        detail = lost_alive.get(pod.name) or (
+            f"exit code {pod.exit_code}" if pod.exit_code is not None else (pod.message or reason.value))
+        message = lost_alive.get(pod.name) or _pod_message(pod, reason)
+        facts.append((pod.name, _pod_fact(w, pod.name, reason.value, message, pod.exit_code)))
         w.fence(pod.name)
         # A node that is gone cannot confirm a graceful deletion.
-        node_gone = lost_node or pod.reason == "NodeLost"
+        node_gone = on_unreachable_node(pod, obs) or pod.reason == "NodeLost"
         w.actions.append(DeletePod(pod.name, 0 if node_gone else w.settings.delete_grace_seconds,
                                    reason.value))
         if action == FailureAction.FAIL_JOB:
@@ -431,6 +468,9 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
                 _fail(w, verdict.reason, verdict.message)
                 w.event("Warning", verdict.reason, verdict.message)
             else:
+                st.last_failure = FailureRecord(pod=pod.name, reason=reason.value,
+                                                message=_pod_message(pod, reason), exit_code=pod.exit_code,
+                                                detected_by="Pod", time=to_time(w.now))
                 _fail(w, REASON_FAIL_RULE if by_rule else REASON_NON_RETRYABLE,
                       f"pod {pod.name} failed ({reason.value}, {detail})")
             _finished(w, spec)
@@ -449,7 +489,7 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
     any_succeeded = any(p.phase == "Succeeded" for p in obs.pods)
 
     # Scale: delete the surplus, create the deficit.
-    live = [p for p in obs.pods if _is_live(p, w.now, w.settings)]
+    live = [p for p in obs.pods if _is_live(p, lost_alive)]
     desired = spec.replicas + spec.spares
     if len(live) > desired:
         surplus = sorted(live, key=lambda p: _keep_rank(w, p))[: len(live) - desired]
@@ -478,38 +518,61 @@ def _active(w: _Work, spec: TrainingJobSpec) -> None:
             return
         created = _new_pods(w, spec, deficit, counted)
         if counted:
-            st.restarts = RestartCounts(in_process=restarts.in_process,
-                                        pod_replacements=restarts.pod_replacements + counted)
+            st.restarts = restarts.model_copy(update={"pod_replacements": restarts.pod_replacements + counted})
+            for name in casualties[:counted]:
+                if name in leaving:
+                    grace = next((p.deletion_grace for p in obs.pods if p.name == name), 0.0)
+                    facts.append((name, _pod_fact(w, name, FailureReason.POD_LOST.value,
+                                                  f"the pod was deleted (grace period {grace:g}s)")))
             lost = ", ".join(casualties[:counted])
             news = ", ".join(c.name for c in created[:counted])
             w.event("Normal", "PodReplaced", f"replaced {lost} with {news}")
         w.actions.extend(created)
-        if created and st.start_time is None:
-            st.start_time = to_time(w.now)
-        if created and condition(st, ConditionType.CREATED) is None:
-            w.cond(ConditionType.CREATED, ConditionStatus.TRUE, "PodsCreated",
-                   f"{len(created)} pod(s) created")
+    # From the pods, not only from the decision that created them: a status write refused for a conflict is
+    # decided again, when the pods exist already.
+    existing = len(created) + sum(1 for p in obs.pods if not p.deleting)
+    if existing and st.start_time is None:
+        st.start_time = to_time(w.now)
+    if existing and condition(st, ConditionType.CREATED) is None:
+        w.cond(ConditionType.CREATED, ConditionStatus.TRUE, "PodsCreated", f"{existing} pod(s) created")
 
     if not obs.owned_objects_ready:
         w.actions.insert(0, EnsureOwnedObjects())
 
     if vanished and not deferred:
-        _disappeared(w, vanished, job_started)
+        for name in vanished:
+            w.event("Warning", REASON_DISAPPEARED,
+                    f"pod {name} disappeared from the API without a deletion the operator saw (force-deleted?)")
+            if job_started:
+                facts.append((name, _pod_fact(
+                    w, name, FailureReason.POD_LOST.value,
+                    "the pod disappeared (deleted without a termination the operator saw)")))
     # A vanished pod whose replacement waits for etcd stays tracked, so it is counted when etcd is back.
     _track(w, vanished if deferred else ())
     _record(w, live, created)
-    _phase(w, spec, live, bool(casualties or leaving), set(vanished))
+    _count_pods(w, live)
+    _training(w, spec, live, facts, frozenset(vanished) if not deferred else frozenset())
 
 
-def _disappeared(w: _Work, vanished: Sequence[str], job_started: bool) -> None:
-    """The Events (and, once the job started, the last failure) for pods that disappeared."""
-    for name in vanished:
-        w.event("Warning", REASON_DISAPPEARED,
-                f"pod {name} disappeared from the API without a deletion the operator saw (force-deleted?)")
-    if job_started:
-        w.status.last_failure = FailureRecord(
-            pod=vanished[-1], reason=FailureReason.POD_LOST.value,
-            message="the pod disappeared (deleted without a termination the operator saw)", time=to_time(w.now))
+def _pod_fact(w: _Work, pod: str, reason: str, message: str, exit_code: int | None = None) -> Fact:
+    return Fact("Pod", reason, w.now, pod=pod, message=message, exit_code=exit_code)
+
+
+def _pod_message(pod: PodView, reason: FailureReason) -> str:
+    if reason == FailureReason.NODE_LOST:
+        return f"its node {pod.node or ''} was lost ({pod.message or pod.reason or 'unreachable'})".replace("  ", " ")
+    if pod.exit_code is not None:
+        return f"the pod's trainer exited with code {pod.exit_code}" + (f": {pod.message}" if pod.message else "")
+    return pod.message or pod.reason or reason.value
+
+
+def _force_delete_unreachable(w: _Work, pod: PodView) -> None:
+    """A pod Terminating on an unreachable node: no kubelet there will confirm the deletion, so it is fenced
+    and force-deleted at once (its processes may live on behind a partition; the fence keeps them out)."""
+    w.fence(pod.name)
+    w.actions.append(DeletePod(pod.name, 0, "NodeUnreachable"))
+    w.event("Warning", "ForceDeleted", f"pod {pod.name} was terminating on unreachable node {pod.node}; "
+                                       "force-deleted")
 
 
 def _track(w: _Work, keep: Iterable[str]) -> None:
@@ -609,30 +672,11 @@ def _suspend(w: _Work) -> None:
 
 
 def _fold_etcd(w: _Work) -> None:
-    """Round, world size, progress, in-process restarts and the last failure from the agents' records."""
+    """Round and world size from the sealed manifest."""
     etcd = w.obs.etcd
-    st = w.status
-    if not etcd.reachable:
-        return
-    if etcd.manifest is not None:
-        st.round = etcd.manifest.round
-        st.world_size = etcd.manifest.world_size
-    steps = [p.step for p in etcd.progress if p.step is not None]
-    if steps:
-        newest = max(p.updated for p in etcd.progress if p.step is not None)
-        st.progress = Progress(step=max(steps), updated=to_time(newest))
-    restarts = st.restarts or RestartCounts()
-    in_process = max([restarts.in_process, *[p.restarts_in_process for p in etcd.progress]])
-    if in_process > restarts.in_process:
-        failures = [p.last_failure for p in etcd.progress if p.last_failure is not None]
-        last = max(failures, key=lambda f: f.time) if failures else None
-        if last is not None:
-            st.last_failure = FailureRecord(rank=last.rank, pod=last.pod or None, reason=last.reason or None,
-                                            time=to_time(last.time))
-        w.event("Normal", "RestartedInProcess",
-                f"in-process restart #{in_process}" + (f" after {last.reason} on pod {last.pod}"
-                                                        if last is not None and last.reason else ""))
-        st.restarts = RestartCounts(in_process=in_process, pod_replacements=restarts.pod_replacements)
+    if etcd.reachable and etcd.manifest is not None:
+        w.status.round = etcd.manifest.round
+        w.status.world_size = etcd.manifest.world_size
 
 
 def _record(w: _Work, live: Iterable[PodView], created: Sequence[CreatePod]) -> None:
@@ -654,71 +698,87 @@ def _record(w: _Work, live: Iterable[PodView], created: Sequence[CreatePod]) -> 
         w.actions.append(WriteJobRecord(members, spares, expected))
 
 
-def _phase(w: _Work, spec: TrainingJobSpec, live: Sequence[PodView], lost_now: bool,
-           vanished: set[str]) -> None:
+def _count_pods(w: _Work, live: Sequence[PodView]) -> None:
+    """replicas (members of the round, and workers waiting to join it), readyReplicas (ready members) and
+    spareReplicas (ready pods outside the round). A replacement that took over a lost worker's ranks is a
+    member, whatever the role it was created with."""
     st = w.status
-    etcd = w.obs.etcd
-    running = [p for p in live if p.phase == "Running"]
-    st.replicas = sum(1 for p in live if p.role == naming.ROLE_WORKER)
-    ready = [p for p in running if p.ready]
-    manifest = etcd.manifest
+    ready = [p for p in live if p.phase == "Running" and p.ready]
+    manifest = w.obs.etcd.manifest
+    in_round = {m.node_id for m in manifest.members} if manifest is not None else set()
+    st.replicas = sum(1 for p in live if p.name in in_round or p.role == naming.ROLE_WORKER)
     if manifest is not None:
-        in_round = {m.node_id for m in manifest.members}
         st.ready_replicas = sum(1 for p in ready if p.name in in_round)
         st.spare_replicas = sum(1 for p in ready if p.name not in in_round)
     else:
         st.ready_replicas = sum(1 for p in ready if p.role == naming.ROLE_WORKER)
         st.spare_replicas = sum(1 for p in ready if p.role != naming.ROLE_WORKER)
+
+
+def _training(w: _Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Sequence[tuple[str, Fact]],
+              vanished: frozenset[str]) -> None:
+    """Faults, recoveries, progress and the phase (see :mod:`.incidents`)."""
+    st = w.status
+    manifest = w.obs.etcd.manifest if w.obs.etcd.reachable else None
+    members = {m.node_id for m in manifest.members} if manifest is not None else set()
+    in_round = [f for name, f in facts if name in members]
+    outside = [f for name, f in facts if name not in members]
+    a = assess(st, w.obs.etcd, pod_facts=in_round, side_facts=outside, vanished=vanished, now=w.now,
+               soft_timeout=spec.restart_policy.in_process.soft_timeout_seconds)
+    st.last_failure = a.last_failure
+    st.restarts = a.restarts
+    st.position = a.position
+    if a.evidence.step is not None:
+        st.progress = Progress(step=a.evidence.step, updated=to_time(a.evidence.step_time or w.now))
+    for type_, reason, message in a.events:
+        w.event(type_, reason, message)
+
+    if a.degraded:
+        w.cond(ConditionType.COORDINATION_DEGRADED, ConditionStatus.TRUE, "EtcdUnreachable",
+               "the operator cannot read the job's etcd: progress and faults are unseen until it can")
+        w.wake_in(w.settings.status_interval)
+    elif condition(st, ConditionType.COORDINATION_DEGRADED) is not None:
+        w.cond(ConditionType.COORDINATION_DEGRADED, ConditionStatus.FALSE, "EtcdReachable",
+               "the operator reads the job's etcd")
+    if not a.degraded:
+        if a.stalled is not None:
+            w.cond(ConditionType.STALLED, ConditionStatus.TRUE, "NoProgress", a.stalled)
+        elif condition(st, ConditionType.STALLED) is not None:
+            w.cond(ConditionType.STALLED, ConditionStatus.FALSE, "Progressing", "the ranks make progress")
+
+    running = [p for p in live if p.phase == "Running"]
     unschedulable = [p.name for p in live if p.unschedulable]
     min_nodes = spec.min_nodes
-
-    restarting_reason = ""
-    disappeared = False
-    if manifest is not None:
-        live_running = {p.name for p in running}
-        gone = [m.node_id for m in manifest.members if m.node_id not in live_running]
-        if gone and (lost_now or vanished or any(n not in {p.name for p in live} for n in gone)):
-            restarting_reason = f"member(s) {', '.join(gone[:5])} lost"
-            # The reason stays PodDisappeared for the rest of that restart (the pod is untracked by then).
-            before = condition(w.obs.job.status, ConditionType.RESTARTING)
-            disappeared = any(n in vanished for n in gone) or (
-                before is not None and before.status == ConditionStatus.TRUE
-                and before.reason == REASON_DISAPPEARED and st.last_failure is not None
-                and st.last_failure.pod in gone)
-        current = [p for p in etcd.progress if p.epoch == etcd.epoch]
-        if any(p.state == "restarting" and p.restarts_in_process > 0 for p in current):
-            restarting_reason = restarting_reason or "in-process restart"
-        if any(p.epoch < etcd.epoch and p.state == "joining" for p in etcd.progress) and not current:
-            restarting_reason = restarting_reason or "new rendezvous round"
-
-    if manifest is None or (not running and st.phase in (None, Phase.PENDING)):
-        phase = Phase.STARTING if running else Phase.PENDING
-    elif len(running) < min_nodes and not restarting_reason and st.phase not in (Phase.RUNNING,
-                                                                                  Phase.RESTARTING):
-        phase = Phase.STARTING
-    elif restarting_reason or len(running) < min_nodes:
+    # Training runs when a step completed in the current round (not only in an earlier one: a resumed job's
+    # new round has not stepped yet).
+    stepping = manifest is not None and a.stepped is not None and a.stepped.round >= manifest.round
+    if a.restarting is not None:
         phase = Phase.RESTARTING
+    elif a.degraded:
+        phase = st.phase if st.phase is not None else Phase.PENDING  # unseen: keep what was known
+    elif not stepping:
+        phase = Phase.STARTING if running else Phase.PENDING
     else:
         phase = Phase.RUNNING
-    if phase in (Phase.PENDING, Phase.STARTING) and st.phase in (Phase.RUNNING, Phase.RESTARTING):
-        phase = Phase.RESTARTING  # once started, a job that lost its round is restarting, not starting
-        restarting_reason = restarting_reason or "waiting for the next rendezvous round"
     st.phase = phase
 
     if phase == Phase.RUNNING:
-        w.cond(ConditionType.RUNNING, ConditionStatus.TRUE, "RoundSealed",
-               f"round {manifest.round if manifest else '?'} with world size "
-               f"{manifest.world_size if manifest else '?'}")
-        w.cond(ConditionType.RESTARTING, ConditionStatus.FALSE, "RoundSealed", "training")
-    elif phase == Phase.RESTARTING:
-        w.cond(ConditionType.RESTARTING, ConditionStatus.TRUE,
-               REASON_DISAPPEARED if disappeared else "PodLost" if "lost" in restarting_reason
-               else "InProcessRestart", restarting_reason)
-        w.cond(ConditionType.RUNNING, ConditionStatus.FALSE, "Restarting", restarting_reason)
+        step = f"step {a.evidence.step}, " if a.evidence.step is not None else ""
+        w.cond(ConditionType.RUNNING, ConditionStatus.TRUE, "StepsCompleting",
+               f"{step}round {st.round if st.round is not None else '?'} with world size "
+               f"{st.world_size if st.world_size is not None else '?'}")
+        w.cond(ConditionType.RESTARTING, ConditionStatus.FALSE, "Recovered" if st.last_failure else "Training",
+               "training")
+    elif phase == Phase.RESTARTING and a.restarting is not None:
+        w.cond(ConditionType.RESTARTING, ConditionStatus.TRUE, a.restarting, a.restarting_message)
+        w.cond(ConditionType.RUNNING, ConditionStatus.FALSE, "Restarting", a.restarting_message)
     elif phase == Phase.STARTING and unschedulable and len(live) - len(unschedulable) < min_nodes:
         w.cond(ConditionType.RUNNING, ConditionStatus.FALSE, REASON_UNSCHEDULABLE,
                f"{len(unschedulable)} pod(s) cannot be scheduled ({', '.join(unschedulable[:5])}); "
                f"the job needs minReplicas={min_nodes}")
+    elif phase == Phase.STARTING and manifest is not None:
+        w.cond(ConditionType.RUNNING, ConditionStatus.FALSE, "WaitingForFirstStep",
+               f"round {manifest.round} sealed with world size {manifest.world_size}; no step completed yet")
     elif phase == Phase.STARTING:
         w.cond(ConditionType.RUNNING, ConditionStatus.FALSE, "GangStarting",
                f"{len(running)} of minReplicas={min_nodes} pod(s) running; waiting for the first round")

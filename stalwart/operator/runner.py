@@ -49,6 +49,7 @@ from stalwart.operator.model import (
 )
 from stalwart.operator.observe import job_view, overlay
 from stalwart.operator.reconcile import reconcile
+from stalwart.outage import Backoff, Outage
 from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,13 @@ class JobRunner:
         self.deleted: dict[str, tuple[int, float]] = {}
         self.phase: str | None = None
         self._target: tuple[int, EtcdTarget | None] | None = None  # (generation, target)
+        #: The resourceVersion of the object the decided status was computed from (sent with every status
+        #: patch: a conflict means someone else wrote, and the next reconcile starts again from the API).
+        self.resource_version: str | None = None
+        self._conflict = False
+        # An unreachable etcd is tried with back-off and logged once when it goes and once when it is back.
+        self.etcd_outage = Outage("etcd", logger=log, context=f"job {namespace}/{name}",
+                                  backoff=Backoff(initial=0.5, cap=10.0))
 
     async def target(self, job: JobView) -> EtcdTarget | None:
         """The job's etcd target, resolved once per spec generation (and again after an etcd error)."""
@@ -129,20 +137,24 @@ class JobRunner:
             self._target = (job.generation, await etcd_target(self.ctx, self.namespace, job))
         return self._target[1]
 
-    async def observe(self, body: Mapping[str, Any], pods: Sequence[PodView]) -> Observation:
+    async def observe(self, body: Mapping[str, Any], pods: Sequence[PodView],
+                      unreachable_nodes: frozenset[str] = frozenset()) -> Observation:
         now = time.time()
         job = job_view(body)
         if self.decided_status is not None:
             job = replace(job, status=self.decided_status)
+        else:
+            self.resource_version = str((body.get("metadata") or {}).get("resourceVersion") or "") or None
         etcd = EtcdView(reachable=False)
-        if job.uid and not job.deleting:
+        if job.uid and not job.deleting and self.etcd_outage.due():
             try:
                 target = await self.target(job)
                 if target is not None:
                     etcd = await asyncio.to_thread(self.ctx.etcd.read, target, JobKeys(self.namespace, job.uid))
+                    self.etcd_outage.ok()
             except (StoreError, KubeError, ValueError) as e:
                 self._target = None
-                log.warning("job %s/%s: etcd unreachable: %s", self.namespace, self.name, e)
+                self.etcd_outage.failed(e)
         # Forget overlay entries the watch has caught up with.
         watched = {p.name: p for p in pods}
         for pod_name in [n for n in self.created if n in watched]:
@@ -151,20 +163,28 @@ class JobRunner:
             del self.deleted[pod_name]
         return Observation(job=job, pods=overlay(pods, self.created, self.deleted, now), etcd=etcd, now=now,
                            last_status_patch=self.last_patch, owned_objects_ready=self.owned_ready,
-                           written_status=self.written_status)
+                           written_status=self.written_status, unreachable_nodes=unreachable_nodes)
 
-    async def step(self, body: Mapping[str, Any], pods: Sequence[PodView]) -> Decision:
+    async def step(self, body: Mapping[str, Any], pods: Sequence[PodView],
+                   unreachable_nodes: frozenset[str] = frozenset()) -> Decision:
         """One reconcile. Raises only on bugs; API and etcd failures are logged and retried next time."""
         started = time.perf_counter()
-        obs = await self.observe(body, pods)
+        obs = await self.observe(body, pods, unreachable_nodes)
         decision = reconcile(obs, self.ctx.settings)
         log.debug("job %s/%s: observed in %.3fs; %d action(s)", self.namespace, self.name,
                   time.perf_counter() - started, len(decision.actions))
+        self._conflict = False
         if await self.apply(obs, decision, body):
             self.decided_status = decision.status
             if self.written_status is None:
                 self.written_status = obs.job.status
         metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+        if self._conflict:
+            # Someone else wrote the job since the status was computed: decide again from what the API holds
+            # (the counters are recomputed from the written position and etcd, so nothing is lost or doubled).
+            self.decided_status = self.written_status = None
+            self.resource_version = None
+            return replace(decision, requeue_after=0.2)
         return decision
 
     # -- applying ------------------------------------------------------------------------------------------
@@ -173,7 +193,9 @@ class JobRunner:
         """Apply the actions in order; False when the decision must be taken again from the previous decided
         status. A failed fence stops everything after it (no replacement may join while a lost pod may still
         act); a failed pod creation withholds the status patch and Events (its counters assumed the pod
-        exists). A failed status patch or Event only logs: the next reconcile retries it."""
+        exists). A status patch that conflicts (the job changed since) stops everything after it, and so does
+        a failed one that comes before pod creations (it carries the count of the replacements they are). Any
+        other failed status patch or Event only logs: the next reconcile retries it."""
         job = obs.job
         try:
             target = await self.target(job) if job.spec is not None else None
@@ -226,7 +248,8 @@ class JobRunner:
                     await asyncio.to_thread(self.ctx.etcd.close_rendezvous, _need(target), keys,
                                             action.reason)
                 elif isinstance(action, PatchStatus):
-                    await self._patch_status(obs, action.status)
+                    if not await self._patch_status(obs, action.status):
+                        return False
                 elif isinstance(action, EmitEvent):
                     await self._gather([kube.event(ns, self.name, job.uid, type_=a.type, reason=a.reason,
                                                    message=a.message)
@@ -240,6 +263,8 @@ class JobRunner:
                 log.warning("job %s/%s: %s failed: %s", ns, self.name, type(action).__name__, e)
                 if isinstance(action, (RevokeLease, EnsureOwnedObjects, WriteJobRecord)):
                     return False  # what follows depends on it
+                if isinstance(action, PatchStatus) and any(isinstance(a, CreatePod) for a in actions[i:]):
+                    return False  # the replacements' count must be written before they are created
                 # A failed status patch or Event is retried by the next reconcile (decided != written).
         return ok
 
@@ -289,25 +314,38 @@ class JobRunner:
                                          "spec": body.get("spec") or {}})
         return JobRecord.from_job(tj, list(action.members), list(action.spares))
 
-    async def _patch_status(self, obs: Observation, status: TrainingJobStatus) -> None:
-        new = status.to_wire()
-        # A merge patch keeps fields it does not mention: clear the ones that went away explicitly.
+    async def _patch_status(self, obs: Observation, status: TrainingJobStatus) -> bool:
+        """Patch the status, on condition that the job is still the version it was computed from. False on a
+        conflict (someone else wrote in between): the decision is dropped and taken again."""
         written = obs.written_status if obs.written_status is not None else obs.job.status
-        for key in written.to_wire():
-            new.setdefault(key, None)
-        await self.ctx.kube.patch_status(self.namespace, self.name, new)
+        patch = status_patch(written.to_wire(), status.to_wire())
+        try:
+            result = await self.ctx.kube.patch_status(self.namespace, self.name, patch,
+                                                      resource_version=self.resource_version)
+        except KubeError as e:
+            if e.status != 409:
+                raise
+            log.info("job %s/%s: the job changed since its status was computed; computing it again",
+                     self.namespace, self.name)
+            self._conflict = True
+            return False
+        self.resource_version = str((result.get("metadata") or {}).get("resourceVersion") or "") or None
         self._count(written, status)
         self.written_status = status
         self.last_patch = time.time()
+        return True
 
     def _count(self, old: TrainingJobStatus, new: TrainingJobStatus) -> None:
         before = old.restarts.model_copy() if old.restarts else None
         after = new.restarts
         if after is not None:
             dip = after.in_process - (before.in_process if before else 0)
+            dproc = after.process_restarts - (before.process_restarts if before else 0)
             dpr = after.pod_replacements - (before.pod_replacements if before else 0)
             if dip > 0:
                 metrics.RESTARTS.labels("in_process").inc(dip)
+            if dproc > 0:
+                metrics.RESTARTS.labels("process").inc(dproc)
             if dpr > 0:
                 metrics.RESTARTS.labels("pod_replacement").inc(dpr)
                 metrics.POD_REPLACEMENTS.inc(dpr)
@@ -322,6 +360,23 @@ class JobRunner:
         if self.phase is not None:
             metrics.JOBS.labels(self.phase).dec()
             self.phase = None
+
+
+def status_patch(written: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns the ``written`` status into ``new``: every field that went
+    away, at any depth, is set to null. So an object such as ``lastFailure`` is replaced whole and can never
+    mix the fields of two failures. Lists are replaced whole by merge patches anyway."""
+    out: dict[str, Any] = {}
+    for key, value in new.items():
+        before = written.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            out[key] = status_patch(before, value)
+        else:
+            out[key] = value
+    for key in written:
+        if key not in new:
+            out[key] = None
+    return out
 
 
 def _need(target: EtcdTarget | None) -> EtcdTarget:

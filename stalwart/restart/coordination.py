@@ -18,6 +18,7 @@ from typing import TypeVar
 from stalwart.agent.rendezvous.fence import Fence
 from stalwart.api.restart import DIRECT_KINDS, AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
 from stalwart.keys import JobKeys
+from stalwart.outage import Outage
 from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTimeout, StoreUnavailable, Watch
 
 log = logging.getLogger(__name__)
@@ -117,19 +118,24 @@ class Coordinator:
         self.base = f"{keys.restart}{epoch}/"
         self.lease = 0
         self.retry_for = retry_for
+        # One log line when etcd becomes unreachable and one when it is back, however many calls retry meanwhile.
+        self.outage = Outage("etcd", logger=log, context=f"slot {slot} epoch {epoch}")
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         deadline = time.monotonic() + self.retry_for
         backoff = 0.05
         while True:
             try:
-                return fn()
+                result = fn()
             except (StoreUnavailable, StoreTimeout) as e:
                 if time.monotonic() + backoff > deadline:
                     raise
-                log.warning("slot %d epoch %d: %s failed, retrying: %s", self.slot, self.epoch, what, e)
+                self.outage.failed(f"{what}: {e}")
                 time.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 1.0)
+            else:
+                self.outage.ok()
+                return result
 
     # -- keys -----------------------------------------------------------------------------------------------
 
@@ -273,7 +279,7 @@ class Coordinator:
                     ev = watch.next(timeout=min(left, _TICK) if left is not None else _TICK)
                 except (StoreUnavailable, StoreTimeout) as e:
                     # The stream broke (etcd restarting): re-read and watch again from there.
-                    log.warning("slot %d epoch %d: watch broke, re-reading: %s", self.slot, self.epoch, e)
+                    self.outage.failed(f"watch: {e}")
                     watch.cancel()
                     view = self.view()
                     result = done(view)

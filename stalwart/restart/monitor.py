@@ -117,6 +117,8 @@ class Monitor:
         self._status_dirty = True
         self._status_written = 0.0
         self._step: int | None = None
+        self._step_time: float | None = None
+        self._first_step: tuple[int, int, float] | None = None  # (iteration, step, wall time) of its first step
         self._probe = _probe() if watch_main_thread else None
         self._thread = threading.Thread(target=self._run, name=f"stalwart-monitor-{coord.slot}", daemon=True)
 
@@ -139,6 +141,7 @@ class Monitor:
             self._active = active
             self._running = True
             self._timed_out = False
+            self._first_step = None
             self.last_progress = time.monotonic()
             seen = self._faults.get(iteration)
         if seen is not None and seen.slot != self.coord.slot:
@@ -150,10 +153,14 @@ class Monitor:
             self._ctx = None
 
     def ping(self, step: int | None = None) -> None:
-        """Progress from the training code: two attribute writes, so that it may be called every step."""
+        """Progress from the training code: a few attribute writes, so that it may be called every step. The
+        first step of an iteration is kept with its time: it is when training went on after a restart."""
         self.last_progress = time.monotonic()
         if step is not None:
             self._step = step
+            self._step_time = time.time()
+            if self._first_step is None:
+                self._first_step = (self._iteration, step, self._step_time)
 
     def fault_seen(self, iteration: int) -> FaultRecord | None:
         with self._lock:
@@ -222,7 +229,7 @@ class Monitor:
             return
         reason = f"the heartbeat lease of slot {slot} ended"
         rec = FaultRecord(slot=self.coord.slot, rank=ctx.rank, node_id=self.coord.node_id, iteration=iteration,
-                          kind="peer_lost", reason=reason, time=time.time())
+                          kind="peer_lost", reason=reason, time=time.time(), lost_slots=[slot])
         with contextlib.suppress(Exception):  # interrupting matters more than reporting
             self.coord.report_fault(rec)
         self._interrupt(reason)
@@ -240,7 +247,7 @@ class Monitor:
                         watch = self._open_watch()
                         backoff = 0.1
                     except StoreError as e:
-                        log.warning("slot %d: cannot watch faults, retrying: %s", self.coord.slot, e)
+                        self.coord.outage.failed(f"fault watch: {e}")  # logged once per outage
                         reopen_at = time.monotonic() + backoff * (0.5 + random.random())
                         backoff = min(backoff * 2, 2.0)
                 ev = None
@@ -250,7 +257,7 @@ class Monitor:
                     try:
                         ev = watch.next(timeout=self.interval)
                     except StoreError as e:
-                        log.warning("slot %d: fault watch broke, reopening: %s", self.coord.slot, e)
+                        self.coord.outage.failed(f"fault watch: {e}")
                         watch.cancel()
                         watch = None
                 if ev is not None:
@@ -290,7 +297,11 @@ class Monitor:
             # Without a probe, progress outside the training function is not seen: the wrapper's own waits
             # have deadlines, so it is taken as progressing there.
             beat = self.last_progress if self._running or self._probe is not None else now
-            self.status = self.status.model_copy(update={"heartbeat": beat, "step": self._step})
+            # The first step belongs to the iteration it was taken in; the next one has none until it steps.
+            first = self._first_step if self._first_step and self._first_step[0] == self.status.iteration else None
+            self.status = self.status.model_copy(update={
+                "heartbeat": beat, "step": self._step, "step_time": self._step_time,
+                "first_step": first[1] if first else None, "first_step_time": first[2] if first else None})
             status = self.status
             self._status_written = now
         self.status_file.write(status)

@@ -38,6 +38,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ArrivalRecord, FaultKind, FaultRecord, SealRecord, failure_info
+from stalwart.restart import drill
 from stalwart.restart.assignment import Candidate, WorldTooSmall, initial_ranks
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator, EpochView, barrier_complete
@@ -112,6 +113,7 @@ class _Session:
                                interval=config.monitor_interval, status=StatusFile(env.status_file),
                                watch_main_thread=main)
         self.monitor.update_status(soft_timeout=config.soft_timeout, hard_timeout=config.hard_timeout)
+        drill.install(env.status_file, lambda: self.monitor.status.state == "running")
         self.keep_peers = [(h, int(p)) for h, _, p in (e.rpartition(":") for e in env.etcd_endpoints)]
         self.own_faults = 0
         self.last_ctx: IterationContext | None = None
@@ -122,10 +124,7 @@ class _Session:
         self.rounds = rounds  # a handover to a later round interrupts the function; the checks then leave
         if rounds is not None:
             rounds.on_new = lambda h: self.monitor._interrupt(f"round {h.round} (epoch {h.epoch}) took over")
-
-    def check_round(self) -> None:
-        if self.rounds is not None:
-            self.rounds.check()
+        self.check_round: Callable[[], None] = rounds.check if rounds is not None else lambda: None
 
     def abort_last(self) -> None:
         """Abort the last iteration's process group (its round was fenced out before the fault path ran)."""
@@ -277,7 +276,7 @@ class _Session:
             lost = sorted(s for s in active - done if s not in view.alive)
             if lost:
                 self._report(iteration, seal.ranks.get(str(self.env.slot)), "peer_lost",
-                             f"the heartbeat lease of slot(s) {lost} ended")
+                             f"the heartbeat lease of slot(s) {lost} ended", lost_slots=lost)
                 return "fault"
             return None
 
@@ -285,9 +284,9 @@ class _Session:
         return str(result)
 
     def _report(self, iteration: int, rank: int | None, kind: FaultKind, reason: str,
-                error: BaseException | None = None) -> None:
+                error: BaseException | None = None, *, lost_slots: list[int] | None = None) -> None:
         rec = FaultRecord(slot=self.env.slot, rank=rank, node_id=self.env.node_id, iteration=iteration,
-                          kind=kind, reason=reason[:2048], time=time.time(),
+                          kind=kind, reason=reason[:2048], time=time.time(), lost_slots=lost_slots or [],
                           exception=None if error is None else exception_name(error)[:512],
                           message=None if error is None else str(error)[:2048])
         self.coord.report_fault(rec)

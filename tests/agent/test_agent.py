@@ -208,6 +208,31 @@ def test_sigterm_is_forwarded_and_the_ranks_are_gone(etcd: EtcdServer, tmp_path:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
+def test_sigterm_stops_an_agent_waiting_in_the_rendezvous(etcd: EtcdServer, tmp_path: Path) -> None:
+    # One pod of a job of two: its agent waits in the rendezvous's join for a peer that never comes. SIGTERM
+    # (a pod deleted before its gang formed) must end it at once, not after the pod's termination grace
+    # (SIGKILL at 30 s) nor the join timeout.
+    agent, keys = start_agent(etcd, tmp_path, "--steps", "5", nodes=2)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        with Store([etcd.endpoint]) as s:
+            if s.get_prefix(keys.rendezvous, keys_only=True)[0]:
+                break  # registered: its node key is there
+        assert time.monotonic() < deadline, "the agent never joined"
+        assert agent.poll() is None, agent.communicate()[1][-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside join()
+    agent.send_signal(signal.SIGTERM)
+    try:
+        _, err = agent.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        pytest.fail("the agent ignored SIGTERM while joining: " + agent.communicate()[1][-3000:])
+    assert agent.returncode == int(ExitCode.TERMINATED), err[-3000:]
+    with Store([etcd.endpoint]) as s:  # it left: its node key went with it
+        assert not [kv for kv in s.get_prefix(keys.rendezvous, keys_only=True)[0] if "/nodes/" in kv.key]
+
+
 def test_bad_pod_environment_is_reported_by_variable(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_")}
     env["STALWART_NPROC_PER_NODE"] = "zero"

@@ -200,7 +200,8 @@ BAD: list[Bad] = [
     Bad("no-exit-codes", put(f"{RULE}.onExitCodes.values", []), f"{RULE}.onExitCodes.values",
         "must have at least 1 item, got 0", "schema"),
     Bad("unknown-failure-reason", put(f"{RULE}.onReasons", ["Crash"]), f"{RULE}.onReasons[0]",
-        "expected 'Exception', 'Hang', 'ProcessExited', 'OOMKilled', 'Evicted' or 'PodLost', got \"Crash\"",
+        "expected 'Exception', 'Hang', 'ProcessExited', 'OOMKilled', 'Evicted', 'PodLost' or 'NodeLost', "
+        "got \"Crash\"",
         "schema"),
     Bad("typo-in-rule-field", put(f"{RULE}.onExitCode", {"operator": "In", "values": [1]}),
         f"{RULE}.onExitCode", "unknown field; did you mean 'onExitCodes'?", "schema"),

@@ -147,11 +147,13 @@ def test_bad_pod_indices_are_refused(index: object) -> None:
 
 
 def test_status_total_restarts_is_derived_from_restarts() -> None:
-    status = TrainingJobStatus(phase=Phase.RESTARTING, restarts=RestartCounts(in_process=3, pod_replacements=2),
+    status = TrainingJobStatus(phase=Phase.RESTARTING, restarts=RestartCounts(in_process=3, process_restarts=1,
+                                                                              pod_replacements=2),
                                start_time=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
     wire = status.to_wire()
-    assert wire == {"phase": "Restarting", "restarts": {"inProcess": 3, "podReplacements": 2},
-                    "totalRestarts": 5, "startTime": "2026-01-02T03:04:05Z"}
+    # RESTARTS counts recoveries (in process or with new processes); pod replacements are counted apart.
+    assert wire == {"phase": "Restarting", "restarts": {"inProcess": 3, "processRestarts": 1, "podReplacements": 2},
+                    "totalRestarts": 4, "startTime": "2026-01-02T03:04:05Z"}
     assert TrainingJobStatus.model_validate({"totalRestarts": 99}).total_restarts is None
     assert Phase.FAILED.finished and not Phase.RUNNING.finished
 

@@ -174,7 +174,7 @@ def test_watch_namespaces_limits_rbac_to_them(render: Render) -> None:
     # No job-level permission is granted cluster-wide.
     (cluster_role,) = find(docs, "ClusterRole")
     granted = {r for rule in cluster_role["rules"] for r in rule["resources"]}
-    assert granted == {"customresourcedefinitions", "namespaces"}
+    assert granted == {"customresourcedefinitions", "namespaces", "nodes"}
 
 
 def granted(docs: list[dict[str, Any]], kinds: set[str]) -> dict[tuple[str, str], set[str]]:

@@ -135,8 +135,14 @@ def test_cli_up_status_down_leaves_no_process(tmp_path: Path) -> None:
     d = tmp_path / "cluster"
     env = {**os.environ}
     run = [sys.executable, "-m", "stalwart", "local"]
-    up = subprocess.run([*run, "up", "--dir", str(d), "--nodes", "1"], capture_output=True, text=True, env=env,
-                        timeout=120, check=False)
+    bad = subprocess.run([*run, "up", "--dir", str(d), "--node-cpu", "1x"], capture_output=True, text=True,
+                         env=env, timeout=120, check=False)
+    assert bad.returncode == 2 and bad.stdout.startswith("--node-cpu: ") and "'1x'" in bad.stdout, bad.stdout
+    assert not (d / "state.json").exists()
+    up = subprocess.run([*run, "up", "--dir", str(d), "--nodes", "1", "--node-cpu", "3", "--node-memory", "4Gi",
+                         "--node-gpus", "2", "--node-monitor-grace-period", "5",
+                         "--default-unreachable-toleration-seconds", "7"],
+                        capture_output=True, text=True, env=env, timeout=120, check=False)
     assert up.returncode == 0, up.stdout + up.stderr
     assert f"export KUBECONFIG={d.resolve() / 'kubeconfig'}" in up.stdout
     cluster = LocalCluster.attach(d)
@@ -152,6 +158,13 @@ def test_cli_up_status_down_leaves_no_process(tmp_path: Path) -> None:
             "  - {name: c, image: x, command: [python3, -c, 'import time; time.sleep(600)']}\n"))
         pod = wait_until(lambda: phase_is(cluster, "default", "sleeper", "Running"), "sleeper to run")
         pid = int(pod["status"]["containerStatuses"][0]["containerID"].split("//")[1])
+        # The flags set the node's capacity and the pods' default toleration of an unreachable node.
+        node = get_json(cluster, "node", "local-0")
+        assert node["status"]["capacity"] | {"ephemeral-storage": "", "pods": ""} == {
+            "cpu": "3", "memory": "4Gi", "nvidia.com/gpu": "2", "ephemeral-storage": "", "pods": ""}
+        assert {t["key"]: t["tolerationSeconds"] for t in pod["spec"]["tolerations"]} == {
+            "node.kubernetes.io/not-ready": 300, "node.kubernetes.io/unreachable": 7}
+        assert cluster.settings.node_monitor_grace_period == 5
     finally:
         down = subprocess.run([*run, "down", "--dir", str(d)], capture_output=True, text=True, env=env,
                               timeout=120, check=False)

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_operator_cluster import Jobs
 
 from stalwart.local.cluster import LocalCluster
 from stalwart.operator.embedded import EmbeddedOperator
 from stalwart.operator.handlers import OperatorConfig
 from stalwart.operator.model import OperatorSettings
+from stalwart.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,3 +44,17 @@ def start_operator(local_cluster: LocalCluster, trainingjob_crd: None) -> Iterat
     yield start
     for op in started:
         op.stop()
+
+
+@pytest.fixture
+def jobs(kube_api: Any, k8s_namespace: str) -> Jobs:
+    """The TrainingJobs and pods of the test's namespace, through the real kubernetes client."""
+    return Jobs(kube_api, k8s_namespace)
+
+
+@pytest.fixture
+def etcd_store(local_cluster: LocalCluster) -> Iterator[Store]:
+    """A client of the cluster's real etcd."""
+    store = Store([str(local_cluster.etcd_endpoint)], timeout=5.0)
+    yield store
+    store.close()

@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 from stalwart.api.rendezvous import Manifest, Member
-from stalwart.api.restart import FailureInfo, ProgressRecord
+from stalwart.api.restart import FailureInfo, ProgressRecord, RankExit, RankReport, RoundSummary
 from stalwart.api.status import Phase, RestartCounts, TrainingJobStatus
 from stalwart.operator.model import (
     Action,
@@ -85,9 +85,31 @@ def etcd(*members: str, leases: dict[str, int] | None = None, epoch: int = 7, **
 
 
 def progress(node: str, *, epoch: int = 7, state: str = "running", step: int | None = None,
-             restarts: int = 0, failure: FailureInfo | None = None, updated: float = NOW) -> ProgressRecord:
-    return ProgressRecord(node_id=f"{JOB}-{node}", epoch=epoch, round=1, state=state,  # type: ignore[arg-type]
-                          step=step, restarts_in_process=restarts, last_failure=failure, updated=updated)
+             restarts: int = 0, failure: FailureInfo | None = None, updated: float = NOW, round_: int = 1,
+             ranks: tuple[RankReport, ...] = (), exits: tuple[RankExit, ...] = (),
+             history: tuple[RoundSummary, ...] = ()) -> ProgressRecord:
+    return ProgressRecord(node_id=f"{JOB}-{node}", epoch=epoch, round=round_, state=state,  # type: ignore[arg-type]
+                          step=step, restarts_in_process=restarts, last_failure=failure, updated=updated,
+                          ranks=list(ranks), exits=list(exits), history=list(history))
+
+
+def rank_report(slot: int, *, rank: int | None = None, state: str = "running", iteration: int = 0,
+                step: int | None = None, step_time: float | None = None, first_step: int | None = None,
+                progress_time: float | None = NOW - 0.5) -> RankReport:
+    return RankReport(local_rank=0, slot=slot, rank=slot if rank is None else rank, pid=100 + slot,
+                      state=state, iteration=iteration, step=step,  # type: ignore[arg-type]
+                      step_time=step_time if step_time is not None or step is None else NOW - 0.5,
+                      first_step=first_step, progress_time=progress_time)
+
+
+def stepping(node: str, slot: int, *, step: int = 10, round_: int = 1, iteration: int = 0, epoch: int = 7,
+             respawned: tuple[int, ...] = (), earlier: tuple[RoundSummary, ...] = (),
+             exits: tuple[RankExit, ...] = (), updated: float = NOW) -> ProgressRecord:
+    """A node whose rank (``slot``) completes steps in ``round_``/``iteration`` (its history says so)."""
+    return progress(node, epoch=epoch, round_=round_, step=step, updated=updated, exits=exits, restarts=iteration,
+                    ranks=(rank_report(slot, iteration=iteration, step=step, first_step=step),),
+                    history=(*earlier, RoundSummary(round=round_, epoch=epoch, stepped=iteration,
+                                                     respawned=list(respawned))))
 
 
 def observe(jobv: JobView, pods: list[PodView], etcd_view: EtcdView | None = None, *, now: float = NOW,

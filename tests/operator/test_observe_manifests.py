@@ -10,7 +10,7 @@ from opbuild import JOB, NOW, etcd, job, observe, progress, spec, status
 
 from stalwart.api.rendezvous import ExpectedNodes, Manifest, Member
 from stalwart.api.spec import TrainingJobSpec
-from stalwart.api.status import Phase
+from stalwart.api.status import Phase, Position
 from stalwart.keys import JobKeys
 from stalwart.operator import rbac
 from stalwart.operator.manifests import (
@@ -46,16 +46,13 @@ def test_pod_view_reads_the_trainer_exit_code_not_the_sidecar() -> None:
     assert view is not None and view.exit_code == 137 and view.reason == "OOMKilled"
 
 
-def test_pod_view_deletion_unschedulable_and_unreachable() -> None:
+def test_pod_view_deletion_and_unschedulable() -> None:
     body = pod_body(phase="Pending", conditions=[
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}])
     body["metadata"].update(deletionTimestamp="2027-01-01T00:00:30Z", deletionGracePeriodSeconds=30)
     view = pod_view(body)
     assert view is not None and view.unschedulable and view.deletion_grace == 30
     assert view.deleting_since == parse_time("2027-01-01T00:00:00Z")
-    lost = pod_view(pod_body(conditions=[{"type": "Ready", "status": "Unknown",
-                                          "lastTransitionTime": "2027-01-01T00:00:00Z"}]))
-    assert lost is not None and lost.unreachable_since == parse_time("2027-01-01T00:00:00Z")
 
 
 def test_pod_view_ignores_pods_without_stalwart_labels() -> None:
@@ -111,9 +108,12 @@ def test_written_status_is_patched_once_the_rate_limit_allows() -> None:
     decided = status(Phase.RUNNING, round=3)
     written = status(Phase.STARTING)
     from opbuild import pod as mkpod
+    from opbuild import stepping
 
+    decided = decided.model_copy(update={"position": Position(round=1, iteration=0)})
     pods = [mkpod("worker-0"), mkpod("worker-1")]
-    obs = observe(job(decided), pods, etcd("worker-0", "worker-1"), last_patch=NOW - 5)
+    obs = observe(job(decided), pods, etcd("worker-0", "worker-1", progress=(stepping("worker-0", 0),)),
+                  last_patch=NOW - 5)
     obs = type(obs)(**{**{k: getattr(obs, k) for k in obs.__slots__}, "written_status": written})
     d = reconcile(obs)
     (patch,) = [a for a in d.actions if isinstance(a, PatchStatus)]

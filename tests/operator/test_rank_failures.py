@@ -8,12 +8,13 @@ from opbuild import JOB, NOW, etcd, job, observe, of, pod, progress, status
 
 from stalwart.api.restart import FailureInfo
 from stalwart.api.status import Phase
+from stalwart.operator.failures import reason_of_kind
 from stalwart.operator.model import EmitEvent
-from stalwart.operator.rank_failures import failure_reason_of_kind, rank_verdict
+from stalwart.operator.rank_failures import rank_verdict
 from stalwart.operator.reconcile import condition, reconcile
 
 BOOM = FailureInfo(rank=1, pod=f"{JOB}-worker-1", reason="exception: ValueError('boom')", kind="exception",
-                   exception="ValueError", message="boom", time=NOW - 5)
+                   exception="ValueError", message="boom", iteration=2, time=NOW - 5)
 
 
 def test_restarts_exhausted_fails_the_job_with_the_exception_in_last_failure_and_an_event() -> None:
@@ -27,7 +28,9 @@ def test_restarts_exhausted_fails_the_job_with_the_exception_in_last_failure_and
                               f"pod {JOB}-worker-1: ValueError: boom")
     last = d.status.last_failure
     assert last is not None
-    assert (last.rank, last.pod, last.reason, last.message) == (1, f"{JOB}-worker-1", "Exception", "ValueError: boom")
+    assert (last.rank, last.pod, last.reason, last.exception_type, last.message) == (
+        1, f"{JOB}-worker-1", "Exception", "ValueError", "boom")
+    assert (last.detected_by, last.exit_code, last.round, last.iteration) == ("Rank", 90, 1, 2)
     events = [(e.type, e.reason) for e in of(d, EmitEvent)]
     assert ("Warning", "RestartsExhausted") in events and ("Warning", "PhaseFailed") in events
 
@@ -37,7 +40,8 @@ def test_without_a_recorded_failure_the_exit_code_stands() -> None:
     d = reconcile(observe(job(status(Phase.RUNNING)), pods, etcd("worker-0", "worker-1")))
     failed = condition(d.status, "Failed")
     assert failed is not None and failed.reason == "RestartsExhausted"
-    assert d.status.last_failure is not None and d.status.last_failure.message == "exit code 90"
+    last = d.status.last_failure
+    assert last is not None and (last.message, last.exit_code, last.detected_by) == ("exit code 90", 90, "Pod")
 
 
 def test_a_non_retryable_error_keeps_its_reason_and_names_the_exception() -> None:
@@ -49,16 +53,18 @@ def test_a_non_retryable_error_keeps_its_reason_and_names_the_exception() -> Non
     failed = condition(d.status, "Failed")
     assert failed is not None and failed.reason == "NonRetryableExit"
     assert d.status.last_failure is not None
-    assert d.status.last_failure.message == "stalwart.restart.errors.NonRetryable: bad data"
+    assert (d.status.last_failure.exception_type, d.status.last_failure.message) == ("NonRetryable", "bad data")
+    assert failed.message.endswith("stalwart.restart.errors.NonRetryable: bad data")
 
 
 @pytest.mark.parametrize(("kind", "reason"), [
-    ("exception", "Exception"), ("init_timeout", "Exception"), ("non_retryable", "Exception"),
+    ("exception", "Exception"), ("init_timeout", "Hang"), ("non_retryable", "Exception"),
     ("soft_timeout", "Hang"), ("hard_timeout", "Hang"), ("stopped", "Hang"), ("process_died", "ProcessExited"),
+    ("peer_lost", "PeerLost"),
     (None, "Exception"),
 ])
 def test_fault_kinds_map_to_status_reasons(kind: str | None, reason: str) -> None:
-    assert failure_reason_of_kind(kind).value == reason
+    assert reason_of_kind(kind) == reason
 
 
 def test_other_exit_codes_are_not_the_ranks_giving_up() -> None:

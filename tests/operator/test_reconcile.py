@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-from opbuild import JOB, NOW, etcd, job, manifest, observe, of, pod, progress, raw_job, spec, status
+from opbuild import JOB, NOW, etcd, job, manifest, observe, of, pod, raw_job, spec, status, stepping
 
 from stalwart.api.job_record import JobRecord
-from stalwart.api.restart import FailureInfo
-from stalwart.api.status import ConditionStatus, Phase
+from stalwart.api.restart import FaultRecord, RoundSummary
+from stalwart.api.status import ConditionStatus, Phase, Position, RestartCounts
 from stalwart.operator.model import (
     CloseRendezvous,
     CreatePod,
@@ -65,9 +65,11 @@ def test_new_job_creates_service_secret_workers_spares_and_record() -> None:
     ([pod("worker-0", "Pending"), pod("worker-1", "Pending")], None, Phase.PENDING, None),
     ([pod("worker-0"), pod("worker-1", "Pending")], None, Phase.STARTING, "GangStarting"),
     ([pod("worker-0"), pod("worker-1")], None, Phase.STARTING, "GangStarting"),
-    ([pod("worker-0"), pod("worker-1")], etcd("worker-0", "worker-1"), Phase.RUNNING, "RoundSealed"),
+    ([pod("worker-0"), pod("worker-1")], etcd("worker-0", "worker-1"), Phase.STARTING, "WaitingForFirstStep"),
+    ([pod("worker-0"), pod("worker-1")], etcd("worker-0", "worker-1", progress=(stepping("worker-0", 0),)),
+     Phase.RUNNING, "StepsCompleting"),
     ([pod("worker-0"), pod("worker-1", "Pending", unschedulable=True)], None, Phase.STARTING, "Unschedulable"),
-], ids=["pending", "gang-partial", "no-round-yet", "running", "unschedulable"])
+], ids=["pending", "gang-partial", "no-round-yet", "sealed-no-step", "running", "unschedulable"])
 def test_gang_start_phases(pods: list[object], etcd_view: EtcdView | None, phase: Phase,
                            reason: str | None) -> None:
     d = reconcile(observe(job(status(Phase.PENDING)), pods, etcd_view))  # type: ignore[arg-type]
@@ -81,7 +83,7 @@ def test_gang_start_phases(pods: list[object], etcd_view: EtcdView | None, phase
 def test_running_status_reports_round_world_and_ready_counts() -> None:
     pods = [pod("worker-0"), pod("worker-1"), pod("spare-0")]
     d = reconcile(observe(job(status(Phase.STARTING), spares=1, nprocPerNode=4), pods,
-                          etcd("worker-0", "worker-1")))
+                          etcd("worker-0", "worker-1", progress=(stepping("worker-0", 0),))))
     st = d.status
     assert (st.phase, st.round, st.world_size) == (Phase.RUNNING, 1, 2)
     assert (st.replicas, st.ready_replicas, st.spare_replicas) == (2, 2, 1)
@@ -96,7 +98,7 @@ def test_elastic_round_seals_without_unschedulable_pods_never_below_min() -> Non
     assert record.expected == (f"{JOB}-worker-0", f"{JOB}-worker-1")
     # With the round sealed at two nodes (>= minReplicas) the job runs.
     d = reconcile(observe(job(status(Phase.STARTING), replicas=3, minReplicas=2), pods,
-                          etcd("worker-0", "worker-1")))
+                          etcd("worker-0", "worker-1", progress=(stepping("worker-0", 0),))))
     assert d.status.phase == Phase.RUNNING and not of(d, CreatePod) and not of(d, DeletePod)
 
 
@@ -113,9 +115,11 @@ def test_failed_worker_is_fenced_then_replaced_by_a_new_spare() -> None:
     assert names(of(d, CreatePod)) == ["spare-0"]
     assert of(d, CreatePod)[0].role == "spare"
     st = d.status
-    assert st.restarts is not None and st.restarts.pod_replacements == 1 and st.total_restarts == 1
+    # Replaced now; the recovery (RESTARTS) is counted when training completes a step again.
+    assert st.restarts is not None and st.restarts.pod_replacements == 1 and st.total_restarts == 0
     assert st.last_failure is not None and st.last_failure.pod == f"{JOB}-worker-1"
-    assert st.last_failure.reason == "ProcessExited" and st.phase == Phase.RESTARTING
+    assert st.last_failure.reason == "ProcessExited" and st.last_failure.exit_code == 92
+    assert st.last_failure.detected_by == "Pod" and st.phase == Phase.RESTARTING
     assert {"PodFailed", "PodReplaced", "PhaseRestarting"} <= set(reasons(d))
 
 
@@ -208,27 +212,10 @@ def test_restart_in_process_rule_replaces_without_counting() -> None:
     assert d.status.restarts is not None and d.status.restarts.pod_replacements == 0
 
 
-def test_lost_node_waits_then_force_deletes_fences_and_replaces() -> None:
-    settings = OperatorSettings(node_lost_after=40)
-    lost = pod("worker-1", unreachable_since=NOW - 10)
-    d = reconcile(observe(job(status(Phase.RUNNING)), [pod("worker-0"), lost],
-                          etcd("worker-0", "worker-1", leases={"worker-1": 9})), settings)
-    assert not of(d, DeletePod) and not of(d, CreatePod)
-    assert d.requeue_after == pytest.approx(30)
-    lost = pod("worker-1", unreachable_since=NOW - 41)
-    d = reconcile(observe(job(status(Phase.RUNNING)), [pod("worker-0"), lost],
-                          etcd("worker-0", "worker-1", leases={"worker-1": 9})), settings)
-    assert of(d, DeletePod) == [DeletePod(f"{JOB}-worker-1", 0, "PodLost")]
-    assert of(d, RevokeLease) == [RevokeLease(f"{JOB}-worker-1", 9)]
-    assert names(of(d, CreatePod)) == ["spare-0"]
-    assert d.status.restarts is not None and d.status.restarts.pod_replacements == 1
-    assert d.status.phase == Phase.RESTARTING
-
-
 def test_pod_failed_with_its_node_is_deleted_without_grace() -> None:
     pods = [pod("worker-0"), pod("worker-1", "Failed", reason="NodeLost", exit_code=137)]
     d = reconcile(observe(job(status(Phase.RUNNING)), pods, etcd("worker-0", "worker-1")))
-    assert of(d, DeletePod) == [DeletePod(f"{JOB}-worker-1", 0, "PodLost")]
+    assert of(d, DeletePod) == [DeletePod(f"{JOB}-worker-1", 0, "NodeLost")]
     assert names(of(d, CreatePod)) == ["spare-0"]
 
 
@@ -258,38 +245,62 @@ def test_no_replacement_while_etcd_is_unreachable() -> None:
     assert names(of(d, DeletePod)) == ["worker-1"]
 
 
-def test_lost_member_without_a_spare_means_restarting_then_running_again() -> None:
-    pods = [pod("worker-0"), pod("spare-0", "Pending")]
-    d = reconcile(observe(job(status(Phase.RUNNING, replacements=1)), pods, etcd("worker-0", "worker-1")))
+def test_lost_member_means_restarting_until_the_new_round_steps() -> None:
+    at_step = status(Phase.RUNNING, position=Position(round=1, iteration=0))
+    pods = [pod("worker-0"), pod("worker-1", "Failed", exit_code=1)]
+    round1 = etcd("worker-0", "worker-1", progress=(stepping("worker-0", 0, step=50),))
+    d = reconcile(observe(job(at_step), pods, round1))
     assert d.status.phase == Phase.RESTARTING
     restarting = condition(d.status, "Restarting")
-    assert restarting is not None and restarting.status == ConditionStatus.TRUE and restarting.reason == "PodLost"
-    d2 = reconcile(observe(job(d.status), [pod("worker-0"), pod("spare-0")],
-                           etcd("worker-0", "spare-0", epoch=9)))
-    assert d2.status.phase == Phase.RUNNING
-    restarting = condition(d2.status, "Restarting")
+    assert restarting is not None and restarting.status == ConditionStatus.TRUE
+    assert restarting.reason == "ProcessExited"
+    # A new round is sealed with the replacement, but no step has completed in it: still restarting.
+    pods = [pod("worker-0"), pod("spare-0")]
+    round2 = etcd("worker-0", "spare-0", epoch=9, progress=(stepping("worker-0", 0, step=50),))
+    d2 = reconcile(observe(job(d.status), pods, round2))
+    assert d2.status.phase == Phase.RESTARTING and d2.status.round == 1
+    # Its first step: running again, one recovery with new processes, counted once.
+    stepped = stepping("worker-0", 0, step=41, round_=2, epoch=9,
+                       earlier=(RoundSummary(round=1, epoch=7, stepped=0),))
+    d3 = reconcile(observe(job(d2.status), pods, etcd("worker-0", "spare-0", epoch=9, progress=(stepped,))))
+    assert d3.status.phase == Phase.RUNNING
+    assert d3.status.restarts == RestartCounts(in_process=0, process_restarts=1, pod_replacements=1)
+    assert d3.status.total_restarts == 1 and d3.status.position == Position(round=2, iteration=0)
+    restarting = condition(d3.status, "Restarting")
     assert restarting is not None and restarting.status == ConditionStatus.FALSE
+    assert "RestartedProcesses" in reasons(d3)
+    d4 = reconcile(observe(job(d3.status), pods, etcd("worker-0", "spare-0", epoch=9, progress=(stepped,))))
+    assert d4.status.restarts == d3.status.restarts and "RestartedProcesses" not in reasons(d4)
 
 
 # -- in-process restarts and progress from etcd --------------------------------------------------------------
 
 
 def test_in_process_restarts_progress_and_last_failure_come_from_etcd() -> None:
-    failure = FailureInfo(rank=3, pod=f"{JOB}-worker-1", reason="Exception: boom", time=NOW - 5)
-    records = (progress("worker-0", step=120, restarts=2, updated=NOW - 1),
-               progress("worker-1", step=118, restarts=2, failure=failure, state="restarting"))
+    fault = FaultRecord(slot=1, rank=1, node_id=f"{JOB}-worker-1", iteration=0, kind="exception",
+                        reason="RuntimeError('boom')", time=NOW - 5)
+    before = status(Phase.RUNNING, position=Position(round=1, iteration=0))
     pods = [pod("worker-0"), pod("worker-1")]
-    d = reconcile(observe(job(status(Phase.RUNNING, in_process=1)), pods,
-                          etcd("worker-0", "worker-1", progress=records)))
+    faulted = etcd("worker-0", "worker-1", faults=((100, fault),),
+                   progress=(stepping("worker-0", 0, step=120), stepping("worker-1", 1, step=120)))
+    d = reconcile(observe(job(before), pods, faulted))
     st = d.status
-    assert st.restarts is not None and st.restarts.in_process == 2 and st.total_restarts == 2
-    assert st.progress is not None and st.progress.step == 120
-    assert st.last_failure is not None and st.last_failure.rank == 3
-    assert st.phase == Phase.RESTARTING
-    assert "RestartedInProcess" in reasons(d)
-    # Reported again with nothing new: no new event.
-    d2 = reconcile(observe(job(st), pods, etcd("worker-0", "worker-1", progress=records)))
-    assert "RestartedInProcess" not in reasons(d2)
+    assert st.phase == Phase.RESTARTING and st.restarts == RestartCounts()
+    assert st.last_failure is not None and (st.last_failure.rank, st.last_failure.pod) == (1, f"{JOB}-worker-1")
+    assert (st.last_failure.reason, st.last_failure.exception_type, st.last_failure.message) == \
+        ("Exception", "RuntimeError", "boom")
+    assert "Fault" in reasons(d)
+    resumed = etcd("worker-0", "worker-1", faults=((100, fault),),
+                   progress=(stepping("worker-0", 0, step=121, iteration=1),
+                             stepping("worker-1", 1, step=121, iteration=1)))
+    d2 = reconcile(observe(job(st), pods, resumed))
+    st2 = d2.status
+    assert st2.phase == Phase.RUNNING and st2.restarts is not None and st2.restarts.in_process == 1
+    assert st2.total_restarts == 1 and st2.progress is not None and st2.progress.step == 121
+    assert "RestartedInProcess" in reasons(d2)
+    # Reported again with nothing new: no new count, no new event.
+    d3 = reconcile(observe(job(st2), pods, resumed))
+    assert "RestartedInProcess" not in reasons(d3) and d3.status.restarts == st2.restarts
 
 
 # -- suspend / resume, deadline ------------------------------------------------------------------------------
@@ -315,7 +326,8 @@ def test_suspend_deletes_pods_keeps_etcd_and_resume_recreates() -> None:
 def test_deadline_fails_the_job() -> None:
     st = status(Phase.RUNNING, start_time=ts(NOW - 50))
     pods = [pod("worker-0"), pod("worker-1")]
-    d = reconcile(observe(job(st, runPolicy={"activeDeadlineSeconds": 60}), pods, etcd("worker-0", "worker-1")))
+    stepped = etcd("worker-0", "worker-1", progress=(stepping("worker-0", 0),))
+    d = reconcile(observe(job(st, runPolicy={"activeDeadlineSeconds": 60}), pods, stepped))
     assert d.status.phase == Phase.RUNNING and d.requeue_after == pytest.approx(10)
     d = reconcile(observe(job(st, runPolicy={"activeDeadlineSeconds": 40}), pods, etcd("worker-0", "worker-1")))
     failed = condition(d.status, "Failed")
@@ -352,7 +364,7 @@ def test_success_policy(policy: str, phases: tuple[str, str], done: bool) -> Non
 ])
 def test_clean_pod_policy(policy: str, deleted: list[str]) -> None:
     pods = [pod("worker-0", "Succeeded"), pod("worker-1", "Failed"), pod("spare-0")]
-    st = status(Phase.SUCCEEDED, completion_time=ts(NOW - 5))
+    st = status(Phase.SUCCEEDED, completion_time=ts(NOW - 5), replicas=2, ready_replicas=0, spare_replicas=1)
     d = reconcile(observe(job(st, spares=1, runPolicy={"cleanPodPolicy": policy}), pods, etcd()))
     assert sorted(names(of(d, DeletePod))) == sorted(deleted)
     assert of(d, CloseRendezvous)
@@ -443,7 +455,7 @@ def test_deleting_job_is_left_to_the_finalizer() -> None:
 
 def test_status_patches_are_rate_limited() -> None:
     pods = [pod("worker-0"), pod("worker-1")]
-    records = (progress("worker-0", step=5),)
+    records = (stepping("worker-0", 0, step=5),)
     obs_kw = {"etcd_view": etcd("worker-0", "worker-1", progress=records)}
     d = reconcile(observe(job(status(Phase.RUNNING)), pods, last_patch=NOW - 0.3, **obs_kw))  # type: ignore[arg-type]
     assert not of(d, PatchStatus) and d.requeue_after == pytest.approx(0.7)

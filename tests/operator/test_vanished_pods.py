@@ -11,9 +11,9 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from opbuild import JOB, NOW, etcd, job, observe, of, pod, status
+from opbuild import JOB, NOW, etcd, job, observe, of, pod, status, stepping
 
-from stalwart.api.status import ConditionStatus, Phase, TrainingJobStatus
+from stalwart.api.status import ConditionStatus, Phase, Position, TrainingJobStatus
 from stalwart.operator.model import (
     CreatePod,
     Decision,
@@ -53,6 +53,7 @@ def assumed(name: str) -> PodView:
 
 
 def running_status(*names: str, replacements: int = 0, **kw: Any) -> TrainingJobStatus:
+    kw.setdefault("position", Position(round=1, iteration=0))
     return status(Phase.RUNNING, replacements=replacements, tracked_pods=tracked(*names), **kw)
 
 
@@ -94,7 +95,7 @@ def test_vanished_running_worker_is_fenced_counted_and_named() -> None:
     kinds = [type(a).__name__ for a in d.actions]
     assert kinds.index("RevokeLease") < kinds.index("CreatePod")
     st = d.status
-    assert st.restarts is not None and st.restarts.pod_replacements == 1 and st.total_restarts == 1
+    assert st.restarts is not None and st.restarts.pod_replacements == 1 and st.total_restarts == 0
     assert st.last_failure is not None and st.last_failure.pod == f"{JOB}-worker-1"
     assert st.last_failure.reason == "PodLost" and "disappeared" in (st.last_failure.message or "")
     assert st.phase == Phase.RESTARTING
@@ -118,10 +119,9 @@ def test_repeated_reconciles_count_once() -> None:
     # The replacement is not in the watch yet, then it is, then it runs and joins the next round.
     d2 = reconcile(observe(job(d1.status), [pod("worker-0"), assumed("spare-0")], ROUND))
     d3 = reconcile(observe(job(d2.status), [pod("worker-0"), pod("spare-0", "Pending")], ROUND))
-    d4 = reconcile(observe(job(d3.status), [pod("worker-0"), pod("spare-0")],
-                           etcd("worker-0", "spare-0", epoch=9)))
-    d5 = reconcile(observe(job(d4.status), [pod("worker-0"), pod("spare-0")],
-                           etcd("worker-0", "spare-0", epoch=9)))
+    new_round = etcd("worker-0", "spare-0", epoch=9, progress=(stepping("worker-0", 0, round_=2, epoch=9),))
+    d4 = reconcile(observe(job(d3.status), [pod("worker-0"), pod("spare-0")], new_round))
+    d5 = reconcile(observe(job(d4.status), [pod("worker-0"), pod("spare-0")], new_round))
     for d in (d2, d3, d4, d5):
         assert replacements(d) == 1 and not of(d, CreatePod) and "PodDisappeared" not in reasons(d)
     assert d3.status.tracked_pods == tracked("worker-0", "spare-0")

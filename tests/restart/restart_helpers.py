@@ -15,7 +15,7 @@ from typing import Any
 
 from stalwart.keys import JobKeys
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
+from stalwart.store import Store, StoreError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "bench" / "restart_ddp.py")
@@ -125,13 +125,27 @@ def expected_checksum(*, steps: int, hidden: int = 32, ranks: int = 2) -> float:
 
 
 def restart_records(etcd: EtcdServer, keys: JobKeys, kind: str) -> dict[str, dict[str, Any]]:
-    """The job's restart records of one kind still in etcd (``fault``, ``seal``...), by key relative to the
-    epoch's prefix (``"0/1"``: iteration 0, slot 1 for a fault; ``"1"`` for a seal)."""
-    with Store([etcd.endpoint]) as s:
-        kvs, _ = s.get_prefix(keys.restart)
-    out = {}
-    for kv in kvs:
-        rel = kv.key[len(keys.restart):].split("/", 1)[1]  # drop the epoch
+    """The job's restart records of one kind (``fault``, ``seal``...), by key relative to the epoch's prefix
+    (``"0/1"``: iteration 0, slot 1 for a fault; ``"1"`` for a seal): every one ever written, read from etcd's
+    history (the sealer deletes the keys of old iterations, and under load a run may take more restarts than
+    the test injected), the last value of each key."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def keep(key: str, value: bytes) -> None:
+        rel = key[len(keys.restart):].split("/", 1)[1]  # drop the epoch
         if rel.startswith(kind + "/"):
-            out[rel[len(kind) + 1:]] = json.loads(kv.value)
+            out[rel[len(kind) + 1:]] = json.loads(value)
+
+    with Store([etcd.endpoint]) as s:
+        kvs, revision = s.get_prefix(keys.restart)
+        try:
+            with s.watch(keys.restart, prefix=True, start_revision=max(1, revision - 90_000)) as w:
+                while (ev := w.next(timeout=0.5)) is not None and ev.kv.mod_revision <= revision:
+                    if ev.type == "put":
+                        keep(ev.kv.key, ev.kv.value)
+                    if ev.kv.mod_revision == revision:
+                        break
+        except StoreError:  # compacted: what is still there
+            for kv in kvs:
+                keep(kv.key, kv.value)
     return out

@@ -9,6 +9,10 @@ The operator's permissions: exactly the resources and verbs it calls, as listed 
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+# Nodes whose kubelet is gone (Ready Unknown, the unreachable taint): their pods are lost long before eviction.
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list", "watch"]
 {{- if .peering }}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]

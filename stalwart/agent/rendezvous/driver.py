@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from stalwart.agent.rendezvous.errors import (
     DuplicateNode,
     NodeLost,
+    RendezvousCancelled,
     RendezvousClosed,
     RendezvousError,
     RendezvousTimeout,
@@ -61,6 +62,7 @@ from stalwart.api.rendezvous import (
     RerendezvousRequest,
 )
 from stalwart.keys import JobKeys
+from stalwart.outage import Backoff, Outage
 from stalwart.store import Compare, Get, Put, Store, StoreError, StoreUnavailable, WatchEvent
 
 if TYPE_CHECKING:
@@ -162,6 +164,7 @@ class Rendezvous:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: StoreError | None = None
+        self._outage = Outage(f"etcd (rendezvous watch {self.prefix})", logger=log)
 
     # -- public -----------------------------------------------------------------------------------------
 
@@ -247,6 +250,7 @@ class Rendezvous:
                 self._feed(Reloaded(view, time.monotonic()))
                 self._loaded.set()
                 self.last_error = None
+                self._outage.ok()
                 backoff = 0.1
                 while not self._stop.is_set():
                     now = time.monotonic()
@@ -269,7 +273,7 @@ class Rendezvous:
                 if self._stop.is_set():
                     break
                 self.last_error = e
-                log.warning("rendezvous %s: watch failed, re-reading in %.2fs: %s", self.prefix, backoff, e)
+                self._outage.failed(e)  # logs once per outage
                 self._wake_handles(all_=True)
                 self._stop.wait(backoff * (0.5 + random.random()))
                 backoff = min(2.0, backoff * 2)
@@ -302,7 +306,8 @@ class Rendezvous:
             res = self.store.txn(
                 [Compare(key, "mod", "==", seal.over_epoch),
                  Compare(self.prefix + CLOSED, "create", "==", 0),
-                 Compare(self.prefix + NODES + seal.sealer, "create", "==", seal.sealer_revision)],
+                 Compare(self.prefix + NODES + seal.sealer, "create", "==", seal.sealer_revision),
+                 Compare(self.prefix + NODES, "create", "<", seal.view_revision + 1, prefix=True)],
                 [Put(key, value)])
         except (StoreError, ValueError) as e:
             log.warning("rendezvous %s: sealing round %d failed: %s", self.prefix, seal.manifest.round, e)
@@ -359,6 +364,10 @@ class Rendezvous:
             h._wake.set()
 
 
+#: Between re-registrations of a node whose key keeps being lost without a round in between.
+KEY_LOSS_BACKOFF = Backoff(initial=0.5, cap=10.0)
+
+
 class NodeHandle:
     """One node's side of the rendezvous. Get it from :meth:`Rendezvous.node`.
 
@@ -374,7 +383,9 @@ class NodeHandle:
         self.create_revision: int | None = None
         self.info: RoundInfo | None = None
         self._wake = threading.Event()
+        self._cancel = threading.Event()
         self._left = False
+        self._key_losses = 0  # consecutive losses of the node key without a round in between
 
     # -- registration ------------------------------------------------------------------------------------
 
@@ -408,8 +419,8 @@ class NodeHandle:
             except StoreUnavailable as e:
                 if time.monotonic() + backoff >= deadline:
                     raise RendezvousTimeout(f"node {self.node_id}: etcd unreachable while joining: {e}") from e
-                log.warning("node %s: etcd unreachable while joining, retrying: %s", self.node_id, e)
-                time.sleep(backoff * (0.5 + random.random()))
+                self.rdzv._outage.failed(f"node {self.node_id} joining: {e}")  # logs once per outage
+                self._pause(backoff * (0.5 + random.random()))
                 backoff = min(2.0, backoff * 2)
 
     def _wait_key_released(self, holder: int, deadline: float) -> bool:
@@ -425,6 +436,7 @@ class NodeHandle:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self.rdzv._stop.is_set():
                 return False
+            self._check_running()
             self._wake.wait(min(remaining, 1.0))
 
     def _own_entry_ok(self, view: View) -> bool:
@@ -461,8 +473,15 @@ class NodeHandle:
             view = self.rdzv.view()
             if self.lease is None or not self._own_entry_ok(view) or self.lease in self.rdzv.store.lost_leases():
                 if self.lease is not None:
-                    log.warning("node %s: key lost (lease expired); registering again", self.node_id)
+                    # A fenced node (its lease revoked because it is no longer one of the job's) would lose
+                    # each new key at once: back off, so that it does not hammer etcd until it is stopped.
+                    self._key_losses += 1
+                    delay = min(KEY_LOSS_BACKOFF.delay(self._key_losses, random.random()),
+                                max(0.0, deadline - time.monotonic()))
+                    log.warning("node %s: key lost (lease expired or revoked, %d in a row); registering again "
+                                "in %.1fs", self.node_id, self._key_losses, delay)
                     self._drop_lease()
+                    self._pause(delay)
                 self._register(deadline)
                 continue
             self._wake.clear()
@@ -471,6 +490,7 @@ class NodeHandle:
                 info = self._round_info(view, last_epoch)
                 if info is not None:
                     self.info = info
+                    self._key_losses = 0
                     return info
                 if view.closed:
                     raise RendezvousClosed(f"node {self.node_id}: the rendezvous is closed")
@@ -485,8 +505,21 @@ class NodeHandle:
             self._wake.wait(min(remaining, 1.0))
 
     def _check_running(self) -> None:
+        if self._cancel.is_set():
+            raise RendezvousCancelled(f"node {self.node_id}: stop requested")
         if self.rdzv._stop.is_set():
             raise RendezvousError(f"node {self.node_id}: the rendezvous client was shut down")
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds`` unless a stop is requested meanwhile (then raise :class:`RendezvousCancelled`)."""
+        if self._cancel.wait(seconds):
+            self._check_running()
+
+    def cancel(self) -> None:
+        """Stop request (from any thread): a blocked :meth:`join` or :meth:`wait_round_end` raises
+        :class:`RendezvousCancelled` within a moment, and so does every later call of either."""
+        self._cancel.set()
+        self._wake.set()
 
     def _round_info(self, view: View, after_epoch: int) -> RoundInfo | None:
         sealed = view.sealed

@@ -11,6 +11,10 @@ class RendezvousClosed(RendezvousError):
     """The rendezvous is closed: no new round will be sealed (the job is ending)."""
 
 
+class RendezvousCancelled(RendezvousError):
+    """The node's owner asked it to stop (SIGTERM): a blocked join or wait returned without a round."""
+
+
 class RendezvousTimeout(RendezvousError):
     """No round including this node was sealed before the join deadline."""
 

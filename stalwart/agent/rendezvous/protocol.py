@@ -11,7 +11,9 @@ The rules:
   request names its epoch. Otherwise the round has **ended** (or none was ever sealed): a new one is due.
 * Closing stops new rounds; a live round runs on.
 * The **sealer** is the present node with the oldest node key (lowest ``create_revision``). Only the sealer
-  writes a manifest, in one transaction; when it dies its key goes and the next oldest takes over.
+  writes a manifest, in one transaction; when it dies its key goes and the next oldest takes over. The
+  transaction also refuses a manifest planned over a view that misses a node already registered, so a node
+  left out of a round is always one that arrived after it.
 * A new round is sealed when ``max_nodes`` are present (for the first round, ``max_nodes`` ordinary
   nodes: hot spares do not count), or the expected set is present (and at least ``min_nodes``), or at least
   ``min_nodes`` are present and the last call has run out.
@@ -361,12 +363,15 @@ Event = Observed | Reloaded | Tick | LocalNode | SealFailed
 @dataclass(frozen=True, slots=True)
 class Seal:
     """Write ``manifest`` in one transaction, only if the manifest's mod_revision is still ``over_epoch``
-    (0: absent), the rendezvous is not closed, and the sealer's node key still has ``sealer_revision``."""
+    (0: absent), the rendezvous is not closed, the sealer's node key still has ``sealer_revision``, and no
+    node key was created after ``view_revision``: the manifest was planned over every node present when it is
+    written, so a node left out of a round arrived after it and is rightly a late arrival."""
 
     manifest: Manifest
     over_epoch: int
     sealer: str
     sealer_revision: int
+    view_revision: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,5 +414,5 @@ def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[Stat
     if state.sealing_at == view.revision:
         return state, []
     manifest = plan_round(view, settings, sealer, status.reason)
-    seal = Seal(manifest, view.epoch, sealer, view.nodes[sealer].create_revision)
+    seal = Seal(manifest, view.epoch, sealer, view.nodes[sealer].create_revision, view.revision)
     return replace(state, sealing_at=view.revision), [seal]

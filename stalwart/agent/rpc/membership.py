@@ -24,6 +24,7 @@ from typing import Any
 
 from stalwart.api.rpc import RpcWorkerRecord, check_worker_name
 from stalwart.keys import JobKeys
+from stalwart.outage import Backoff, Outage
 from stalwart.store import Store, StoreError, WatchCompacted
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ class EtcdMembership(Membership):
         self._epoch = epoch
         self._round_ranks: frozenset[int] = frozenset()  # ranks registered in our round (see wait_for_ranks)
         self._older_rounds = older_rounds
+        self._outage = Outage("etcd (RPC membership watch)", logger=log, backoff=Backoff(initial=0.5, cap=5.0))
         kvs, revision = store.get_prefix(self._prefix)
         for kv in kvs:
             self._absorb_put(kv.key, kv.value)
@@ -294,6 +296,7 @@ class EtcdMembership(Membership):
         while not self._stop.is_set():
             try:
                 with self._store.watch(self._prefix, prefix=True, start_revision=start_revision) as watch:
+                    self._outage.ok()
                     while not self._stop.is_set():
                         self._reregister_if_needed()
                         event = watch.next(timeout=0.2)
@@ -322,9 +325,8 @@ class EtcdMembership(Membership):
                 self._publish()
                 start_revision = revision + 1
             except StoreError as e:
-                if self._stop.wait(0.5):
+                if self._stop.wait(self._outage.failed(e)):  # logs once per outage, backs off
                     return
-                log.warning("RPC membership watch failed (%s); watching again", e)
 
     def close(self) -> None:
         """Stop the watch; delete our record (revoking the lease if we granted it)."""

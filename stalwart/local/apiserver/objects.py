@@ -141,6 +141,8 @@ class ObjectStore:
         self.watchers: set[Watcher] = set()
         self.listeners: list[Callable[[Event], None]] = []
         self.graceful_pods: Callable[[JSON], bool] = lambda pod: False
+        #: Mutating admission plugins run on every create, before validation (see ``stalwart.local.admission``).
+        self.admission: list[Callable[[ResourceInfo, JSON], None]] = []
         self._cluster_ip = itertools.count(1)
         for ns in ("default", "kube-system", "kube-public", "kube-node-lease"):
             self.create(self._info("", "v1", "namespaces"), "", {"metadata": {"name": ns}})
@@ -320,6 +322,8 @@ class ObjectStore:
         if info.has_status and (info.crd is not None or info.plural == "pods"):
             obj.pop("status", None)
         obj["apiVersion"], obj["kind"] = info.api_version, info.kind
+        for admit in self.admission:
+            admit(info, obj)
         obj = self._admit(info, obj, None, opts)
         meta = obj["metadata"]
         meta["uid"] = str(uuid.uuid4())

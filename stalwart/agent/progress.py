@@ -1,0 +1,273 @@
+"""The agent's progress reports: what its rank processes did, as facts the operator decides the status from.
+
+:class:`ProgressBook` is the pure core: a frozen record of this agent's view, changed only by the functions
+below (``state + observation -> state``), so what the operator is told is table-tested. It keeps, per round, the
+last in-process iteration in which one of the node's ranks completed a step and the iterations that respawned
+processes joined (the operator counts recoveries from these, exactly once, however often it reads them), the
+rank processes that ended on their own (exit code or signal, slot, rank, round, iteration: the culprit of a
+process death), and each rank's last step and progress.
+
+A step is what the training function reports with ``CallWrapper.ping(step=...)``. A rank that reports none
+counts as stepping once it has been in its training function for :data:`NO_STEP_GRACE` seconds, and a process
+that never writes a status file (a script without the restart wrapper) once it has run that long: there is no
+better evidence of them.
+
+:class:`ProgressReporter` is the shell: it writes the book's record to ``JobKeys.progress + node`` at most once
+per interval, and backs off (capped, with jitter) while etcd is unreachable, logging one line when that starts
+and one when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from stalwart.api.restart import (
+    MAX_EXITS,
+    MAX_HISTORY,
+    FailureInfo,
+    ProgressRecord,
+    RankExit,
+    RankReport,
+    RankStatus,
+    RoundSummary,
+)
+from stalwart.keys import JobKeys
+from stalwart.outage import Backoff, Outage
+from stalwart.store import Store, StoreError
+
+__all__ = [
+    "NO_STEP_GRACE",
+    "NodeState",
+    "ProcView",
+    "ProgressBook",
+    "ProgressReporter",
+    "exited",
+    "joined",
+    "observed",
+    "record",
+    "respawned",
+    "restarted_all",
+]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a rank that reports no steps must have run its training function before it counts as stepping.
+NO_STEP_GRACE = 10.0
+
+_STEPPED_STATES = ("running", "restarting", "barrier", "done", "inactive")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcView:
+    """One local rank process as the agent sees it now. ``started`` and ``now`` are monotonic seconds;
+    ``status`` is its status file (None: none read)."""
+
+    local_rank: int
+    slot: int
+    pid: int
+    started: float
+    status: RankStatus | None = None
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressBook:
+    """This agent's view of its rank processes (see the module docstring). ``pending`` are respawned processes
+    ``(local_rank, pid)`` whose first iteration is not known yet; ``running_since`` when a process was first
+    seen running an iteration ``(local_rank, pid, iteration) -> monotonic time``."""
+
+    node_id: str
+    incarnation: str
+    round: int = 0
+    epoch: int = 0
+    history: tuple[RoundSummary, ...] = ()
+    exits: tuple[RankExit, ...] = ()
+    ranks: tuple[RankReport, ...] = ()
+    pending: frozenset[tuple[int, int]] = frozenset()
+    running_since: tuple[tuple[tuple[int, int, int], float], ...] = ()
+    process_restarts: int = 0
+    last_failure: FailureInfo | None = None
+
+
+def joined(book: ProgressBook, round_: int, epoch: int) -> ProgressBook:
+    """The node runs ranks in a new round."""
+    if book.history and book.history[-1].round == round_:
+        return replace(book, round=round_, epoch=epoch)
+    history = (*book.history, RoundSummary(round=round_, epoch=epoch))[-MAX_HISTORY:]
+    return replace(book, round=round_, epoch=epoch, history=history, ranks=(), pending=frozenset(),
+                   running_since=())
+
+
+def respawned(book: ProgressBook, local_rank: int, pid: int) -> ProgressBook:
+    """A rank process was started again (``pid``) in the current round: a process restart, whose iteration is
+    known once the new process says which one it joins."""
+    return replace(book, pending=book.pending | {(local_rank, pid)}, process_restarts=book.process_restarts + 1)
+
+
+def restarted_all(book: ProgressBook) -> ProgressBook:
+    """Every rank process of the node is stopped to start again in a new round (a script without the restart
+    wrapper failed): a process restart, which the operator counts when the new round steps."""
+    return replace(book, process_restarts=book.process_restarts + 1)
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def exited(book: ProgressBook, proc: ProcView, *, now: float, hung: bool = False) -> ProgressBook:
+    """A rank process ended on its own (not stopped by its agent) or was killed for a hang."""
+    code = proc.exit_code
+    st = proc.status
+    signame = _signal_name(code) if code is not None and code < 0 else None
+    ex = RankExit(local_rank=proc.local_rank, slot=st.slot if st else proc.slot, rank=st.rank if st else None,
+                  round=book.round, iteration=st.iteration if st else 0, pid=proc.pid,
+                  exit_code=code if code is not None and code >= 0 else None, signal=signame, hung=hung, time=now)
+    what = "no progress within its hard timeout" if hung else (f"killed by {signame}" if signame
+                                                                else f"exited {code}")
+    failure = FailureInfo(rank=ex.rank, pod=book.node_id, reason=f"local rank {proc.local_rank} {what}", time=now)
+    return replace(book, exits=(*book.exits, ex)[-MAX_EXITS:], last_failure=failure)
+
+
+def gave_up(book: ProgressBook, statuses: Sequence[RankStatus]) -> ProgressBook:
+    """The ranks gave up (restarts exhausted, non-retryable): the failure behind it is the newest one a rank
+    recorded (the exception, with its type and message), not its exit code; the exits stay recorded."""
+    failures = [st.last_failure for st in statuses if st.last_failure is not None]
+    if not failures:
+        return book
+    return replace(book, last_failure=max(failures, key=lambda f: f.time))
+
+
+def _ended_iteration(st: RankStatus) -> int | None:
+    """The last iteration a rank's status shows to have ended in a fault (None: none)."""
+    if st.state == "restarting":
+        return st.iteration
+    if st.state in ("barrier", "running", "inactive") and st.iteration >= 1:
+        return st.iteration - 1
+    return None
+
+
+def _stepped_iteration(p: ProcView, since: dict[tuple[int, int, int], float], now: float) -> int | None:
+    """The iteration in which this process is known to have completed a step (None: none known)."""
+    st = p.status
+    if st is None:
+        # No status file: not the restart wrapper (or not yet); after the grace, running is the evidence.
+        ran = now - p.started >= NO_STEP_GRACE and p.exit_code is None
+        return 0 if ran else None
+    if st.first_step is not None and st.state in _STEPPED_STATES:
+        return st.iteration
+    if st.state == "done" and st.pid == p.pid:
+        # The training function returned in this iteration: it completed its work, steps reported or not (a
+        # script that never pings shows no steps, and a short iteration may end before the grace below).
+        return st.iteration
+    if st.state == "running" and st.step is None:
+        first = since.get((p.local_rank, p.pid, st.iteration))
+        if first is not None and now - first >= NO_STEP_GRACE:
+            return st.iteration
+    return None
+
+
+def observed(book: ProgressBook, procs: Sequence[ProcView], *, now: float, wall: float) -> ProgressBook:
+    """What the processes' status files say now (``now`` monotonic, ``wall`` the wall clock)."""
+    since = dict(book.running_since)
+    live = set()
+    for p in procs:
+        if p.status is not None and p.status.state == "running":
+            key = (p.local_rank, p.pid, p.status.iteration)
+            since.setdefault(key, now)
+            live.add(key)
+    since = {k: v for k, v in since.items() if k in live}
+    stepped = [it for p in procs if (it := _stepped_iteration(p, since, now)) is not None]
+    # Iterations are numbered per round and each one after the first starts after a fault: a rank at iteration k
+    # shows that iteration k - 1 ran and a fault ended it (k itself, once the rank is restarting from it).
+    faulted = [i for p in procs if p.status is not None and p.status.pid == p.pid
+               and (i := _ended_iteration(p.status)) is not None]
+    history = list(book.history)
+    pending = set(book.pending)
+    joined_at: list[int] = []
+    for p in procs:
+        st = p.status
+        if (p.local_rank, p.pid) in pending and st is not None and st.pid == p.pid \
+                and st.state in ("barrier", "running"):
+            joined_at.append(st.iteration)
+            pending.discard((p.local_rank, p.pid))
+    if history and (stepped or faulted or joined_at):
+        last = history[-1]
+        best = max([*stepped, *([last.stepped] if last.stepped is not None else [])], default=None)
+        worst = max([*faulted, *([last.faulted] if last.faulted is not None else [])], default=None)
+        history[-1] = last.model_copy(update={
+            "stepped": best, "faulted": worst, "respawned": sorted(set(last.respawned) | set(joined_at))})
+    ranks = tuple(_report(p, now, wall) for p in procs)
+    # The newest failure any rank saw (the first fault of its last faulted iteration), or the agent's own.
+    failures = [f for f in [book.last_failure, *(p.status.last_failure for p in procs if p.status)] if f is not None]
+    newest = max(failures, key=lambda f: f.time) if failures else None
+    return replace(book, ranks=ranks, history=tuple(history), pending=frozenset(pending),
+                   running_since=tuple(sorted(since.items())), last_failure=newest)
+
+
+def _report(p: ProcView, now: float, wall: float) -> RankReport:
+    st = p.status
+    if st is None or st.pid != p.pid:
+        return RankReport(local_rank=p.local_rank, slot=p.slot, pid=p.pid)
+    progress = wall - (now - st.heartbeat) if st.state == "running" else wall
+    return RankReport(local_rank=p.local_rank, slot=st.slot, rank=st.rank, pid=p.pid, state=st.state,
+                      iteration=st.iteration, step=st.step, step_time=st.step_time, first_step=st.first_step,
+                      first_step_time=st.first_step_time, progress_time=progress)
+
+
+NodeState = Literal["joining", "running", "restarting", "succeeded", "failed"]
+
+
+def record(book: ProgressBook, state: NodeState, *, wall: float, world_size: int | None = None) -> ProgressRecord:
+    """The record the operator reads."""
+    steps = [r.step for r in book.ranks if r.step is not None]
+    return ProgressRecord(
+        node_id=book.node_id, epoch=book.epoch, round=book.round, state=state,
+        step=max(steps) if steps else None, world_size=world_size,
+        restarts_in_process=max((r.iteration for r in book.ranks), default=0),
+        process_restarts=book.process_restarts, last_failure=book.last_failure, updated=wall,
+        incarnation=book.incarnation, ranks=list(book.ranks), exits=list(book.exits), history=list(book.history))
+
+
+class ProgressReporter:
+    """Keeps the :class:`ProgressBook` and writes its record (at most every ``interval`` seconds; a forced
+    write skips the interval but not the back-off of an etcd outage)."""
+
+    def __init__(self, store: Store, keys: JobKeys, node_id: str, *, interval: float = 1.0,
+                 context: str = "", write_timeout: float = 2.0, backoff: Backoff | None = None) -> None:
+        self.store = store
+        self.key = keys.progress + node_id
+        self.interval = interval
+        self.write_timeout = write_timeout
+        self.book = ProgressBook(node_id=node_id, incarnation=uuid.uuid4().hex[:12])
+        self.outage = Outage("etcd (progress reports)", logger=log, context=context,
+                             backoff=backoff or Backoff(initial=0.5, cap=10.0))
+        self.world_size: int | None = None
+        self._written = 0.0
+        self.writes = 0
+
+    def publish(self, state: NodeState, *, force: bool = False) -> bool:
+        """Write the record if it is due; True when it was written."""
+        now = time.monotonic()
+        if not force and now - self._written < self.interval:
+            return False
+        if not self.outage.due():
+            return False
+        rec = record(self.book, state, wall=time.time(), world_size=self.world_size)
+        try:
+            self.store.put(self.key, rec.to_json_bytes(), timeout=self.write_timeout)
+        except StoreError as e:
+            self.outage.failed(e)
+            return False
+        self.outage.ok()
+        self._written = now
+        self.writes += 1
+        return True

@@ -1,0 +1,311 @@
+"""The shell of ``stalwart drill``: inject faults into a running TrainingJob and watch it recover.
+
+Pod faults go through the Kubernetes API (delete, or force delete with no grace period). Rank faults go through
+the job's agents: a :class:`~stalwart.api.drill.DrillRequest` signed with the job's token (read from the job's
+Secret, as the user's own credentials allow) is written to the job's etcd prefix; the agent of the target pod
+checks it and carries it out, or refuses it (the job must opt in with ``spec.faultInjection.enabled``).
+
+After each fault the drill waits for the next completed step, then for the status to settle, and records one
+:class:`~stalwart.drill.core.Row`. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from pydantic import ValidationError
+
+from stalwart.api import naming
+from stalwart.api.drill import AGENT_KINDS, DrillRequest, DrillResult
+from stalwart.api.rendezvous import Manifest
+from stalwart.api.restart import ProgressRecord
+from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
+from stalwart.drill.core import (
+    HEADER,
+    RankPoint,
+    Recovery,
+    Row,
+    format_row,
+    points,
+    recovery,
+    standing,
+    status_summary,
+    table_line,
+)
+from stalwart.keys import JobKeys
+from stalwart.store import Store, StoreError
+
+__all__ = ["DrillError", "DrillOptions", "DrillSession", "Refused"]
+
+JSON = dict[str, Any]
+#: Validity of a request and the lease its key is bound to (seconds).
+REQUEST_TTL = 120
+
+
+class DrillError(RuntimeError):
+    """The drill cannot go on (the message says why); the CLI exits 2."""
+
+
+class Refused(DrillError):
+    """An agent refused a request (its answer says why)."""
+
+
+@dataclass(frozen=True)
+class DrillOptions:
+    """``timeout``: seconds a fault may take to recover; ``settle``: seconds the status may take to say so
+    afterwards; ``ready_timeout``: seconds to wait for the job to run before the first fault."""
+
+    timeout: float = 300.0
+    settle: float = 30.0
+    ready_timeout: float = 300.0
+    poll: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "settle", "ready_timeout", "poll"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')}: expected seconds > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class DrillSession:
+    """One drill against ``namespace/job``. ``api`` is a configured ``kubernetes.client.ApiClient``;
+    ``etcd_endpoints`` the job's etcd (default: its spec's)."""
+
+    api: Any
+    namespace: str
+    job: str
+    etcd_endpoints: Sequence[str] = ()
+    options: DrillOptions = field(default_factory=DrillOptions)
+    out: TextIO = sys.stdout
+    clock: Callable[[], float] = time.time
+    store: Store | None = None
+    uid: str = ""
+    token: bytes = b""
+
+    def __post_init__(self) -> None:
+        from kubernetes import client
+
+        self.core: Any = client.CoreV1Api(self.api)
+        self.custom: Any = client.CustomObjectsApi(self.api)
+
+    # -- connecting ------------------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        body = self.get_job()
+        if not body:
+            raise DrillError(f"trainingjob {self.namespace}/{self.job} not found")
+        self.uid = str(body["metadata"]["uid"])
+        spec = body.get("spec") or {}
+        endpoints = list(self.etcd_endpoints) or list((spec.get("rendezvous") or {}).get("endpoints") or [])
+        if not endpoints:
+            raise DrillError("--etcd-endpoints: the job names no etcd endpoints (spec.rendezvous.endpoints); give "
+                             "the etcd the operator uses (or set STALWART_ETCD_ENDPOINTS)")
+        user = password = None
+        ca = cert = key = None
+        ref = (spec.get("rendezvous") or {}).get("secretRef")
+        if ref:
+            creds = self.secret_data(ref["name"])
+            user, password = (creds.get("username") or b"").decode() or None, \
+                (creds.get("password") or b"").decode() or None
+            if (spec.get("rendezvous") or {}).get("tls"):
+                ca, cert, key = creds.get("ca.crt"), creds.get("tls.crt"), creds.get("tls.key")
+        self.store = Store(endpoints, timeout=5.0, user=user, password=password, ca_cert=ca, client_cert=cert,
+                           client_key=key)
+        self.token = self.secret_data(naming.secret_name(self.job)).get(naming.RPC_TOKEN_KEY, b"")
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def secret_data(self, name: str) -> dict[str, bytes]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            secret = self.core.read_namespaced_secret(name, self.namespace)
+        except ApiException as e:
+            raise DrillError(f"cannot read Secret {self.namespace}/{name}: {e.status} {e.reason}") from None
+        return {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+
+    # -- observing -------------------------------------------------------------------------------------------
+
+    @property
+    def keys(self) -> JobKeys:
+        return JobKeys(self.namespace, self.uid)
+
+    def get_job(self) -> JSON:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            got: JSON = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.job)
+        except ApiException as e:
+            if e.status == 404:
+                return {}
+            raise
+        return got
+
+    def status(self) -> JSON:
+        st: JSON = self.get_job().get("status") or {}
+        return st
+
+    def _store(self) -> Store:
+        if self.store is None:
+            raise DrillError("not connected")
+        return self.store
+
+    def records(self) -> list[ProgressRecord]:
+        kvs, _ = self._store().get_prefix(self.keys.progress)
+        out = []
+        for kv in kvs:
+            try:
+                out.append(ProgressRecord.from_json_bytes(kv.value))
+            except (ValidationError, ValueError):
+                continue
+        return out
+
+    def manifest(self) -> Manifest | None:
+        kv = self._store().get(self.keys.rendezvous + "manifest")
+        return Manifest.from_json_bytes(kv.value) if kv is not None else None
+
+    def current_points(self) -> list[RankPoint]:
+        """The ranks of the current round as their agents last reported them."""
+        manifest = self.manifest()
+        if manifest is None:
+            return []
+        return [p for p in points(self.records()) if p.round == manifest.round]
+
+    def wait_running(self, timeout: float) -> JSON:
+        """Until the job is Running with a rank in its training function (DrillError when it ends)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if st.get("phase") in ("Succeeded", "Failed"):
+                raise DrillError(f"the job is {st['phase']}")
+            if st.get("phase") == "Running" and any(p.state == "running" for p in self.current_points()):
+                return st
+            if time.monotonic() > deadline:
+                raise DrillError(f"the job was not Running within {timeout:g}s (it is {st.get('phase')})")
+            time.sleep(self.options.poll)
+
+    # -- injecting -------------------------------------------------------------------------------------------
+
+    def pod_fault(self, kind: str, pod: str) -> None:
+        from kubernetes import client
+
+        grace = 0 if kind == "pod-force-delete" else None
+        body = client.V1DeleteOptions(grace_period_seconds=grace)
+        self.core.delete_namespaced_pod(pod, self.namespace, body=body, grace_period_seconds=grace)
+
+    def agent_fault(self, kind: str, node: str, local_rank: int, *, token: bytes | None = None) -> DrillResult:
+        """Ask ``node``'s agent for ``kind`` on ``local_rank``; its answer (Refused if it refused)."""
+        now = self.clock()
+        req = DrillRequest(id=secrets.token_hex(16), job_uid=self.uid, node_id=node, local_rank=local_rank,
+                           kind=kind, issued=now, expires=now + REQUEST_TTL)
+        req = req.signed(self.token if token is None else token)
+        store = self._store()
+        lease = store.lease_grant(REQUEST_TTL, keepalive=False)
+        store.put(self.keys.drill + "requests/" + req.id, req.to_json_bytes(), lease=lease)
+        deadline = time.monotonic() + 30.0
+        key = self.keys.drill + "results/" + req.id
+        while time.monotonic() < deadline:
+            kv = store.get(key)
+            if kv is not None:
+                result = DrillResult.from_json_bytes(kv.value)
+                if not result.accepted:
+                    raise Refused(f"{node} refused {kind}: {result.reason}")
+                return result
+            time.sleep(self.options.poll)
+        raise DrillError(f"no answer from the agent of {node} within 30s (is it running?)")
+
+    # -- one fault ---------------------------------------------------------------------------------------------
+
+    def inject(self, index: int, kind: str, pick: Callable[[Sequence[Any]], Any]) -> Row:
+        """Inject one fault of ``kind`` (``pick`` chooses the target), wait for the recovery, return its row."""
+        self.wait_running(self.options.ready_timeout)
+        recoveries = _recoveries(self.status())
+        pts = self.current_points()
+        before, step_before = standing(pts)
+        if kind in AGENT_KINDS:
+            running = sorted((p for p in pts if p.state == "running"), key=lambda p: (p.node, p.local_rank))
+            if not running:
+                raise DrillError("no rank is in its training function to inject into")
+            target = pick(running)
+            injected_at = self.clock()
+            result = self.agent_fault(kind, target.node, target.local_rank)
+            what = f"rank {result.rank if result.rank is not None else target.rank} ({target.node})"
+        else:
+            manifest = self.manifest()
+            members = sorted(m.node_id for m in manifest.members) if manifest else []
+            if not members:
+                raise DrillError("the job has no rendezvous round to take a pod from")
+            pod = pick(members)
+            injected_at = self.clock()
+            self.pod_fault(kind, pod)
+            what = pod
+        rec = self.wait_recovered(before, injected_at, step_before)
+        if rec is None:
+            return Row(index, kind, what, None, status_summary(self.status()),
+                       note=f"not within {self.options.timeout:g}s")
+        return Row(index, kind, what, rec, self.settled_status(recoveries))
+
+    def wait_recovered(self, before: tuple[int, int], injected_at: float, step_before: int) -> Recovery | None:
+        deadline = time.monotonic() + self.options.timeout
+        best = step_before
+        while time.monotonic() < deadline:
+            try:
+                pts = points(self.records())
+            except StoreError:
+                time.sleep(self.options.poll)
+                continue
+            # Steps a rank completed after the injection but still before the fault took hold count as done
+            # (reports of the fault's round only: those of pods gone in earlier rounds are history).
+            best = max([best, *(p.step for p in pts if p.round == before[0] and p.position <= before
+                                and p.step is not None)])
+            found = recovery(pts, before, injected_at, best)
+            if found is not None:
+                return found
+            if self.status().get("phase") == "Failed":
+                return None
+            time.sleep(self.options.poll)
+        return None
+
+    def settled_status(self, recoveries_before: int) -> str:
+        """The status once it says Running again with the recovery counted (or whatever it says after ``settle``
+        seconds: the drill shows what the status said, it does not judge it)."""
+        deadline = time.monotonic() + self.options.settle
+        while True:
+            st = self.status()
+            if st.get("phase") in ("Succeeded", "Failed") or (
+                    st.get("phase") == "Running" and _recoveries(st) > recoveries_before):
+                return status_summary(st)
+            if time.monotonic() > deadline:
+                return status_summary(st)
+            time.sleep(self.options.poll)
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def run(self, kinds: Sequence[str], seed: int) -> list[Row]:
+        """Inject one fault per entry of ``kinds`` (targets drawn with ``seed``), printing each row as it ends."""
+        import random
+
+        rng = random.Random(seed)
+        rows: list[Row] = []
+        self.say(table_line(HEADER))
+        for i, kind in enumerate(kinds, start=1):
+            row = self.inject(i, kind, lambda xs: xs[rng.randrange(len(xs))])
+            rows.append(row)
+            self.say(format_row(row))
+            if row.recovery is None:
+                break
+        return rows
+
+
+def _recoveries(status: JSON) -> int:
+    restarts = status.get("restarts") or {}
+    return int(restarts.get("inProcess", 0)) + int(restarts.get("processRestarts", 0))

@@ -1,0 +1,186 @@
+"""The operator on the local cluster when a node or an agent is lost, under a real cluster's semantics: the lost
+pod stays Running (Ready=False) in the API, it would be evicted only after its 300 s tolerationSeconds, and a
+partitioned node's processes live on, paused. The job recovers long before any eviction: the operator reads the
+loss from the node (Ready Unknown, the unreachable taint) or from the agent's etcd lease, fences the pod, deletes
+it and replaces it; the zombie resumed afterwards cannot disturb the new round. Also: a job whose pods do not
+all fit the nodes (the scheduler's Unschedulable pods and the job's gang behaviour)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import NotFoundException
+from test_operator_cluster import SLEEP, TRAIN, Jobs, OperatorFactory, job_body, phase_is, wait_for
+
+from stalwart.api.rendezvous import Manifest
+from stalwart.keys import JobKeys
+from stalwart.local.cluster import LocalCluster
+from stalwart.local.processes import POD_MARKER, marked_pids, process_state
+from stalwart.store import Store
+
+pytestmark = pytest.mark.integration
+
+
+def requesting(body: dict[str, Any], cpu: str) -> dict[str, Any]:
+    """``body`` with each pod requesting ``cpu``: with 3 CPUs a node takes two of them and the scheduler spreads
+    them, so each of a job's first three pods gets a node of its own."""
+    body["spec"]["template"]["spec"]["containers"][0]["resources"] = {"requests": {"cpu": cpu}}
+    return body
+
+
+def pod_pids(uid: str) -> list[int]:
+    return marked_pids(POD_MARKER, uid)
+
+
+def watch_zombie(store: Store, keys: JobKeys, node: str, seconds: float) -> dict[str, Any]:
+    """Look at the rendezvous for ``seconds``: the epochs of the manifests seen, whether ``node`` was ever a
+    member, and how often it held a node key (registered again)."""
+    seen: dict[str, Any] = {"epochs": set(), "member": False, "registered": 0}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        kv = store.get(keys.rendezvous + "manifest")
+        if kv is not None:
+            seen["epochs"].add(kv.mod_revision)
+            seen["member"] |= Manifest.from_json_bytes(kv.value).member(node) is not None
+        seen["registered"] += store.get(keys.rendezvous + "nodes/" + node) is not None
+        time.sleep(0.1)
+    return seen
+
+
+def replaced(jobs: Jobs, name: str) -> Any:
+    st = jobs.status(name)
+    return st if st.get("restarts", {}).get("podReplacements", 0) >= 1 else None
+
+
+def test_a_partitioned_node_is_fenced_and_replaced_long_before_eviction_and_its_zombie_does_no_harm(
+        start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store, local_cluster: LocalCluster) -> None:
+    start_operator(jobs.ns)
+    created = jobs.create(requesting(job_body("part", replicas=2, spares=1, command=[
+        *TRAIN, "--steps", "100000", "--step-delay", "0.05"]), "3"))
+    keys = JobKeys(jobs.ns, created["metadata"]["uid"])
+    st = wait_for("training", lambda: (s := jobs.status("part")).get("phase") == "Running" and s.get(
+        "progress", {}).get("step", 0) >= 10 and s, timeout=240)
+    before = st["progress"]["step"]
+    pods = {p.metadata.name: p for p in jobs.pods("part")}
+    victim = pods["part-worker-1"]
+    node = victim.spec.node_name
+    assert [n for n, p in pods.items() if p.spec.node_name == node] == ["part-worker-1"]
+    assert victim.spec.tolerations and all(t.toleration_seconds == 300 for t in victim.spec.tolerations)
+    zombie = pod_pids(victim.metadata.uid)
+    assert len(zombie) >= 2  # the agent and its rank
+
+    local_cluster.lose_node(node, partition=True)
+    try:
+        st = wait_for("a replacement", lambda: replaced(jobs, "part"), timeout=120)
+        assert st["lastFailure"]["pod"] == "part-worker-1" and st["lastFailure"]["reason"] == "NodeLost"
+        assert st["lastFailure"]["message"] == f"its node {node} is unreachable"
+        # Fenced (its rendezvous key is gone with its revoked lease) and force-deleted: no kubelet could
+        # confirm a graceful deletion there. Its processes live on, paused.
+        assert etcd_store.get(keys.rendezvous + "nodes/part-worker-1") is None
+        wait_for("the lost pod to leave the API", lambda: "part-worker-1" not in {
+            p.metadata.name for p in jobs.pods("part")}, timeout=60)
+        assert {process_state(pid) for pid in zombie} == {"T"}
+        st = wait_for("training in a new round with the spare", lambda: (s := jobs.status("part")).get(
+            "phase") == "Running" and s.get("round", 0) >= 2 and s["progress"]["step"] > before + 20 and s,
+            timeout=240)
+        assert st["worldSize"] == 2 and st["restarts"]["podReplacements"] == 1
+        assert "PodReplaced" in jobs.events("part")
+        # Long before the pods' 300 s tolerationSeconds: nothing was evicted.
+        evictions = [e for e in jobs.core.list_namespaced_event(jobs.ns).items if e.reason == "TaintManagerEviction"]
+        assert evictions == []
+        round_, step = st["round"], st["progress"]["step"]
+        epoch = etcd_store.get(keys.rendezvous + "manifest").mod_revision  # type: ignore[union-attr]
+
+        # The partition heals towards etcd first: the zombie runs again while its kubelet is still cut off (its
+        # pod is gone from the API, but nobody there knows yet).
+        log = local_cluster.dir / "pods" / f"{jobs.ns}_part-worker-1_{victim.metadata.uid}" / "trainer.log"
+        size = log.stat().st_size
+        for pid in zombie:
+            os.kill(pid, signal.SIGCONT)
+        wait_for("the zombie to act", lambda: log.stat().st_size > size, timeout=30)
+        seen = watch_zombie(etcd_store, keys, "part-worker-1", seconds=5.0)
+        assert seen["epochs"] == {epoch}, seen  # no new round, no write into the current one from the zombie
+        assert not seen["member"]
+        assert any(process_state(pid) for pid in zombie)  # it was alive all along
+    finally:
+        local_cluster.restore_node(node)
+    # The returning kubelet stops the zombie: the job goes on in the same round, with the same replacements, and
+    # keeps making progress.
+    wait_for("the zombie's processes to end", lambda: all(process_state(pid) == "" for pid in zombie), timeout=60)
+    st = wait_for("training to go on", lambda: (s := jobs.status("part")).get("progress", {}).get(
+        "step", 0) > step + 20 and s, timeout=120)
+    assert st["phase"] == "Running" and st["round"] == round_ and st["worldSize"] == 2
+    assert st["restarts"]["podReplacements"] == 1
+    jobs.delete("part")
+    wait_for("the job to go", lambda: jobs.gone("part"), timeout=90)
+
+
+def test_an_agent_that_loses_its_lease_on_a_healthy_node_is_replaced(
+        start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store) -> None:
+    # The agent (and its rank) are paused; the node stays Ready. The agent's lease expires, its progress record
+    # goes stale, and that is all the operator sees.
+    start_operator(jobs.ns)
+    created = jobs.create(requesting(job_body("silent", replicas=2, spares=1, command=SLEEP), "3"))
+    keys = JobKeys(jobs.ns, created["metadata"]["uid"])
+    wait_for("Running", phase_is(jobs, "silent", "Running"), timeout=240)
+    victim = next(p for p in jobs.pods("silent") if p.metadata.name == "silent-worker-1")
+    paused = pod_pids(victim.metadata.uid)
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        st = wait_for("a replacement", lambda: replaced(jobs, "silent"), timeout=120)
+        assert st["lastFailure"]["pod"] == "silent-worker-1" and st["lastFailure"]["reason"] == "PodLost"
+        assert "lease" in st["lastFailure"]["message"]
+        assert etcd_store.get(keys.rendezvous + "nodes/silent-worker-1") is None
+        # Its node is fine: the deletion is graceful (the kubelet there stops it), not forced.
+        lost = next(p for p in jobs.pods("silent") if p.metadata.name == "silent-worker-1")
+        assert lost.metadata.deletion_timestamp is not None and lost.metadata.deletion_grace_period_seconds == 30
+        st = wait_for("a new round", lambda: (s := jobs.status("silent")).get("phase") == "Running"
+                      and s.get("round", 0) >= 2 and s, timeout=240)
+        assert st["worldSize"] == 2
+    finally:
+        for pid in paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    jobs.delete("silent")
+    wait_for("the job to go", lambda: jobs.gone("silent"), timeout=90)
+
+
+def test_a_job_whose_pods_do_not_all_fit(start_operator: OperatorFactory, jobs: Jobs) -> None:
+    # 5 CPUs a pod: one pod per node, so three of the four pods run and the fourth is Unschedulable.
+    start_operator(jobs.ns)
+    jobs.create(requesting(job_body("gang", replicas=4, minReplicas=4, command=SLEEP), "5"))
+
+    def unschedulable(name: str) -> Any:
+        pods = jobs.pods(name)
+        waiting = [p for p in pods if any(c.type == "PodScheduled" and c.status == "False"
+                                          for c in p.status.conditions or [])]
+        return waiting if len(pods) == 4 and len(waiting) == 1 else None
+
+    (waiting,) = wait_for("one pod to be unschedulable", lambda: unschedulable("gang"), timeout=120)
+    cond = next(c for c in waiting.status.conditions if c.type == "PodScheduled")
+    assert cond.reason == "Unschedulable" and cond.message.startswith(
+        "0/3 nodes are available: 3 Insufficient cpu.")
+    # Fewer than minReplicas can run: the job waits, says why, and seals no round.
+    st = wait_for("the job to report it", lambda: (s := jobs.status("gang")).get("phase") == "Starting" and any(
+        c["type"] == "Running" and c["reason"] == "Unschedulable" for c in s.get("conditions", [])) and s)
+    assert "round" not in st and waiting.metadata.name in next(
+        c["message"] for c in st["conditions"] if c["type"] == "Running")
+    jobs.delete("gang")
+    # Its agents wait in a rendezvous that cannot seal: no need to sit out their grace period.
+    for p in jobs.pods("gang"):
+        with contextlib.suppress(NotFoundException):  # the finalizer's own deletion may come first
+            jobs.core.delete_namespaced_pod(p.metadata.name, jobs.ns, grace_period_seconds=0)
+    wait_for("the job and its pods to go", lambda: jobs.gone("gang") and not jobs.pods("gang"), timeout=90)
+
+    # With minReplicas=3 the three that fit seal a round of their own; the fourth waits for room.
+    jobs.create(requesting(job_body("elastic", replicas=4, minReplicas=3, command=SLEEP), "5"))
+    st = wait_for("a round of three", lambda: (s := jobs.status("elastic")).get("phase") == "Running" and s,
+                  timeout=240)
+    assert st["worldSize"] == 3 and st["replicas"] == 4
+    assert len(unschedulable("elastic") or []) == 1

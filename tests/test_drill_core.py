@@ -1,0 +1,105 @@
+"""The pure parts of fault drills: signed requests, the agent's verdict on them, the plan, recovery, the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.agent.drill import judge
+from stalwart.api.drill import DrillRequest
+from stalwart.drill.core import (
+    RankPoint,
+    Recovery,
+    Row,
+    format_table,
+    parse_kinds,
+    plan,
+    recovery,
+    standing,
+    status_summary,
+)
+
+TOKEN = b"the-job-token"
+NOW = 1_800_000_000.0
+
+
+def request(**over: object) -> DrillRequest:
+    base: dict[str, object] = {"id": "ab" * 16, "job_uid": "uid-1", "node_id": "job-worker-1", "local_rank": 0,
+                               "kind": "rank-kill", "issued": NOW, "expires": NOW + 120}
+    base.update(over)
+    return DrillRequest.model_validate(base).signed(TOKEN)
+
+
+@pytest.mark.parametrize(("req", "token", "enabled", "now", "answered_refusal"), [
+    (request(), TOKEN, True, NOW + 1, (False, None)),
+    (request(), b"another-token", True, NOW + 1, (False, "not signed with the job's token")),
+    (request(), None, True, NOW + 1, (False, "no job token")),
+    (request().model_copy(update={"kind": "rank-hang"}), TOKEN, True, NOW + 1, (False,
+     "not signed with the job's token")),  # altered after signing
+    (request(job_uid="uid-2"), TOKEN, True, NOW + 1, (False, "for job uid-2")),
+    (request(), TOKEN, False, NOW + 1, (False, "fault injection is not enabled")),
+    (request(), TOKEN, True, NOW + 121, (False, "expired")),
+    (request(issued=NOW + 100, expires=NOW + 200), TOKEN, True, NOW, (False, "issued in the future")),
+    (request(expires=NOW + 3600), TOKEN, True, NOW + 1, (False, "valid for longer")),
+    (request(), TOKEN, True, NOW + 1, (True, "a replay")),
+    # Checked first: a caller without the token learns nothing about the job's settings.
+    (request(job_uid="uid-2"), b"wrong", False, NOW + 999, (True, "not signed with the job's token")),
+], ids=["ok", "wrong-token", "no-token", "tampered", "other-job", "not-opted-in", "expired", "future",
+        "too-long", "replay", "signature-first"])
+def test_judge(req: DrillRequest, token: bytes | None, enabled: bool, now: float,
+               answered_refusal: tuple[bool, str | None]) -> None:
+    answered, refusal = answered_refusal
+    verdict = judge(req, token=token, job_uid="uid-1", enabled=enabled, now=now, answered=answered)
+    if refusal is None:
+        assert verdict is None
+    else:
+        assert verdict is not None and refusal in verdict
+
+
+def test_requests_are_json_and_their_ids_are_checked() -> None:
+    req = request()
+    assert DrillRequest.from_json_bytes(req.to_json_bytes()) == req and req.verify(TOKEN)
+    with pytest.raises(ValueError, match="hex"):
+        request(id="../../etc")
+
+
+def test_parse_kinds_and_plan() -> None:
+    assert parse_kinds("rank-kill, pod-delete,rank-kill") == ("rank-kill", "pod-delete")
+    with pytest.raises(ValueError, match=r"--kinds: .* got rank-explode"):
+        parse_kinds("rank-explode")
+    with pytest.raises(ValueError, match="--faults"):
+        plan(0, ("rank-kill",), 1)
+    drawn = plan(7, ("a", "b", "c"), seed=5)
+    assert sorted(drawn[:3]) == ["a", "b", "c"] and sorted(drawn[3:6]) == ["a", "b", "c"] and len(drawn) == 7
+    assert plan(7, ("a", "b", "c"), seed=5) == drawn
+
+
+def point(node: str, round_: int, iteration: int, step: int | None, *, first: int | None = None,
+          first_time: float | None = None) -> RankPoint:
+    return RankPoint(node, 0, 0, 0, "running", round_, iteration, step, first, first_time)
+
+
+def test_recovery_is_the_first_step_of_a_later_iteration_or_round_after_the_fault() -> None:
+    before = [point("a", 1, 0, 120), point("b", 1, 0, 121)]
+    assert standing(before) == ((1, 0), 121)
+    # The new iteration has started but not stepped; an old first step (before the fault) does not count.
+    started = [point("a", 1, 1, 121), point("b", 1, 0, 121, first=1, first_time=NOW - 60)]
+    assert recovery(started, (1, 0), NOW, 121) is None
+    rec = recovery([point("a", 1, 1, 123, first=122, first_time=NOW + 0.4),
+                    point("b", 1, 1, 122, first=122, first_time=NOW + 0.2)], (1, 0), NOW, 121)
+    assert rec == Recovery(0.2, 122, 0)
+    # A new round from the checkpoint at step 100: 21 steps done again.
+    assert recovery([point("c", 2, 0, 101, first=101, first_time=NOW + 9)], (1, 0), NOW, 121) == Recovery(9.0, 101, 21)
+
+
+def test_the_table_and_the_status_line() -> None:
+    status = {"phase": "Running", "restarts": {"inProcess": 1, "processRestarts": 2, "podReplacements": 1},
+              "lastFailure": {"reason": "ProcessExited", "signal": "SIGKILL", "rank": 0, "pod": "job-worker-0"}}
+    line = status_summary(status)
+    assert line == ("Running; restarts 1 in-process/2 process/1 pod; "
+                    "lastFailure ProcessExited SIGKILL (rank 0, job-worker-0)")
+    table = format_table([Row(1, "rank-kill", "rank 0 (job-worker-0)", Recovery(3.25, 51, 0), line),
+                          Row(2, "pod-delete", "job-worker-1", None, "Restarting", note="not within 300s")])
+    header, first, second = table.splitlines()
+    assert header.split() == ["#", "FAULT", "TARGET", "RECOVERY", "RECOMPUTED", "STATUS", "AFTER"]
+    assert first.index("3.2s") == header.index("RECOVERY") and first.endswith(line)
+    assert "not within 300s" in second and second.rstrip().endswith("Restarting")
