@@ -33,6 +33,7 @@ from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.handover import handover_env, keep_at_round_end, next_step, write_handover
 from stalwart.agent.progress import NodeState, ProgressReporter
+from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
 from stalwart.agent.rendezvous import (
     NodeHandle,
     Rendezvous,
@@ -44,13 +45,12 @@ from stalwart.agent.rendezvous import (
 from stalwart.agent.settings import AgentSettings
 from stalwart.agent.supervision import ProcView, supervise
 from stalwart.api.exit_codes import ExitCode
-from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
+from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.restart import FaultKind, FaultRecord, RankStatus
 from stalwart.local.etcd import free_port
 from stalwart.restart.coordination import record_fault
-from stalwart.restart.environment import RankEnvironment
 from stalwart.store import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -106,11 +106,6 @@ def process_state(pid: int) -> str:
             return f.read().rsplit(b")", 1)[1].split()[0].decode()
     except (OSError, IndexError):
         return ""
-
-
-#: RankEnvironment field -> JobRecord field: the job's in-process restart settings a rank gets.
-_JOB_SETTINGS = {"max_restarts": "max_restarts", "soft_timeout": "soft_timeout_seconds",
-                 "hard_timeout": "hard_timeout_seconds", "barrier_timeout": "barrier_timeout_seconds"}
 
 
 @dataclass(slots=True)
@@ -322,39 +317,9 @@ class Agent:
     # -- processes -------------------------------------------------------------------------------------------
 
     def _rank_env(self, info: RoundInfo, local_rank: int) -> dict[str, str]:
-        s = self.settings
-        m = info.manifest
-        nproc = s.nproc_per_node
-        member = info.member
-        spare = member is None
-        if member is not None:
-            first, group_rank = member.rank_offset, member.group_rank
-        else:
-            first, group_rank = m.world_size + m.spares.index(s.node_id) * nproc, len(m.members)
-        slots = m.world_size + (len(m.spares) * nproc if self.options.spare_ranks else 0)
-        slot = first + local_rank
-        env = dict(self.base_env)
-        env.update({
-            "RANK": str(slot), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(m.world_size),
-            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(group_rank), "ROLE_RANK": str(slot),
-            "ROLE_WORLD_SIZE": str(m.world_size), "MASTER_ADDR": m.master_addr,
-            "MASTER_PORT": str(m.master_port or self.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(self.progress.process_restarts),
-            "TORCHELASTIC_RUN_ID": s.job_uid,
-        })
-        if "OMP_NUM_THREADS" not in self.base_env and nproc > 1:
-            env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a node must not oversubscribe it
-        job = {} if self.job is None else {k: getattr(self.job, v) for k, v in _JOB_SETTINGS.items()}
-        renv = RankEnvironment(etcd_endpoints=s.etcd_endpoints, job=s.job, job_uid=s.job_uid, node_id=s.node_id,
-                               epoch=info.epoch, slot=slot, slots=max(slots, slot + 1),
-                               target_world=m.world_size, spare=spare,
-                               status_file=str(self.run_dir / f"rank-{local_rank}.json"), local_rank=local_rank,
-                               **job)
-        env.update(renv.to_env())
-        env[HANDOVER_FILE_ENV] = str(self.run_dir / f"handover-{local_rank}.json")
-        if s.rpc_token is not None:
-            env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
-        return env
+        return rank_env(self.settings, info, local_rank, base_env=self.base_env, run_dir=self.run_dir,
+                        master_port=self.master_port, spare_ranks=self.options.spare_ranks,
+                        restarts=self.progress.process_restarts, job=self.job)
 
     def _launch_all(self, info: RoundInfo) -> None:
         self.procs = {}
@@ -364,27 +329,20 @@ class Agent:
 
     def _launch_parked(self) -> None:
         """Start this spare's processes before any round takes them: they import the script and wait."""
-        self.procs = {}
-        self._parked = True
-        s = self.settings
-        for lr in range(s.nproc_per_node):
-            handover = self.run_dir / f"handover-{lr}.json"
+        self.procs, self._parked = {}, True
+        for lr in range(self.settings.nproc_per_node):
             with contextlib.suppress(FileNotFoundError):
-                handover.unlink()
-            env = dict(self.base_env)
-            env.update({"LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(s.nproc_per_node), PARKED_ENV: "true",
-                        HANDOVER_FILE_ENV: str(handover), "STALWART_NODE_ID": s.node_id})
-            if s.rpc_token is not None:
-                env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
+                handover_file(self.run_dir, lr).unlink()
+            env = parked_env(self.settings, lr, base_env=self.base_env, run_dir=self.run_dir)
             popen = subprocess.Popen(self.command, env=env, start_new_session=False)
-            self.procs[lr] = _Proc(lr, -1, popen, self.run_dir / f"rank-{lr}.json")
+            self.procs[lr] = _Proc(lr, -1, popen, status_file(self.run_dir, lr))
             log.info("%s: started local rank %d parked (pid %d)", self._ctx, lr, popen.pid)
 
     def _hand_over(self, info: RoundInfo) -> None:
         """Give the running processes their places in the new round (they continue there in process)."""
         for p in self.procs.values():
             env = self._rank_env(info, p.local_rank)
-            write_handover(self.run_dir / f"handover-{p.local_rank}.json",
+            write_handover(handover_file(self.run_dir, p.local_rank),
                            Handover(epoch=info.epoch, round=info.round, env=handover_env(env)))
             p.slot, p.status_read, p.done_since = int(env["STALWART_SLOT"]), 0.0, None
             if self._parked:
@@ -395,7 +353,7 @@ class Agent:
 
     def _spawn(self, info: RoundInfo, local_rank: int) -> None:
         status = self.run_dir / f"rank-{local_rank}.json"
-        for stale in (status, self.run_dir / f"handover-{local_rank}.json"):
+        for stale in (status, handover_file(self.run_dir, local_rank)):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
         self.progress.statuses.pop(local_rank, None)  # the old process's status must not judge the new one
