@@ -19,7 +19,7 @@ from typing import Literal
 from stalwart.agent.supervision import ProcView
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
 
-__all__ = ["NextStep", "handover_env", "keep_at_round_end", "next_step", "write_handover"]
+__all__ = ["NextStep", "grow_due", "handover_env", "keep_at_round_end", "next_step", "write_handover"]
 
 NextStep = Literal["hand_over", "launch", "park", "wait"]
 
@@ -50,6 +50,13 @@ def next_step(role: Literal["member", "spare", "waiting"], *, kept: bool, warm: 
     if role == "spare" and spare_ranks and not warm:
         return "launch"
     return "park" if warm else "wait"
+
+
+def grow_due(*, warm: bool, group_rank: int | None, members: int, max_nodes: int, waiting: int) -> bool:
+    """Whether this node should ask for a new round to grow the world back: warm spares are on, the round
+    is below ``max_nodes``, a node is waiting outside it (a replacement, its processes parked), and this
+    node is the round's group rank 0 (one asker). Pure."""
+    return warm and group_rank == 0 and members < max_nodes and waiting > 0
 
 
 def handover_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
-from stalwart.agent.handover import handover_env, keep_at_round_end, next_step, write_handover
+from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, next_step, write_handover
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
 from stalwart.agent.rendezvous import (
@@ -143,6 +143,7 @@ class Agent:
         self._terminate = threading.Event()
         self._kept = False  # the processes outlived the last round (warm spares)
         self._parked = False  # they wait for their first round
+        self._grow_asked = 0  # the epoch of the round this node asked to end to grow the world
         self._ctx = f"job={settings.job} node={settings.node_id}"
         self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
                                          interval=self.options.progress_interval, context=self._ctx)
@@ -257,9 +258,24 @@ class Agent:
                 if not self._kept:
                     self._stop_all(grace=self.options.term_grace)
                 return None
+            self._maybe_grow(info)
             self._publish(self._state())
             self._terminate.wait(self.options.poll_interval)
         return None
+
+    def _maybe_grow(self, info: RoundInfo) -> None:
+        """A shrunken world grows back, in process, once a node waits outside the round."""
+        member = info.member
+        if self._grow_asked == info.epoch or not grow_due(
+                warm=self._warm(), group_rank=None if member is None else member.group_rank,
+                members=len(info.manifest.members), max_nodes=self.settings.max_nodes,
+                waiting=len(self.handle.waiting_nodes())):
+            return
+        self._grow_asked = info.epoch
+        log.info("%s: round %d has %d of %d nodes and a node waits: asking for a new round", self._ctx,
+                 info.round, len(info.manifest.members), self.settings.max_nodes)
+        with contextlib.suppress(Exception):
+            self.handle.request_rerendezvous("growing the world back")
 
     def _warm(self) -> bool:
         return self.options.warm_spares or (self.job is not None and self.job.warm_spares)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.agent.handover import handover_env, keep_at_round_end, next_step, write_handover
+from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, next_step, write_handover
 from stalwart.agent.supervision import ProcView
 from stalwart.api.handover import Handover
 from stalwart.restart.handover import RoundOver, RoundWatch, newer, read_handover
@@ -41,6 +41,18 @@ def test_keep_at_round_end(procs: list[ProcView], parked: bool, warm: bool, keep
 ])
 def test_next_step(role: str, kept: bool, warm: bool, spare_ranks: bool, step: str) -> None:
     assert next_step(role, kept=kept, warm=warm, spare_ranks=spare_ranks) == step  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("warm", "group_rank", "members", "waiting", "due"), [
+    (True, 0, 1, 1, True),
+    (True, 1, 1, 1, False),      # one asker: group rank 0
+    (True, None, 1, 1, False),   # a spare does not ask
+    (True, 0, 2, 1, False),      # already at max_nodes
+    (True, 0, 1, 0, False),      # nobody to grow with
+    (False, 0, 1, 1, False),     # warm spares off
+])
+def test_grow_due(warm: bool, group_rank: int | None, members: int, waiting: int, due: bool) -> None:
+    assert grow_due(warm=warm, group_rank=group_rank, members=members, max_nodes=2, waiting=waiting) is due
 
 
 def test_handover_env_carries_the_round_and_no_secret() -> None:
