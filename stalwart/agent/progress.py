@@ -148,7 +148,7 @@ def gave_up(book: ProgressBook, statuses: Sequence[RankStatus]) -> ProgressBook:
 
 def _ended_iteration(st: RankStatus) -> int | None:
     """The last iteration a rank's status shows to have ended in a fault (None: none)."""
-    if st.state == "restarting":
+    if st.state in ("restarting", "failed"):  # failed: it gave up after the fault of that iteration
         return st.iteration
     if st.state in ("barrier", "running", "inactive") and st.iteration >= 1:
         return st.iteration - 1

@@ -79,6 +79,9 @@ def test_an_iteration_that_ran_into_a_fault_is_recorded() -> None:
     # A rank seen only at the barrier of iteration 5 (its agent reads its status now and then): 4 ended in a fault.
     b = observed(b, [proc(status(state="barrier", iteration=5, step=4))], now=2.0, wall=WALL)
     assert b.history[-1].faulted == 4
+    # The rank gave up (its restarts exhausted) after the fault of iteration 5: that iteration ran to a fault too.
+    b = observed(b, [proc(status(state="failed", iteration=5, step=4))], now=3.0, wall=WALL)
+    assert b.history[-1].faulted == 5
 
 
 def test_a_rank_that_reports_no_steps_counts_after_the_grace_in_its_training_function() -> None:
