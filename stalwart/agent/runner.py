@@ -512,13 +512,13 @@ class Agent:
         """The live rank processes, for fault drills."""
         epoch = self.info.epoch if self.info is not None else 0
         return [Target(p.local_rank, p.popen.pid, self.progress.statuses.get(p.local_rank), epoch, str(p.status_file))
-                for p in list(self.procs.values()) if p.exit_code is None]
+                for p in list(self.procs.values()) if p.exit_code is None and p.slot >= 0]
 
     def _state(self) -> NodeState:
         states = {st.state for st in self.progress.statuses.values()}
         return "restarting" if states & {"barrier", "restarting"} else "running"
 
     def _publish(self, state: NodeState, *, force: bool = False) -> None:
-        self.reporter.book = book_.observed(self.reporter.book, [self._book_view(p) for p in self.procs.values()],
-                                            now=time.monotonic(), wall=time.time())
+        ranks = [self._book_view(p) for p in self.procs.values() if p.slot >= 0]  # a parked one has no slot yet
+        self.reporter.book = book_.observed(self.reporter.book, ranks, now=time.monotonic(), wall=time.time())
         self.reporter.publish(state, force=force)
