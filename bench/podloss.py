@@ -28,8 +28,10 @@ fault, one panel per implementation (of the first fault and size). Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -85,6 +87,25 @@ def pod_pids(pod: str) -> set[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it (torchrun starts its workers in sessions of their own, so a
+    signal to its process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
 def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Events,
             survivor: Events) -> list[dict[str, Any]]:
     steps = [e for e in events if e["event"] == "step"]
@@ -102,7 +123,8 @@ def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Event
     restart_from = min(resumed) if resumed else done_before
     starts = sum(1 for e in survivor if e["event"] == "start" and e["time"] >= t_fault)
     base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params}
-    return [{**base, "metric": "seconds", "value": round(max(firsts) - t_fault - step_s, 3)},
+    recovery = max(firsts) - t_fault - step_s
+    return [{**base, "metric": "seconds", "value": None if math.isnan(recovery) else round(recovery, 3)},
             {**base, "metric": "steps_recomputed", "value": max(0, done_before - restart_from)},
             {**base, "metric": "survivor_process_starts", "value": starts},
             {**base, "metric": "step_seconds", "value": round(step_s, 4)}]
@@ -195,7 +217,12 @@ def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[fl
             raise RuntimeError(f"torchrun did not warm up: {survivor_log.read_text()[-2000:]}")
         time.sleep(0.2)
     t_fault = time.time()
-    os.killpg(victim.pid, signal.SIGTERM if fault == "delete" else signal.SIGKILL)
+    if fault == "delete":
+        victim.terminate()  # torchrun passes SIGTERM on to its workers
+    else:
+        for pid in descendants(victim.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     victim.wait(timeout=60)
     replacement, replacement_log = node(1, "1b")
     try:
