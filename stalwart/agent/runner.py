@@ -31,7 +31,9 @@ from pathlib import Path
 
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
+from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, next_step, write_handover
 from stalwart.agent.progress import NodeState, ProgressReporter
+from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
 from stalwart.agent.rendezvous import (
     NodeHandle,
     Rendezvous,
@@ -43,13 +45,13 @@ from stalwart.agent.rendezvous import (
 from stalwart.agent.settings import AgentSettings
 from stalwart.agent.supervision import ProcView, supervise
 from stalwart.api.exit_codes import ExitCode
+from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.restart import FaultKind, FaultRecord, RankStatus
 from stalwart.etcd_client import connect
 from stalwart.local.etcd import free_port
 from stalwart.restart.coordination import record_fault
-from stalwart.restart.environment import RankEnvironment
 from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ class AgentOptions:
     last_call_timeout: float = 5.0
     node_ttl: int = 10
     spare_ranks: bool = False
+    #: Keep rank processes across rounds and start a spare's parked (also on when the job's record says so).
+    warm_spares: bool = False
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -103,11 +107,6 @@ def process_state(pid: int) -> str:
             return f.read().rsplit(b")", 1)[1].split()[0].decode()
     except (OSError, IndexError):
         return ""
-
-
-#: RankEnvironment field -> JobRecord field: the job's in-process restart settings a rank gets.
-_JOB_SETTINGS = {"max_restarts": "max_restarts", "soft_timeout": "soft_timeout_seconds",
-                 "hard_timeout": "hard_timeout_seconds", "barrier_timeout": "barrier_timeout_seconds"}
 
 
 @dataclass(slots=True)
@@ -144,6 +143,9 @@ class Agent:
         self.info: RoundInfo | None = None
         self.job: JobRecord | None = None
         self._terminate = threading.Event()
+        self._kept = False  # the processes outlived the last round (warm spares)
+        self._parked = False  # they wait for their first round
+        self._grow_asked = 0  # the epoch of the round this node asked to end to grow the world
         self._ctx = f"job={settings.job} node={settings.node_id}"
         self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
                                          interval=self.options.progress_interval, context=self._ctx)
@@ -195,15 +197,27 @@ class Agent:
             self.job = self._read_job()
             log.info("%s: round %d (epoch %d) as %s, world size %d", self._ctx, info.round, info.epoch, info.role,
                      info.world_size)
-            if info.role == "waiting" or (info.role == "spare" and not self.options.spare_ranks):
+            step = next_step(info.role, kept=self._kept, warm=self._warm(), spare_ranks=self.options.spare_ranks)
+            if self._kept and not (step == "hand_over" or (step == "park" and self._parked)):
+                self._stop_all(grace=self.options.term_grace)
+            self._kept = False
+            if step in ("park", "wait"):
+                if step == "park" and not self._parked:
+                    self._launch_parked()
                 self._publish("joining", force=True)
                 with contextlib.suppress(RendezvousCancelled):
                     while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
                         pass
+                self._poll()
+                self._kept = keep_at_round_end([self._view(p) for p in self.procs.values()], parked=self._parked,
+                                               warm=step == "park")
                 continue
             self.reporter.book = book_.joined(self.reporter.book, info.round, info.epoch)
             self.reporter.world_size = info.world_size
-            self._launch_all(info)
+            if step == "hand_over":
+                self._hand_over(info)
+            else:
+                self._launch_all(info)
             outcome = self._supervise_round(info)
             if outcome is not None:
                 return outcome
@@ -241,11 +255,32 @@ class Agent:
                 if end.closed and self._wait_finishing():
                     continue
                 log.info("%s: round %d ended: %s", self._ctx, info.round, end.reason)
-                self._stop_all(grace=self.options.term_grace)
+                self._kept = keep_at_round_end([self._view(p) for p in self.procs.values()], parked=False,
+                                               warm=self._warm())
+                if not self._kept:
+                    self._stop_all(grace=self.options.term_grace)
                 return None
+            self._maybe_grow(info)
             self._publish(self._state())
             self._terminate.wait(self.options.poll_interval)
         return None
+
+    def _maybe_grow(self, info: RoundInfo) -> None:
+        """A shrunken world grows back, in process, once a node waits outside the round."""
+        member = info.member
+        if self._grow_asked == info.epoch or not grow_due(
+                warm=self._warm(), group_rank=None if member is None else member.group_rank,
+                members=len(info.manifest.members), max_nodes=self.settings.max_nodes,
+                waiting=len(self.handle.waiting_nodes())):
+            return
+        self._grow_asked = info.epoch
+        log.info("%s: round %d has %d of %d nodes and a node waits: asking for a new round", self._ctx,
+                 info.round, len(info.manifest.members), self.settings.max_nodes)
+        with contextlib.suppress(Exception):
+            self.handle.request_rerendezvous("growing the world back")
+
+    def _warm(self) -> bool:
+        return self.options.warm_spares or (self.job is not None and self.job.warm_spares)
 
     def _read_job(self) -> JobRecord | None:
         """The operator's record of the job (its timeouts), or ``None``: a job run without the operator, or
@@ -300,49 +335,45 @@ class Agent:
     # -- processes -------------------------------------------------------------------------------------------
 
     def _rank_env(self, info: RoundInfo, local_rank: int) -> dict[str, str]:
-        s = self.settings
-        m = info.manifest
-        nproc = s.nproc_per_node
-        member = info.member
-        spare = member is None
-        if member is not None:
-            first, group_rank = member.rank_offset, member.group_rank
-        else:
-            first, group_rank = m.world_size + m.spares.index(s.node_id) * nproc, len(m.members)
-        slots = m.world_size + (len(m.spares) * nproc if self.options.spare_ranks else 0)
-        slot = first + local_rank
-        env = dict(self.base_env)
-        env.update({
-            "RANK": str(slot), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(m.world_size),
-            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(group_rank), "ROLE_RANK": str(slot),
-            "ROLE_WORLD_SIZE": str(m.world_size), "MASTER_ADDR": m.master_addr,
-            "MASTER_PORT": str(m.master_port or self.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(self.progress.process_restarts),
-            "TORCHELASTIC_RUN_ID": s.job_uid,
-        })
-        if "OMP_NUM_THREADS" not in self.base_env and nproc > 1:
-            env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a node must not oversubscribe it
-        job = {} if self.job is None else {k: getattr(self.job, v) for k, v in _JOB_SETTINGS.items()}
-        renv = RankEnvironment(etcd_endpoints=s.etcd_endpoints, job=s.job, job_uid=s.job_uid, node_id=s.node_id,
-                               epoch=info.epoch, slot=slot, slots=max(slots, slot + 1),
-                               target_world=m.world_size, spare=spare,
-                               status_file=str(self.run_dir / f"rank-{local_rank}.json"), local_rank=local_rank,
-                               **job)
-        env.update(renv.to_env())
-        env.update(s.etcd_env())
-        if s.rpc_token is not None:
-            env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
-        return env
+        return rank_env(self.settings, info, local_rank, base_env=self.base_env, run_dir=self.run_dir,
+                        master_port=self.master_port, spare_ranks=self.options.spare_ranks,
+                        restarts=self.progress.process_restarts, job=self.job)
 
     def _launch_all(self, info: RoundInfo) -> None:
         self.procs = {}
+        self._parked = False
         for lr in range(self.settings.nproc_per_node):
             self._spawn(info, lr)
 
+    def _launch_parked(self) -> None:
+        """Start this spare's processes before any round takes them: they import the script and wait."""
+        self.procs, self._parked = {}, True
+        for lr in range(self.settings.nproc_per_node):
+            with contextlib.suppress(FileNotFoundError):
+                handover_file(self.run_dir, lr).unlink()
+            env = parked_env(self.settings, lr, base_env=self.base_env, run_dir=self.run_dir)
+            popen = subprocess.Popen(self.command, env=env, start_new_session=False)
+            self.procs[lr] = _Proc(lr, -1, popen, status_file(self.run_dir, lr))
+            log.info("%s: started local rank %d parked (pid %d)", self._ctx, lr, popen.pid)
+
+    def _hand_over(self, info: RoundInfo) -> None:
+        """Give the running processes their places in the new round (they continue there in process)."""
+        for p in self.procs.values():
+            env = self._rank_env(info, p.local_rank)
+            write_handover(handover_file(self.run_dir, p.local_rank),
+                           Handover(epoch=info.epoch, round=info.round, env=handover_env(env)))
+            p.slot, p.status_read, p.done_since = int(env["STALWART_SLOT"]), 0.0, None
+            if self._parked:
+                self._wrapped.add(p.local_rank)
+        log.info("%s: handed %d running rank process(es) over to round %d%s", self._ctx, len(self.procs),
+                 info.round, " (a warm spare promoted)" if self._parked else "")
+        self._parked = False
+
     def _spawn(self, info: RoundInfo, local_rank: int) -> None:
         status = self.run_dir / f"rank-{local_rank}.json"
-        with contextlib.suppress(FileNotFoundError):
-            status.unlink()
+        for stale in (status, handover_file(self.run_dir, local_rank)):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
         self.progress.statuses.pop(local_rank, None)  # the old process's status must not judge the new one
         env = self._rank_env(info, local_rank)
         popen = subprocess.Popen(self.command, env=env, start_new_session=False)
@@ -483,13 +514,13 @@ class Agent:
         """The live rank processes, for fault drills."""
         epoch = self.info.epoch if self.info is not None else 0
         return [Target(p.local_rank, p.popen.pid, self.progress.statuses.get(p.local_rank), epoch, str(p.status_file))
-                for p in list(self.procs.values()) if p.exit_code is None]
+                for p in list(self.procs.values()) if p.exit_code is None and p.slot >= 0]
 
     def _state(self) -> NodeState:
         states = {st.state for st in self.progress.statuses.values()}
         return "restarting" if states & {"barrier", "restarting"} else "running"
 
     def _publish(self, state: NodeState, *, force: bool = False) -> None:
-        self.reporter.book = book_.observed(self.reporter.book, [self._book_view(p) for p in self.procs.values()],
-                                            now=time.monotonic(), wall=time.time())
+        ranks = [self._book_view(p) for p in self.procs.values() if p.slot >= 0]  # a parked one has no slot yet
+        self.reporter.book = book_.observed(self.reporter.book, ranks, now=time.monotonic(), wall=time.time())
         self.reporter.publish(state, force=force)

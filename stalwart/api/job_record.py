@@ -51,6 +51,7 @@ class JobRecord(ApiModel):
     soft_timeout_seconds: float = Field(gt=0, description="restartPolicy.inProcess.softTimeoutSeconds.")
     hard_timeout_seconds: float = Field(gt=0, description="restartPolicy.inProcess.hardTimeoutSeconds.")
     barrier_timeout_seconds: float = Field(gt=0, description="restartPolicy.inProcess.barrierTimeoutSeconds.")
+    warm_spares: bool = Field(default=False, description="restartPolicy.inProcess.warmSpares.")
     backoff_limit: int = Field(ge=0, description="restartPolicy.backoffLimit.")
     rules: list[FailureRule] = Field(default_factory=list, description="restartPolicy.rules, in order.")
     success_policy: SuccessPolicy = Field(
@@ -121,6 +122,7 @@ class JobRecord(ApiModel):
             soft_timeout_seconds=in_process.soft_timeout_seconds,
             hard_timeout_seconds=in_process.hard_timeout_seconds,
             barrier_timeout_seconds=in_process.barrier_timeout_seconds,
+            warm_spares=in_process.warm_spares,
             backoff_limit=spec.restart_policy.backoff_limit,
             rules=list(spec.restart_policy.rules),
             success_policy=spec.success_policy,

@@ -220,6 +220,13 @@ class InProcessRestart(ApiModel):
         description=("How long the ranks wait for each other at a restart barrier before the ranks that "
                      "have not arrived are declared failed, and how long building an iteration's process "
                      "group may take."))
+    warm_spares: bool = Field(
+        default=False,
+        description=("Recover a lost pod in process: spare pods start their rank processes at once and wait "
+                     "inside the restart wrapper; when a pod is lost, the surviving pods keep their processes "
+                     "and continue in the new rendezvous round, a spare taking the lost ranks. Needs a "
+                     "training function wrapped with @stalwart.restartable; state comes from peers "
+                     "(stalwart.restart.sync_from_peers)."))
 
     __rules__: ClassVar[list[Rule]] = [
         Rule(

@@ -25,6 +25,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="TTL in seconds of this node's rendezvous lease (default 10)")
     p.add_argument("--spare-ranks", action="store_true",
                    help="on a spare pod, run the ranks as in-process spares (scripts using stalwart.restartable)")
+    p.add_argument("--warm-spares", action="store_true",
+                   help="keep the rank processes across rounds and start a spare's parked (also on when the "
+                        "job's restartPolicy.inProcess.warmSpares is)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the training command")
     p.set_defaults(func=run)
 
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         settings = AgentSettings.from_env()
         options = AgentOptions(max_restarts=args.max_restarts, term_grace=args.term_grace,
                                last_call_timeout=args.last_call, node_ttl=args.node_ttl,
-                               spare_ranks=args.spare_ranks)
+                               spare_ranks=args.spare_ranks, warm_spares=args.warm_spares)
     except (SettingsError, ValueError) as e:
         print(f"stalwart agent: invalid settings:\n{e}", file=sys.stderr)
         return 2

@@ -52,7 +52,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
-from stalwart.restart import CallWrapper
+from stalwart.restart import CallWrapper, sync_from_peers
 
 log = logging.getLogger("stalwart.examples.train")
 
@@ -84,6 +84,7 @@ class Options:
     fail_at_step: int | None
     fail_rank: int
     fail_times: int = 1
+    hidden: int = HIDDEN
 
 
 @dataclass
@@ -120,6 +121,9 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                         help=f"where rank 0 keeps the checkpoint (default ${CHECKPOINT_DIR_ENV}, "
                              "else a directory per job under the temporary directory)")
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=HIDDEN,
+                        help=f"width of the hidden layer (default {HIDDEN}); the model has "
+                             f"{IN_FEATURES + OUT_FEATURES + 1} parameters per unit plus {OUT_FEATURES}")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--step-delay", type=float, default=0.0,
                         help="seconds to sleep per step, so that a demo can be watched (default 0)")
@@ -150,12 +154,13 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                    lr=args.lr, seed=args.seed, checkpoint_dir=Path(checkpoint_dir),
                    checkpoint_every=_positive("--checkpoint-every", args.checkpoint_every),
                    log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
-                   fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times)
+                   fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times,
+                   hidden=_positive("--hidden", args.hidden))
 
 
-def build_model(seed: int) -> nn.Module:
+def build_model(seed: int, hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT_FEATURES))
+    return nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, OUT_FEATURES))
 
 
 def batch(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,24 +197,6 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
 
 
-def agree_on_state(state: TrainState, rank: int, world_size: int) -> int:
-    """Make every rank hold the most advanced state; returns the rank it came from.
-
-    After an in-process restart, survivors hold the model at the step they reached and a newcomer holds
-    the checkpoint's; the highest step wins (ties: the lowest rank), and its parameters are broadcast.
-    """
-    steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(steps, torch.tensor([state.step], dtype=torch.int64))
-    values = [int(s.item()) for s in steps]
-    best = max(values)
-    source = values.index(best)
-    with torch.no_grad():
-        for tensor in [*state.model.parameters(), *state.model.buffers()]:
-            dist.broadcast(tensor, src=source)
-    state.step = best
-    return source
-
-
 def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
     if opts.fail_at_step is None or step != opts.fail_at_step or rank != opts.fail_rank:
         return
@@ -238,10 +225,12 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     global _state
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if _state is None:
-        model = build_model(opts.seed)
+        model = build_model(opts.seed, opts.hidden)
         _state = TrainState(model, load_checkpoint(opts.checkpoint_dir, model))
         emit("start", rank=rank, world_size=world_size, step=_state.step)
-    source = agree_on_state(_state, rank, world_size)
+    # The most advanced replica in memory wins over the checkpoint a newcomer loaded (a warm spare's).
+    synced = sync_from_peers(_state.model, step=_state.step)
+    _state.step, source = synced.step or 0, synced.source
     emit("resume", rank=rank, world_size=world_size, step=_state.step, source=source,
          iteration=call_wrapper.iteration if call_wrapper is not None else 0)
     ddp = DistributedDataParallel(_state.model)
@@ -272,7 +261,8 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
             emit("step", rank=rank, step=_state.step, loss=round(last_loss, 6))
         if opts.step_delay:
             time.sleep(opts.step_delay)
-    emit("done", rank=rank, world_size=world_size, step=_state.step, loss=round(last_loss, 6))
+    emit("done", rank=rank, world_size=world_size, step=_state.step, loss=round(last_loss, 6),
+         params=[float(v) for p in _state.model.parameters() for v in p.detach().flatten().tolist()])
     return last_loss
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 from stalwart.restart.assignment import RankAssignment, WorldTooSmall
 from stalwart.restart.errors import ProcessGroupConflict
 from stalwart.restart.interrupt import RestartInterrupt
+from stalwart.restart.peers import StateMismatch, SyncResult, sync_from_peers
 from stalwart.restart.policies import (
     Abort,
     AbortProcessGroup,
@@ -92,7 +93,10 @@ __all__ = [
     "RestartExit",
     "RestartInterrupt",
     "Restartable",
+    "StateMismatch",
+    "SyncResult",
     "Unhealthy",
     "WorldTooSmall",
     "restartable",
+    "sync_from_peers",
 ]

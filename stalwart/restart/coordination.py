@@ -92,6 +92,9 @@ def record_fault(store: Store, keys: JobKeys, epoch: int, rec: FaultRecord) -> b
 
 T = TypeVar("T")
 
+#: How often a wait looks again at its condition when etcd is silent.
+_TICK = 0.2
+
 
 class Coordinator:
     """One rank process's view of its epoch's restart prefix. Thread-safe (etcd calls only).
@@ -273,7 +276,7 @@ class Coordinator:
                 if left is not None and left <= 0:
                     raise CoordinationTimeout("deadline passed")
                 try:
-                    ev = watch.next(timeout=min(left, 1.0) if left is not None else 1.0)
+                    ev = watch.next(timeout=min(left, _TICK) if left is not None else _TICK)
                 except (StoreUnavailable, StoreTimeout) as e:
                     # The stream broke (etcd restarting): re-read and watch again from there.
                     self.outage.failed(f"watch: {e}")
@@ -285,6 +288,11 @@ class Coordinator:
                     watch = self._watch(sub, view.revision + 1)
                     continue
                 if ev is None:
+                    # Nothing changed in etcd; ``done`` may also look at the process's own state (a handover
+                    # to a newer round), so it is asked again on the last view.
+                    result = done(view)
+                    if result:
+                        return view, result
                     continue
                 # Drain what else arrived before re-reading once.
                 while watch.next(timeout=0) is not None:

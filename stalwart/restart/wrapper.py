@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from stalwart.agent.rendezvous.errors import StaleEpoch
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ArrivalRecord, FaultKind, FaultRecord, SealRecord, failure_info
 from stalwart.etcd_client import EtcdCredentials, connect
@@ -46,6 +45,7 @@ from stalwart.restart.config import RestartConfig
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator, EpochView, barrier_complete
 from stalwart.restart.environment import RankEnvironment
 from stalwart.restart.errors import NonRetryable, RestartExit, describe, exception_name, release_frames
+from stalwart.restart.handover import RoundWatch
 from stalwart.restart.interrupt import Interrupter, RestartInterrupt
 from stalwart.restart.monitor import Monitor, StatusFile
 from stalwart.restart.policies import (
@@ -55,8 +55,8 @@ from stalwart.restart.policies import (
     Unhealthy,
     group_released_last,
 )
+from stalwart.restart.rounds import run_rounds
 from stalwart.restart.user_group import InitStandIn
-from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class _Finished:
 class _Session:
     """One rank process's run of a restartable function: etcd client, monitor, the loop."""
 
-    def __init__(self, env: RankEnvironment, config: RestartConfig) -> None:
+    def __init__(self, env: RankEnvironment, config: RestartConfig, rounds: RoundWatch | None = None) -> None:
         self.env = env
         self.config = config
         self.store = connect(env.etcd_endpoints, EtcdCredentials.from_env(), timeout=config.etcd_timeout)
@@ -121,6 +121,15 @@ class _Session:
         self.group_args: GroupArgs | None = None
         #: The cause of the last interrupted iteration (for the exit reason when the budget runs out).
         self.last_cause: FaultRecord | None = None
+        self.rounds = rounds  # a handover to a later round interrupts the function; the checks then leave
+        if rounds is not None:
+            rounds.on_new = lambda h: self.monitor._interrupt(f"round {h.round} (epoch {h.epoch}) took over")
+        self.check_round: Callable[[], None] = rounds.check if rounds is not None else lambda: None
+
+    def abort_last(self) -> None:
+        """Abort the last iteration's process group (its round was fenced out before the fault path ran)."""
+        if self.last_ctx is not None:
+            self._abort(self.last_ctx)
 
     def close(self) -> None:
         self.monitor.stop()
@@ -138,6 +147,7 @@ class _Session:
         if isinstance(iteration, _Finished):
             return None
         while True:
+            self.check_round()
             if iteration > self.config.max_restarts:
                 self.monitor.update_status(state="failed")
                 last = f"; the last failure: {describe(self.last_cause)}" if self.last_cause else ""
@@ -218,6 +228,7 @@ class _Session:
         deadline = time.monotonic() + wait
 
         def ready(view: EpochView) -> object:
+            self.check_round()
             return view.seals.get(iteration) or barrier_complete(view, iteration, self.env.slots)
 
         timed_out = False
@@ -256,6 +267,7 @@ class _Session:
         active = {int(s) for s in seal.ranks}
 
         def ended(view: EpochView) -> object:
+            self.check_round()
             if view.faults.get(iteration):
                 return "fault"
             done = view.done.get(iteration, set())
@@ -457,24 +469,8 @@ class Restartable(Generic[P, R]):
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        env = RankEnvironment.from_env()
-        try:
-            config = self.config.for_job(env.job_settings(), self.explicit)
-        except ValueError as e:
-            log.error("slot %d: invalid restart settings: %s", env.slot, e)
-            raise RestartExit(ExitCode.NON_RETRYABLE, f"invalid restart settings: {e}") from None
-        session = _Session(env, config)
-        try:
-            return session.run(self.fn, tuple(args), dict(kwargs), self._inject)  # type: ignore[no-any-return]
-        except StaleEpoch as e:
-            raise RestartExit(ExitCode.STALE_EPOCH, str(e)) from e
-        except StoreError as e:
-            raise RestartExit(ExitCode.COORDINATION_LOST, str(e)) from e
-        except RestartExit as e:
-            log.error("slot %d: giving up: %s", env.slot, e)
-            raise
-        finally:
-            session.close()
+        return run_rounds(_Session, self.config, self.explicit,  # type: ignore[no-any-return]
+                          lambda s: s.run(self.fn, tuple(args), dict(kwargs), self._inject))
 
 
 @overload

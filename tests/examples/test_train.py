@@ -81,15 +81,15 @@ def test_injected_fault_then_resume_from_checkpoint(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".*.tmp")), "a temporary checkpoint file was left behind"
 
 
-def test_agree_on_state_takes_the_most_advanced_rank(tmp_path: Path) -> None:
+def test_sync_from_peers_alone_keeps_the_state(tmp_path: Path) -> None:
     """Single-process group: the state's own step and parameters are kept (the broadcast source is itself)."""
     store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         state = train.TrainState(train.build_model(1), step=7)
         before = [p.clone() for p in state.model.parameters()]
-        assert train.agree_on_state(state, 0, 1) == 0
-        assert state.step == 7
+        synced = train.sync_from_peers(state.model, step=state.step)
+        assert (synced.source, synced.step, synced.received) == (0, 7, False)
         assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters(), strict=True))
     finally:
         torch.distributed.destroy_process_group()

@@ -1,0 +1,316 @@
+"""Pod-loss benchmark: a worker pod lost under a 2-worker DDP job, recovered three ways, side by side.
+
+* ``stalwart``: the local cluster with the operator, 2 workers + 1 spare, ``restartPolicy.inProcess.warmSpares``:
+  the survivor keeps its process, the spare's parked process takes the lost rank, the state comes from the
+  survivor (``sync_from_peers``);
+* ``stalwart-process-restart``: the same job with warm spares off (every rank process of the job is started
+  again in the new round; the state comes from the checkpoint);
+* ``torchrun``: the anchor users have now: two ``torchrun --max-restarts 3`` "nodes" (c10d rendezvous, its store
+  hosted by the surviving node), the lost node's processes killed and a replacement node started at once (as a
+  PyTorchJob's new pod would be, without its scheduling and image pull); every worker restarts and loads the
+  checkpoint.
+
+The script is ``stalwart.examples.train`` (gloo, SGD; ``--hidden`` sets the size: 21 parameters per unit),
+one step event per step, a checkpoint every ``--checkpoint-every`` steps. Faults: ``force-delete`` (the pod
+deleted with no grace), ``sigkill`` (every process of the pod killed), ``delete`` (graceful deletion; for
+torchrun: SIGTERM to the node's torchrun). Per case:
+
+* ``seconds``: from the fault to the first step completed at full world size by every rank, minus the
+  run's median fault-free step time (also printed, ``step_seconds``);
+* ``steps_recomputed``: steps done before the fault that were done again;
+* ``survivor_process_starts``: processes started again on the surviving pod (node).
+
+Prints one JSON object per line; with ``--plot PNG`` also draws each rank's step against the time around the
+fault, one panel per implementation (of the first fault and size). Usage:
+``python bench/podloss.py [--faults force-delete sigkill delete] [--params 1000000] [--plot docs/podloss.png]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from stalwart.examples.train import IN_FEATURES, OUT_FEATURES  # noqa: E402
+from stalwart.local.cluster import LocalCluster  # noqa: E402
+from stalwart.local.etcd import free_port  # noqa: E402
+
+NS = "podloss"
+Events = list[dict[str, Any]]
+
+
+def hidden_for(params: int) -> int:
+    return max(1, (params - OUT_FEATURES) // (IN_FEATURES + OUT_FEATURES + 1))
+
+
+def train_args(args: argparse.Namespace, params: int) -> list[str]:
+    return ["--steps", str(args.steps), "--hidden", str(hidden_for(params)), "--checkpoint-every",
+            str(args.checkpoint_every), "--log-every", "1", "--step-delay", str(args.step_delay)]
+
+
+def parse(text: str) -> Events:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def pod_pids(pod: str) -> set[int]:
+    needle = f"STALWART_NODE_ID={pod}".encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.add(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it (torchrun starts its workers in sessions of their own, so a
+    signal to its process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Events,
+            survivor: Events) -> list[dict[str, Any]]:
+    steps = [e for e in events if e["event"] == "step"]
+    before = sorted(e["time"] for e in steps if e["time"] < t_fault and e["rank"] == 0)
+    gaps = [b - a for a, b in itertools.pairwise(before)]
+    step_s = statistics.median(gaps) if gaps else 0.0
+    done_before = max((e["step"] for e in steps if e["time"] < t_fault), default=0)
+    # Recovered: every rank resumed after the fault (a "resume" line) and completed a step after that.
+    firsts = []
+    for r in (0, 1):
+        resumes = [e["time"] for e in events if e["event"] == "resume" and e["rank"] == r and e["time"] >= t_fault]
+        after = [e["time"] for e in steps if e["rank"] == r and resumes and e["time"] > min(resumes)]
+        firsts.append(min(after, default=float("nan")))
+    resumed = [e["step"] for e in events if e["event"] == "resume" and e["time"] >= t_fault]
+    restart_from = min(resumed) if resumed else done_before
+    starts = sum(1 for e in survivor if e["event"] == "start" and e["time"] >= t_fault)
+    base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params}
+    recovery = max(firsts) - t_fault - step_s
+    return [{**base, "metric": "seconds", "value": None if math.isnan(recovery) else round(recovery, 3)},
+            {**base, "metric": "steps_recomputed", "value": max(0, done_before - restart_from)},
+            {**base, "metric": "survivor_process_starts", "value": starts},
+            {**base, "metric": "step_seconds", "value": round(step_s, 4)}]
+
+
+# -- stalwart on the local cluster ------------------------------------------------------------------------------
+
+
+def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, params: int,
+                  warm: bool) -> tuple[float, Events, Events]:
+    name = f"pl-{uuid.uuid4().hex[:6]}"
+    body = {"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"replicas": 2, "spares": 1, "rendezvous": {"lastCallSeconds": 1},
+                     "restartPolicy": {"inProcess": {"warmSpares": warm}},
+                     "template": {"spec": {"containers": [{
+                         "name": "trainer", "image": "stalwart/trainer",
+                         "command": ["python", "-m", "stalwart.examples.train", *train_args(args, params)],
+                         "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]}]}}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    survivor, victim = f"{name}-worker-0", f"{name}-worker-1"
+    logs: dict[str, str] = {}
+
+    def status() -> dict[str, Any]:
+        got = cluster.kubectl("get", "tj", name, "-n", NS, "-o", "json", check=False)
+        return (json.loads(got.stdout).get("status") or {}) if got.returncode == 0 else {}
+
+    def wait(what: str, check: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not (result := check()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: timed out waiting for {what}; status {status()}")
+            time.sleep(0.2)
+        return result
+
+    def pod_log(pod: str) -> None:
+        got = cluster.kubectl("logs", pod, "-n", NS, check=False)
+        if got.returncode == 0:
+            logs[pod] = got.stdout
+
+    wait("warm-up steps", lambda: (status().get("progress") or {}).get("step", 0) >= args.warmup, 600)
+    pod_log(victim)
+    t_fault = time.time()
+    if fault == "force-delete":
+        cluster.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force", "--wait=false")
+    elif fault == "sigkill":
+        for pid in pod_pids(victim):
+            os.kill(pid, signal.SIGKILL)
+    else:
+        cluster.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
+    st = wait("the end", lambda: (s := status()).get("phase") in ("Succeeded", "Failed") and s, 900)
+    if st["phase"] != "Succeeded":
+        raise RuntimeError(f"{name} failed: {st}")
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-o", "json").stdout)["items"]
+    for p in pods:
+        if p["metadata"]["name"].startswith(name):
+            pod_log(p["metadata"]["name"])
+    cluster.kubectl("delete", "tj", name, "-n", NS, "--wait=false", check=False)
+    events = [e for text in logs.values() for e in parse(text)]
+    return t_fault, events, parse(logs.get(survivor, ""))
+
+
+# -- torchrun -----------------------------------------------------------------------------------------------------
+
+
+def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[float, Events, Events]:
+    port = free_port("127.0.0.1")
+    work = Path(tempfile.mkdtemp(prefix="podloss-torchrun-"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STALWART_CHECKPOINT_DIR": str(work / "ckpt")}
+    env.pop("STALWART_JOB", None)
+
+    def node(i: int, tag: str) -> tuple[subprocess.Popen[bytes], Path]:
+        out = work / f"node-{tag}.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "podloss",
+               "--max-restarts", "3", "--monitor-interval", "0.1",
+               "-m", "stalwart.examples.train", *train_args(args, params)]
+        with open(out, "wb") as f:
+            return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True), out
+
+    # Node 0 hosts the rendezvous store (the first to bind its port), so the lost node is node 1.
+    survivor, survivor_log = node(0, "0")
+    time.sleep(2.0)
+    victim, victim_log = node(1, "1")
+    deadline = time.monotonic() + 600
+    while max((e.get("step", 0) for e in parse(survivor_log.read_text()) if e["event"] == "step"),
+              default=0) < args.warmup:
+        if time.monotonic() > deadline or survivor.poll() is not None:
+            raise RuntimeError(f"torchrun did not warm up: {survivor_log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    t_fault = time.time()
+    if fault == "delete":
+        victim.terminate()  # torchrun passes SIGTERM on to its workers
+    else:
+        for pid in descendants(victim.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    victim.wait(timeout=60)
+    replacement, replacement_log = node(1, "1b")
+    try:
+        survivor.wait(timeout=900)
+        replacement.wait(timeout=120)
+    finally:
+        for p in (survivor, replacement):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = [parse(p.read_text()) for p in (survivor_log, victim_log, replacement_log)]
+    return t_fault, [e for evs in logs for e in evs], logs[0]
+
+
+# -- the picture ----------------------------------------------------------------------------------------------------
+
+
+def plot(path: Path, runs: dict[str, tuple[float, Events]], fault: str, params: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.6), sharey=True, squeeze=False)
+    for ax, (impl, (t_fault, events)) in zip(axes[0], runs.items(), strict=True):
+        for rank, color in ((0, "tab:blue"), (1, "tab:orange")):
+            pts = sorted((e["time"] - t_fault, e["step"]) for e in events
+                         if e["event"] == "step" and e["rank"] == rank and -5 <= e["time"] - t_fault <= 20)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", ms=3, color=color, label=f"rank {rank}")
+        ax.axvline(0, color="red", lw=1, label="fault")
+        ax.set_title(impl)
+        ax.set_xlabel("seconds from the fault")
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0][0].set_ylabel("step")
+    fig.suptitle(f"pod loss ({fault}), {params:,} parameters: each rank's steps around the fault")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--faults", nargs="+", default=["force-delete", "sigkill", "delete"],
+                   choices=["force-delete", "sigkill", "delete"])
+    p.add_argument("--params", nargs="+", type=int, default=[1_000_000])
+    p.add_argument("--impls", nargs="+", default=["stalwart", "stalwart-process-restart", "torchrun"],
+                   choices=["stalwart", "stalwart-process-restart", "torchrun"])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=75, help="steps before the fault")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--step-delay", type=float, default=0.02)
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args()
+    cluster = None
+    runs: dict[str, tuple[float, Events]] = {}
+    try:
+        if any(i.startswith("stalwart") for i in args.impls):
+            from stalwart.operator.embedded import EmbeddedOperator
+            from stalwart.operator.handlers import OperatorConfig
+            from stalwart.operator.model import OperatorSettings
+
+            cluster = LocalCluster.up(Path(tempfile.mkdtemp(prefix="podloss-cluster-")), nodes=3, timeout=120.0)
+            cluster.kubectl("apply", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
+            cluster.kubectl("create", "namespace", NS)
+            op = EmbeddedOperator(OperatorConfig(namespaces=(NS,), default_endpoints=(str(cluster.etcd_endpoint),),
+                                                 settings=OperatorSettings(status_interval=0.5)),
+                                  str(cluster.kubeconfig)).start()
+        for params in args.params:
+            for fault in args.faults:
+                for impl in args.impls:
+                    if impl == "torchrun":
+                        t_fault, events, survivor = torchrun_case(args, fault, params)
+                    else:
+                        assert cluster is not None
+                        t_fault, events, survivor = stalwart_case(cluster, args, fault, params,
+                                                                  warm=impl == "stalwart")
+                    for row in measure(impl, fault, params, t_fault=t_fault, events=events, survivor=survivor):
+                        print(json.dumps(row), flush=True)
+                    if fault == args.faults[0] and params == args.params[0]:
+                        runs[impl] = (t_fault, events)
+        if args.plot is not None and runs:
+            plot(args.plot, runs, args.faults[0], args.params[0])
+    finally:
+        if cluster is not None:
+            op.stop()
+            cluster.down()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The environment of a rank process: what the agent gives a process it starts for a round, and a warm
+spare's parked process before any round. Pure functions of the agent's settings and the round.
+
+A rank gets torchrun's variables (so that unmodified scripts run) and the restart wrapper's ``STALWART_*``
+(its epoch, slot, the job's in-process restart settings from the JobRecord), and the path of its handover
+file, through which a running process later learns of a new round (:mod:`stalwart.agent.handover`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from stalwart.agent.rendezvous import RoundInfo
+from stalwart.agent.settings import AgentSettings
+from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV
+from stalwart.api.job_record import JobRecord
+from stalwart.restart.environment import RankEnvironment
+
+__all__ = ["handover_file", "parked_env", "rank_env", "status_file"]
+
+#: RankEnvironment field -> JobRecord field: the job's in-process restart settings a rank gets.
+_JOB_SETTINGS = {"max_restarts": "max_restarts", "soft_timeout": "soft_timeout_seconds",
+                 "hard_timeout": "hard_timeout_seconds", "barrier_timeout": "barrier_timeout_seconds"}
+
+
+def handover_file(run_dir: Path, local_rank: int) -> Path:
+    return run_dir / f"handover-{local_rank}.json"
+
+
+def status_file(run_dir: Path, local_rank: int) -> Path:
+    return run_dir / f"rank-{local_rank}.json"
+
+
+def _secrets(s: AgentSettings) -> dict[str, str]:
+    """Where the etcd credentials are mounted (never the credentials themselves) and the RPC token."""
+    env = s.etcd_env()
+    if s.rpc_token is not None:
+        env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
+    return env
+
+
+def rank_env(s: AgentSettings, info: RoundInfo, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path,
+             master_port: int, spare_ranks: bool, restarts: int, job: JobRecord | None) -> dict[str, str]:
+    """The full environment of local rank ``local_rank`` in the round ``info``."""
+    m = info.manifest
+    nproc = s.nproc_per_node
+    member = info.member
+    if member is not None:
+        first, group_rank = member.rank_offset, member.group_rank
+    else:
+        first, group_rank = m.world_size + m.spares.index(s.node_id) * nproc, len(m.members)
+    slots = m.world_size + (len(m.spares) * nproc if spare_ranks else 0)
+    slot = first + local_rank
+    env = dict(base_env)
+    env.update({
+        "RANK": str(slot), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(m.world_size),
+        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(group_rank), "ROLE_RANK": str(slot),
+        "ROLE_WORLD_SIZE": str(m.world_size), "MASTER_ADDR": m.master_addr,
+        "MASTER_PORT": str(m.master_port or master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_RUN_ID": s.job_uid,
+    })
+    if "OMP_NUM_THREADS" not in base_env and nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a node must not oversubscribe it
+    settings = {} if job is None else {k: getattr(job, v) for k, v in _JOB_SETTINGS.items()}
+    renv = RankEnvironment(etcd_endpoints=s.etcd_endpoints, job=s.job, job_uid=s.job_uid, node_id=s.node_id,
+                           epoch=info.epoch, slot=slot, slots=max(slots, slot + 1), target_world=m.world_size,
+                           spare=member is None, status_file=str(status_file(run_dir, local_rank)),
+                           local_rank=local_rank, **settings)
+    env.update(renv.to_env())
+    env[HANDOVER_FILE_ENV] = str(handover_file(run_dir, local_rank))
+    env.update(_secrets(s))
+    return env
+
+
+def parked_env(s: AgentSettings, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path) -> dict[str, str]:
+    """The environment of a warm spare's process before a round takes it: no epoch, no slot, no rank."""
+    env = dict(base_env)
+    env.update({"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(s.nproc_per_node), PARKED_ENV: "true",
+                HANDOVER_FILE_ENV: str(handover_file(run_dir, local_rank)), "STALWART_NODE_ID": s.node_id})
+    env.update(_secrets(s))
+    return env

@@ -1,0 +1,94 @@
+"""The outer loop of a rank process: one restart session per rendezvous round it takes part in.
+
+:func:`run_rounds` builds the session of the process's round from its environment, runs it, and when the
+agent hands the process to a newer round (:class:`~stalwart.restart.handover.RoundOver`, or a write of the
+old round refused as ``StaleEpoch`` followed by a handover within the barrier timeout) starts the session of
+the new round in the same process: no new interpreter, no new imports, the model still in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from stalwart.agent.rendezvous.errors import StaleEpoch
+from stalwart.api.exit_codes import ExitCode
+from stalwart.api.handover import PARKED_ENV, Handover
+from stalwart.restart.config import RestartConfig
+from stalwart.restart.environment import RankEnvironment
+from stalwart.restart.errors import RestartExit
+from stalwart.restart.handover import RoundOver, RoundWatch, is_parked
+from stalwart.store import StoreError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run_rounds"]
+
+
+class _Session(Protocol):
+    def abort_last(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _parent_alive(parent: int) -> Callable[[], bool]:
+    return lambda: os.getppid() == parent
+
+
+def _enter(watch: RoundWatch, handover: Handover) -> None:
+    os.environ.update(handover.env)
+    os.environ.pop(PARKED_ENV, None)
+    watch.switched(handover.epoch)
+
+
+def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatch | None], _Session],
+               base: RestartConfig, explicit: frozenset[str], run: Callable[[Any], Any]) -> Any:
+    """Run ``run(session)`` in this process's round and in every later round its agent hands it to."""
+    watch = RoundWatch.from_env(0)
+    if watch is not None:
+        watch.start()
+    try:
+        if is_parked():
+            if watch is None:
+                raise RestartExit(ExitCode.NON_RETRYABLE, "a parked process needs STALWART_HANDOVER_FILE")
+            # A warm spare waits for as long as its agent lives (the agent stops it when the job ends).
+            first = watch.wait(None, alive=_parent_alive(os.getppid()))
+            if first is None:
+                raise RestartExit(ExitCode.TERMINATED, "the agent ended before a round took this spare")
+            _enter(watch, first)
+        while True:
+            env = RankEnvironment.from_env()
+            if watch is not None:
+                watch.switched(env.epoch)
+            try:
+                config = base.for_job(env.job_settings(), explicit)
+            except ValueError as e:
+                log.error("slot %d: invalid restart settings: %s", env.slot, e)
+                raise RestartExit(ExitCode.NON_RETRYABLE, f"invalid restart settings: {e}") from None
+            session = make_session(env, config, watch)
+            try:
+                return run(session)
+            except RoundOver as e:
+                handover = e.handover
+            except StaleEpoch as e:
+                found = None if watch is None else watch.wait(time.monotonic() + config.barrier_timeout)
+                if found is None:
+                    raise RestartExit(ExitCode.STALE_EPOCH, str(e)) from e
+                handover = found
+                session.abort_last()
+            except StoreError as e:
+                raise RestartExit(ExitCode.COORDINATION_LOST, str(e)) from e
+            except RestartExit as e:
+                log.error("slot %d: giving up: %s", env.slot, e)
+                raise
+            finally:
+                session.close()
+            log.info("slot %d epoch %d: continuing in round %d (epoch %d) in process", env.slot, env.epoch,
+                     handover.round, handover.epoch)
+            _enter(watch, handover)  # type: ignore[arg-type]  # a handover implies a watch
+    finally:
+        if watch is not None:
+            watch.stop()

@@ -1,0 +1,189 @@
+"""A worker pod lost with a warm spare present, on the local cluster with the operator, real agents and real
+torch (the example's DDP job): the survivors' processes keep running, the spare's parked processes take the
+lost ranks in the new round, the state comes from the surviving peer, and the job ends with the parameters
+of a run without faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_operator_cluster import TRAIN, Jobs, OperatorFactory, job_body, phase_is, wait_for
+from torch import nn
+
+from stalwart.examples import train as example
+from stalwart.local.cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+STEPS = 400
+
+
+@pytest.fixture
+def jobs(kube_api: Any, k8s_namespace: str) -> Jobs:
+    return Jobs(kube_api, k8s_namespace)
+
+
+def pod_pids(pod: str) -> set[int]:
+    """The processes of ``pod`` on this machine (its agent and rank processes), found by their environment."""
+    needle = f"STALWART_NODE_ID={pod}".encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in env:
+            found.add(int(entry.name))
+    return found
+
+
+def events(cluster: LocalCluster, ns: str, pod: str) -> list[dict[str, Any]]:
+    out = cluster.kubectl("logs", pod, "-n", ns, check=False).stdout
+    lines = (line for line in out.splitlines() if line.startswith("{"))
+    return [json.loads(line) for line in lines]
+
+
+def fault_free_params(steps: int, world: int) -> torch.Tensor:
+    return schedule_params(steps, [(0, world)])
+
+
+@pytest.mark.parametrize("fault", ["force-delete", "sigkill", "delete"])
+def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, start_operator: OperatorFactory,
+                                                            jobs: Jobs, local_cluster: LocalCluster) -> None:
+    name = f"warm-{fault.replace('-', '')}"
+    start_operator(jobs.ns)
+    jobs.create(job_body(name, replicas=2, spares=1,
+                         command=[*TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--checkpoint-every", "1000",
+                                  "--log-every", "1"],
+                         restartPolicy={"inProcess": {"warmSpares": True}}))
+    survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
+    wait_for("a few steps", lambda: (jobs.status(name).get("progress") or {}).get("step", 0) >= 20, timeout=240)
+    try:
+        wait_for("the spare's parked processes", lambda: len(pod_pids(spare)) >= 2, timeout=120)
+    except AssertionError as e:
+        tail = local_cluster.kubectl("logs", spare, "-n", jobs.ns, check=False).stdout[-3000:]
+        res = local_cluster.kubectl("get", "pods", "-n", jobs.ns, "-o", "wide", check=False)
+        got = res.stdout + res.stderr
+        raise AssertionError(f"{e}; pods:\n{got}\nthe spare's log ends: {tail}") from None
+    before = pod_pids(survivor)
+    assert len(before) >= 2  # the agent and its rank
+
+    if fault == "force-delete":
+        local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
+    elif fault == "sigkill":
+        for pid in pod_pids(victim):
+            os.kill(pid, signal.SIGKILL)
+    else:
+        local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--wait=false")
+
+    st = wait_for("Succeeded", phase_is(jobs, name, "Succeeded", "Failed"), timeout=300)
+    assert st["phase"] == "Succeeded", st
+    # The survivor's processes are the ones it started with: none was started again.
+    survivor_log = events(local_cluster, jobs.ns, survivor)
+    assert [e["event"] for e in survivor_log].count("start") == 1, survivor_log[:5]
+    # The spare took the lost rank in process, with the state from the survivor, not from a checkpoint.
+    spare_log = events(local_cluster, jobs.ns, spare)
+    own_rank = next(e["rank"] for e in survivor_log if e["event"] == "start")
+    resumed = [e for e in spare_log if e["event"] == "resume"]
+    assert resumed and resumed[0]["rank"] == 1 - own_rank, spare_log[:5]
+    assert resumed[0]["source"] == own_rank and resumed[0]["step"] > 0, resumed[0]
+    done = {e["rank"]: e for e in survivor_log + spare_log if e["event"] == "done"}
+    assert sorted(done) == [0, 1] and all(d["step"] == STEPS for d in done.values())
+    expected = fault_free_params(STEPS, world=2)
+    for d in done.values():
+        assert torch.allclose(torch.tensor(d["params"]), expected, rtol=1e-5, atol=1e-6)
+    assert st["restarts"]["podReplacements"] == 1, st
+    jobs.delete(name)
+    wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
+
+
+def schedule_params(steps: int, worlds: list[tuple[int, int]], batch_size: int = 32, lr: float = 0.05,
+                    seed: int = 0) -> torch.Tensor:
+    """The parameters after ``steps`` steps where the world size changes as ``worlds`` says: (first step,
+    world size) pairs, computed in one process (the mean of the ranks' losses, as DDP averages gradients)."""
+    model = example.build_model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        world = [w for first, w in worlds if first <= step][-1]
+        opt.zero_grad(set_to_none=True)
+        loss = sum(nn.functional.mse_loss(model(x), y)
+                   for x, y in (example.batch(seed, step, r, batch_size) for r in range(world))) / world
+        loss.backward()  # type: ignore[union-attr]
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_without_a_spare_the_world_shrinks_and_grows_back_in_process(
+        start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster) -> None:
+    name = "warm-shrink"
+    start_operator(jobs.ns)
+    jobs.create(job_body(name, replicas=2, minReplicas=1, spares=0,
+                         command=[*TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--checkpoint-every", "1000",
+                                  "--log-every", "1"],
+                         restartPolicy={"inProcess": {"warmSpares": True}}))
+    survivor, victim = f"{name}-worker-0", f"{name}-worker-1"
+    wait_for("a few steps", lambda: (jobs.status(name).get("progress") or {}).get("step", 0) >= 20, timeout=240)
+    nodes = [n["metadata"]["name"] for n in json.loads(local_cluster.kubectl("get", "nodes", "-o", "json").stdout)[
+        "items"]]
+    # No room for the replacement until the world has shrunk: the shrink is certain, not a race.
+    for node in nodes:
+        local_cluster.kubectl("cordon", node)
+    try:
+        local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
+        wait_for("the world shrunk to 1", lambda: jobs.status(name).get("worldSize") == 1
+                 and (jobs.status(name).get("progress") or {}).get("step", 0) >= 60, timeout=240)
+    finally:
+        for node in nodes:
+            local_cluster.kubectl("uncordon", node)
+    st = wait_for("Succeeded", phase_is(jobs, name, "Succeeded", "Failed"), timeout=300)
+    assert st["phase"] == "Succeeded", st
+    survivor_log = events(local_cluster, jobs.ns, survivor)
+    assert [e["event"] for e in survivor_log].count("start") == 1, survivor_log[:5]
+    resumes = sorted((e["time"], e["step"], e["world_size"]) for e in survivor_log if e["event"] == "resume")
+    worlds = [(step, world) for _, step, world in resumes]
+    sizes = [w for _, w in worlds]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, worlds  # shrank to minReplicas, grew back
+    done = [e for e in survivor_log if e["event"] == "done"]
+    assert done and done[0]["step"] == STEPS and done[0]["world_size"] == 2
+    expected = schedule_params(STEPS, worlds)
+    assert torch.allclose(torch.tensor(done[0]["params"]), expected, rtol=1e-5, atol=1e-6)
+    assert st["restarts"]["podReplacements"] == 1, st
+    jobs.delete(name)
+    wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
+
+
+def test_losing_the_spare_itself_leaves_training_alone(start_operator: OperatorFactory, jobs: Jobs,
+                                                       local_cluster: LocalCluster) -> None:
+    name = "warm-spareloss"
+    start_operator(jobs.ns)
+    jobs.create(job_body(name, replicas=2, spares=1,
+                         command=[*TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--checkpoint-every", "1000",
+                                  "--log-every", "1"],
+                         restartPolicy={"inProcess": {"warmSpares": True}}))
+    spare = f"{name}-spare-0"
+    wait_for("a few steps", lambda: (jobs.status(name).get("progress") or {}).get("step", 0) >= 20, timeout=240)
+    wait_for("the spare's parked processes", lambda: len(pod_pids(spare)) >= 2, timeout=120)
+    local_cluster.kubectl("delete", "pod", spare, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
+    wait_for("a new spare", lambda: any(p.metadata.name.startswith(f"{name}-spare-") and p.metadata.name != spare
+                                        for p in jobs.live_pods(name)), timeout=120)
+    st = wait_for("Succeeded", phase_is(jobs, name, "Succeeded", "Failed"), timeout=300)
+    assert st["phase"] == "Succeeded", st
+    logs = [events(local_cluster, jobs.ns, f"{name}-worker-{i}") for i in (0, 1)]
+    for log_ in logs:  # neither worker restarted anything, nor resumed more than once
+        assert [e["event"] for e in log_].count("start") == 1
+        assert [e["event"] for e in log_].count("resume") == 1
+    done = [e for log_ in logs for e in log_ if e["event"] == "done"]
+    expected = fault_free_params(STEPS, world=2)
+    assert len(done) == 2 and all(torch.allclose(torch.tensor(d["params"]), expected, rtol=1e-5, atol=1e-6)
+                                  for d in done)
+    assert st["restarts"]["podReplacements"] == 1, st
+    jobs.delete(name)
+    wait_for("the job to go", lambda: jobs.gone(name), timeout=90)

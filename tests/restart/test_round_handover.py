@@ -1,0 +1,109 @@
+"""A rank process across rendezvous rounds, against a real etcd with real torch ranks (bench/restart_ddp.py):
+
+* the survivor of a lost peer is handed to the new round and finishes there in the same process, with a
+  parked spare (started before the round, waiting for its assignment) taking the lost rank, and the
+  parameters of a run without faults;
+* the lost peer's process, paused through the change of round and resumed after it (a zombie), can write
+  nothing into etcd (its writes are fenced by the old epoch) and takes no part in the new round's group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env
+
+from stalwart.agent.handover import handover_env, write_handover
+from stalwart.api.exit_codes import ExitCode
+from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
+from stalwart.api.restart import RankStatus
+from stalwart.local.etcd import EtcdServer
+from stalwart.store import Store
+
+STEPS = 60
+
+
+def _status(path: Path) -> RankStatus | None:
+    try:
+        return RankStatus.from_json_bytes(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait(what: str, check: object, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_survivor_continues_in_the_new_round_and_the_zombie_is_fenced(etcd: EtcdServer, tmp_path: Path) -> None:
+    store = Store([etcd.endpoint])
+    keys, epoch1 = new_job(store)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, SCRIPT, "--mode", "wrapped", "--steps", str(STEPS), "--step-sleep", "0.1",
+           "--barrier-timeout", "15", "--out", str(out), "--marker-dir", str(tmp_path)]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for slot in (0, 1):
+            env = rank_env(etcd, keys, epoch1, slot=slot, slots=2, target=2, work=tmp_path)
+            env[HANDOVER_FILE_ENV] = str(tmp_path / f"handover-{slot}.json")
+            env["STALWART_NODE_ID"] = f"node-{slot}"
+            procs[f"slot{slot}"] = subprocess.Popen(cmd, env=env)
+        # The spare: started before its round, parked (no epoch, no slot yet).
+        parked = {k: v for k, v in rank_env(etcd, keys, epoch1, slot=1, slots=2, target=2, work=tmp_path).items()
+                  if not k.startswith("STALWART_") or k in ("STALWART_ETCD_ENDPOINTS", "STALWART_JOB",
+                                                            "STALWART_JOB_UID")}
+        parked.update({PARKED_ENV: "true", HANDOVER_FILE_ENV: str(tmp_path / "handover-spare.json"),
+                       "STALWART_NODE_ID": "node-spare"})
+        procs["spare"] = subprocess.Popen(cmd, env=parked)
+        _wait("a few steps", lambda: (st := _status(tmp_path / "status-0.json")) is not None
+              and (st.step or 0) >= 5)
+
+        zombie = procs["slot1"]
+        os.kill(zombie.pid, signal.SIGSTOP)
+        # The new round: the manifest is written again (its mod_revision is the new epoch).
+        epoch2 = store.put(keys.rendezvous + "manifest", b"{}")
+        for slot, path, status in ((0, "handover-0.json", "status-0.json"),
+                                   (1, "handover-spare.json", "status-spare.json")):
+            env = rank_env(etcd, keys, epoch2, slot=slot, slots=2, target=2, work=tmp_path)
+            env["STALWART_STATUS_FILE"] = str(tmp_path / status)
+            env["STALWART_NODE_ID"] = "node-0" if slot == 0 else "node-spare"
+            write_handover(tmp_path / path, Handover(epoch=epoch2, round=2, env=handover_env(env)))
+        # The zombie's peer socket stays open while it is stopped; the survivor is freed by the handover.
+        _wait("the new round's first step", lambda: (st := _status(tmp_path / "status-spare.json")) is not None
+              and st.state == "running" and (st.step or 0) >= 1)
+        os.kill(zombie.pid, signal.SIGCONT)
+
+        assert procs["slot0"].wait(timeout=180) == 0
+        assert procs["spare"].wait(timeout=60) == 0
+        # The zombie's first write after it resumed is refused: it ends with STALE_EPOCH, having joined nothing.
+        assert zombie.wait(timeout=120) == ExitCode.STALE_EPOCH
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait(timeout=30)
+
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    finals = {r["rank"]: r for r in results if not r.get("leak")}
+    assert sorted(finals) == [0, 1]
+    # The survivor is the process that started in round 1; the lost rank ran in the spare's process.
+    assert finals[0]["pid"] == procs["slot0"].pid and finals[1]["pid"] == procs["spare"].pid
+    assert all(r["step"] == STEPS for r in finals.values())
+    expected = expected_checksum(steps=STEPS)
+    assert all(abs(r["checksum"] - expected) < 1e-4 for r in finals.values())
+    # Nothing of the zombie's in the new epoch: every record there names the survivor or the spare.
+    kvs, _ = store.get_prefix(f"{keys.restart}{epoch2}/")
+    writers = {json.loads(kv.value).get("nodeId") for kv in kvs} - {None}
+    assert writers <= {"node-0", "node-spare"}, writers
+    alive = [json.loads(kv.value) for kv in kvs if "/alive/" in kv.key]
+    assert zombie.pid not in {a.get("pid") for a in alive}
+    store.close()
