@@ -23,6 +23,7 @@ from stalwart.api.rendezvous import (
     encode_manifest,
     manifest_part_key,
 )
+from stalwart.drill.session import DrillSession
 from stalwart.keys import JobKeys
 from stalwart.store import Compare, Put, Store
 
@@ -38,7 +39,7 @@ def manifest(n: int) -> Manifest:
 SMALL, LARGE = manifest(40), manifest(3000)
 
 
-def written(header: bytes, parts: list[bytes], revision: int) -> dict[str, tuple[bytes, int]]:
+def written(parts: list[bytes], revision: int) -> dict[str, tuple[bytes, int]]:
     return {manifest_part_key(i): (p, revision) for i, p in enumerate(parts)}
 
 
@@ -56,7 +57,7 @@ def test_encode_then_decode_gives_the_same_manifest(m: Manifest, part_bytes: int
     if parts:
         h = ManifestParts.from_json_bytes(header)
         assert h.parts == parts and h.size == sum(map(len, chunks))
-    assert decode_manifest(header, 7, written(header, chunks, 7)) == m
+    assert decode_manifest(header, 7, written(chunks, 7)) == m
 
 
 def test_a_manifest_over_the_transaction_limit_is_refused_naming_the_limit() -> None:
@@ -81,10 +82,10 @@ def _tampered(parts: dict[str, tuple[bytes, int]]) -> dict[str, tuple[bytes, int
     (_stale, "part 2 of 2 .* is written at revision 6"),  # a part of another round never mixes in
     (_tampered, "do not match the header's size .* and sha256"),
 ])
-def test_a_header_without_its_own_whole_parts_is_refused(damage, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_header_without_its_own_whole_parts_is_refused(damage, message: str) -> None:
     header, chunks = encode_manifest(LARGE)
     with pytest.raises(ValueError, match=message):
-        decode_manifest(header, 7, damage(written(header, chunks, 7)))
+        decode_manifest(header, 7, damage(written(chunks, 7)))
 
 
 # -- the view ---------------------------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def test_the_seal_writes_parts_then_the_header_in_one_fenced_transaction_within_
 # -- on the real etcd ---------------------------------------------------------------------------------------------
 
 
-def test_a_large_manifest_is_sealed_fenced_and_read_whole_on_etcd(make_rdzv, store: Store,  # type: ignore[no-untyped-def]
+def test_a_large_manifest_is_sealed_fenced_and_read_whole_on_etcd(make_rdzv, store: Store,
                                                                    job_keys: JobKeys) -> None:
     prefix = job_keys.rendezvous
     watching = make_rdzv(RendezvousSettings(min_nodes=2, max_nodes=3000))
@@ -171,6 +172,8 @@ def test_a_large_manifest_is_sealed_fenced_and_read_whole_on_etcd(make_rdzv, sto
         assert view.sealed is not None and view.sealed.manifest == big and view.epoch == epoch
         assert not view.problems
     Fence(store, job_keys, epoch, holder=(sealer.node_id, rev)).check()
+    drill = DrillSession(api=None, namespace=job_keys.namespace, job="trainjob", store=store, uid=job_keys.uid)
+    assert drill.manifest() == big  # the drill CLI's reader assembles it too
     # The same seal again is refused by its compares (the epoch moved on): nothing is written.
     again = store.txn(*seal_txn(prefix, Seal(manifest(2900), 0, sealer.node_id, rev, rev)))
     assert not again.succeeded
