@@ -10,9 +10,10 @@ Per N (``--nodes``): ``rendezvous_seconds`` (every node holds round 1), ``writes
 ``peak_requests_per_second``, ``watch_events`` and ``manifest_bytes``; ``rerendezvous_seconds`` (one member's
 lease ends; every survivor holds the next round); ``restart_barrier_seconds`` (N ranks; one reports a fault;
 every rank released into the next iteration) and ``writes_per_rank_per_restart``; ``operator_read_bytes``
-(one read of the job's rendezvous prefix). Where round 1 cannot be sealed (the manifest is over the record
-cap) the row says so, and ``impl: "stalwart-cap-raised"`` shows the same run with the cap at etcd's request
-limit. The anchor, ``impl: "anchor-cas"``: one shared record updated by compare-and-swap (torch's
+(one read of the job's rendezvous prefix). Where round 1 cannot be sealed (past about 12,000 nodes the
+manifest is over ``MAX_MANIFEST_BYTES``, the most its parts may hold in one transaction) the row says so, and
+``impl: "stalwart-cap-raised"`` shows the same run with the record cap at etcd's request limit.
+The anchor, ``impl: "anchor-cas"``: one shared record updated by compare-and-swap (torch's
 DynamicRendezvousHandler's shape), up to ``--anchor-max`` nodes. ``validate`` rows: a real run of
 ``bench/rendezvous.py`` (one process, one watch) next to the simulator configured alike.
 
@@ -41,6 +42,7 @@ from bench.scalesim.goodput import Assumptions, Design, designs, goodput, interp
 from bench.scalesim.rendezvous import PREFIX, RendezvousRun  # noqa: E402
 from bench.scalesim.restart import RestartRun  # noqa: E402
 from bench.scalesim.sim import Costs  # noqa: E402
+from stalwart.api.rendezvous import MAX_MANIFEST_BYTES, MAX_RECORD_BYTES  # noqa: E402
 from stalwart.local.etcd import EtcdServer  # noqa: E402
 
 ETCD_REQUEST_LIMIT = 1572864  # etcd's default --max-request-bytes
@@ -92,7 +94,8 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
         emit(impl, n, "rendezvous_seconds", first["seconds"], sealed=first["sealed"], error=first["error"])
         emit(impl, n, "writes_per_node", first["writes"] / (n + 1))
         emit(impl, n, "watch_events", first["watch_events"], bytes=first["watch_bytes"])
-    emit(impl, n, "manifest_bytes", first["manifest_bytes"], limit=262144)
+    emit(impl, n, "manifest_bytes", first["manifest_bytes"], limit=MAX_MANIFEST_BYTES, record_cap=MAX_RECORD_BYTES,
+         note="header and parts" if first["manifest_bytes"] > MAX_RECORD_BYTES else None)
     kvs, _ = run.sim.mem.get_prefix(PREFIX)
     size = sum(len(kv.key) + len(kv.value) for kv in kvs)
     emit(impl, n, "operator_read_bytes", size, keys=len(kvs),

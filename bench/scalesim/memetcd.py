@@ -98,6 +98,9 @@ class MemEtcd:
     next_lease: int = 0x7E57_0000_0000
     #: The client's cap on a value (the Store refuses a larger put before sending it).
     value_limit: int = MAX_VALUE_BYTES
+    #: etcd's own limits on a transaction (defaults of --max-txn-ops and --max-request-bytes).
+    txn_ops_limit: int = 128
+    request_limit: int = 1572864
 
     # -- reads ------------------------------------------------------------------------------------------
 
@@ -185,6 +188,11 @@ class MemEtcd:
         for op in (*success, *failure):
             if isinstance(op, Put):
                 check_value_size(op.key, op.value, self.value_limit)
+        if max(len(compare), len(success), len(failure)) > self.txn_ops_limit:
+            raise StoreError("etcd txn failed: etcdserver: too many operations in txn request")
+        size = sum(len(op.key) + len(op.value) for op in success if isinstance(op, Put))
+        if size > self.request_limit:
+            raise StoreError("etcd txn failed: etcdserver: request is too large")
         for branch in (success, failure):
             keys = [op.key for op in branch if not isinstance(op, Get)]
             if len(keys) != len(set(keys)):

@@ -26,7 +26,7 @@ from stalwart.agent.rendezvous import protocol
 from stalwart.agent.rendezvous.driver import NodeHandle, Rendezvous, _to_event
 from stalwart.agent.rendezvous.protocol import MANIFEST, KeyEvent, KeyPut, Observed, Reloaded, SealFailed, Tick, View
 from stalwart.agent.rendezvous.settings import RendezvousSettings
-from stalwart.api.rendezvous import Manifest, NodeRecord
+from stalwart.api.rendezvous import MANIFEST_PARTS, Manifest, NodeRecord, decode_manifest
 from stalwart.keys import JobKeys
 
 KEYS = JobKeys("scale", "sim0")
@@ -202,9 +202,15 @@ class RendezvousRun:
 
     def manifests(self) -> list[tuple[int, Manifest]]:
         """Every manifest written, with its epoch, in order."""
+        out: list[tuple[int, Manifest]] = []
+        parts: dict[str, tuple[bytes, int]] = {}
         with self._patched():
-            return [(ev.kv.mod_revision, Manifest.from_json_bytes(ev.kv.value)) for ev in self.sim.mem.log
-                    if ev.type == "put" and ev.kv.key == PREFIX + MANIFEST]
+            for ev in self.sim.mem.log:
+                if ev.type == "put" and ev.kv.key.startswith(PREFIX + MANIFEST_PARTS):
+                    parts[ev.kv.key[len(PREFIX):]] = (ev.kv.value, ev.kv.mod_revision)
+                elif ev.type == "put" and ev.kv.key == PREFIX + MANIFEST:
+                    out.append((ev.kv.mod_revision, decode_manifest(ev.kv.value, ev.kv.mod_revision, parts)))
+        return out
 
     def first_round(self, limit: float = 60.0) -> dict[str, Any]:
         """Every agent starts at 0; run until every ordinary node holds round 1 or ``limit`` seconds."""
@@ -251,5 +257,9 @@ class RendezvousRun:
         return next(i for i, ev in enumerate(self.sim.mem.log) if ev.kv.mod_revision == revision)
 
     def _manifest_value(self) -> bytes:
+        """The manifest's bytes as written: its header and the parts of the header's revision."""
         kv = self.sim.mem.keys.get(PREFIX + MANIFEST)
-        return b"" if kv is None else kv.value
+        if kv is None:
+            return b""
+        kvs, _ = self.sim.mem.get_prefix(PREFIX + MANIFEST_PARTS)
+        return kv.value + b"".join(p.value for p in kvs if p.mod_revision == kv.mod_revision)

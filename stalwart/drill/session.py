@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from stalwart.api import naming
 from stalwart.api.drill import AGENT_KINDS, DrillRequest, DrillResult
-from stalwart.api.rendezvous import Manifest
+from stalwart.api.rendezvous import Manifest, decode_manifest
 from stalwart.api.restart import ProgressRecord
 from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
 from stalwart.drill.core import (
@@ -169,8 +169,12 @@ class DrillSession:
         return out
 
     def manifest(self) -> Manifest | None:
-        kv = self._store().get(self.keys.rendezvous + "manifest")
-        return Manifest.from_json_bytes(kv.value) if kv is not None else None
+        # One read of the header and its parts (a large manifest's keys share the prefix "manifest").
+        rdzv = self.keys.rendezvous
+        kvs, _ = self._store().get_prefix(rdzv + "manifest")
+        found = {kv.key[len(rdzv):]: (kv.value, kv.mod_revision) for kv in kvs}
+        header = found.get("manifest")
+        return decode_manifest(header[0], header[1], found) if header is not None else None
 
     def current_points(self) -> list[RankPoint]:
         """The ranks of the current round as their agents last reported them."""

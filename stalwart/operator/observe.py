@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from stalwart.api import naming
 from stalwart.api.base import RuleViolation
 from stalwart.api.job_record import JobRecord
-from stalwart.api.rendezvous import ExpectedNodes, Manifest
+from stalwart.api.rendezvous import MANIFEST_PARTS, ExpectedNodes, Manifest, decode_manifest
 from stalwart.api.restart import FaultRecord, ProgressRecord
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus
@@ -140,12 +140,15 @@ def etcd_view(keys: JobKeys, kvs: Iterable[KeyValue]) -> EtcdView:
     leases: dict[str, int] = {}
     progress: list[ProgressRecord] = []
     closed = False
+    kvs = list(kvs)
+    parts = {kv.key[len(rdzv):]: (kv.value, kv.mod_revision) for kv in kvs
+             if kv.key.startswith(rdzv + MANIFEST_PARTS)}
     for kv in kvs:
         try:
             if kv.key == keys.job:
                 record = JobRecord.from_json_bytes(kv.value)
             elif kv.key == rdzv + "manifest":
-                manifest, epoch = Manifest.from_json_bytes(kv.value), kv.mod_revision
+                manifest, epoch = decode_manifest(kv.value, kv.mod_revision, parts), kv.mod_revision
             elif kv.key == rdzv + "expected":
                 expected = tuple(ExpectedNodes.from_json_bytes(kv.value).node_ids)
             elif kv.key == rdzv + "closed":

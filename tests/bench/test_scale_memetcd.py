@@ -73,6 +73,11 @@ def script(s: Any, n: Normal) -> list[Any]:
     txn([Compare(P + "a", "mod", "!=", 0)], [Put(P + "c", b"1"), Get(P + "c"), Delete(P + "d"), Get(P + "a")])
     with pytest.raises(StoreError, match="duplicate key"):
         s.txn([], [Put(P + "c", b"2"), Delete(P + "c")])
+    # etcd's own limits on one transaction (defaults): 128 operations, 1.5 MiB of request; nothing is written.
+    with pytest.raises(StoreError, match="too many operations in txn request"):
+        s.txn([], [Put(P + f"many/{i}", b"1") for i in range(129)])
+    with pytest.raises(StoreError, match="request is too large"):
+        s.txn([], [Put(P + f"large/{i}", b"x" * (256 * 1024)) for i in range(6)])
     out.append(("get", n.kv(s.get(P + "b")), n.kv(s.get(P + "nope"))))
     kvs, r = s.get_prefix(P)
     out.append(("range", [n.kv(kv) for kv in kvs], n.rev(r)))

@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from stalwart.agent.rendezvous.errors import (
@@ -29,7 +29,6 @@ from stalwart.agent.rendezvous.fence import Fence
 from stalwart.agent.rendezvous.protocol import (
     CLOSED,
     EXPECTED,
-    MANIFEST,
     NODES,
     REQUEST,
     Event,
@@ -52,6 +51,7 @@ from stalwart.agent.rendezvous.protocol import (
     step,
     waiting_nodes,
 )
+from stalwart.agent.rendezvous.sealing import seal_txn
 from stalwart.agent.rendezvous.settings import RendezvousSettings
 from stalwart.api.rendezvous import (
     ClosedRecord,
@@ -243,9 +243,7 @@ class Rendezvous:
                 kvs, revision = self.store.get_prefix(self.prefix)
                 view = apply(View(), [KeyPut(kv.key[len(self.prefix):], kv.value, kv.create_revision,
                                              kv.mod_revision, kv.lease) for kv in kvs])
-                view = View(revision=revision, nodes=view.nodes, sealed=view.sealed, request=view.request,
-                            closed=view.closed, expected=view.expected, oldest=view.oldest,
-                            problems=view.problems)
+                view = replace(view, revision=revision, memo={})
                 watch = self.store.watch(self.prefix, prefix=True, start_revision=revision + 1)
                 self._feed(Reloaded(view, time.monotonic()))
                 self._loaded.set()
@@ -300,15 +298,8 @@ class Rendezvous:
         self._notify(old.view, new.view, event, listeners)
 
     def _seal(self, seal: Seal) -> None:
-        key = self.prefix + MANIFEST
         try:
-            value = seal.manifest.to_json_bytes()
-            res = self.store.txn(
-                [Compare(key, "mod", "==", seal.over_epoch),
-                 Compare(self.prefix + CLOSED, "create", "==", 0),
-                 Compare(self.prefix + NODES + seal.sealer, "create", "==", seal.sealer_revision),
-                 Compare(self.prefix + NODES, "create", "<", seal.view_revision + 1, prefix=True)],
-                [Put(key, value)])
+            res = self.store.txn(*seal_txn(self.prefix, seal))
         except (StoreError, ValueError) as e:
             log.warning("rendezvous %s: sealing round %d failed: %s", self.prefix, seal.manifest.round, e)
             self._seal_retry_at = time.monotonic() + 0.2 + 0.3 * random.random()

@@ -31,11 +31,13 @@ from typing import Literal, TypeVar
 from stalwart.agent.rendezvous.errors import CorruptRecord
 from stalwart.agent.rendezvous.settings import RendezvousSettings
 from stalwart.api.rendezvous import (
+    MANIFEST_PARTS,
     ExpectedNodes,
     Manifest,
     Member,
     NodeRecord,
     RerendezvousRequest,
+    decode_manifest,
 )
 
 _M = TypeVar("_M", NodeRecord, Manifest, RerendezvousRequest, ExpectedNodes)
@@ -111,6 +113,8 @@ class View:
     expected: frozenset[str] | None = None
     oldest: str | None = None
     problems: Mapping[str, str] = field(default_factory=dict)
+    #: The parts of a large manifest (relative key -> value, mod_revision); see :func:`decode_manifest`.
+    parts: Mapping[str, tuple[bytes, int]] = field(default_factory=dict, repr=False)
     #: Memo of :func:`round_status` for this (immutable) view: a thousand waiting nodes ask the same view.
     memo: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
@@ -142,6 +146,9 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
     oldest = view.oldest
     problems = dict(view.problems)
     revision = view.revision
+    parts: dict[str, tuple[bytes, int]] | None = None
+    # A manifest header whose parts were not all seen yet: a full read lists "manifest" before its parts.
+    pending: KeyPut | None = None
     for ev in events:
         revision = max(revision, ev.mod_revision)
         key = ev.key
@@ -163,9 +170,22 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
                 current = nodes.get(oldest) if oldest is not None else None
                 if current is None or ev.create_revision < current.create_revision:
                     oldest = node_id
+            elif key.startswith(MANIFEST_PARTS):
+                if parts is None:
+                    parts = dict(view.parts)
+                if isinstance(ev, KeyDeleted):
+                    parts.pop(key, None)
+                else:
+                    parts[key] = (ev.value, ev.mod_revision)
             elif key == MANIFEST:
-                sealed = None if isinstance(ev, KeyDeleted) else SealedRound.of(
-                    parse_record(Manifest, key, ev.value), ev.mod_revision)
+                pending = None
+                if isinstance(ev, KeyDeleted):
+                    sealed = None
+                else:
+                    try:
+                        sealed = _sealed(ev, view.parts if parts is None else parts)
+                    except CorruptRecord:
+                        pending = ev  # its parts may come later in this batch (a full read's key order)
             elif key == REQUEST:
                 request = None if isinstance(ev, KeyDeleted) else parse_record(RerendezvousRequest, key, ev.value)
             elif key == CLOSED:
@@ -175,8 +195,22 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
                     parse_record(ExpectedNodes, key, ev.value).node_ids)
         except CorruptRecord as e:
             problems[key] = str(e)
+    if pending is not None:
+        try:
+            sealed = _sealed(pending, view.parts if parts is None else parts)
+        except CorruptRecord as e:
+            problems[MANIFEST] = str(e)
     return View(revision=revision, nodes=view.nodes if nodes is None else nodes, sealed=sealed,
-                request=request, closed=closed, expected=expected, oldest=oldest, problems=problems)
+                request=request, closed=closed, expected=expected, oldest=oldest, problems=problems,
+                parts=view.parts if parts is None else parts)
+
+
+def _sealed(ev: KeyPut, parts: Mapping[str, tuple[bytes, int]]) -> SealedRound:
+    """The round a put of the manifest key seals; raises :class:`CorruptRecord` if it cannot be read whole."""
+    try:
+        return SealedRound.of(decode_manifest(ev.value, ev.mod_revision, parts), ev.mod_revision)
+    except ValueError as e:
+        raise CorruptRecord(MANIFEST, f"not a valid Manifest: {e}") from None
 
 
 # -- judgements over a view -----------------------------------------------------------------------------------
