@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from stalwart.examples.train import IN_FEATURES, OUT_FEATURES  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
-from stalwart.local.etcd import free_port  # noqa: E402
+from stalwart.net import free_port  # noqa: E402
 
 NS = "podloss"
 Events = list[dict[str, Any]]

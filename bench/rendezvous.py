@@ -46,7 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stalwart.local.etcd import EtcdServer, free_port  # noqa: E402
+from stalwart.local.etcd import EtcdServer  # noqa: E402
+from stalwart.net import free_port  # noqa: E402
 
 IMPLS = ["stalwart", "stalwart-tls", "torch-c10d", "torch-etcd-v3"]
 

@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "bench" / "restart_ddp.py")
 sys.path.insert(0, str(ROOT))
 
-from stalwart.local.etcd import EtcdServer, free_port  # noqa: E402
+from stalwart.local.etcd import EtcdServer  # noqa: E402
+from stalwart.net import free_port  # noqa: E402
 
 
 def _results(out: Path) -> list[dict[str, Any]]:

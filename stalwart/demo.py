@@ -20,7 +20,6 @@ import contextlib
 import copy
 import json
 import logging
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -32,6 +31,7 @@ import yaml
 
 from stalwart.api import naming
 from stalwart.examples.train import FAIL_AT_STEP_ENV, FAIL_RANK_ENV
+from stalwart.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +142,6 @@ def latest_step(events: Iterable[JSON]) -> int:
 
 
 # --- the shell -------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Installation:

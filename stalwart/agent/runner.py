@@ -50,7 +50,7 @@ from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.restart import FaultKind, FaultRecord, RankStatus
 from stalwart.etcd_client import connect
-from stalwart.local.etcd import free_port
+from stalwart.net import free_port
 from stalwart.restart.coordination import record_fault
 from stalwart.store import StoreError
 

