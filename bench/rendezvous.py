@@ -73,9 +73,9 @@ class SecureEtcd:
 
 def job_login(server: EtcdServer) -> SecureEtcd:
     """A job's etcd user on ``server`` (as the operator makes it), written out as a mounted Secret would be."""
-    from stalwart.etcd_admin import ensure_job_login, new_password
-    from stalwart.etcd_client import connect
-    from stalwart.keys import JobKeys
+    from stalwart.etcd.admin import ensure_job_login, new_password
+    from stalwart.etcd.client import connect
+    from stalwart.etcd.keys import JobKeys
 
     uid = uuid.uuid4().hex[:12]
     with connect([server.endpoint], server.credentials()) as root:
@@ -111,8 +111,8 @@ def start_together(n: int, target: Any) -> tuple[list[threading.Thread], threadi
 def worker_stalwart(n: int, endpoint: str, cap: float, secure: SecureEtcd | None = None) -> dict[str, Any]:
     from stalwart.agent.rendezvous import Rendezvous, RendezvousSettings
     from stalwart.api.rendezvous import NodeRecord
-    from stalwart.etcd_client import EtcdCredentials, connect
-    from stalwart.keys import JobKeys
+    from stalwart.etcd.client import EtcdCredentials, connect
+    from stalwart.etcd.keys import JobKeys
 
     uid = secure.uid if secure else uuid.uuid4().hex[:12]
     credentials = EtcdCredentials.from_dir(secure.secret_dir, tls=True) if secure else None
@@ -148,10 +148,9 @@ def worker_stalwart(n: int, endpoint: str, cap: float, secure: SecureEtcd | None
 
 def worker_stalwart_rerdzv(n: int, endpoint: str) -> dict[str, Any]:
     from stalwart.agent.rendezvous import Rendezvous, RendezvousSettings
-    from stalwart.agent.rendezvous.protocol import MANIFEST, NODES
     from stalwart.api.rendezvous import NodeRecord
-    from stalwart.keys import JobKeys
-    from stalwart.store import Store
+    from stalwart.etcd.keys import MANIFEST, NODES, JobKeys
+    from stalwart.etcd.store import Store
 
     keys = JobKeys("bench", uuid.uuid4().hex[:12])
     settings = RendezvousSettings(min_nodes=n, max_nodes=n, node_ttl=60, join_timeout=300)
@@ -242,8 +241,8 @@ def worker_torch(impl: str, n: int, endpoint: str, cap: float) -> dict[str, Any]
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     from stalwart.agent.rendezvous.torch_backend import EtcdV3RendezvousBackend
-    from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
-    from stalwart.store import Store
+    from stalwart.etcd.store import Store
+    from stalwart.etcd.torch_store import EtcdTorchStore
 
     run_id = uuid.uuid4().hex[:12]
     counting = _Counting()

@@ -93,8 +93,8 @@ def detect_seconds(etcd: EtcdServer, run_id: str, work: Path) -> float:
     """Seconds from the injected fault to the fault record that names the faulty rank (the earliest record of
     a kind seen at the faulty process; see stalwart.api.restart.DIRECT_KINDS)."""
     from stalwart.api.restart import DIRECT_KINDS, FaultRecord
-    from stalwart.keys import JobKeys
-    from stalwart.store import Store
+    from stalwart.etcd.keys import JobKeys
+    from stalwart.etcd.store import Store
 
     prefix = JobKeys("bench", run_id).restart
     values: dict[str, bytes] = {}

@@ -132,7 +132,7 @@ def inject(kind: str) -> None:
 def leak_report(args: argparse.Namespace, rank: int, restarts: int) -> None:
     import threading
 
-    from stalwart.store import Store
+    from stalwart.etcd.store import Store
 
     endpoints = os.environ["STALWART_ETCD_ENDPOINTS"].split(",")
     uid = os.environ["STALWART_JOB_UID"]
@@ -214,7 +214,7 @@ class SilentStream:
 
 def silence_watches() -> None:
     """Fault injection on top of the real etcd: every watch stream of this process delivers nothing."""
-    from stalwart import store
+    from stalwart.etcd import store
 
     base = store.rpc_grpc.WatchStub
 

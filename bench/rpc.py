@@ -88,8 +88,8 @@ def _stalwart_worker(rank: int, queues: tuple[Any, Any, Any, Any], tcp_only: boo
     addr_q, view_q, cmd_q, out_q = queues
     import torch
 
-    from stalwart.agent.rpc import REGISTRY, Member, RpcAgent, StaticMembership, View
-    from stalwart.agent.rpc.streams import StreamTransport
+    from stalwart.rpc import REGISTRY, Member, RpcAgent, StaticMembership, View
+    from stalwart.rpc.streams import StreamTransport
 
     REGISTRY.register(echo, "bench.echo", inline=False)
     REGISTRY.register(numel, "bench.numel", inline=False)
@@ -167,7 +167,7 @@ def start_torch(ctx: Any, tcp_only: bool = False) -> _Side:
 def bench_scheduler(pending: int = 100_000, ops: int = 100_000) -> dict[str, float]:
     """Per operation: schedule one retry and cancel one (its reply came), with ``pending`` others waiting;
     then fire everything in due order. Both costs are divided over the operations."""
-    from stalwart.agent.rpc.timers import TimerHeap
+    from stalwart.rpc.timers import TimerHeap
 
     rng = random.Random(0)
     heap = TimerHeap()

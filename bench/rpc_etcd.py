@@ -31,11 +31,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stalwart.agent.rpc import EtcdMembership, Member
-from stalwart.etcd_admin import ensure_job_login, new_password
-from stalwart.etcd_client import EtcdCredentials, connect
-from stalwart.keys import JobKeys
+from stalwart.etcd.admin import ensure_job_login, new_password
+from stalwart.etcd.client import EtcdCredentials, connect
+from stalwart.etcd.keys import JobKeys
 from stalwart.local.etcd import EtcdServer
+from stalwart.rpc import EtcdMembership, Member
 
 
 def _join(endpoint: str, creds: EtcdCredentials | None, keys: JobKeys, world: int) -> float:

@@ -52,10 +52,10 @@ import yaml  # noqa: E402
 from stalwart.demo import EXAMPLE, JOB_NAMESPACE, DemoOptions, Installation, demo_job  # noqa: E402
 from stalwart.drill.core import RankPoint, Recovery, standing  # noqa: E402
 from stalwart.drill.session import DrillOptions, DrillSession  # noqa: E402
+from stalwart.etcd.store import Store, StoreError  # noqa: E402
 from stalwart.examples.train import CHECKPOINT_DIR_ENV, CHECKPOINT_NAME  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
 from stalwart.local.settings import LocalClusterSettings  # noqa: E402
-from stalwart.store import Store, StoreError  # noqa: E402
 
 JSON = dict[str, Any]
 KINDS = ("rank-exception", "rank-kill", "rank-hang", "pod-delete", "pod-force-delete", "node-loss",

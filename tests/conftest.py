@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
 
 # The local cluster's fixtures (local_cluster, k8s_namespace, kube_api), one session cluster for every directory.
 pytest_plugins = ["stalwart.local.pytest_plugin"]

@@ -1,4 +1,4 @@
-"""Back-off and log lines during an outage (the pure core of :mod:`stalwart.outage`)."""
+"""Back-off and log lines during an outage (the pure core of :mod:`stalwart.etcd.outage`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from stalwart.outage import Backoff, Outage, OutageState, attempt_due, on_failure, on_success
+from stalwart.etcd.outage import Backoff, Outage, OutageState, attempt_due, on_failure, on_success
 
 
 @pytest.mark.parametrize(("failures", "u", "expected"), [

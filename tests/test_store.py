@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.local.etcd import EtcdServer
-from stalwart.store import (
+from stalwart.etcd.store import (
     MAX_VALUE_BYTES,
     Compare,
     Delete,
@@ -22,6 +21,7 @@ from stalwart.store import (
     WatchCompacted,
     prefix_range_end,
 )
+from stalwart.local.etcd import EtcdServer
 
 pytestmark = pytest.mark.integration
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.etcd_admin import JobLogin, delete_job_login, ensure_job_login, job_user_name
-from stalwart.etcd_client import CredentialsError, EtcdCredentials, connect
-from stalwart.keys import JobKeys
+from stalwart.etcd.admin import JobLogin, delete_job_login, ensure_job_login, job_user_name
+from stalwart.etcd.client import CredentialsError, EtcdCredentials, connect
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store, StorePermissionDenied, StoreSecurityError, StoreUnavailable
 from stalwart.local.etcd import EtcdServer
 from stalwart.local.etcd_pki import LocalCA
-from stalwart.store import Store, StorePermissionDenied, StoreSecurityError, StoreUnavailable
 
 pytestmark = pytest.mark.integration
 

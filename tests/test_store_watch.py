@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from stalwart import store as store_module
+from stalwart.etcd import store as store_module
+from stalwart.etcd.store import Store, StoreTimeout
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store, StoreTimeout
 
 pytestmark = pytest.mark.integration
 

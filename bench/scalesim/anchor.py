@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.scalesim.sim import Costs, Sim, TimedStore
-from stalwart.store import Compare, Get, Put
+from stalwart.etcd.store import Compare, Get, Put
 
 KEY = "/scale/anchor/state"
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.scalesim.sim import Costs
+from stalwart.etcd.store import Compare, Put, Store
 from stalwart.local.etcd import find_etcd_binary
-from stalwart.store import Compare, Put, Store
 
 
 def _timed(fn: Callable[[], object], repeat: int) -> float:

@@ -1,6 +1,6 @@
 """An in-memory model of one etcd v3 server, for simulating thousands of agents on one machine.
 
-It offers the subset of :class:`stalwart.store.Store` the rendezvous and restart code calls (``get``,
+It offers the subset of :class:`stalwart.etcd.store.Store` the rendezvous and restart code calls (``get``,
 ``get_prefix``, ``put``, ``delete``, ``txn``, ``revision``, ``watch``, leases), with etcd 3.5's semantics:
 
 * one revision counter; every request that changes keys advances it by one, and every key it changes gets
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stalwart.store import (
+from stalwart.etcd.store import (
     MAX_VALUE_BYTES,
     Compare,
     Delete,

@@ -24,10 +24,10 @@ from unittest import mock
 from bench.scalesim.sim import Costs, Sim, TimedStore
 from stalwart.agent.rendezvous import protocol
 from stalwart.agent.rendezvous.driver import NodeHandle, Rendezvous, _to_event
-from stalwart.agent.rendezvous.protocol import MANIFEST, KeyEvent, KeyPut, Observed, Reloaded, SealFailed, Tick, View
+from stalwart.agent.rendezvous.protocol import KeyEvent, KeyPut, Observed, Reloaded, SealFailed, Tick, View
 from stalwart.agent.rendezvous.settings import RendezvousSettings
 from stalwart.api.rendezvous import MANIFEST_PARTS, Manifest, NodeRecord, decode_manifest
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import MANIFEST, JobKeys
 
 KEYS = JobKeys("scale", "sim0")
 PREFIX = KEYS.rendezvous

@@ -27,14 +27,13 @@ from typing import Any
 from unittest import mock
 
 from bench.scalesim.sim import Costs, Sim, TimedStore
-from stalwart.agent.rendezvous.protocol import MANIFEST
 from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import MANIFEST, JobKeys
+from stalwart.etcd.store import KeyValue
 from stalwart.restart.assignment import RankAssignment
 from stalwart.restart.coordination import Coordinator, EpochView, barrier_complete
 from stalwart.restart.wrapper import _Session
-from stalwart.store import KeyValue
 
 KEYS = JobKeys("scale", "sim1")
 

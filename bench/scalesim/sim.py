@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from bench.scalesim.memetcd import MemEtcd
-from stalwart.store import Compare, KeyValue, Op, TxnResult, WatchEvent
+from stalwart.etcd.store import Compare, KeyValue, Op, TxnResult, WatchEvent
 
 T = TypeVar("T")
 
@@ -169,7 +169,7 @@ class Sim:
 
 
 class TimedStore:
-    """The :class:`stalwart.store.Store` interface the real code calls, answered by the model etcd at the
+    """The :class:`stalwart.etcd.store.Store` interface the real code calls, answered by the model etcd at the
     simulated time of the agent running now (every call advances ``sim.now`` by its round trip)."""
 
     def __init__(self, sim: Sim) -> None:

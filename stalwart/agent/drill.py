@@ -32,9 +32,9 @@ from stalwart.agent.settings import AgentSettings
 from stalwart.api.drill import MAX_LIFETIME, DrillRequest, DrillResult
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import RankStatus
-from stalwart.outage import Outage
+from stalwart.etcd.outage import Outage
+from stalwart.etcd.store import Store, StoreError, Watch
 from stalwart.restart import drill as rank_drill
-from stalwart.store import Store, StoreError, Watch
 
 log = logging.getLogger(__name__)
 

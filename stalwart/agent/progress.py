@@ -37,9 +37,9 @@ from stalwart.api.restart import (
     RankStatus,
     RoundSummary,
 )
-from stalwart.keys import JobKeys
-from stalwart.outage import Backoff, Outage
-from stalwart.store import Store, StoreError
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.outage import Backoff, Outage
+from stalwart.etcd.store import Store, StoreError
 
 __all__ = [
     "NO_STEP_GRACE",

@@ -49,10 +49,10 @@ from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.restart import FaultKind, FaultRecord, RankStatus
-from stalwart.etcd_client import connect
+from stalwart.etcd.client import connect
+from stalwart.etcd.store import StoreError
 from stalwart.net import free_port
 from stalwart.restart.coordination import record_fault
-from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from stalwart.api.pod_env import EtcdEndpoints, JobRef
-from stalwart.etcd_client import EtcdCredentials
-from stalwart.keys import JobKeys
+from stalwart.etcd.client import EtcdCredentials
+from stalwart.etcd.keys import JobKeys
 
 __all__ = ["AGENT_ENV", "AgentSettings", "SettingsError"]
 
@@ -49,7 +49,7 @@ class AgentSettings(BaseModel):
     max_nodes: int = Field(default=1, ge=1)
     etcd_endpoints: EtcdEndpoints
     rpc_token: SecretStr | None = None
-    #: The mounted etcd credentials Secret (stalwart.etcd_client); files, so no secret is in the environment.
+    #: The mounted etcd credentials Secret (stalwart.etcd.client); files, so no secret is in the environment.
     etcd_tls: bool = False
     etcd_secret_dir: str | None = None
 

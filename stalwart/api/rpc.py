@@ -1,6 +1,6 @@
 """The wire records of the RPC layer: the header of every RPC message and the worker record kept in etcd.
 
-A message on the wire is one frame (see :mod:`stalwart.agent.rpc.codec`): a 4-byte big-endian header length,
+A message on the wire is one frame (see :mod:`stalwart.rpc.codec`): a 4-byte big-endian header length,
 the :class:`Envelope` as compact JSON, then the raw bytes of the blobs (tensors and ``bytes`` values) that
 the envelope's ``blobs`` describe, back to back. Nothing in a frame is ever unpickled.
 

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         log.error("--concurrency: must be >= 1, got %d", args.concurrency)
         return 2
-    from stalwart.etcd_client import CredentialsError, EtcdCredentials
+    from stalwart.etcd.client import CredentialsError, EtcdCredentials
 
     try:
         credentials = EtcdCredentials.from_dir(args.etcd_secret_dir, tls=args.etcd_tls) \

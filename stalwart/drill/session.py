@@ -38,8 +38,8 @@ from stalwart.drill.core import (
     status_summary,
     table_line,
 )
-from stalwart.keys import JobKeys
-from stalwart.store import Store, StoreError
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store, StoreError
 
 __all__ = ["DrillError", "DrillOptions", "DrillSession", "Refused"]
 

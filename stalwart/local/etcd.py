@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from stalwart.net import free_port
 
 if TYPE_CHECKING:
-    from stalwart.etcd_client import EtcdCredentials
+    from stalwart.etcd.client import EtcdCredentials
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class EtcdServer:
     def credentials(self, user: str | None = None, password: str | None = None) -> EtcdCredentials:
         """What a client needs to reach this server: its CA and client certificate (with TLS) and the login
         ``user``/``password`` (default: root, with auth on; no login without)."""
-        from stalwart.etcd_client import EtcdCredentials
+        from stalwart.etcd.client import EtcdCredentials
 
         if user is None and self.auth:
             user, password = "root", self.root_password
@@ -161,15 +161,15 @@ class EtcdServer:
             logf.close()
         self.wait_ready(timeout)
         if self.auth and not self._auth_on:
-            from stalwart.etcd_admin import enable_auth
-            from stalwart.etcd_client import connect
+            from stalwart.etcd.admin import enable_auth
+            from stalwart.etcd.client import connect
 
             with connect([self.endpoint], self.credentials(user="", password=""), timeout=timeout) as store:
                 enable_auth(store, self.root_password or "")
             self._auth_on = True
 
     def wait_ready(self, timeout: float) -> None:
-        from stalwart.store import Store, StoreError
+        from stalwart.etcd.store import Store, StoreError
 
         deadline = time.monotonic() + timeout
         creds = self.credentials(user="", password="")  # no login: a status call needs none

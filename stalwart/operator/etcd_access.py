@@ -1,4 +1,4 @@
-"""The operator's adapter to etcd: one :class:`~stalwart.store.Store` per distinct endpoint list, a job's view
+"""The operator's adapter to etcd: one :class:`~stalwart.etcd.store.Store` per distinct endpoint list, a job's view
 read in one transaction, the operator's writes (JobRecord, expected nodes, close, fencing), the finalizer's
 prefix deletion, and one watch per store that wakes a job's reconcile when its agents report.
 
@@ -16,12 +16,12 @@ from typing import TypeVar
 
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import ClosedRecord, ExpectedNodes
-from stalwart.etcd_client import EtcdCredentials, connect
-from stalwart.keys import ROOT, JobKeys
+from stalwart.etcd.client import EtcdCredentials, connect
+from stalwart.etcd.keys import ROOT, JobKeys
+from stalwart.etcd.store import Get, Put, Store, StoreError
 from stalwart.operator import metrics
 from stalwart.operator.model import EtcdView
 from stalwart.operator.observe import etcd_view, fault_entries
-from stalwart.store import Get, Put, Store, StoreError
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,9 @@ import kopf
 
 from stalwart.api import naming
 from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
-from stalwart.etcd_client import EtcdCredentials
-from stalwart.keys import JobKeys
+from stalwart.etcd.client import EtcdCredentials
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import StoreError
 from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.job_login import retire
 from stalwart.operator.kube import Kube, KubeError
@@ -38,7 +39,6 @@ from stalwart.operator.model import DeleteJob, OperatorSettings, PodView
 from stalwart.operator.node_loss import node_unreachable
 from stalwart.operator.observe import job_view, pod_view
 from stalwart.operator.runner import JobRunner, OperatorContext, etcd_target, uses_job_login
-from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 For a job that uses the operator's etcd (no ``spec.rendezvous.endpoints``/``secretRef`` of its own), the
 operator, logged in as an etcd administrator, makes the job a role limited to its key prefix and a user with a
-random password (:mod:`stalwart.etcd_admin`), and writes the login (and the TLS material its agents need) into
+random password (:mod:`stalwart.etcd.admin`), and writes the login (and the TLS material its agents need) into
 the job's own Secret, which is owner-referenced and mounted into every pod as the etcd credentials. The user and
 role are deleted with the job (the finalizer). A job's agents so read and write their own prefix and nothing
 else.
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from stalwart.etcd_admin import JobLogin, delete_job_login, ensure_job_login, new_password
-from stalwart.etcd_client import EtcdCredentials
-from stalwart.keys import JobKeys
-from stalwart.store import Store
+from stalwart.etcd.admin import JobLogin, delete_job_login, ensure_job_login, new_password
+from stalwart.etcd.client import EtcdCredentials
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 
 __all__ = ["job_secret_data", "provision", "retire"]
 

@@ -21,9 +21,9 @@ from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import API_VERSION, KIND
 from stalwart.api.validation import document_problems
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import KeyValue
 from stalwart.operator.model import EtcdView, JobView, PodPhase, PodView
-from stalwart.store import KeyValue
 
 log = logging.getLogger(__name__)
 

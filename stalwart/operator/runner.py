@@ -21,8 +21,10 @@ from stalwart.api import naming
 from stalwart.api.job_record import JobRecord
 from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import TrainingJob
-from stalwart.etcd_client import CredentialsError, EtcdCredentials
-from stalwart.keys import JobKeys
+from stalwart.etcd.client import CredentialsError, EtcdCredentials
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.outage import Backoff, Outage
+from stalwart.etcd.store import StoreError
 from stalwart.operator import metrics
 from stalwart.operator.etcd_access import EtcdAccess, EtcdTarget
 from stalwart.operator.job_login import job_secret_data, provision
@@ -53,8 +55,6 @@ from stalwart.operator.model import (
 )
 from stalwart.operator.observe import job_view, overlay
 from stalwart.operator.reconcile import reconcile
-from stalwart.outage import Backoff, Outage
-from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
 

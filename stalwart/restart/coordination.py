@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from stalwart.agent.rendezvous.fence import Fence
 from stalwart.api.restart import DIRECT_KINDS, AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
-from stalwart.keys import JobKeys
-from stalwart.outage import Outage
-from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTimeout, StoreUnavailable, Watch
+from stalwart.etcd.fence import Fence
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.outage import Outage
+from stalwart.etcd.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTimeout, StoreUnavailable, Watch
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stalwart.api.pod_env import EtcdEndpoints, JobRef
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
 
 __all__ = ["ENV", "EnvironmentError_", "RankEnvironment"]
 

@@ -23,10 +23,10 @@ import threading
 import time
 
 from stalwart.api.restart import DIRECT_KINDS, FaultRecord, RankStatus, failure_info
+from stalwart.etcd.store import StoreError, Watch, WatchEvent
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
-from stalwart.store import StoreError, Watch, WatchEvent
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from stalwart.agent.rendezvous.errors import StaleEpoch
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import PARKED_ENV, Handover
+from stalwart.etcd.fence import StaleEpoch
+from stalwart.etcd.store import StoreError
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.environment import RankEnvironment
 from stalwart.restart.errors import RestartExit
 from stalwart.restart.handover import RoundOver, RoundWatch, is_parked
-from stalwart.store import StoreError
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ArrivalRecord, FaultKind, FaultRecord, SealRecord, failure_info
-from stalwart.etcd_client import EtcdCredentials, connect
+from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.restart import drill
 from stalwart.restart.assignment import Candidate, WorldTooSmall, initial_ranks
 from stalwart.restart.config import RestartConfig
@@ -322,7 +322,7 @@ class _Session:
     def _run_iteration(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                        inject: str | None, *, iteration: int, rank: int, world_size: int,
                        active: frozenset[int]) -> _Finished | None:
-        from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
+        from stalwart.etcd.torch_store import EtcdTorchStore
 
         timeout = getattr(self.config.initialize, "timeout", 1800.0)
         store = EtcdTorchStore(self.store, self.env.keys, self.env.epoch, scope=f"{iteration}/", timeout=timeout)

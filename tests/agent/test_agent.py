@@ -19,9 +19,9 @@ from restart_helpers import SCRIPT, expected_checksum, restart_records
 
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ProgressRecord
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
 TIMEOUT = 240

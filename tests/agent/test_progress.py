@@ -21,10 +21,10 @@ from stalwart.agent.progress import (
     respawned,
 )
 from stalwart.api.restart import MAX_EXITS, MAX_HISTORY, ProgressRecord, RankStatus, RoundSummary
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.outage import Backoff
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.outage import Backoff
-from stalwart.store import Store
 
 WALL = 1_800_000_000.0
 

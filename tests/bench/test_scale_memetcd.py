@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.rendezvous import proposals
 from bench.scalesim.memetcd import MemEtcd
+from stalwart.etcd.store import Compare, Delete, Get, KeyValue, Put, Store, StoreError, ValueTooLarge
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Compare, Delete, Get, KeyValue, Put, Store, StoreError, ValueTooLarge
 
 pytestmark = pytest.mark.integration
 

@@ -26,10 +26,10 @@ from e2e_jobs import (
 )
 
 from stalwart.demo import DemoOptions, run_demo
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.examples.train import FAIL_AT_STEP_ENV, FAIL_TIMES_ENV
-from stalwart.keys import JobKeys
 from stalwart.local.cluster import ClusterError, LocalCluster
-from stalwart.store import Store
 
 pytestmark = pytest.mark.e2e
 

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from stalwart.agent.rendezvous.protocol import MANIFEST
+from stalwart.etcd.keys import MANIFEST, JobKeys
 from stalwart.examples import train
-from stalwart.keys import JobKeys
 
 WAIT = 180  # seconds; generous for a loaded 2-core machine
 

@@ -15,8 +15,8 @@ import pytest
 from chart_rbac import CHART, OperatorAccount, OperatorFactory, operator_factory
 from test_operator_cluster import Jobs
 
+from stalwart.etcd.store import Store
 from stalwart.local.cluster import LocalCluster
-from stalwart.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,8 @@ from opbuild import JOB, NOW, etcd, job, observe, progress, spec, status
 from stalwart.api.rendezvous import ExpectedNodes, Manifest, Member, encode_manifest, manifest_part_key
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import Phase, Position
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import KeyValue
 from stalwart.operator import rbac
 from stalwart.operator.manifests import (
     AGENT_COMMAND,
@@ -23,7 +24,6 @@ from stalwart.operator.manifests import (
 from stalwart.operator.model import PatchStatus, PodView
 from stalwart.operator.observe import etcd_view, job_view, overlay, parse_time, pod_view
 from stalwart.operator.reconcile import reconcile
-from stalwart.store import KeyValue
 
 
 def pod_body(name: str = f"{JOB}-worker-1", phase: str = "Running", **status: Any) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from kubernetes import client as k8s
 from prometheus_client import REGISTRY
 
 from stalwart.api import naming
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.local.cluster import LocalCluster
-from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
 

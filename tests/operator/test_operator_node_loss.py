@@ -18,10 +18,10 @@ from kubernetes.client.exceptions import NotFoundException
 from test_operator_cluster import SLEEP, TRAIN, Jobs, OperatorFactory, job_body, phase_is, wait_for
 
 from stalwart.api.rendezvous import Manifest
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.local.cluster import LocalCluster
 from stalwart.local.processes import POD_MARKER, marked_pids, process_state
-from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
 

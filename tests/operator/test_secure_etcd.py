@@ -15,11 +15,11 @@ import pytest
 from test_operator_cluster import Jobs, OperatorFactory, job_body, phase_is, wait_for
 
 from stalwart.api import naming
-from stalwart.etcd_admin import job_user_name
-from stalwart.etcd_client import connect
-from stalwart.keys import JobKeys
+from stalwart.etcd.admin import job_user_name
+from stalwart.etcd.client import connect
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import StorePermissionDenied, StoreSecurityError
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import StorePermissionDenied, StoreSecurityError
 
 pytestmark = pytest.mark.integration
 

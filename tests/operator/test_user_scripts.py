@@ -10,10 +10,10 @@ import pytest
 from test_operator_cluster import GROUP, VERSION, Jobs, OperatorFactory, phase_is, wait_for
 
 from stalwart.api.restart import ProgressRecord
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.examples.torchrun_style import FAIL_ALWAYS_ENV, FAIL_AT_STEP_ENV, FAIL_RANK_ENV
-from stalwart.keys import JobKeys
 from stalwart.local.cluster import LocalCluster
-from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
 

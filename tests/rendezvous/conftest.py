@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from stalwart.agent.rendezvous import Rendezvous, RendezvousSettings
-from stalwart.keys import JobKeys
-from stalwart.store import Store
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 
 
 @pytest.fixture

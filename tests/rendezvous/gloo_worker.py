@@ -17,8 +17,8 @@ def main() -> int:
     import torch.distributed as dist
 
     from stalwart.agent.rendezvous import EtcdTorchStore
-    from stalwart.keys import JobKeys
-    from stalwart.store import Store
+    from stalwart.etcd.keys import JobKeys
+    from stalwart.etcd.store import Store
 
     etcd = Store([endpoint], timeout=10)
     result: dict[str, object] = {"rank": int(rank)}

@@ -20,11 +20,10 @@ from stalwart.agent.rendezvous import (
     RoundSealed,
     StaleEpoch,
 )
-from stalwart.agent.rendezvous.protocol import MANIFEST, NODES
 from stalwart.api.rendezvous import Manifest
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import MANIFEST, NODES, JobKeys
+from stalwart.etcd.store import MAX_VALUE_BYTES, Store, ValueTooLarge
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import MAX_VALUE_BYTES, Store, ValueTooLarge
 
 pytestmark = pytest.mark.integration
 

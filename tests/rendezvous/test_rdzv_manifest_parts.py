@@ -9,7 +9,6 @@ import time
 import pytest
 
 from stalwart.agent.rendezvous import RendezvousSettings
-from stalwart.agent.rendezvous.fence import Fence
 from stalwart.agent.rendezvous.protocol import KeyDeleted, KeyPut, Seal, View, apply
 from stalwart.agent.rendezvous.sealing import seal_txn
 from stalwart.api.rendezvous import (
@@ -24,8 +23,9 @@ from stalwart.api.rendezvous import (
     manifest_part_key,
 )
 from stalwart.drill.session import DrillSession
-from stalwart.keys import JobKeys
-from stalwart.store import Compare, Put, Store
+from stalwart.etcd.fence import Fence
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Compare, Put, Store
 
 
 def manifest(n: int) -> Manifest:

@@ -11,9 +11,8 @@ from rdzv_helpers import record
 
 from stalwart.agent.rendezvous import RendezvousCancelled, RendezvousSettings
 from stalwart.agent.rendezvous.driver import KEY_LOSS_BACKOFF
-from stalwart.agent.rendezvous.protocol import NODES
-from stalwart.keys import JobKeys
-from stalwart.store import Store
+from stalwart.etcd.keys import NODES, JobKeys
+from stalwart.etcd.store import Store
 
 pytestmark = pytest.mark.integration
 

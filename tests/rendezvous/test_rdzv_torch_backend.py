@@ -16,8 +16,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from stalwart.agent.rendezvous.torch_backend import BACKEND_NAME, EtcdV3RendezvousBackend, register
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
 
@@ -152,8 +152,8 @@ def test_a_tampered_state_is_refused_before_torch_unpickles_it(etcd: EtcdServer,
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
     from stalwart.api.rendezvous import TorchRendezvousState
+    from stalwart.etcd.torch_store import EtcdTorchStore
 
     backend = EtcdV3RendezvousBackend(store, prefix + "state", secret=SECRET)
     forger = EtcdV3RendezvousBackend(store, prefix + "state", secret=b"not-the-run-secret-at-all")

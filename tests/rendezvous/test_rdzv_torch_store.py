@@ -14,9 +14,9 @@ import torch.distributed as dist
 from rdzv_helpers import JOIN_TIMEOUT, record
 
 from stalwart.agent.rendezvous import EtcdTorchStore, RendezvousSettings, StaleEpoch
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store, StoreTimeout, StoreUnavailable
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store, StoreTimeout, StoreUnavailable
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store, StoreError
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store, StoreError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "bench" / "restart_ddp.py")

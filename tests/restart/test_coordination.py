@@ -10,9 +10,9 @@ import pytest
 
 from stalwart.agent.rendezvous.errors import StaleEpoch
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
-from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
 

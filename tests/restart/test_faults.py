@@ -12,8 +12,8 @@ import pytest
 from restart_helpers import expected_checksum, new_job, restart_records, run_ranks
 
 from stalwart.api.exit_codes import ExitCode
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
 

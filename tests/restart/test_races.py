@@ -12,8 +12,8 @@ import pytest
 from restart_helpers import SCRIPT, TIMEOUT, new_job, rank_env
 
 from stalwart.api.restart import ArrivalRecord, FaultRecord
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
 

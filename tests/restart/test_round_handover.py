@@ -23,8 +23,8 @@ from stalwart.agent.handover import handover_env, write_handover
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
 from stalwart.api.restart import RankStatus
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
 
 STEPS = 60
 

@@ -9,8 +9,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from stalwart.agent.rpc import RpcAgent, StaticMembership, View, rpc_function
-from stalwart.agent.rpc.streams import StreamTransport
+from stalwart.rpc import RpcAgent, StaticMembership, View, rpc_function
+from stalwart.rpc.streams import StreamTransport
 
 TOKEN = "test-token-0123456789abcdef"
 
@@ -111,13 +111,13 @@ CONTROL = ("fork", "accept", "delete")
 
 
 def _agent() -> RpcAgent:
-    from stalwart.agent.rpc import current_agent
+    from stalwart.rpc import current_agent
 
     return current_agent()
 
 
 def _send_retry() -> Any:
-    from stalwart.agent.rpc import RetryOptions
+    from stalwart.rpc import RetryOptions
 
     return RetryOptions(max_retries=100, initial_delay=0.01, max_delay=0.2, deadline=60, attempt_timeout=2.0)
 
@@ -162,7 +162,7 @@ def p_state() -> dict[str, Any]:
 @rpc_function("p.sees")
 def p_sees(names: list[str]) -> bool:
     """Whether this worker's view holds every one of ``names`` (its etcd watch may lag the driver's)."""
-    from stalwart.agent.rpc import UnknownWorker
+    from stalwart.rpc import UnknownWorker
 
     try:
         for n in names:
@@ -175,7 +175,7 @@ def p_sees(names: list[str]) -> bool:
 @rpc_function("p.faults")
 def p_faults(seed: int, spec: dict[str, dict[str, Any]]) -> None:
     """Replace the worker's faults: ``spec`` maps a message type to Faults fields (requests and replies)."""
-    from stalwart.agent.rpc.faults import Faults, FaultyTransport
+    from stalwart.rpc.faults import Faults, FaultyTransport
 
     transport = _agent()._transport
     assert isinstance(transport, FaultyTransport)
@@ -189,10 +189,10 @@ def worker_main(who: tuple[str, int], endpoint: str, job: tuple[str, str], world
     transport, serves until ``stop`` is set, then shuts down."""
     import logging
 
-    from stalwart.agent.rpc import RetryOptions, init_rpc, shutdown
-    from stalwart.agent.rpc.faults import FaultyTransport
-    from stalwart.keys import JobKeys
-    from stalwart.store import Store
+    from stalwart.etcd.keys import JobKeys
+    from stalwart.etcd.store import Store
+    from stalwart.rpc import RetryOptions, init_rpc, shutdown
+    from stalwart.rpc.faults import FaultyTransport
 
     logging.basicConfig(level=logging.WARNING)
     namespace, uid = job

@@ -16,7 +16,7 @@ import pytest
 import torch
 from rpc_helpers import CALLS, GATE, HELD, TOKEN, shutdown_all, wait_for, world
 
-from stalwart.agent.rpc import (
+from stalwart.rpc import (
     EpochAhead,
     Member,
     NotOwner,
@@ -35,9 +35,9 @@ from stalwart.agent.rpc import (
     View,
     WorkerDied,
 )
-from stalwart.agent.rpc.faults import Faults, FaultyTransport
-from stalwart.agent.rpc.streams import ACCEPTED, MAGIC, REFUSED, callee_proof, caller_proof
-from stalwart.agent.rpc.transport import GrpcTransport, Transport
+from stalwart.rpc.faults import Faults, FaultyTransport
+from stalwart.rpc.streams import ACCEPTED, MAGIC, REFUSED, callee_proof, caller_proof
+from stalwart.rpc.transport import GrpcTransport, Transport
 
 
 @pytest.fixture

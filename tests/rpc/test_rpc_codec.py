@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stalwart.agent.rpc.codec import (
+from stalwart.api.rpc import Envelope
+from stalwart.rpc.codec import (
     BLOB_ALIGN,
     IN_PLACE_FROM,
     Blobs,
@@ -21,9 +22,8 @@ from stalwart.agent.rpc.codec import (
     encode_payload,
     header_json,
 )
-from stalwart.agent.rpc.errors import PayloadError
-from stalwart.agent.rpc.transport import joined
-from stalwart.api.rpc import Envelope
+from stalwart.rpc.errors import PayloadError
+from stalwart.rpc.transport import joined
 
 
 def roundtrip(value: Any, *, owned: bool = False) -> Any:

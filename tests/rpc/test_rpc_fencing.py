@@ -15,12 +15,12 @@ import uuid
 
 import pytest
 
-from stalwart.agent.rpc import EtcdMembership, Member
-from stalwart.agent.rpc.membership import Fenced
 from stalwart.api.rpc import RpcWorkerRecord
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
+from stalwart.rpc import EtcdMembership, Member
+from stalwart.rpc.membership import Fenced
 
 pytestmark = pytest.mark.integration
 

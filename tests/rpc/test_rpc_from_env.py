@@ -22,7 +22,12 @@ from typing import Any
 import pytest
 from rpc_helpers import wait_for
 
-from stalwart.agent.rpc import (
+from stalwart.api.rpc import RpcWorkerRecord
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
+from stalwart.local.etcd import EtcdServer
+from stalwart.restart.environment import EnvironmentError_
+from stalwart.rpc import (
     EtcdMembership,
     Member,
     RpcAgent,
@@ -37,12 +42,7 @@ from stalwart.agent.rpc import (
     rpc_sync,
     shutdown,
 )
-from stalwart.agent.rpc.environment import DEFAULT_HOST, RpcEnvironment
-from stalwart.api.rpc import RpcWorkerRecord
-from stalwart.keys import JobKeys
-from stalwart.local.etcd import EtcdServer
-from stalwart.restart.environment import EnvironmentError_
-from stalwart.store import Store
+from stalwart.rpc.environment import DEFAULT_HOST, RpcEnvironment
 
 TOKEN = "from-env-token-0123456789abcdef"
 TIMEOUT = 180

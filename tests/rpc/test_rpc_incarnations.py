@@ -14,7 +14,10 @@ from typing import Any
 import pytest
 from rpc_helpers import TOKEN, world
 
-from stalwart.agent.rpc import (
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
+from stalwart.local.etcd import EtcdServer
+from stalwart.rpc import (
     EtcdMembership,
     Member,
     OwnerDied,
@@ -24,9 +27,6 @@ from stalwart.agent.rpc import (
     WorkerDied,
     WorkerLeft,
 )
-from stalwart.keys import JobKeys
-from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,7 @@ def incarnation_main(endpoint: str, job: tuple[str, str], stop: Any) -> None:
     """Worker ``b`` (rank 1): registers in the job's RPC membership and serves until told to stop."""
     from rpc_helpers import StreamTransport  # registers the test functions in this process
 
-    from stalwart.agent.rpc import init_rpc, shutdown
+    from stalwart.rpc import init_rpc, shutdown
 
     store = Store([endpoint], timeout=5.0)
     init_rpc("b", 1, store=store, keys=JobKeys(*job), epoch=1, lease_ttl=LEASE_TTL,

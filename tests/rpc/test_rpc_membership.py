@@ -10,13 +10,13 @@ import pytest
 from rpc_helpers import wait_for
 
 from stalwart.agent.rendezvous import Rendezvous, RendezvousSettings
-from stalwart.agent.rpc import EtcdMembership, Member, ViewChanged, WorkerLeft
-from stalwart.agent.rpc.membership import follow_rendezvous
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.rpc import RpcWorkerRecord
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
+from stalwart.rpc import EtcdMembership, Member, ViewChanged, WorkerLeft
+from stalwart.rpc.membership import follow_rendezvous
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from stalwart.agent.rpc.dedup import CompletionTable, Verdict
-from stalwart.agent.rpc.retry import RetryOptions, backoff_delay
-from stalwart.agent.rpc.timers import TimerHeap
+from stalwart.rpc.dedup import CompletionTable, Verdict
+from stalwart.rpc.retry import RetryOptions, backoff_delay
+from stalwart.rpc.timers import TimerHeap
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [

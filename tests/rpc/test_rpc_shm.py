@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rpc_helpers import TOKEN, shutdown_all, wait_for, world
 
-from stalwart.agent.rpc import shm
-from stalwart.agent.rpc.codec import Blobs
-from stalwart.agent.rpc.shm import (
+from stalwart.rpc import shm
+from stalwart.rpc.codec import Blobs
+from stalwart.rpc.shm import (
     HEADER_BYTES,
     MIN_ARENA_BYTES,
     ArenaError,
@@ -24,7 +24,7 @@ from stalwart.agent.rpc.shm import (
     Offer,
     Ring,
 )
-from stalwart.agent.rpc.streams import StreamTransport
+from stalwart.rpc.streams import StreamTransport
 
 
 def _arena_files() -> set[str]:

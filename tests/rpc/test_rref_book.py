@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stalwart.agent.rref.book import Control, PendingChild, RRefBook
+from stalwart.rref.book import Control, PendingChild, RRefBook
 
 
 def test_remote_creation_then_user_delete_frees_the_value() -> None:

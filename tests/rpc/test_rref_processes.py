@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rpc_helpers import CONTROL, TOKEN, wait_for, worker_main
 
-from stalwart.agent.rpc import EtcdMembership, RemoteError, RetryOptions, RpcAgent, WorkerDied
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.store import Store
+from stalwart.rpc import EtcdMembership, RemoteError, RetryOptions, RpcAgent, WorkerDied
 
 pytestmark = pytest.mark.integration
 

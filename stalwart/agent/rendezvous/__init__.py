@@ -37,11 +37,11 @@ from stalwart.agent.rendezvous.errors import (
     RendezvousTimeout,
     StaleEpoch,
 )
-from stalwart.agent.rendezvous.fence import Fence
 from stalwart.agent.rendezvous.settings import RendezvousSettings
+from stalwart.etcd.fence import Fence
 
 if TYPE_CHECKING:
-    from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
+    from stalwart.etcd.torch_store import EtcdTorchStore
 
 __all__ = [
     "Closed",
@@ -69,7 +69,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # torch is imported only by the parts that need it, so the operator can use the rest without torch.
     if name == "EtcdTorchStore":
-        from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
+        from stalwart.etcd.torch_store import EtcdTorchStore
 
         return EtcdTorchStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

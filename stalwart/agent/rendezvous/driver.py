@@ -25,12 +25,7 @@ from stalwart.agent.rendezvous.errors import (
     RendezvousError,
     RendezvousTimeout,
 )
-from stalwart.agent.rendezvous.fence import Fence
 from stalwart.agent.rendezvous.protocol import (
-    CLOSED,
-    EXPECTED,
-    NODES,
-    REQUEST,
     Event,
     KeyDeleted,
     KeyEvent,
@@ -61,12 +56,13 @@ from stalwart.api.rendezvous import (
     NodeRecord,
     RerendezvousRequest,
 )
-from stalwart.keys import JobKeys
-from stalwart.outage import Backoff, Outage
-from stalwart.store import Compare, Get, Put, Store, StoreError, StoreUnavailable, WatchEvent
+from stalwart.etcd.fence import Fence
+from stalwart.etcd.keys import CLOSED, EXPECTED, NODES, REQUEST, JobKeys
+from stalwart.etcd.outage import Backoff, Outage
+from stalwart.etcd.store import Compare, Get, Put, Store, StoreError, StoreUnavailable, WatchEvent
 
 if TYPE_CHECKING:
-    from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
+    from stalwart.etcd.torch_store import EtcdTorchStore
 
 log = logging.getLogger(__name__)
 
@@ -582,7 +578,7 @@ class NodeHandle:
     def torch_store(self, *, timeout: float = 300.0) -> EtcdTorchStore:
         """A torch.distributed Store for the round last returned by :meth:`join` (namespaced by its epoch,
         writes fenced by it and by this node's key)."""
-        from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
+        from stalwart.etcd.torch_store import EtcdTorchStore
 
         info = self.info
         if info is None:

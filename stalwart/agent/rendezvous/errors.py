@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+from stalwart.etcd.fence import StaleEpoch
+
+__all__ = [
+    "CorruptRecord",
+    "DuplicateNode",
+    "NodeLost",
+    "RendezvousCancelled",
+    "RendezvousClosed",
+    "RendezvousError",
+    "RendezvousTimeout",
+    "StaleEpoch",
+]
+
 
 class RendezvousError(Exception):
     """Base of every rendezvous error."""
@@ -29,18 +42,6 @@ class NodeLost(RendezvousError):
 class DuplicateNode(RendezvousError):
     """Another live node already holds this node id (its key exists under a different lease)."""
 
-
-class StaleEpoch(RendezvousError):
-    """A round-bound write was refused: the round of ``epoch`` is over (a newer round was sealed, or the
-    writer's own node key is gone). Nothing was written."""
-
-    def __init__(self, epoch: int, current: int | None, detail: str = "") -> None:
-        self.epoch = epoch
-        #: The epoch now in etcd (``None`` when no round is sealed); may equal ``epoch`` when it was the
-        #: writer's node key that was gone.
-        self.current = current
-        msg = f"epoch {epoch} is stale (current epoch: {current})"
-        super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
 class CorruptRecord(RendezvousError):

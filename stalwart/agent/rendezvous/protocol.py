@@ -39,14 +39,10 @@ from stalwart.api.rendezvous import (
     RerendezvousRequest,
     decode_manifest,
 )
+from stalwart.etcd.keys import CLOSED, EXPECTED, MANIFEST, NODES, REQUEST
 
 _M = TypeVar("_M", NodeRecord, Manifest, RerendezvousRequest, ExpectedNodes)
 
-NODES = "nodes/"
-MANIFEST = "manifest"
-REQUEST = "request"
-CLOSED = "closed"
-EXPECTED = "expected"
 
 
 # -- what etcd holds ---------------------------------------------------------------------------------------

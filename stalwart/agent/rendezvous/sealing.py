@@ -6,9 +6,10 @@ driver sends as one etcd transaction.
 
 from __future__ import annotations
 
-from stalwart.agent.rendezvous.protocol import CLOSED, MANIFEST, NODES, Seal
+from stalwart.agent.rendezvous.protocol import Seal
 from stalwart.api.rendezvous import encode_manifest, manifest_part_key
-from stalwart.store import Compare, Put
+from stalwart.etcd.keys import CLOSED, MANIFEST, NODES
+from stalwart.etcd.store import Compare, Put
 
 
 def seal_txn(prefix: str, seal: Seal) -> tuple[list[Compare], list[Put]]:

@@ -8,7 +8,7 @@ the one state key of torch's DynamicRendezvousHandler in etcd v3; the fencing to
 
 (``--rdzv-conf key_prefix=/some/prefix/`` moves the keys; ``etcd_timeout=SECONDS`` sets each call's deadline;
 ``hmac_key_file=PATH`` names the file with the run's secret, see below). etcd credentials come from the pod
-contract (``STALWART_ETCD_SECRET_DIR``/``STALWART_ETCD_TLS``, :mod:`stalwart.etcd_client`).
+contract (``STALWART_ETCD_SECRET_DIR``/``STALWART_ETCD_TLS``, :mod:`stalwart.etcd.client`).
 The name is registered through the ``torchrun.handlers`` entry point, which torch's registry loads on start,
 and by :func:`register` for programs that build handlers themselves.
 
@@ -39,10 +39,10 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
 
-from stalwart.agent.rendezvous.torch_store import EtcdTorchStore
 from stalwart.api.rendezvous import TorchRendezvousState
-from stalwart.etcd_client import EtcdCredentials, connect
-from stalwart.store import Compare, Get, KeyValue, Put, Store, StoreError
+from stalwart.etcd.client import EtcdCredentials, connect
+from stalwart.etcd.store import Compare, Get, KeyValue, Put, Store, StoreError
+from stalwart.etcd.torch_store import EtcdTorchStore
 
 BACKEND_NAME = "stalwart-etcd"
 STATE_FORMAT = "torch-dynamic-rendezvous/v1"

@@ -7,16 +7,16 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from stalwart.agent.rpc.errors import RRefDeleted
+from stalwart.rpc.errors import RRefDeleted
 
 if TYPE_CHECKING:
-    from stalwart.agent.rpc.membership import WorkerInfo
+    from stalwart.rpc.membership import WorkerInfo
 
 T = TypeVar("T")
 
 
 class _Agent(Protocol):
-    """What a handle needs from its agent (:class:`stalwart.agent.rpc.agent.RpcAgent`)."""
+    """What a handle needs from its agent (:class:`stalwart.rpc.agent.RpcAgent`)."""
 
     name: str
 
@@ -62,10 +62,10 @@ class RRef(Generic[T]):
     def to_here(self, timeout: float | None = None) -> T:
         """The value, fetched from the owner (a copy; tensors included).
 
-        Raises :class:`~stalwart.agent.rpc.errors.OwnerDied` at once when the owner is dead,
-        :class:`~stalwart.agent.rpc.errors.RRefDeleted` when the handle was released,
-        :class:`~stalwart.agent.rpc.errors.RRefCreationFailed` when the creating function raised, and
-        :class:`~stalwart.agent.rpc.errors.RpcTimeout` after ``timeout`` seconds (default: the agent's).
+        Raises :class:`~stalwart.rpc.errors.OwnerDied` at once when the owner is dead,
+        :class:`~stalwart.rpc.errors.RRefDeleted` when the handle was released,
+        :class:`~stalwart.rpc.errors.RRefCreationFailed` when the creating function raised, and
+        :class:`~stalwart.rpc.errors.RpcTimeout` after ``timeout`` seconds (default: the agent's).
         """
         if self._released:
             raise RRefDeleted(f"RRef {self.rref_id} was released on this worker")
@@ -73,7 +73,7 @@ class RRef(Generic[T]):
 
     def local_value(self, timeout: float | None = None) -> T:
         """The value itself (not a copy); only on the owner. Waits up to ``timeout`` while it is computed."""
-        from stalwart.agent.rpc.errors import NotOwner
+        from stalwart.rpc.errors import NotOwner
 
         if not self.is_owner():
             raise NotOwner(f"local_value() on {self._agent.name}, but RRef {self.rref_id} is owned by "

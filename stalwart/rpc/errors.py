@@ -6,7 +6,7 @@ from stalwart.api.rpc import ErrorInfo
 
 
 class RpcError(Exception):
-    """Base of every error raised by ``stalwart.agent.rpc`` and ``stalwart.agent.rref``."""
+    """Base of every error raised by ``stalwart.rpc`` and ``stalwart.rref``."""
 
 
 class RemoteError(RpcError):

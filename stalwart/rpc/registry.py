@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from stalwart.agent.rpc.errors import UnknownFunction
+from stalwart.rpc.errors import UnknownFunction
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -33,7 +33,7 @@ import secrets
 import struct
 from dataclasses import dataclass
 
-from stalwart.agent.rpc.transport import Buffer
+from stalwart.rpc.transport import Buffer
 
 SHM_DIR = "/dev/shm"
 NAME_PATTERN = re.compile(r"stalwart-rpc-[0-9a-f]{32}")

@@ -1,4 +1,4 @@
-"""etcd's login for :class:`stalwart.store.Store`: the auth token, its renewal, and what a refusal means.
+"""etcd's login for :class:`stalwart.etcd.store.Store`: the auth token, its renewal, and what a refusal means.
 
 etcd (``--auth-token simple``, the default) hands out a token on ``Authenticate`` and forgets it after
 ``--auth-token-ttl`` seconds without use, or at once when the server restarts. A client must then log in again.

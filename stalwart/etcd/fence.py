@@ -11,10 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stalwart.agent.rendezvous.errors import StaleEpoch
-from stalwart.agent.rendezvous.protocol import MANIFEST, NODES
-from stalwart.keys import JobKeys
-from stalwart.store import Compare, Delete, Get, Op, Put, Store, TxnResult
+from stalwart.etcd.keys import MANIFEST, NODES, JobKeys
+from stalwart.etcd.store import Compare, Delete, Get, Op, Put, Store, TxnResult
+
+
+class StaleEpoch(Exception):
+    """A round-bound write was refused: the round of ``epoch`` is over (a newer round was sealed, or the
+    writer's own node key is gone). Nothing was written."""
+
+    def __init__(self, epoch: int, current: int | None, detail: str = "") -> None:
+        self.epoch = epoch
+        #: The epoch now in etcd (``None`` when no round is sealed); may equal ``epoch`` when it was the
+        #: writer's node key that was gone.
+        self.current = current
+        msg = f"epoch {epoch} is stale (current epoch: {current})"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
 class Fence:

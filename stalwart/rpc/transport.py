@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from stalwart.agent.rpc.errors import TransportError
+from stalwart.rpc.errors import TransportError
 
 log = logging.getLogger(__name__)
 

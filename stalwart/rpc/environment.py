@@ -15,9 +15,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from stalwart.agent.rpc.agent import TOKEN_ENV
-from stalwart.keys import JobKeys
+from stalwart.etcd.keys import JobKeys
 from stalwart.restart.environment import EnvironmentError_, RankEnvironment
+from stalwart.rpc.agent import TOKEN_ENV
 
 __all__ = ["DEFAULT_HOST", "POD_IP_ENV", "RANK_ENV", "TOKEN_ENV", "WORLD_SIZE_ENV", "RpcEnvironment"]
 

@@ -15,7 +15,7 @@ class RetryOptions(BaseModel):
     Attempt ``n`` (the first retry is ``n = 1``) waits ``min(max_delay, initial_delay * multiplier**(n-1))``
     seconds, scaled by a uniform random factor in ``[1 - jitter, 1 + jitter]`` and capped again by
     ``max_delay``. No attempt starts after ``deadline`` seconds from the first send; the call then fails
-    with the last error (or :class:`~stalwart.agent.rpc.errors.RpcTimeout`). ``attempt_timeout``, when set,
+    with the last error (or :class:`~stalwart.rpc.errors.RpcTimeout`). ``attempt_timeout``, when set,
     makes an attempt whose reply has not come within that many seconds count as failed (a lost message),
     so the request is sent again; duplicates are harmless because the callee deduplicates by request id.
     """

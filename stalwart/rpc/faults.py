@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stalwart.agent.rpc.transport import (
+from stalwart.rpc.transport import (
     LinkDownHandler,
     OutFrame,
     ReplyChannel,

@@ -12,6 +12,15 @@ from dataclasses import dataclass
 
 ROOT = "/stalwart/v1/"
 
+# The rendezvous' keys, relative to ``JobKeys.rendezvous``: one key per node under NODES, the sealed round's
+# MANIFEST (its mod_revision is the round's epoch, the fencing token), a re-rendezvous REQUEST, the CLOSED
+# flag and the operator's EXPECTED nodes.
+NODES = "nodes/"
+MANIFEST = "manifest"
+REQUEST = "request"
+CLOSED = "closed"
+EXPECTED = "expected"
+
 _SEGMENT = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 

@@ -23,9 +23,9 @@ from types import MappingProxyType
 from typing import Any
 
 from stalwart.api.rpc import RpcWorkerRecord, check_worker_name
-from stalwart.keys import JobKeys
-from stalwart.outage import Backoff, Outage
-from stalwart.store import Compare, Delete, Put, Store, StoreError, WatchCompacted
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.outage import Backoff, Outage
+from stalwart.etcd.store import Compare, Delete, Put, Store, StoreError, WatchCompacted
 
 log = logging.getLogger(__name__)
 

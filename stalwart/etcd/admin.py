@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pyetcd.etcdrpc import auth_pb2
 from pyetcd.etcdrpc import rpc_pb2 as rpc
 
-from stalwart.keys import JobKeys
-from stalwart.store import Store, StoreError, prefix_range_end
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store, StoreError, prefix_range_end
 
 __all__ = ["JobLogin", "delete_job_login", "enable_auth", "ensure_job_login", "job_user_name", "new_password"]
 

@@ -14,14 +14,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.agent.rpc.agent import RpcAgent, RpcFuture, ShutdownReport
-from stalwart.agent.rpc.environment import RpcEnvironment
-from stalwart.agent.rpc.errors import RpcShutdown
-from stalwart.agent.rpc.membership import EtcdMembership, Membership, WorkerInfo
-from stalwart.agent.rref.handle import RRef
-from stalwart.etcd_client import EtcdCredentials, connect
-from stalwart.keys import JobKeys
-from stalwart.store import Store
+from stalwart.etcd.client import EtcdCredentials, connect
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
+from stalwart.rpc.agent import RpcAgent, RpcFuture, ShutdownReport
+from stalwart.rpc.environment import RpcEnvironment
+from stalwart.rpc.errors import RpcShutdown
+from stalwart.rpc.membership import EtcdMembership, Membership, WorkerInfo
+from stalwart.rref.handle import RRef
 
 log = logging.getLogger(__name__)
 

@@ -57,8 +57,8 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.agent.rpc.errors import TransportError
-from stalwart.agent.rpc.shm import (
+from stalwart.rpc.errors import TransportError
+from stalwart.rpc.shm import (
     DEFAULT_ARENA_BUDGET,
     DEFAULT_ARENA_BYTES,
     MIN_ARENA_BYTES,
@@ -69,7 +69,7 @@ from stalwart.agent.rpc.shm import (
     Descriptor,
     Offer,
 )
-from stalwart.agent.rpc.transport import (
+from stalwart.rpc.transport import (
     DEFAULT_MAX_FRAME_BYTES,
     Buffer,
     LinkDownHandler,

@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stalwart.etcd_admin import ROOT_USER
-from stalwart.etcd_admin import enable_auth as turn_on_auth
-from stalwart.store import DEFAULT_TIMEOUT, Store, StorePermissionDenied, StoreSecurityError
+from stalwart.etcd.admin import ROOT_USER
+from stalwart.etcd.admin import enable_auth as turn_on_auth
+from stalwart.etcd.store import DEFAULT_TIMEOUT, Store, StorePermissionDenied, StoreSecurityError
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def connect(endpoints: Sequence[str], credentials: EtcdCredentials | None = None
             timeout: float = DEFAULT_TIMEOUT, probe: str | None = None, enable_auth: bool = False) -> Store:
     """A :class:`Store` for ``endpoints`` with ``credentials``, checked before it is returned: the login (when
     there is one), then a read of the keys under ``probe`` (a job's prefix: proves the user may read it), else
-    a status call. Raises :class:`~stalwart.store.StoreSecurityError` naming the cause (TLS, no login, wrong
+    a status call. Raises :class:`~stalwart.etcd.store.StoreSecurityError` naming the cause (TLS, no login, wrong
     login, no permission) or ``StoreUnavailable``; nothing has been written then.
 
     With ``enable_auth`` and the ``root`` login, an etcd whose authentication is still off gets it turned on

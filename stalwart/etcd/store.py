@@ -12,7 +12,7 @@ typed errors:
 * :class:`WatchCompacted` -- a watch asked to start at a revision etcd has already compacted away.
 * :class:`StoreSecurityError` -- etcd refused who we are: a failed TLS handshake, no login where one is needed,
   a wrong user or password, a key outside the user's permissions (:class:`StorePermissionDenied`). Never
-  transient: the message says what to fix (see :mod:`stalwart.store_auth`, which also renews the auth token).
+  transient: the message says what to fix (see :mod:`stalwart.etcd.auth`, which also renews the auth token).
 * :class:`StoreError` -- anything else etcd refused (the base class of all of the above).
 
 Values are bytes; callers store JSON documents of ``stalwart.api`` models and check the size with
@@ -34,7 +34,7 @@ import grpc
 from pyetcd.etcdrpc import rpc_pb2 as rpc
 from pyetcd.etcdrpc import rpc_pb2_grpc as rpc_grpc
 
-from stalwart import store_auth
+from stalwart.etcd import auth as store_auth
 
 log = logging.getLogger(__name__)
 
@@ -427,7 +427,7 @@ class Store:
 
     def auth(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """Call one method of etcd's Auth service (``UserAdd``, ``RoleGrantPermission``, ...) with this
-        store's login; for :mod:`stalwart.etcd_admin`."""
+        store's login; for :mod:`stalwart.etcd.admin`."""
         return self._call(getattr(rpc_grpc.AuthStub(self._channel), method), request, f"auth {method}", timeout)
 
     # -- key-value ------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """RPC between the processes of a job: calls with retries, remote references, fenced by rendezvous round.
 
 Public API (close to ``torch.distributed.rpc``): :func:`init_rpc`, :func:`rpc_sync`, :func:`rpc_async`,
-:func:`remote` (-> :class:`~stalwart.agent.rref.RRef`), :func:`shutdown`; :func:`rpc_function` registers the
+:func:`remote` (-> :class:`~stalwart.rref.RRef`), :func:`shutdown`; :func:`rpc_function` registers the
 functions peers may call (calls name functions; nothing is pickled). :class:`RpcAgent` is the same API on an
 explicit agent object. Parts: :mod:`.streams` (the default transport: length-prefixed frames over TCP with a
 token hello -- why not gRPC is explained there), :mod:`.transport` (the Transport interface and the gRPC one),
@@ -9,10 +9,10 @@ token hello -- why not gRPC is explained there), :mod:`.transport` (the Transpor
 (completion records), :mod:`.retry`, :mod:`.membership`, :mod:`.faults` (fault injection), :mod:`.agent`.
 """
 
-from stalwart.agent.rpc.agent import RpcAgent, RpcFuture, ShutdownReport
-from stalwart.agent.rpc.api import current_agent, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
-from stalwart.agent.rpc.environment import RpcEnvironment
-from stalwart.agent.rpc.errors import (
+from stalwart.rpc.agent import RpcAgent, RpcFuture, ShutdownReport
+from stalwart.rpc.api import current_agent, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
+from stalwart.rpc.environment import RpcEnvironment
+from stalwart.rpc.errors import (
     EpochAhead,
     NotOwner,
     OwnerDied,
@@ -30,7 +30,7 @@ from stalwart.agent.rpc.errors import (
     UnknownWorker,
     WorkerDied,
 )
-from stalwart.agent.rpc.membership import (
+from stalwart.rpc.membership import (
     EtcdMembership,
     Member,
     Membership,
@@ -40,8 +40,8 @@ from stalwart.agent.rpc.membership import (
     WorkerInfo,
     WorkerLeft,
 )
-from stalwart.agent.rpc.registry import REGISTRY, Registry, rpc_function
-from stalwart.agent.rpc.retry import CONTROL_RETRY, RetryOptions
+from stalwart.rpc.registry import REGISTRY, Registry, rpc_function
+from stalwart.rpc.retry import CONTROL_RETRY, RetryOptions
 
 __all__ = [
     "CONTROL_RETRY", "REGISTRY", "EpochAhead", "EtcdMembership", "Member", "Membership", "NotOwner", "OwnerDied",

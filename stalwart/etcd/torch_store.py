@@ -4,7 +4,7 @@ Process groups bootstrap from it (``init_process_group(store=...)``) instead of 
 0, so no single rank process is a point of failure of the bootstrap. Its keys live under
 ``JobKeys.torch_store(epoch)``; every write is a fenced transaction (:class:`~.fence.Fence`), so a rank still
 holding an older epoch gets :class:`StaleEpoch` instead of joining the newer group. Values are the bytes torch
-gives (never unpickled here), capped at the store adapter's :data:`~stalwart.store.MAX_VALUE_BYTES`.
+gives (never unpickled here), capped at the store adapter's :data:`~stalwart.etcd.store.MAX_VALUE_BYTES`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from stalwart.agent.rendezvous.errors import StaleEpoch
-from stalwart.agent.rendezvous.fence import Fence
-from stalwart.keys import JobKeys
-from stalwart.store import (
+from stalwart.etcd.fence import Fence, StaleEpoch
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import (
     Compare,
     Delete,
     Get,

@@ -25,8 +25,8 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import to_json
 
-from stalwart.agent.rpc.errors import PayloadError
 from stalwart.api.rpc import MAX_HEADER_BYTES, BlobMeta, Envelope, RRefWire
+from stalwart.rpc.errors import PayloadError
 
 _LEN = struct.Struct(">I")
 

@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from stalwart.agent.rpc import errors as E
-from stalwart.agent.rpc.codec import (
+from stalwart.api.rpc import Envelope, ErrorInfo, ErrorKind, MessageType, RRefWire, check_worker_name
+from stalwart.rpc import errors as E
+from stalwart.rpc.codec import (
     Blobs,
     Frame,
     decode_frame,
@@ -43,16 +44,15 @@ from stalwart.agent.rpc.codec import (
     encode_payload,
     header_json,
 )
-from stalwart.agent.rpc.dedup import CompletionTable, Verdict
-from stalwart.agent.rpc.membership import Member, Membership, MembershipEvent, View, ViewChanged, WorkerInfo, WorkerLeft
-from stalwart.agent.rpc.registry import REGISTRY, Registered, Registry
-from stalwart.agent.rpc.retry import CONTROL_RETRY, RetryOptions, backoff_delay
-from stalwart.agent.rpc.streams import StreamTransport
-from stalwart.agent.rpc.timers import Timer, TimerHeap
-from stalwart.agent.rpc.transport import OutFrame, ReplyChannel, Transport, joined
-from stalwart.agent.rref.book import Control, RRefBook
-from stalwart.agent.rref.handle import OwnerRRef, RRef, UserRRef
-from stalwart.api.rpc import Envelope, ErrorInfo, ErrorKind, MessageType, RRefWire, check_worker_name
+from stalwart.rpc.dedup import CompletionTable, Verdict
+from stalwart.rpc.membership import Member, Membership, MembershipEvent, View, ViewChanged, WorkerInfo, WorkerLeft
+from stalwart.rpc.registry import REGISTRY, Registered, Registry
+from stalwart.rpc.retry import CONTROL_RETRY, RetryOptions, backoff_delay
+from stalwart.rpc.streams import StreamTransport
+from stalwart.rpc.timers import Timer, TimerHeap
+from stalwart.rpc.transport import OutFrame, ReplyChannel, Transport, joined
+from stalwart.rref.book import Control, RRefBook
+from stalwart.rref.handle import OwnerRRef, RRef, UserRRef
 
 log = logging.getLogger(__name__)
 
