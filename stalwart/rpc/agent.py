@@ -45,7 +45,15 @@ from stalwart.rpc.codec import (
     header_json,
 )
 from stalwart.rpc.dedup import CompletionTable, Verdict
-from stalwart.rpc.membership import Member, Membership, MembershipEvent, View, ViewChanged, WorkerInfo, WorkerLeft
+from stalwart.rpc.membership import (
+    Membership,
+    MembershipEvent,
+    MembershipView,
+    ViewChanged,
+    Worker,
+    WorkerInfo,
+    WorkerLeft,
+)
 from stalwart.rpc.registry import REGISTRY, Registered, Registry
 from stalwart.rpc.retry import CONTROL_RETRY, RetryOptions, backoff_delay
 from stalwart.rpc.streams import StreamTransport
@@ -103,7 +111,7 @@ class _Call:
 @dataclass(frozen=True, slots=True)
 class _UserRequest:
     mtype: MessageType
-    member: Member
+    member: Worker
     fn: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
@@ -187,7 +195,7 @@ class RpcAgent:
         self._progress: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._incoming = 0
-        self._view = View(0)
+        self._view = MembershipView(0)
         self._epoch = 0
         self._dead: dict[str, str] = {}  # name -> incarnation it died in ("" when unknown)
         self._membership: Membership | None = None
@@ -225,9 +233,9 @@ class RpcAgent:
         return self.address
 
     @property
-    def member(self) -> Member:
+    def member(self) -> Worker:
         """This worker as a membership entry (after :meth:`start`)."""
-        return Member(self.name, self.rank, self.address, self.incarnation)
+        return Worker(self.name, self.rank, self.address, self.incarnation)
 
     def join(self, membership: Membership) -> None:
         """Follow ``membership`` (view, epochs, deaths) and start taking calls."""
@@ -265,7 +273,7 @@ class RpcAgent:
             return WorkerInfo(self.name, self.rank)
         return WorkerInfo(name, -1)
 
-    def _resolve(self, to: str | int | WorkerInfo) -> Member:
+    def _resolve(self, to: str | int | WorkerInfo) -> Worker:
         view = self._view
         if isinstance(to, WorkerInfo):
             to = to.name

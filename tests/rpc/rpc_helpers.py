@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from stalwart.rpc import RpcAgent, StaticMembership, View, rpc_function
+from stalwart.rpc import MembershipView, RpcAgent, StaticMembership, rpc_function
 from stalwart.rpc.streams import StreamTransport
 
 TOKEN = "test-token-0123456789abcdef"
@@ -75,7 +75,7 @@ def world(n: int, *, epoch: int = 1, token: str = TOKEN, wrap: Any = None,
         agents.append(RpcAgent(f"w{i}", i, transport=transport, **options))
     for a in agents:
         a.start()
-    membership = StaticMembership(View.of(epoch, [a.member for a in agents]))
+    membership = StaticMembership(MembershipView.of(epoch, [a.member for a in agents]))
     for a in agents:
         a.join(membership)
     return agents, membership

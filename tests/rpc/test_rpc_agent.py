@@ -11,14 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 from rpc_helpers import CALLS, GATE, HELD, TOKEN, shutdown_all, wait_for, world
 
 from stalwart.rpc import (
     EpochAhead,
-    Member,
+    MembershipView,
     NotOwner,
     OwnerDied,
     PayloadError,
@@ -32,12 +31,12 @@ from stalwart.rpc import (
     StaticMembership,
     UnknownFunction,
     UnknownWorker,
-    View,
+    Worker,
     WorkerDied,
 )
 from stalwart.rpc.faults import Faults, FaultyTransport
 from stalwart.rpc.streams import ACCEPTED, MAGIC, REFUSED, callee_proof, caller_proof
-from stalwart.rpc.transport import GrpcTransport, Transport
+from stalwart.rpc.transport import Transport
 
 
 @pytest.fixture
@@ -97,7 +96,7 @@ def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_streams(tmp_
     intruder = RpcAgent("x0", 5, token="wrong-token-0123456789")
     try:
         intruder.start()
-        intruder.join(StaticMembership(View.of(1, [intruder.member, server.member])))
+        intruder.join(StaticMembership(MembershipView.of(1, [intruder.member, server.member])))
         before = CALLS["intruder"]
         with pytest.raises((RpcTimeout, WorkerDied, Exception)) as e:
             intruder.rpc_sync("w0", "t.count", ("intruder",), timeout=5)
@@ -158,61 +157,14 @@ def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_streams(tmp_
         shutdown_all(agents, graceful=False)
 
 
-def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_grpc(tmp_path: Path) -> None:
-    agents, _ = world(1, wrap=lambda i, inner: GrpcTransport(TOKEN))
-    server = agents[0]
-    intruder = RpcAgent("x0", 5, transport=GrpcTransport("wrong-token-0123456789"))
-    try:
-        intruder.start()
-        intruder.join(StaticMembership(View.of(1, [intruder.member, server.member])))
-        before = CALLS["intruder"]
-        with pytest.raises((RpcTimeout, WorkerDied, Exception)) as e:
-            intruder.rpc_sync("w0", "t.count", ("intruder",), timeout=5)
-        assert not isinstance(e.value, AssertionError)
-        assert CALLS["intruder"] == before  # the function never ran
-
-        marker = tmp_path / "pwned"
-
-        class Evil:
-            def __reduce__(self) -> Any:
-                return (os.system, (f"touch {marker}",))
-
-        evil = pickle.dumps(Evil())
-
-        async def raw(token: str | None) -> grpc.StatusCode:
-            metadata = (("x-stalwart-token", token),) if token else ()
-            async with grpc.aio.insecure_channel(server.address) as channel:
-                call = channel.stream_stream("/stalwart.rpc.v1.Rpc/Stream", request_serializer=lambda b: b,
-                                             response_deserializer=lambda b: b)(metadata=metadata)
-                try:
-                    if token == TOKEN:
-                        await call.write(evil)
-                        await call.done_writing()
-                    async for _ in call:  # without the token the stream ends before we could write
-                        pass
-                except grpc.aio.AioRpcError as err:
-                    return err.code()
-                return await call.code()  # type: ignore[no-any-return]
-
-        assert asyncio.run(raw(None)) == grpc.StatusCode.UNAUTHENTICATED
-        assert asyncio.run(raw("wrong-token-0123456789")) == grpc.StatusCode.UNAUTHENTICATED
-        # even with the right token, a pickle is only a malformed frame: dropped, never loaded
-        assert asyncio.run(raw(TOKEN)) == grpc.StatusCode.OK
-        assert not marker.exists()
-        assert server.rpc_sync("w0", "t.echo", ("still fine",)) == "still fine"
-    finally:
-        intruder.shutdown(graceful=False)
-        shutdown_all(agents, graceful=False)
-
-
 def test_messages_from_another_epoch_are_rejected() -> None:
     old = RpcAgent("w0", 0, token=TOKEN)
     new = RpcAgent("w1", 1, token=TOKEN)
     try:
         old.start()
         new.start()
-        old.join(StaticMembership(View.of(1, [old.member, new.member])))
-        new.join(StaticMembership(View.of(2, [old.member, new.member])))
+        old.join(StaticMembership(MembershipView.of(1, [old.member, new.member])))
+        new.join(StaticMembership(MembershipView.of(2, [old.member, new.member])))
         with pytest.raises(StaleEpoch):
             old.rpc_sync("w1", "t.echo", (1,))  # a zombie of round 1 cannot act in round 2
         with pytest.raises(EpochAhead):
@@ -272,8 +224,8 @@ def test_every_pending_retry_waits_in_one_heap_not_in_tasks() -> None:
     agents, membership = world(1)
     a = agents[0]
     try:
-        nowhere = Member("w9", 9, "127.0.0.1:1")  # nothing listens there: every attempt fails
-        membership.set_view(View.of(1, [a.member, nowhere]))
+        nowhere = Worker("w9", 9, "127.0.0.1:1")  # nothing listens there: every attempt fails
+        membership.set_view(MembershipView.of(1, [a.member, nowhere]))
         wait_for(lambda: a.worker_info("w9").rank == 9 if "w9" in a._view.members else False, what="new view")
         retry = RetryOptions(max_retries=1000, initial_delay=5.0, max_delay=5.0, jitter=0.0, deadline=60)
         futures = [a.rpc_async("w9", "t.echo", (i,), idempotent=True, retry=retry) for i in range(300)]

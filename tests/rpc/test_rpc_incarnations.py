@@ -19,11 +19,11 @@ from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
 from stalwart.rpc import (
     EtcdMembership,
-    Member,
+    MembershipView,
     OwnerDied,
     RetryOptions,
     RpcAgent,
-    View,
+    Worker,
     WorkerDied,
     WorkerLeft,
 )
@@ -114,8 +114,8 @@ def test_news_of_an_old_incarnation_that_comes_late_does_not_kill_the_new_one() 
     caller, callee = agents
     try:
         old = callee.member
-        new = Member(old.name, old.rank, old.address, old.incarnation + "-respawned")
-        membership.set_view(View.of(membership.view().epoch, [caller.member, new]))
+        new = Worker(old.name, old.rank, old.address, old.incarnation + "-respawned")
+        membership.set_view(MembershipView.of(membership.view().epoch, [caller.member, new]))
         membership._emit(WorkerLeft(old.name, "restarted", old.incarnation))  # the late news
         assert caller.rpc_sync("w1", "t.echo", ("still here",), timeout=30) == "still here"
     finally:
