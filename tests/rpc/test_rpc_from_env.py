@@ -37,12 +37,12 @@ from stalwart.rpc import (
     current_agent,
     get_worker_info,
     init_rpc,
-    remote,
     rpc_function,
     rpc_sync,
     shutdown,
 )
 from stalwart.rpc.environment import DEFAULT_HOST, RpcEnvironment
+from stalwart.rref import remote
 
 TOKEN = "from-env-token-0123456789abcdef"
 TIMEOUT = 180

@@ -27,6 +27,7 @@ from stalwart.rpc import (
     WorkerDied,
     WorkerLeft,
 )
+from stalwart.rref import RRefRuntime
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,7 @@ def test_a_respawned_incarnation_reports_the_old_one_dead(etcd: EtcdServer) -> N
         membership.register(driver.member)
         first = start_b()
         membership.wait_for(2, timeout=120)
-        rref = driver.remote("b", "t.value", ("x",), timeout=60)
+        rref = RRefRuntime.of(driver).remote("b", "t.value", ("x",), timeout=60)
         assert rref.to_here(timeout=60)["pid"] == first.pid
         retry = RetryOptions(max_retries=10_000, initial_delay=0.05, max_delay=0.5, deadline=120)
         pending = driver.rpc_async("b", "t.wait_gate", ("held",), timeout=120, idempotent=True, retry=retry)
