@@ -99,7 +99,8 @@ class RpcAgent:
         self._unsubscribe: Callable[[], None] | None = None
         host_api = AgentHost(name, self.incarnation, default_timeout, control_retry, reactor=reactor, peers=peers,
                              caller=self._caller, server=self._server, registry=registry,
-                             accepting=lambda: self._accepting, undelivered=self._undelivered, rng=rng)
+                             accepting=lambda: self._accepting, stopped=lambda: self._stopped,
+                             undelivered=self._undelivered, rng=rng)
         self._host_api = host_api
         self._extensions = [factory(host_api) for factory in extension_factories()]
         for ext in self._extensions:

@@ -69,6 +69,10 @@ class RpcHost(Protocol):
     #: How the layers' messages are retried (the agent's ``control_retry``).
     control_retry: RetryOptions
 
+    @property
+    def stopped(self) -> bool:
+        """From any thread: the agent has finished its graceful part and is being torn down."""
+
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """From any thread: run ``fn(*args)`` on the loop (nothing once the agent has stopped)."""
 

@@ -26,7 +26,8 @@ class AgentHost:
 
     def __init__(self, name: str, incarnation: str, default_timeout: float, control_retry: RetryOptions, *,
                  reactor: Reactor, peers: Peers, caller: Caller, server: Server, registry: Registry,
-                 accepting: Callable[[], bool], undelivered: Callable[[list[str]], None], rng: Any) -> None:
+                 accepting: Callable[[], bool], stopped: Callable[[], bool],
+                 undelivered: Callable[[list[str]], None], rng: Any) -> None:
         self.name = name
         self.incarnation = incarnation
         self.default_timeout = default_timeout
@@ -37,8 +38,13 @@ class AgentHost:
         self._server = server
         self._registry = registry
         self._accepting = accepting
+        self._stopped = stopped
         self._undelivered = undelivered
         self._rng = rng
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped()
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         self._reactor.call_soon(fn, *args)

@@ -91,7 +91,7 @@ class RRefRuntime(RpcExtension):
 
     def release(self, handle: RRef[Any]) -> None:
         """From any thread (also a finalizer): queue the release for the loop."""
-        if self._closed or handle.runtime is not self:
+        if self.host.stopped or handle.runtime is not self:
             return
         self._releases.append(handle)
         self.host.call_soon(self.flush)
