@@ -91,19 +91,12 @@ class Caller:
         now = self._reactor.time()
         created: list[str] = []
 
+        decoded = self._decoding(on_done)
+
         def done(frame: Frame | None, exc: BaseException | None) -> None:
-            if exc is not None:
-                if isinstance(exc, E.TransportError | E.PayloadError) and call.attempt <= 1 and created:
-                    undelivered(created)
-                on_done(None, exc)
-                return
-            assert frame is not None
-            try:
-                value = self.decode(frame)
-            except E.RpcError as e:
-                on_done(None, e)
-                return
-            on_done(value, None)
+            if isinstance(exc, E.TransportError | E.PayloadError) and call.attempt <= 1 and created:
+                undelivered(created)
+            decoded(frame, exc)
 
         w = req.worker
         call = Call(id=self.alloc_id(), dst=w.name, address=w.address, mtype=req.mtype, deadline=now + req.timeout,
@@ -128,6 +121,14 @@ class Caller:
     def request(self, worker: Worker, mtype: MessageType, *, timeout: float, retry: RetryOptions,
                 rref: str | None, fork: str | None, payload: Any, on_done: OnResult) -> None:
         """Send a protocol request (restamped, retried); ``on_done`` gets the decoded reply."""
+        now = self._reactor.time()
+        self.launch(Call(id=self.alloc_id(), dst=worker.name, address=worker.address, mtype=mtype,
+                         deadline=now + timeout, retry=retry, restamp=True, epoch=self._epoch(),
+                         on_done=self._decoding(on_done),
+                         rref=rref, fork=fork, payload=payload, started=now, inc=worker.incarnation))
+
+    def _decoding(self, on_done: OnResult) -> Callable[[Frame | None, BaseException | None], None]:
+        """A call's completion that hands ``on_done`` the decoded reply payload (or the error)."""
 
         def done(frame: Frame | None, exc: BaseException | None) -> None:
             if exc is not None:
@@ -141,10 +142,7 @@ class Caller:
                 return
             on_done(value, None)
 
-        now = self._reactor.time()
-        self.launch(Call(id=self.alloc_id(), dst=worker.name, address=worker.address, mtype=mtype,
-                         deadline=now + timeout, retry=retry, restamp=True, epoch=self._epoch(), on_done=done,
-                         rref=rref, fork=fork, payload=payload, started=now, inc=worker.incarnation))
+        return done
 
     def control(self, worker: Worker, kind: MessageType, rref: str, fork: str, *, retry: RetryOptions,
                 on_done: OnAck) -> None:
