@@ -250,7 +250,7 @@ class Caller:
         """``name`` died: its pending calls fail (only those sent to ``incarnation`` unless it is None)."""
         for call in [c for c in self.pending.values()
                      if c.dst == name and (incarnation is None or c.inc == incarnation)]:
-            self.finish(call, None, E.OwnerDied(name, reason) if call.mtype == "fetch" else E.WorkerDied(name, reason))
+            self.finish(call, None, E.WorkerDied(name, reason))
 
     def on_link_down(self, address: str) -> None:
         for call in list(self.pending.values()):

@@ -153,8 +153,8 @@ class RRefRuntime(RpcExtension):
             return
 
         def done(value: Any, exc: BaseException | None) -> None:
-            if isinstance(exc, E.WorkerDied) and not isinstance(exc, E.OwnerDied):
-                exc = E.OwnerDied(handle.owner_name, f"it owned RRef {handle.rref_id}")
+            if isinstance(exc, E.WorkerDied) and not isinstance(exc, E.OwnerDied):  # fate-sharing with the owner
+                exc = E.OwnerDied(handle.owner_name, f"it owned RRef {handle.rref_id}: {exc}")
             finished(value, exc)
 
         retry = self.host.control_retry.model_copy(update={"deadline": max(timeout, 0.001),
