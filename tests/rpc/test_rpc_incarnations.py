@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 import pytest
-from rpc_helpers import TOKEN, world
+from rpc_helpers import TOKEN, wait_for, world
 
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
@@ -90,7 +90,9 @@ def test_a_respawned_incarnation_reports_the_old_one_dead(etcd: EtcdServer) -> N
         with pytest.raises(OwnerDied):
             rref.to_here(timeout=90)  # the value died with its owner
         assert time.monotonic() - start < 60, "the peers learnt of the death only from timeouts"
-        # The name lives on: calls reach the new incarnation.
+        # The name lives on: calls reach the new incarnation, once its record is in the driver's view (a call
+        # made between the news of the death and the successor's record fails WorkerDied, as it should).
+        wait_for(lambda: "b" not in driver.debug_state()["dead"], what="the new incarnation of b in the view")
         assert driver.rpc_sync("b", "t.value", ("y",), timeout=60)["pid"] == second.pid
         assert membership.view().members["b"].incarnation != old
     finally:
