@@ -92,7 +92,11 @@ def test_a_respawned_incarnation_reports_the_old_one_dead(etcd: EtcdServer) -> N
         assert time.monotonic() - start < 60, "the peers learnt of the death only from timeouts"
         # The name lives on: calls reach the new incarnation, once its record is in the driver's view (a call
         # made between the news of the death and the successor's record fails WorkerDied, as it should).
-        wait_for(lambda: "b" not in driver.debug_state()["dead"], what="the new incarnation of b in the view")
+        def successor_in_view() -> bool:
+            current = driver._peers.view.members.get("b")
+            return current is not None and current.incarnation != old and "b" not in driver.debug_state()["dead"]
+
+        wait_for(successor_in_view, what="the new incarnation of b in the driver's view")
         assert driver.rpc_sync("b", "t.value", ("y",), timeout=60)["pid"] == second.pid
         assert membership.view().members["b"].incarnation != old
     finally:
