@@ -88,7 +88,7 @@ def _stalwart_worker(rank: int, queues: tuple[Any, Any, Any, Any], tcp_only: boo
     addr_q, view_q, cmd_q, out_q = queues
     import torch
 
-    from stalwart.rpc import REGISTRY, Member, RpcAgent, StaticMembership, View
+    from stalwart.rpc import REGISTRY, MembershipView, RpcAgent, StaticMembership, Worker
     from stalwart.rpc.streams import StreamTransport
 
     REGISTRY.register(echo, "bench.echo", inline=False)
@@ -97,7 +97,7 @@ def _stalwart_worker(rank: int, queues: tuple[Any, Any, Any, Any], tcp_only: boo
     agent = RpcAgent(f"w{rank}", rank, token=TOKEN, transport=transport)
     addr_q.put((rank, agent.start(), agent.incarnation))
     members = view_q.get()
-    agent.join(StaticMembership(View.of(1, [Member(*m) for m in members])))
+    agent.join(StaticMembership(MembershipView.of(1, [Worker(*m) for m in members])))
     if rank == 0:
         _serve_rounds(lambda fn, arg: agent.rpc_sync("w1", fn, (arg,)), lambda: torch.ones(TENSOR_ELEMS),
                       cmd_q, out_q)

@@ -35,7 +35,7 @@ from stalwart.etcd.admin import ensure_job_login, new_password
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.keys import JobKeys
 from stalwart.local.etcd import EtcdServer
-from stalwart.rpc import EtcdMembership, Member
+from stalwart.rpc import EtcdMembership, Worker
 
 
 def _join(endpoint: str, creds: EtcdCredentials | None, keys: JobKeys, world: int) -> float:
@@ -49,7 +49,7 @@ def _join(endpoint: str, creds: EtcdCredentials | None, keys: JobKeys, world: in
             with connect([endpoint], creds, timeout=30) as store:
                 membership = EtcdMembership(store, keys, epoch=1, lease_ttl=30)
                 try:
-                    membership.register(Member(f"worker{rank}", rank, f"127.0.0.1:{20000 + rank}", "i"))
+                    membership.register(Worker(f"worker{rank}", rank, f"127.0.0.1:{20000 + rank}", "i"))
                     membership.wait_for_ranks(world, timeout=60)
                     done.append(time.perf_counter())
                 finally:

@@ -2,7 +2,8 @@
 
 ``init_rpc`` starts the agent and joins a membership: in a rank process launched by ``stalwart agent`` it
 needs no arguments (everything comes from the rank's environment, see :mod:`.environment`); elsewhere it
-takes a store or a membership. ``rpc_sync``, ``rpc_async``, ``remote`` and ``shutdown`` then act on it, as
+takes a store or a membership. ``rpc_sync``, ``rpc_async`` and ``shutdown`` (and
+:func:`stalwart.rref.remote`) then act on it, as
 ``torch.distributed.rpc`` does.
 """
 
@@ -17,11 +18,11 @@ from typing import Any
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
-from stalwart.rpc.agent import RpcAgent, RpcFuture, ShutdownReport
+from stalwart.rpc.agent import RpcAgent, RpcFuture
 from stalwart.rpc.environment import RpcEnvironment
 from stalwart.rpc.errors import RpcShutdown
 from stalwart.rpc.membership import EtcdMembership, Membership, WorkerInfo
-from stalwart.rref.handle import RRef
+from stalwart.rpc.shutdown import ShutdownReport
 
 log = logging.getLogger(__name__)
 
@@ -172,12 +173,6 @@ def rpc_async(to: str | int | WorkerInfo, fn: Callable[..., Any] | str, args: tu
               kwargs: dict[str, Any] | None = None, **options: Any) -> RpcFuture[Any]:
     """See :meth:`RpcAgent.rpc_async`."""
     return current_agent().rpc_async(to, fn, args, kwargs, **options)
-
-
-def remote(to: str | int | WorkerInfo, fn: Callable[..., Any] | str, args: tuple[Any, ...] = (),
-           kwargs: dict[str, Any] | None = None, **options: Any) -> RRef[Any]:
-    """See :meth:`RpcAgent.remote`."""
-    return current_agent().remote(to, fn, args, kwargs, **options)
 
 
 def get_worker_info(to: str | int | None = None) -> WorkerInfo:

@@ -1,8 +1,19 @@
-"""The typed errors of the RPC layer and of RRefs. Every error a caller can see is an :class:`RpcError`."""
+"""The typed errors of the RPC layer and of RRefs.
+
+Every error a caller can see is an :class:`RpcError`, but one: a message of a rendezvous round that is over
+is refused with the package's one fencing error, :class:`stalwart.etcd.fence.StaleEpoch` (re-exported
+here), exactly as a fenced etcd write of that round would be. Code that catches every RPC failure catches
+``(RpcError, StaleEpoch)``.
+"""
 
 from __future__ import annotations
 
 from stalwart.api.rpc import ErrorInfo
+from stalwart.etcd.fence import StaleEpoch
+
+__all__ = ["EpochAhead", "NotOwner", "OwnerDied", "PayloadError", "RRefCreationFailed", "RRefDeleted", "RRefError",
+           "RemoteError", "RpcError", "RpcShutdown", "RpcTimeout", "StaleEpoch", "TransportError",
+           "UnknownFunction", "UnknownWorker", "WorkerDied", "error_from_info"]
 
 
 class RpcError(Exception):
@@ -48,10 +59,6 @@ class UnknownWorker(RpcError):
     """No worker of that name (or rank) is in the current membership view."""
 
 
-class StaleEpoch(RpcError):
-    """A message belongs to an older rendezvous round than the receiver's; the sender is fenced off."""
-
-
 class EpochAhead(RpcError):
     """The receiver has not caught up with the sender's (newer) round yet. Retried for control messages."""
 
@@ -80,15 +87,17 @@ class NotOwner(RRefError):
     """``local_value()`` was called on a worker that is not the RRef's owner."""
 
 
-def error_from_info(worker: str, info: ErrorInfo) -> RpcError:
-    """The exception a caller raises for an error reply ``info`` from ``worker``."""
+def error_from_info(worker: str, info: ErrorInfo, *, sent_epoch: int = 0,
+                    current_epoch: int | None = None) -> RpcError | StaleEpoch:
+    """The exception a caller raises for an error reply ``info`` from ``worker``; a request sent in
+    ``sent_epoch`` that ``worker`` (in ``current_epoch``) refused as stale raises :class:`StaleEpoch`."""
     match info.kind:
         case "remote":
             return RemoteError(worker, info.type, info.message, info.traceback)
         case "unknown_function":
             return UnknownFunction(f"{worker}: {info.message}")
         case "stale_epoch":
-            return StaleEpoch(f"{worker}: {info.message}")
+            return StaleEpoch(sent_epoch, current_epoch, f"{worker}: {info.message}")
         case "epoch_ahead":
             return EpochAhead(f"{worker}: {info.message}")
         case "rref_deleted":

@@ -2,7 +2,7 @@
 
 The agent reads membership through the small :class:`Membership` interface:
 
-* :meth:`Membership.view` -- the current :class:`View` (epoch + members);
+* :meth:`Membership.view` -- the current :class:`MembershipView` (epoch + members);
 * :meth:`Membership.subscribe` -- be told of a :class:`ViewChanged` (a new round, or a worker registered) and
   of a :class:`WorkerLeft` (its lease expired or it left).
 
@@ -10,7 +10,9 @@ Implementations: :class:`StaticMembership` (a fixed world given in code, as ``in
 and :class:`EtcdMembership` (each worker registers a lease-bound :class:`~stalwart.api.rpc.RpcWorkerRecord`
 under ``JobKeys.rpc``; peers learn of a death from the record's deletion when the lease expires). The
 rendezvous supplies the epoch (its sealed manifest's ``mod_revision``); :meth:`EtcdMembership.advance` moves
-a worker to a new round, and workers that do not follow are excluded from the view.
+a worker to a new round, and workers that do not follow are excluded from the view. Both take plain values
+(an epoch, node ids), so whoever watches the rendezvous drives them: RPC runs in the rank processes and
+knows nothing of the agent's rendezvous.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 from stalwart.api.rpc import RpcWorkerRecord, check_worker_name
 from stalwart.etcd.keys import JobKeys
@@ -43,7 +44,7 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class Member:
+class Worker:
     """A worker of the current round and where its RPC server listens."""
 
     name: str
@@ -65,22 +66,22 @@ class Member:
 
 
 @dataclass(frozen=True, slots=True)
-class View:
+class MembershipView:
     """The members of one round (epoch), by name."""
 
     epoch: int
-    members: Mapping[str, Member] = field(default_factory=lambda: MappingProxyType({}))
+    members: Mapping[str, Worker] = field(default_factory=lambda: MappingProxyType({}))
 
     @staticmethod
-    def of(epoch: int, members: list[Member]) -> View:
-        by_name: dict[str, Member] = {}
+    def of(epoch: int, members: list[Worker]) -> MembershipView:
+        by_name: dict[str, Worker] = {}
         for m in members:
             if m.name in by_name:
                 raise ValueError(f"members: worker name {m.name!r} appears more than once")
             by_name[m.name] = m
-        return View(epoch, MappingProxyType(by_name))
+        return MembershipView(epoch, MappingProxyType(by_name))
 
-    def by_rank(self, rank: int) -> Member | None:
+    def by_rank(self, rank: int) -> Worker | None:
         for m in self.members.values():
             if m.rank == rank:
                 return m
@@ -91,7 +92,7 @@ class View:
 class ViewChanged:
     """A new view: a new round (higher epoch), or members joined or left within the round."""
 
-    view: View
+    view: MembershipView
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +113,12 @@ Listener = Callable[[MembershipEvent], None]
 class Membership:
     """Base of the membership sources: holds the view and fans events out to subscribers."""
 
-    def __init__(self, view: View) -> None:
+    def __init__(self, view: MembershipView) -> None:
         self._view = view
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
 
-    def view(self) -> View:
+    def view(self) -> MembershipView:
         return self._view
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
@@ -150,7 +151,7 @@ class Membership:
 class StaticMembership(Membership):
     """A world given in code. :meth:`set_view` and :meth:`worker_left` let a supervisor report changes."""
 
-    def set_view(self, view: View) -> None:
+    def set_view(self, view: MembershipView) -> None:
         if view.epoch < self._view.epoch:
             raise ValueError(f"view: epoch {view.epoch} is older than the current {self._view.epoch}")
         self._emit(ViewChanged(view))
@@ -159,7 +160,7 @@ class StaticMembership(Membership):
         gone = self._view.members.get(name)
         members = {k: v for k, v in self._view.members.items() if k != name}
         self._emit(WorkerLeft(name, reason, gone.incarnation if gone is not None else ""))
-        self._emit(ViewChanged(View(self._view.epoch, MappingProxyType(members))))
+        self._emit(ViewChanged(MembershipView(self._view.epoch, MappingProxyType(members))))
 
 
 class EtcdMembership(Membership):
@@ -178,7 +179,7 @@ class EtcdMembership(Membership):
 
     def __init__(self, store: Store, keys: JobKeys, *, epoch: int, lease: int | None = None,
                  lease_ttl: int = 10, older_rounds: bool = True) -> None:
-        super().__init__(View(epoch))
+        super().__init__(MembershipView(epoch))
         self._store = store
         self._prefix = keys.rpc + "workers/"
         self._own_lease = lease is None
@@ -205,7 +206,7 @@ class EtcdMembership(Membership):
     def lease(self) -> int:
         return self._lease
 
-    def register(self, member: Member, node: str = "") -> None:
+    def register(self, member: Worker, node: str = "") -> None:
         """Publish this worker's record (bound to the lease) in the current epoch; ``node`` is the
         rendezvous node it runs on (see :meth:`exclude_nodes`)."""
         record = RpcWorkerRecord(name=member.name, rank=member.rank, address=member.address,
@@ -268,7 +269,7 @@ class EtcdMembership(Membership):
         except Fenced as e:
             log.error("%s; this worker stays out of the round", e)
 
-    def wait_for(self, count: int, timeout: float) -> View:
+    def wait_for(self, count: int, timeout: float) -> MembershipView:
         """Block until ``count`` workers are in the view; raises TimeoutError after ``timeout`` seconds."""
         with self._changed:
             if not self._changed.wait_for(lambda: len(self._view.members) >= count, timeout):
@@ -276,7 +277,7 @@ class EtcdMembership(Membership):
                                    f"within {timeout}s: {sorted(self._view.members)}")
             return self._view
 
-    def wait_for_ranks(self, world_size: int, timeout: float) -> View:
+    def wait_for_ranks(self, world_size: int, timeout: float) -> MembershipView:
         """Block until a worker of every rank ``0 .. world_size-1`` is registered in this round or a newer
         one; raises TimeoutError naming the missing ranks after ``timeout`` seconds.
 
@@ -309,10 +310,10 @@ class EtcdMembership(Membership):
         epoch = self._epoch
         # every live record, of any epoch: a peer not yet moved to our round is still reachable (its
         # messages are fenced by epoch); the excluded ones are not
-        members = [Member(r.name, r.rank, r.address, r.incarnation)
+        members = [Worker(r.name, r.rank, r.address, r.incarnation)
                    for r in self._records.values()
                    if r.name not in self._excluded and (self._older_rounds or r.epoch >= epoch)]
-        view = View.of(epoch, members)
+        view = MembershipView.of(epoch, members)
         round_ranks = frozenset(r.rank for r in self._records.values()
                                 if r.name not in self._excluded and r.epoch >= epoch)
         if view.epoch != self._view.epoch or dict(view.members) != dict(self._view.members):
@@ -370,19 +371,3 @@ class EtcdMembership(Membership):
         except StoreError as e:
             log.warning("could not remove our RPC worker record: %s", e)
 
-
-def follow_rendezvous(rendezvous: Any, membership: EtcdMembership) -> Callable[[], None]:
-    """Drive ``membership`` from a :class:`stalwart.agent.rendezvous.Rendezvous`: a sealed round moves it to
-    the round's epoch and excludes workers on nodes outside it; a round that ended because nodes were lost
-    reports their workers gone at once (without waiting for their RPC leases). Returns the unsubscriber."""
-    from stalwart.agent.rendezvous import RoundEnded, RoundSealed
-
-    def on_event(event: Any) -> None:
-        if isinstance(event, RoundSealed):
-            membership.advance(event.epoch, {m.node_id for m in event.manifest.members})
-        elif isinstance(event, RoundEnded) and event.lost:
-            membership.exclude_nodes(tuple(event.lost), f"node lost in the round of epoch {event.epoch}: "
-                                                        f"{event.reason}")
-
-    unsubscribe: Callable[[], None] = rendezvous.subscribe(on_event)
-    return unsubscribe

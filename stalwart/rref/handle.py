@@ -15,28 +15,28 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class _Agent(Protocol):
-    """What a handle needs from its agent (:class:`stalwart.rpc.agent.RpcAgent`)."""
+class Runtime(Protocol):
+    """What a handle needs from its worker's RRef runtime (:class:`stalwart.rref.runtime.RRefRuntime`)."""
 
     name: str
 
-    def _rref_to_here(self, handle: RRef[Any], timeout: float | None) -> Any: ...
+    def to_here(self, handle: RRef[Any], timeout: float | None) -> Any: ...
 
-    def _rref_confirmed(self, handle: RRef[Any]) -> bool: ...
+    def confirmed(self, handle: RRef[Any]) -> bool: ...
 
-    def _rref_release(self, handle: RRef[Any]) -> None: ...
+    def release(self, handle: RRef[Any]) -> None: ...
 
-    def _worker_info(self, name: str) -> WorkerInfo: ...
+    def worker_info(self, name: str) -> WorkerInfo: ...
 
 
 class RRef(Generic[T]):
     """A reference to a value owned by one worker (possibly this one)."""
 
     _is_stalwart_rref = True
-    __slots__ = ("__weakref__", "_agent", "_lock", "_released", "fork_id", "owner_name", "rref_id")
+    __slots__ = ("__weakref__", "_lock", "_released", "fork_id", "owner_name", "rref_id", "runtime")
 
-    def __init__(self, agent: _Agent, rref_id: str, fork_id: str | None, owner_name: str) -> None:
-        self._agent = agent
+    def __init__(self, runtime: Runtime, rref_id: str, fork_id: str | None, owner_name: str) -> None:
+        self.runtime = runtime
         self.rref_id = rref_id
         self.fork_id = fork_id
         self.owner_name = owner_name
@@ -45,15 +45,15 @@ class RRef(Generic[T]):
 
     def owner(self) -> WorkerInfo:
         """The owner's name and rank."""
-        return self._agent._worker_info(self.owner_name)
+        return self.runtime.worker_info(self.owner_name)
 
     def is_owner(self) -> bool:
-        return self.owner_name == self._agent.name
+        return self.owner_name == self.runtime.name
 
     @property
     def confirmed(self) -> bool:
         """True once the owner is known to count this reference (always true on the owner)."""
-        return self._agent._rref_confirmed(self)
+        return self.runtime.confirmed(self)
 
     @property
     def released(self) -> bool:
@@ -69,14 +69,14 @@ class RRef(Generic[T]):
         """
         if self._released:
             raise RRefDeleted(f"RRef {self.rref_id} was released on this worker")
-        return self._agent._rref_to_here(self, timeout)  # type: ignore[no-any-return]
+        return self.runtime.to_here(self, timeout)  # type: ignore[no-any-return]
 
     def local_value(self, timeout: float | None = None) -> T:
         """The value itself (not a copy); only on the owner. Waits up to ``timeout`` while it is computed."""
         from stalwart.rpc.errors import NotOwner
 
         if not self.is_owner():
-            raise NotOwner(f"local_value() on {self._agent.name}, but RRef {self.rref_id} is owned by "
+            raise NotOwner(f"local_value() on {self.runtime.name}, but RRef {self.rref_id} is owned by "
                            f"{self.owner_name}")
         return self.to_here(timeout)
 
@@ -86,13 +86,13 @@ class RRef(Generic[T]):
             if self._released:
                 return
             self._released = True
-        self._agent._rref_release(self)
+        self.runtime.release(self)
 
     def __del__(self) -> None:
         try:
             if not self._released:
                 self._released = True
-                self._agent._rref_release(self)
+                self.runtime.release(self)
         except Exception:  # interpreter shutdown: nothing left to tell
             pass
 

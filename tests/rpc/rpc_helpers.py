@@ -9,8 +9,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from stalwart.rpc import RpcAgent, StaticMembership, View, rpc_function
+from stalwart.rpc import MembershipView, RpcAgent, StaticMembership, rpc_function
 from stalwart.rpc.streams import StreamTransport
+from stalwart.rref import RRefRuntime
 
 TOKEN = "test-token-0123456789abcdef"
 
@@ -75,7 +76,7 @@ def world(n: int, *, epoch: int = 1, token: str = TOKEN, wrap: Any = None,
         agents.append(RpcAgent(f"w{i}", i, transport=transport, **options))
     for a in agents:
         a.start()
-    membership = StaticMembership(View.of(epoch, [a.member for a in agents]))
+    membership = StaticMembership(MembershipView.of(epoch, [a.member for a in agents]))
     for a in agents:
         a.join(membership)
     return agents, membership
@@ -124,7 +125,7 @@ def _send_retry() -> Any:
 
 @rpc_function("p.make")
 def p_make(key: str, owner: str) -> str:
-    ref = _agent().remote(owner, "t.value", (key,))
+    ref = RRefRuntime.of(_agent()).remote(owner, "t.value", (key,))
     HELD[key] = ref
     return ref.rref_id
 
@@ -181,7 +182,7 @@ def p_faults(seed: int, spec: dict[str, dict[str, Any]]) -> None:
     assert isinstance(transport, FaultyTransport)
     table = {k: Faults(**{**v, "delay_range": tuple(v.get("delay_range", (0.001, 0.05)))})
              for k, v in spec.items()}
-    _agent()._loop.call_soon_threadsafe(lambda: transport.configure(seed=seed, requests=table, replies=table))
+    _agent()._reactor.call_soon(lambda: transport.configure(seed=seed, requests=table, replies=table))
 
 
 def worker_main(who: tuple[str, int], endpoint: str, job: tuple[str, str], world_size: int, stop: Any) -> None:
@@ -202,7 +203,7 @@ def worker_main(who: tuple[str, int], endpoint: str, job: tuple[str, str], world
     agent = init_rpc(name, rank, store=store, keys=JobKeys(namespace, uid), epoch=1, world_size=world_size,
                      lease_ttl=2, transport=FaultyTransport(StreamTransport(TOKEN), seed=rank),
                      control_retry=control)
-    agent.book.freed_log = []
+    RRefRuntime.of(agent).book.freed_log = []
     with contextlib.suppress(EOFError):
         stop.recv()  # the driver says stop, or its end of the pipe closes
     shutdown(graceful=True, timeout=20)

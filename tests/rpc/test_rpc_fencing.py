@@ -19,7 +19,7 @@ from stalwart.api.rpc import RpcWorkerRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.rpc import EtcdMembership, Member
+from stalwart.rpc import EtcdMembership, Worker
 from stalwart.rpc.membership import Fenced
 
 pytestmark = pytest.mark.integration
@@ -43,11 +43,11 @@ def test_who_may_replace_a_worker_record(current: int | None, mine: int, allowed
 def zombie_main(endpoint: str, namespace: str, uid: str) -> int:
     with Store([endpoint]) as store:
         membership = EtcdMembership(store, JobKeys(namespace, uid), epoch=5, lease_ttl=60)
-        membership.register(Member("worker1", 1, "127.0.0.1:1001", "zombie"), node="node-old")
+        membership.register(Worker("worker1", 1, "127.0.0.1:1001", "zombie"), node="node-old")
         print("ready", flush=True)
         sys.stdin.readline()
         try:
-            membership.register(Member("worker1", 1, "127.0.0.1:1001", "zombie"), node="node-old")
+            membership.register(Worker("worker1", 1, "127.0.0.1:1001", "zombie"), node="node-old")
             outcome = "registered"
         except Fenced as e:
             outcome = f"fenced: {e}"
@@ -67,7 +67,7 @@ def test_a_paused_worker_of_an_older_round_is_fenced_and_the_live_one_untouched(
         with Store([etcd.endpoint]) as store:
             live = EtcdMembership(store, keys, epoch=9, lease_ttl=60)
             try:
-                live.register(Member("worker1", 1, "127.0.0.1:2002", "live"), node="node-new")
+                live.register(Worker("worker1", 1, "127.0.0.1:2002", "live"), node="node-new")
                 zombie.send_signal(signal.SIGCONT)
                 zombie.stdin.write("go\n")
                 zombie.stdin.flush()
@@ -94,8 +94,8 @@ def test_close_removes_only_its_own_record(etcd: EtcdServer) -> None:
         old = EtcdMembership(store, keys, epoch=5, lease=old_lease)
         new = EtcdMembership(store, keys, epoch=9, lease=new_lease)
         try:
-            old.register(Member("worker1", 1, "127.0.0.1:1001", "old"))
-            new.register(Member("worker1", 1, "127.0.0.1:2002", "new"))
+            old.register(Worker("worker1", 1, "127.0.0.1:1001", "old"))
+            new.register(Worker("worker1", 1, "127.0.0.1:2002", "new"))
             old.close()  # a shared lease: close deletes the record, but only while it is still its own
             kv = store.get(keys.rpc + "workers/worker1")
             assert kv is not None and RpcWorkerRecord.from_json_bytes(kv.value).incarnation == "new"

@@ -29,20 +29,20 @@ from stalwart.local.etcd import EtcdServer
 from stalwart.restart.environment import EnvironmentError_
 from stalwart.rpc import (
     EtcdMembership,
-    Member,
+    MembershipView,
     RpcAgent,
     RpcShutdown,
     StaticMembership,
-    View,
+    Worker,
     current_agent,
     get_worker_info,
     init_rpc,
-    remote,
     rpc_function,
     rpc_sync,
     shutdown,
 )
 from stalwart.rpc.environment import DEFAULT_HOST, RpcEnvironment
+from stalwart.rref import remote
 
 TOKEN = "from-env-token-0123456789abcdef"
 TIMEOUT = 180
@@ -213,12 +213,12 @@ def test_init_rpc_without_arguments_outside_an_agent_names_the_variables_and_sta
 def test_functions_served_during_a_graceful_shutdown_still_see_the_agent() -> None:
     # The module-level agent waits in its shutdown barrier for its peer; the peer's calls meanwhile run
     # functions that use current_agent().
-    membership = StaticMembership(View(1))
+    membership = StaticMembership(MembershipView(1))
     a = init_rpc("a", 0, membership=membership, token=TOKEN)
     b = RpcAgent("b", 1, token=TOKEN)
     b.start()
     b.join(membership)
-    membership.set_view(View.of(1, [a.member, b.member]))
+    membership.set_view(MembershipView.of(1, [a.member, b.member]))
     wait_for(lambda: b.rpc_sync("a", served_by, timeout=30) == "a", what="b reaching a")
     reports: list[Any] = []
     stopping = threading.Thread(target=lambda: reports.append(shutdown(graceful=True, timeout=60)))
@@ -279,15 +279,15 @@ def test_an_older_rounds_records_do_not_complete_the_world(etcd: EtcdServer) -> 
         keeps_old = EtcdMembership(s_new, keys, epoch=5, lease_ttl=5)
         late = EtcdMembership(s_new, keys, epoch=5, lease_ttl=5)
         try:
-            old.register(Member("worker1", 1, "127.0.0.1:1001", "old"), node="n1")
-            new.register(Member("worker0", 0, "127.0.0.1:1000", "a"), node="n0")
+            old.register(Worker("worker1", 1, "127.0.0.1:1001", "old"), node="n1")
+            new.register(Worker("worker0", 0, "127.0.0.1:1000", "a"), node="n0")
             with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not register in the round of epoch 5"):
                 new.wait_for_ranks(2, timeout=1.0)  # worker1's record is the old round's
             assert set(new.view().members) == {"worker0"}  # and it is no peer
             wait_for(lambda: set(keeps_old.view().members) == {"worker0", "worker1"}, what="keeps_old's view")
-            late.register(Member("worker1", 1, "127.0.0.1:1002", "b"), node="n1")
+            late.register(Worker("worker1", 1, "127.0.0.1:1002", "b"), node="n1")
             view = new.wait_for_ranks(2, timeout=30)
-            assert view.epoch == 5 and view.members["worker1"] == Member("worker1", 1, "127.0.0.1:1002", "b")
+            assert view.epoch == 5 and view.members["worker1"] == Worker("worker1", 1, "127.0.0.1:1002", "b")
         finally:
             for m in (old, new, keeps_old, late):
                 m.close()

@@ -12,21 +12,22 @@ import uuid
 from typing import Any
 
 import pytest
-from rpc_helpers import TOKEN, world
+from rpc_helpers import TOKEN, wait_for, world
 
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
 from stalwart.rpc import (
     EtcdMembership,
-    Member,
+    MembershipView,
     OwnerDied,
     RetryOptions,
     RpcAgent,
-    View,
+    Worker,
     WorkerDied,
     WorkerLeft,
 )
+from stalwart.rref import RRefRuntime
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,7 @@ def test_a_respawned_incarnation_reports_the_old_one_dead(etcd: EtcdServer) -> N
         membership.register(driver.member)
         first = start_b()
         membership.wait_for(2, timeout=120)
-        rref = driver.remote("b", "t.value", ("x",), timeout=60)
+        rref = RRefRuntime.of(driver).remote("b", "t.value", ("x",), timeout=60)
         assert rref.to_here(timeout=60)["pid"] == first.pid
         retry = RetryOptions(max_retries=10_000, initial_delay=0.05, max_delay=0.5, deadline=120)
         pending = driver.rpc_async("b", "t.wait_gate", ("held",), timeout=120, idempotent=True, retry=retry)
@@ -89,7 +90,13 @@ def test_a_respawned_incarnation_reports_the_old_one_dead(etcd: EtcdServer) -> N
         with pytest.raises(OwnerDied):
             rref.to_here(timeout=90)  # the value died with its owner
         assert time.monotonic() - start < 60, "the peers learnt of the death only from timeouts"
-        # The name lives on: calls reach the new incarnation.
+        # The name lives on: calls reach the new incarnation, once its record is in the driver's view (a call
+        # made between the news of the death and the successor's record fails WorkerDied, as it should).
+        def successor_in_view() -> bool:
+            current = driver._peers.view.members.get("b")
+            return current is not None and current.incarnation != old and "b" not in driver.debug_state()["dead"]
+
+        wait_for(successor_in_view, what="the new incarnation of b in the driver's view")
         assert driver.rpc_sync("b", "t.value", ("y",), timeout=60)["pid"] == second.pid
         assert membership.view().members["b"].incarnation != old
     finally:
@@ -114,8 +121,8 @@ def test_news_of_an_old_incarnation_that_comes_late_does_not_kill_the_new_one() 
     caller, callee = agents
     try:
         old = callee.member
-        new = Member(old.name, old.rank, old.address, old.incarnation + "-respawned")
-        membership.set_view(View.of(membership.view().epoch, [caller.member, new]))
+        new = Worker(old.name, old.rank, old.address, old.incarnation + "-respawned")
+        membership.set_view(MembershipView.of(membership.view().epoch, [caller.member, new]))
         membership._emit(WorkerLeft(old.name, "restarted", old.incarnation))  # the late news
         assert caller.rpc_sync("w1", "t.echo", ("still here",), timeout=30) == "still here"
     finally:

@@ -9,14 +9,13 @@ from typing import Any
 import pytest
 from rpc_helpers import wait_for
 
-from stalwart.agent.rendezvous import Rendezvous, RendezvousSettings
+from stalwart.agent.rendezvous import Rendezvous, RendezvousSettings, RoundEnded, RoundSealed
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.rpc import RpcWorkerRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.rpc import EtcdMembership, Member, ViewChanged, WorkerLeft
-from stalwart.rpc.membership import follow_rendezvous
+from stalwart.rpc import EtcdMembership, ViewChanged, Worker, WorkerLeft
 
 pytestmark = pytest.mark.integration
 
@@ -34,8 +33,8 @@ def test_workers_register_and_a_revoked_lease_reports_the_death(etcd: EtcdServer
         b = EtcdMembership(s2, keys, epoch=3, lease_ttl=5)
         try:
             seen = _events(a)
-            a.register(Member("a", 0, "127.0.0.1:1001", "i1"), node="node-a")
-            b.register(Member("b", 1, "127.0.0.1:1002", "i2"), node="node-b")
+            a.register(Worker("a", 0, "127.0.0.1:1001", "i1"), node="node-a")
+            b.register(Worker("b", 1, "127.0.0.1:1002", "i2"), node="node-b")
             view = a.wait_for(2, timeout=30)
             assert view.epoch == 3 and view.members["b"].address == "127.0.0.1:1002"
             b.close()  # revokes b's lease: its record goes at once
@@ -53,8 +52,8 @@ def test_a_new_round_moves_the_epoch_and_excludes_other_nodes(etcd: EtcdServer) 
         b = EtcdMembership(s2, keys, epoch=1, lease_ttl=5)
         try:
             seen = _events(a)
-            a.register(Member("a", 0, "127.0.0.1:1001", "i1"), node="node-a")
-            b.register(Member("b", 1, "127.0.0.1:1002", "i2"), node="node-b")
+            a.register(Worker("a", 0, "127.0.0.1:1001", "i1"), node="node-a")
+            b.register(Worker("b", 1, "127.0.0.1:1002", "i2"), node="node-b")
             a.wait_for(2, timeout=30)
             a.advance(7, keep_nodes={"node-a"})
             assert WorkerLeft("b", "not a member of the round of epoch 7", "i2") in seen
@@ -72,6 +71,21 @@ def test_a_new_round_moves_the_epoch_and_excludes_other_nodes(etcd: EtcdServer) 
             b.close()
 
 
+def follow_rendezvous(rendezvous: Rendezvous, membership: EtcdMembership) -> Any:
+    """Drive ``membership`` from a rendezvous, as a process that runs both would: a sealed round moves it to
+    the round's epoch and excludes workers on nodes outside it; a round that ended because nodes were lost
+    reports their workers gone at once. Returns the unsubscriber."""
+
+    def on_event(event: Any) -> None:
+        if isinstance(event, RoundSealed):
+            membership.advance(event.epoch, {m.node_id for m in event.manifest.members})
+        elif isinstance(event, RoundEnded) and event.lost:
+            membership.exclude_nodes(tuple(event.lost), f"node lost in the round of epoch {event.epoch}: "
+                                                        f"{event.reason}")
+
+    return rendezvous.subscribe(on_event)
+
+
 def test_follow_rendezvous_takes_the_sealed_epoch(etcd: EtcdServer) -> None:
     keys = JobKeys("test", uuid.uuid4().hex[:12])
     with Store([etcd.endpoint]) as store:
@@ -80,7 +94,7 @@ def test_follow_rendezvous_takes_the_sealed_epoch(etcd: EtcdServer) -> None:
         try:
             seen = _events(membership)
             unsubscribe = follow_rendezvous(rdzv, membership)
-            membership.register(Member("r0", 0, "127.0.0.1:1001", "i1"), node="node-0")
+            membership.register(Worker("r0", 0, "127.0.0.1:1001", "i1"), node="node-0")
             handles = [rdzv.node(NodeRecord(node_id=f"node-{i}", address="127.0.0.1")) for i in range(2)]
             infos: list[Any] = []
             threads = [threading.Thread(target=lambda h=h: infos.append(h.join(timeout=60))) for h in handles]
