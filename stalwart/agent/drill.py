@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from stalwart.agent.settings import AgentSettings
+from stalwart.agent.settings import PodSettings
 from stalwart.api.drill import MAX_LIFETIME, DrillRequest, DrillResult
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import RankStatus
@@ -83,7 +83,7 @@ def judge(req: DrillRequest, *, token: bytes | None, job_uid: str, enabled: bool
 class DrillListener:
     """Watches for drill requests to this node and carries them out on the processes ``targets()`` lists."""
 
-    def __init__(self, store: Store, settings: AgentSettings, targets: Callable[[], list[Target]], *,
+    def __init__(self, store: Store, settings: PodSettings, targets: Callable[[], list[Target]], *,
                  context: str = "") -> None:
         self.store = store
         self.settings = settings

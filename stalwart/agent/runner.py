@@ -42,7 +42,7 @@ from stalwart.agent.rendezvous import (
     RendezvousSettings,
     RoundInfo,
 )
-from stalwart.agent.settings import AgentSettings
+from stalwart.agent.settings import PodSettings
 from stalwart.agent.supervision import ProcView, supervise
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import Handover
@@ -56,11 +56,11 @@ from stalwart.restart.coordination import record_fault
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Agent", "AgentOptions"]
+__all__ = ["Agent", "AgentTuning"]
 
 
 @dataclass(frozen=True, slots=True)
-class AgentOptions:
+class AgentTuning:
     """Tunables of the agent (CLI flags), validated on construction."""
 
     max_restarts: int = 10
@@ -118,13 +118,13 @@ class _Progress:
 class Agent:
     """Runs ``command`` as this pod's rank processes until the job ends; :meth:`run` returns the exit code."""
 
-    def __init__(self, settings: AgentSettings, command: Sequence[str], options: AgentOptions | None = None,
+    def __init__(self, settings: PodSettings, command: Sequence[str], options: AgentTuning | None = None,
                  *, environ: dict[str, str] | None = None) -> None:
         if not command:
             raise ValueError("command: give the training command after `--`")
         self.settings = settings
         self.command = list(command)
-        self.options = options or AgentOptions()
+        self.options = options or AgentTuning()
         self.base_env = dict(os.environ if environ is None else environ)
         self.store = connect(settings.etcd_endpoints, settings.etcd_credentials(),
                              probe=settings.keys.prefix if settings.etcd_secret_dir else None)
