@@ -316,7 +316,7 @@ class Agent:
                 p.status_read = 0.0
                 self._read_status(p)
             with contextlib.suppress(Exception):
-                self.rdzv.close("job succeeded")
+                self.handle.close_rendezvous("job succeeded")
             self._publish("succeeded", force=True)
         else:
             log.error("%s: giving up: %s", self._ctx, reason)
