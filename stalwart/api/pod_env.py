@@ -11,7 +11,7 @@ message names each bad or missing variable and what was expected):
   in-process restart settings), plus the pod's own ``STALWART_POD_IP``/``STALWART_RPC_TOKEN`` and the etcd
   credentials' directory (never the credentials themselves);
 * a rank process reads them: the restart wrapper (:class:`RankEnvironment`), ``init_rpc()`` with no arguments
-  (:class:`RpcVariables` besides), the etcd client (:class:`EtcdAccess`).
+  (:class:`RpcVariables` besides), the etcd client (:class:`EtcdSecretMount`).
 
 The handover file and the parked flag (``STALWART_HANDOVER_FILE``, ``STALWART_PARKED``) are named here too.
 """
@@ -35,9 +35,23 @@ from pydantic import (
 )
 
 __all__ = [
-    "AGENT_VARIABLES", "ETCD_VARIABLES", "HANDOVER_FILE", "PARKED", "RANK_VARIABLES", "RPC_VARIABLES",
-    "TORCHRUN_VARIABLES", "AgentEnvironment", "EtcdAccess", "EtcdEndpoints", "JobRef", "PodEnvError",
-    "RankEnvironment", "RpcVariables", "TorchrunEnvironment", "read_env", "worker_env",
+    "AGENT_VARIABLES",
+    "ETCD_VARIABLES",
+    "HANDOVER_FILE",
+    "PARKED",
+    "RANK_VARIABLES",
+    "RPC_VARIABLES",
+    "TORCHRUN_VARIABLES",
+    "AgentEnvironment",
+    "EtcdEndpoints",
+    "EtcdSecretMount",
+    "JobRef",
+    "PodEnvError",
+    "RankEnvironment",
+    "RpcVariables",
+    "TorchrunEnvironment",
+    "read_env",
+    "worker_env",
 ]
 
 # -- the variables -------------------------------------------------------------------------------------------
@@ -381,7 +395,7 @@ class RpcVariables(_Env):
     rpc_token: SecretStr | None = None
 
 
-class EtcdAccess(_Env):
+class EtcdSecretMount(_Env):
     """Where a process finds its etcd credentials: the directory of the mounted Secret (files, never values in
     the environment) and whether etcd speaks TLS. Neither set means plaintext and no login."""
 
@@ -389,7 +403,7 @@ class EtcdAccess(_Env):
     secret_dir: str | None = None
 
     @model_validator(mode="after")
-    def _dir_with_tls(self) -> EtcdAccess:
+    def _dir_with_tls(self) -> EtcdSecretMount:
         if self.tls and not self.secret_dir:
             raise ValueError(f"{ETCD_SECRET_DIR}: required when {ETCD_TLS} is true")
         return self

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stalwart.api.pod_env import ETCD_SECRET_DIR, EtcdAccess
+from stalwart.api.pod_env import ETCD_SECRET_DIR, EtcdSecretMount
 from stalwart.etcd.admin import ROOT_USER
 from stalwart.etcd.admin import enable_auth as turn_on_auth
 from stalwart.etcd.store import DEFAULT_TIMEOUT, Store, StorePermissionDenied, StoreSecurityError
@@ -87,17 +87,17 @@ class EtcdCredentials:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EtcdCredentials:
-        """From the pod contract (:class:`~stalwart.api.pod_env.EtcdAccess`: ``STALWART_ETCD_SECRET_DIR`` and
+        """From the pod contract (:class:`~stalwart.api.pod_env.EtcdSecretMount`: ``STALWART_ETCD_SECRET_DIR`` and
         ``STALWART_ETCD_TLS``; none set means none). A malformed variable raises
         :class:`~stalwart.api.pod_env.PodEnvError`, incomplete credentials :class:`CredentialsError`."""
-        access = EtcdAccess.from_env(environ)
+        access = EtcdSecretMount.from_env(environ)
         if access.secret_dir is None:
             return cls()
         return cls.from_dir(access.secret_dir, tls=access.tls)
 
     def to_env(self, directory: str | Path) -> dict[str, str]:
         """The variables that make :meth:`from_env` read these credentials back from ``directory``."""
-        return EtcdAccess(tls=self.tls, secret_dir=str(directory)).to_env()
+        return EtcdSecretMount(tls=self.tls, secret_dir=str(directory)).to_env()
 
     def with_login(self, user: str, password: str) -> EtcdCredentials:
         return EtcdCredentials(self.tls, user, password, self.ca_cert, self.client_cert, self.client_key)
