@@ -281,14 +281,14 @@ def main() -> int:
     try:
         if any(i.startswith("stalwart") for i in args.impls):
             from stalwart.operator.embedded import EmbeddedOperator
-            from stalwart.operator.handlers import OperatorConfig
-            from stalwart.operator.model import OperatorSettings
+            from stalwart.operator.handlers import OperatorRunConfig
+            from stalwart.operator.model import ReconcileSettings
 
             cluster = LocalCluster.up(Path(tempfile.mkdtemp(prefix="podloss-cluster-")), nodes=3, timeout=120.0)
             cluster.kubectl("apply", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
             cluster.kubectl("create", "namespace", NS)
-            op = EmbeddedOperator(OperatorConfig(namespaces=(NS,), default_endpoints=(str(cluster.etcd_endpoint),),
-                                                 settings=OperatorSettings(status_interval=0.5)),
+            op = EmbeddedOperator(OperatorRunConfig(namespaces=(NS,), default_endpoints=(str(cluster.etcd_endpoint),),
+                                                 settings=ReconcileSettings(status_interval=0.5)),
                                   str(cluster.kubeconfig)).start()
         for params in args.params:
             for fault in args.faults:

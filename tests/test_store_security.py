@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.api.pod_env import PodEnvError
 from stalwart.etcd.admin import JobLogin, delete_job_login, ensure_job_login, job_user_name
 from stalwart.etcd.client import CredentialsError, EtcdCredentials, connect
 from stalwart.etcd.keys import JobKeys
@@ -139,13 +140,14 @@ def test_credentials_from_a_mounted_secret(secure_etcd: EtcdServer, root: Store,
         EtcdCredentials.from_env(env)
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"STALWART_ETCD_TLS": "yes"}, "STALWART_ETCD_TLS: expected true or false"),
-    ({"STALWART_ETCD_TLS": "true"}, "STALWART_ETCD_SECRET_DIR: required when STALWART_ETCD_TLS is true"),
-    ({"STALWART_ETCD_SECRET_DIR": "/nonexistent/dir"}, "is not a directory"),
+@pytest.mark.parametrize(("env", "error", "message"), [
+    ({"STALWART_ETCD_TLS": "maybe"}, PodEnvError, "STALWART_ETCD_TLS: Input should be a valid boolean"),
+    ({"STALWART_ETCD_TLS": "true"}, PodEnvError,
+     "STALWART_ETCD_SECRET_DIR: required when STALWART_ETCD_TLS is true"),
+    ({"STALWART_ETCD_SECRET_DIR": "/nonexistent/dir"}, CredentialsError, "is not a directory"),
 ])
-def test_credentials_env_errors_name_the_variable(env: dict[str, str], message: str) -> None:
-    with pytest.raises(CredentialsError, match=message):
+def test_credentials_env_errors_name_the_variable(env: dict[str, str], error: type[ValueError], message: str) -> None:
+    with pytest.raises(error, match=message):
         EtcdCredentials.from_env(env)
 
 

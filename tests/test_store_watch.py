@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from stalwart.etcd import store as store_module
+from stalwart.etcd import watch as watch_module
 from stalwart.etcd.store import Store, StoreTimeout
 from stalwart.local.etcd import EtcdServer
 
@@ -36,7 +36,7 @@ class Muted:
 
 def test_an_idle_watch_that_etcd_still_serves_is_not_silent(etcd: EtcdServer, prefix: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store_module, "WATCH_IDLE_CHECK", 0.5)
+    monkeypatch.setattr(watch_module, "WATCH_IDLE_CHECK", 0.5)
     with Store([etcd.endpoint], timeout=2.0) as s, s.watch(prefix, prefix=True) as w:
         end = time.monotonic() + 6  # several idle checks, each answered
         while time.monotonic() < end:
@@ -48,7 +48,7 @@ def test_an_idle_watch_that_etcd_still_serves_is_not_silent(etcd: EtcdServer, pr
 
 def test_a_silent_watch_raises_within_the_idle_check_and_the_timeout(etcd: EtcdServer, prefix: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store_module, "WATCH_IDLE_CHECK", 1.0)
+    monkeypatch.setattr(watch_module, "WATCH_IDLE_CHECK", 1.0)
     with Store([etcd.endpoint], timeout=2.0) as s:
         inner = s._watch_stub.Watch
         muted_from = time.monotonic() + 0.5  # after the watch is created

@@ -1,6 +1,6 @@
 """The agent's side of ``stalwart drill``: carry out authenticated fault requests on this pod's rank processes.
 
-One thread watches ``JobKeys.drill + "requests/"``. A request for this node is judged by :func:`judge` (pure:
+One thread watches ``JobKeys.drill_requests``. A request for this node is judged by :func:`judge` (pure:
 signature under the job's token, job, validity, replay, the job's opt-in) and, if accepted, carried out:
 
 * ``rank-exception``: the rank raises :class:`~stalwart.restart.drill.DrillFault` in its training function
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from stalwart.agent.settings import AgentSettings
+from stalwart.agent.settings import PodSettings
 from stalwart.api.drill import MAX_LIFETIME, DrillRequest, DrillResult
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import RankStatus
@@ -83,7 +83,7 @@ def judge(req: DrillRequest, *, token: bytes | None, job_uid: str, enabled: bool
 class DrillListener:
     """Watches for drill requests to this node and carries them out on the processes ``targets()`` lists."""
 
-    def __init__(self, store: Store, settings: AgentSettings, targets: Callable[[], list[Target]], *,
+    def __init__(self, store: Store, settings: PodSettings, targets: Callable[[], list[Target]], *,
                  context: str = "") -> None:
         self.store = store
         self.settings = settings
@@ -113,7 +113,7 @@ class DrillListener:
     # -- the watch ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        prefix = self.keys.drill + "requests/"
+        prefix = self.keys.drill_requests
         while not self._stop.is_set():
             watch: Watch | None = None
             try:
@@ -140,7 +140,7 @@ class DrillListener:
             return
         if req.node_id != self.settings.node_id:
             return
-        result_key = self.keys.drill + "results/" + req.id
+        result_key = self.keys.drill_result(req.id)
         record = self.store.get(self.keys.job)
         enabled = False
         if record is not None:

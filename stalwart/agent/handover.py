@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from stalwart.agent.supervision import ProcView
+from stalwart.api import pod_env
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
 
 __all__ = ["NextStep", "grow_due", "handover_env", "keep_at_round_end", "next_step", "write_handover"]
@@ -24,10 +25,9 @@ __all__ = ["NextStep", "grow_due", "handover_env", "keep_at_round_end", "next_st
 NextStep = Literal["hand_over", "launch", "park", "wait"]
 
 #: Variables of a rank's environment that change with its round (the rest stay as the process started).
-_ROUND_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                         "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"})
+_ROUND_VARS = frozenset(pod_env.TORCHRUN_VARIABLES) - {pod_env.RUN_ID}
 #: Never written to a file, even a private one: the process has it from its start.
-_SECRET_VARS = frozenset({"STALWART_RPC_TOKEN"})
+_SECRET_VARS = frozenset({pod_env.RPC_TOKEN})
 
 
 def keep_at_round_end(procs: Sequence[ProcView], *, parked: bool, warm: bool) -> bool:

@@ -244,7 +244,7 @@ class ProgressReporter:
     def __init__(self, store: Store, keys: JobKeys, node_id: str, *, interval: float = 1.0,
                  context: str = "", write_timeout: float = 2.0, backoff: Backoff | None = None) -> None:
         self.store = store
-        self.key = keys.progress + node_id
+        self.key = keys.progress_of(node_id)
         self.interval = interval
         self.write_timeout = write_timeout
         self.book = ProgressBook(node_id=node_id, incarnation=uuid.uuid4().hex[:12])

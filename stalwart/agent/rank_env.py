@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from stalwart.agent.rendezvous import RoundInfo
-from stalwart.agent.settings import AgentSettings
-from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV
+from stalwart.agent.settings import PodSettings
+from stalwart.api import pod_env
 from stalwart.api.job_record import JobRecord
-from stalwart.restart.environment import RankEnvironment
+from stalwart.api.pod_env import RankEnvironment, TorchrunEnvironment
 
 __all__ = ["handover_file", "parked_env", "rank_env", "status_file"]
 
@@ -32,15 +32,15 @@ def status_file(run_dir: Path, local_rank: int) -> Path:
     return run_dir / f"rank-{local_rank}.json"
 
 
-def _secrets(s: AgentSettings) -> dict[str, str]:
+def _secrets(s: PodSettings) -> dict[str, str]:
     """Where the etcd credentials are mounted (never the credentials themselves) and the RPC token."""
     env = s.etcd_env()
     if s.rpc_token is not None:
-        env["STALWART_RPC_TOKEN"] = s.rpc_token.get_secret_value()
+        env[pod_env.RPC_TOKEN] = s.rpc_token.get_secret_value()
     return env
 
 
-def rank_env(s: AgentSettings, info: RoundInfo, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path,
+def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path,
              master_port: int, spare_ranks: bool, restarts: int, job: JobRecord | None) -> dict[str, str]:
     """The full environment of local rank ``local_rank`` in the round ``info``."""
     m = info.manifest
@@ -53,13 +53,10 @@ def rank_env(s: AgentSettings, info: RoundInfo, local_rank: int, *, base_env: Ma
     slots = m.world_size + (len(m.spares) * nproc if spare_ranks else 0)
     slot = first + local_rank
     env = dict(base_env)
-    env.update({
-        "RANK": str(slot), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(m.world_size),
-        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(group_rank), "ROLE_RANK": str(slot),
-        "ROLE_WORLD_SIZE": str(m.world_size), "MASTER_ADDR": m.master_addr,
-        "MASTER_PORT": str(m.master_port or master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(restarts), "TORCHELASTIC_RUN_ID": s.job_uid,
-    })
+    env.update(TorchrunEnvironment(
+        rank=slot, local_rank=local_rank, world_size=m.world_size, local_world_size=nproc, group_rank=group_rank,
+        role_rank=slot, role_world_size=m.world_size, master_addr=m.master_addr,
+        master_port=m.master_port or master_port, restart_count=restarts, run_id=s.job_uid).to_env())
     if "OMP_NUM_THREADS" not in base_env and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a node must not oversubscribe it
     settings = {} if job is None else {k: getattr(job, v) for k, v in _JOB_SETTINGS.items()}
@@ -68,15 +65,16 @@ def rank_env(s: AgentSettings, info: RoundInfo, local_rank: int, *, base_env: Ma
                            spare=member is None, status_file=str(status_file(run_dir, local_rank)),
                            local_rank=local_rank, **settings)
     env.update(renv.to_env())
-    env[HANDOVER_FILE_ENV] = str(handover_file(run_dir, local_rank))
+    env[pod_env.HANDOVER_FILE] = str(handover_file(run_dir, local_rank))
     env.update(_secrets(s))
     return env
 
 
-def parked_env(s: AgentSettings, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path) -> dict[str, str]:
+def parked_env(s: PodSettings, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path) -> dict[str, str]:
     """The environment of a warm spare's process before a round takes it: no epoch, no slot, no rank."""
     env = dict(base_env)
-    env.update({"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(s.nproc_per_node), PARKED_ENV: "true",
-                HANDOVER_FILE_ENV: str(handover_file(run_dir, local_rank)), "STALWART_NODE_ID": s.node_id})
+    env.update({pod_env.LOCAL_RANK: str(local_rank), pod_env.LOCAL_WORLD_SIZE: str(s.nproc_per_node),
+                pod_env.PARKED: "true", pod_env.HANDOVER_FILE: str(handover_file(run_dir, local_rank)),
+                pod_env.NODE_ID: s.node_id})
     env.update(_secrets(s))
     return env

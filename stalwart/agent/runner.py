@@ -21,17 +21,17 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, next_step, write_handover
+from stalwart.agent.processes import RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
 from stalwart.agent.rendezvous import (
@@ -42,13 +42,14 @@ from stalwart.agent.rendezvous import (
     RendezvousSettings,
     RoundInfo,
 )
-from stalwart.agent.settings import AgentSettings
-from stalwart.agent.supervision import ProcView, supervise
+from stalwart.agent.settings import PodSettings
+from stalwart.agent.supervision import supervise
+from stalwart.api import pod_env
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
-from stalwart.api.restart import FaultKind, FaultRecord, RankStatus
+from stalwart.api.restart import FaultKind, FaultRecord
 from stalwart.etcd.client import connect
 from stalwart.etcd.store import StoreError
 from stalwart.net import free_port
@@ -56,11 +57,11 @@ from stalwart.restart.coordination import record_fault
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Agent", "AgentOptions"]
+__all__ = ["Agent", "AgentTuning"]
 
 
 @dataclass(frozen=True, slots=True)
-class AgentOptions:
+class AgentTuning:
     """Tunables of the agent (CLI flags), validated on construction."""
 
     max_restarts: int = 10
@@ -85,46 +86,16 @@ class AgentOptions:
                 raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)}")
 
 
-@dataclass(slots=True)
-class _Proc:
-    local_rank: int
-    slot: int
-    popen: subprocess.Popen[bytes]
-    status_file: Path
-    killed_hung: str = ""  # why the agent killed it (hung past the hard timeout, stopped), "" when it did not
-    exit_code: int | None = None
-    status_read: float = 0.0
-    done_since: float | None = None  # when its status first said "done" (the function returned)
-    killed_after_done: bool = False
-    started: float = 0.0  # monotonic time it was started
-
-
-def process_state(pid: int) -> str:
-    """The state letter of ``/proc/PID/stat`` (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z``...), ``""``
-    when unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return ""
-
-
-@dataclass(slots=True)
-class _Progress:
-    process_restarts: int = 0
-    statuses: dict[int, RankStatus] = field(default_factory=dict)
-
-
 class Agent:
     """Runs ``command`` as this pod's rank processes until the job ends; :meth:`run` returns the exit code."""
 
-    def __init__(self, settings: AgentSettings, command: Sequence[str], options: AgentOptions | None = None,
+    def __init__(self, settings: PodSettings, command: Sequence[str], options: AgentTuning | None = None,
                  *, environ: dict[str, str] | None = None) -> None:
         if not command:
             raise ValueError("command: give the training command after `--`")
         self.settings = settings
         self.command = list(command)
-        self.options = options or AgentOptions()
+        self.options = options or AgentTuning()
         self.base_env = dict(os.environ if environ is None else environ)
         self.store = connect(settings.etcd_endpoints, settings.etcd_credentials(),
                              probe=settings.keys.prefix if settings.etcd_secret_dir else None)
@@ -137,16 +108,15 @@ class Agent:
             node_id=settings.node_id, address=settings.pod_ip, nproc=settings.nproc_per_node,
             spare=settings.spare, master_port=self.master_port))
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"stalwart-agent-{settings.node_id}-"))
-        self.procs: dict[int, _Proc] = {}
-        self._wrapped: set[int] = set()
-        self.progress = _Progress()
+        self._ctx = f"job={settings.job} node={settings.node_id}"
+        self.ranks = RankProcesses(self.options.status_interval, self.options.finish_grace, context=self._ctx)
+        self.process_restarts = 0
         self.info: RoundInfo | None = None
         self.job: JobRecord | None = None
         self._terminate = threading.Event()
         self._kept = False  # the processes outlived the last round (warm spares)
         self._parked = False  # they wait for their first round
         self._grow_asked = 0  # the epoch of the round this node asked to end to grow the world
-        self._ctx = f"job={settings.job} node={settings.node_id}"
         self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
                                          interval=self.options.progress_interval, context=self._ctx)
         self.drill = DrillListener(self.store, settings, self._drill_targets, context=self._ctx)
@@ -176,7 +146,7 @@ class Agent:
             return self._run()
         finally:
             self.drill.stop()
-            self._stop_all(grace=self.options.term_grace)
+            self.ranks.stop_all(grace=self.options.term_grace)
             with contextlib.suppress(Exception):
                 self.handle.leave()
             self.rdzv.shutdown()
@@ -199,7 +169,7 @@ class Agent:
                      info.world_size)
             step = next_step(info.role, kept=self._kept, warm=self._warm(), spare_ranks=self.options.spare_ranks)
             if self._kept and not (step == "hand_over" or (step == "park" and self._parked)):
-                self._stop_all(grace=self.options.term_grace)
+                self.ranks.stop_all(grace=self.options.term_grace)
             self._kept = False
             if step in ("park", "wait"):
                 if step == "park" and not self._parked:
@@ -208,8 +178,8 @@ class Agent:
                 with contextlib.suppress(RendezvousCancelled):
                     while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
                         pass
-                self._poll()
-                self._kept = keep_at_round_end([self._view(p) for p in self.procs.values()], parked=self._parked,
+                self.ranks.poll()
+                self._kept = keep_at_round_end(self.ranks.views(), parked=self._parked,
                                                warm=step == "park")
                 continue
             self.reporter.book = book_.joined(self.reporter.book, info.round, info.epoch)
@@ -221,16 +191,16 @@ class Agent:
             outcome = self._supervise_round(info)
             if outcome is not None:
                 return outcome
-        self._stop_all(grace=self.options.term_grace)
+        self.ranks.stop_all(grace=self.options.term_grace)
         self._publish("failed", force=True)
         return int(ExitCode.TERMINATED)
 
     def _supervise_round(self, info: RoundInfo) -> int | None:
         """Supervise until the round ends (``None``: join again) or the job ends here (the exit code)."""
         while not self._terminate.is_set():
-            self._poll()
-            views = [self._view(p) for p in self.procs.values()]
-            actions = supervise(views, restarts_used=self.progress.process_restarts,
+            self.ranks.poll()
+            views = self.ranks.views()
+            actions = supervise(views, restarts_used=self.process_restarts,
                                 max_restarts=self.options.max_restarts)
             for action in actions:
                 if action.kind == "finish":
@@ -243,9 +213,9 @@ class Agent:
                         self._respawn(info, lr, action.exit_code, action.reason)
                 elif action.kind == "restart_all":
                     self._note_exits(action.local_ranks)
-                    self.progress.process_restarts += 1
+                    self.process_restarts += 1
                     self.reporter.book = book_.restarted_all(self.reporter.book)
-                    self._stop_all(grace=self.options.term_grace)
+                    self.ranks.stop_all(grace=self.options.term_grace)
                     with contextlib.suppress(Exception):
                         self.handle.request_rerendezvous(action.reason)
                     self._wait_round_end()
@@ -255,10 +225,10 @@ class Agent:
                 if end.closed and self._wait_finishing():
                     continue
                 log.info("%s: round %d ended: %s", self._ctx, info.round, end.reason)
-                self._kept = keep_at_round_end([self._view(p) for p in self.procs.values()], parked=False,
+                self._kept = keep_at_round_end(self.ranks.views(), parked=False,
                                                warm=self._warm())
                 if not self._kept:
-                    self._stop_all(grace=self.options.term_grace)
+                    self.ranks.stop_all(grace=self.options.term_grace)
                 return None
             self._maybe_grow(info)
             self._publish(self._state())
@@ -296,8 +266,8 @@ class Agent:
         """The rendezvous closed because the job is succeeding: give the ranks time to return."""
         deadline = time.monotonic() + self.options.finish_grace
         while time.monotonic() < deadline and not self._terminate.is_set():
-            self._poll()
-            if all(p.exit_code is not None for p in self.procs.values()):
+            self.ranks.poll()
+            if self.ranks.all_exited():
                 return True
             time.sleep(self.options.poll_interval)
         return False
@@ -312,23 +282,19 @@ class Agent:
     def _finish(self, code: int, reason: str, local_ranks: Sequence[int] = ()) -> int:
         if code == 0:
             log.info("%s: %s", self._ctx, reason)
-            for p in self.procs.values():  # the ranks' last word: each returned in its last iteration
-                p.status_read = 0.0
-                self._read_status(p)
+            self.ranks.last_words()  # each returned in its last iteration
             with contextlib.suppress(Exception):
-                self.rdzv.close("job succeeded")
+                self.handle.close_rendezvous("job succeeded")
             self._publish("succeeded", force=True)
         else:
             log.error("%s: giving up: %s", self._ctx, reason)
             self._note_exits(local_ranks)
-            self._stop_all(grace=self.options.term_grace)
-            for p in self.procs.values():  # the ranks' last word (each wrote it before exiting)
-                p.status_read = 0.0
-                self._read_status(p)
+            self.ranks.stop_all(grace=self.options.term_grace)
+            self.ranks.last_words()  # each wrote it before exiting
             # Ranks that gave up (restarts exhausted, non-retryable) recorded the failure behind it, with the
             # exception: that is the job's last failure, not "exited 90".
             if code in (ExitCode.RESTARTS_EXHAUSTED, ExitCode.NON_RETRYABLE):
-                self.reporter.book = book_.gave_up(self.reporter.book, list(self.progress.statuses.values()))
+                self.reporter.book = book_.gave_up(self.reporter.book, list(self.ranks.statuses.values()))
             self._publish("failed", force=True)
         return code
 
@@ -337,35 +303,35 @@ class Agent:
     def _rank_env(self, info: RoundInfo, local_rank: int) -> dict[str, str]:
         return rank_env(self.settings, info, local_rank, base_env=self.base_env, run_dir=self.run_dir,
                         master_port=self.master_port, spare_ranks=self.options.spare_ranks,
-                        restarts=self.progress.process_restarts, job=self.job)
+                        restarts=self.process_restarts, job=self.job)
 
     def _launch_all(self, info: RoundInfo) -> None:
-        self.procs = {}
+        self.ranks.procs = {}
         self._parked = False
         for lr in range(self.settings.nproc_per_node):
             self._spawn(info, lr)
 
     def _launch_parked(self) -> None:
         """Start this spare's processes before any round takes them: they import the script and wait."""
-        self.procs, self._parked = {}, True
+        self.ranks.procs, self._parked = {}, True
         for lr in range(self.settings.nproc_per_node):
             with contextlib.suppress(FileNotFoundError):
                 handover_file(self.run_dir, lr).unlink()
             env = parked_env(self.settings, lr, base_env=self.base_env, run_dir=self.run_dir)
-            popen = subprocess.Popen(self.command, env=env, start_new_session=False)
-            self.procs[lr] = _Proc(lr, -1, popen, status_file(self.run_dir, lr))
-            log.info("%s: started local rank %d parked (pid %d)", self._ctx, lr, popen.pid)
+            p = self.ranks.start(self.command, env, lr, slot=-1, status_file=status_file(self.run_dir, lr),
+                                 fresh=False)
+            log.info("%s: started local rank %d parked (pid %d)", self._ctx, lr, p.popen.pid)
 
     def _hand_over(self, info: RoundInfo) -> None:
         """Give the running processes their places in the new round (they continue there in process)."""
-        for p in self.procs.values():
+        for p in self.ranks.procs.values():
             env = self._rank_env(info, p.local_rank)
             write_handover(handover_file(self.run_dir, p.local_rank),
                            Handover(epoch=info.epoch, round=info.round, env=handover_env(env)))
-            p.slot, p.status_read, p.done_since = int(env["STALWART_SLOT"]), 0.0, None
+            p.slot, p.status_read, p.done_since = int(env[pod_env.SLOT]), 0.0, None
             if self._parked:
-                self._wrapped.add(p.local_rank)
-        log.info("%s: handed %d running rank process(es) over to round %d%s", self._ctx, len(self.procs),
+                self.ranks.wrapped.add(p.local_rank)
+        log.info("%s: handed %d running rank process(es) over to round %d%s", self._ctx, len(self.ranks.procs),
                  info.round, " (a warm spare promoted)" if self._parked else "")
         self._parked = False
 
@@ -374,26 +340,26 @@ class Agent:
         for stale in (status, handover_file(self.run_dir, local_rank)):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
-        self.progress.statuses.pop(local_rank, None)  # the old process's status must not judge the new one
+        self.ranks.statuses.pop(local_rank, None)  # the old process's status must not judge the new one
         env = self._rank_env(info, local_rank)
-        popen = subprocess.Popen(self.command, env=env, start_new_session=False)
-        self.procs[local_rank] = _Proc(local_rank, int(env["STALWART_SLOT"]), popen, status, started=time.monotonic())
-        log.info("%s: started local rank %d (pid %d)", self._ctx, local_rank, popen.pid)
+        p = self.ranks.start(self.command, env, local_rank, slot=int(env[pod_env.SLOT]), status_file=status,
+                             fresh=True)
+        log.info("%s: started local rank %d (pid %d)", self._ctx, local_rank, p.popen.pid)
 
     def _respawn(self, info: RoundInfo, local_rank: int, code: int, reason: str) -> None:
-        old = self.procs[local_rank]
+        old = self.ranks.procs[local_rank]
         why = old.killed_hung or reason
         if not old.killed_hung:
             self._record_fault(old, "process_died", f"the process exited {code}" if code >= 0
                                else f"the process was killed by signal {-code}")
         self._note_exits((local_rank,))
-        self.progress.process_restarts += 1
+        self.process_restarts += 1
         log.warning("%s: respawning local rank %d (%s)", self._ctx, local_rank, why)
         self._spawn(info, local_rank)
-        self.reporter.book = book_.respawned(self.reporter.book, local_rank, self.procs[local_rank].popen.pid)
+        self.reporter.book = book_.respawned(self.reporter.book, local_rank, self.ranks.procs[local_rank].popen.pid)
 
     def _kill_hung(self, local_rank: int, fault: FaultKind, reason: str) -> None:
-        p = self.procs[local_rank]
+        p = self.ranks.procs[local_rank]
         if p.exit_code is None and not p.killed_hung:
             if fault == "stopped":
                 log.warning("%s: local rank %d (pid %d) is stopped and made no progress within its soft "
@@ -406,11 +372,11 @@ class Agent:
                 p.popen.kill()
             self._record_fault(p, fault, reason)
 
-    def _record_fault(self, p: _Proc, kind: FaultKind, reason: str) -> None:
+    def _record_fault(self, p: RankProc, kind: FaultKind, reason: str) -> None:
         """Record the fault of a wrapped rank process that cannot: in the iteration it was running (or arriving
         at), so that its peers are interrupted now and the fault names it."""
         p.status_read = 0.0  # its last word, not the one read up to status_interval ago
-        st = self._read_status(p)
+        st = self.ranks.read_status(p)
         info = self.info
         if st is None or info is None or st.state not in ("running", "barrier"):
             return
@@ -422,89 +388,16 @@ class Agent:
         except (StoreError, ValueError) as e:  # the peers then learn of it from their collectives or its lease
             log.warning("%s: could not record the fault of local rank %d: %s", self._ctx, p.local_rank, e)
 
-    def _poll(self) -> None:
-        for p in self.procs.values():
-            if p.exit_code is None:
-                p.exit_code = p.popen.poll()
-            if p.exit_code is not None and p.exit_code < 0 and p.killed_after_done:
-                p.exit_code = 0  # it returned from the training function; only its exit hung (and was ended)
-
-    def _read_status(self, p: _Proc) -> RankStatus | None:
-        # Exits are polled every tick (cheap); status files, which only feed the hard timeout and progress,
-        # at most every status_interval, to keep the agent's share of the CPU negligible.
-        now = time.monotonic()
-        if now - p.status_read < self.options.status_interval:
-            return self.progress.statuses.get(p.local_rank)
-        p.status_read = now
-        try:
-            st = RankStatus.from_json_bytes(p.status_file.read_bytes())
-        except (OSError, ValueError):
-            self.progress.statuses.pop(p.local_rank, None)
-            return None
-        self.progress.statuses[p.local_rank] = st
-        return st
-
-    def _view(self, p: _Proc) -> ProcView:
-        st = self._read_status(p)
-        if st is None:
-            # Once a script has shown it runs the restart wrapper, its respawns are treated as such too.
-            return ProcView(p.local_rank, p.exit_code, wrapped=p.local_rank in self._wrapped)
-        self._wrapped.add(p.local_rank)
-        now = time.monotonic()
-        if st.state == "done" and p.exit_code is None:
-            p.done_since = p.done_since or now
-            if now - p.done_since > self.options.finish_grace and not p.killed_after_done:
-                log.warning("%s: local rank %d returned from the training function but its process has not "
-                            "exited in %.0fs: killing it", self._ctx, p.local_rank, self.options.finish_grace)
-                p.killed_after_done = True
-                with contextlib.suppress(ProcessLookupError):
-                    p.popen.kill()
-        # The heartbeat is the main thread's progress in every phase but the last.
-        age = now - st.heartbeat if st.state not in ("done", "failed") else None
-        stopped = p.exit_code is None and age is not None and process_state(p.popen.pid) == "T"
-        return ProcView(p.local_rank, p.exit_code, wrapped=True, heartbeat_age=age, hard_timeout=st.hard_timeout,
-                        soft_timeout=st.soft_timeout, stopped=stopped)
-
-    def _stop_all(self, grace: float) -> None:
-        """SIGTERM, then SIGKILL after ``grace``; a stopped (or traced) process gets SIGKILL at once: it cannot
-        act on SIGTERM, so waiting would only hold the pod up."""
-        running = [p for p in self.procs.values() if p.popen.poll() is None]
-        for p in running:
-            state = process_state(p.popen.pid)
-            with contextlib.suppress(ProcessLookupError):
-                if state in ("T", "t"):
-                    log.warning("%s: local rank %d (pid %d) is stopped: killing it", self._ctx, p.local_rank,
-                                p.popen.pid)
-                    p.popen.kill()
-                else:
-                    p.popen.terminate()
-        deadline = time.monotonic() + grace
-        for p in running:
-            try:
-                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s: local rank %d ignored SIGTERM for %.0fs: killing it", self._ctx, p.local_rank,
-                            grace)
-                with contextlib.suppress(ProcessLookupError):
-                    p.popen.kill()
-                try:
-                    p.popen.wait(timeout=10)
-                except subprocess.TimeoutExpired:  # in uninterruptible sleep; the kernel reaps it later
-                    log.error("%s: local rank %d (pid %d) survived SIGKILL for 10s", self._ctx, p.local_rank,
-                              p.popen.pid)
-        for p in self.procs.values():
-            p.exit_code = p.popen.poll()
-
     # -- progress -----------------------------------------------------------------------------------------
 
-    def _book_view(self, p: _Proc) -> book_.ProcView:
-        return book_.ProcView(p.local_rank, p.slot, p.popen.pid, p.started, self.progress.statuses.get(p.local_rank),
+    def _book_view(self, p: RankProc) -> book_.ProcView:
+        return book_.ProcView(p.local_rank, p.slot, p.popen.pid, p.started, self.ranks.statuses.get(p.local_rank),
                               p.exit_code)
 
     def _note_exits(self, local_ranks: Sequence[int]) -> None:
         """Record rank processes that ended on their own (or were killed for a hang) for the operator."""
         for lr in local_ranks:
-            p = self.procs.get(lr)
+            p = self.ranks.procs.get(lr)
             if p is not None and p.exit_code not in (None, 0):
                 self.reporter.book = book_.exited(self.reporter.book, self._book_view(p), now=time.time(),
                                                   hung=bool(p.killed_hung))
@@ -513,14 +406,14 @@ class Agent:
     def _drill_targets(self) -> list[Target]:
         """The live rank processes, for fault drills."""
         epoch = self.info.epoch if self.info is not None else 0
-        return [Target(p.local_rank, p.popen.pid, self.progress.statuses.get(p.local_rank), epoch, str(p.status_file))
-                for p in list(self.procs.values()) if p.exit_code is None and p.slot >= 0]
+        return [Target(p.local_rank, p.popen.pid, self.ranks.statuses.get(p.local_rank), epoch, str(p.status_file))
+                for p in list(self.ranks.procs.values()) if p.exit_code is None and p.slot >= 0]
 
     def _state(self) -> NodeState:
-        states = {st.state for st in self.progress.statuses.values()}
+        states = {st.state for st in self.ranks.statuses.values()}
         return "restarting" if states & {"barrier", "restarting"} else "running"
 
     def _publish(self, state: NodeState, *, force: bool = False) -> None:
-        ranks = [self._book_view(p) for p in self.procs.values() if p.slot >= 0]  # a parked one has no slot yet
+        ranks = [self._book_view(p) for p in self.ranks.procs.values() if p.slot >= 0]  # a parked one has no slot yet
         self.reporter.book = book_.observed(self.reporter.book, ranks, now=time.monotonic(), wall=time.time())
         self.reporter.publish(state, force=force)

@@ -19,7 +19,7 @@ from typing import Literal
 
 from stalwart.api.exit_codes import Disposition, ExitCode, disposition
 
-__all__ = ["Action", "ProcView", "supervise"]
+__all__ = ["ProcView", "RankAction", "supervise"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class ProcView:
 
 
 @dataclass(frozen=True, slots=True)
-class Action:
+class RankAction:
     """``kind``: ``wait``; ``kill`` (hung: SIGKILL, respawned once it is gone; ``fault`` says why, as a fault
     record's kind: ``hard_timeout`` or ``stopped``); ``respawn`` (start the local rank again); ``restart_all``
     (every rank of the job, new round); ``finish`` (exit ``exit_code``)."""
@@ -50,26 +50,26 @@ class Action:
     fault: Literal["hard_timeout", "stopped"] | None = None
 
 
-def supervise(procs: Sequence[ProcView], *, restarts_used: int, max_restarts: int) -> list[Action]:
+def supervise(procs: Sequence[ProcView], *, restarts_used: int, max_restarts: int) -> list[RankAction]:
     """The actions for this poll, in order. ``restarts_used`` counts process restarts so far on this node."""
     if not procs:
-        return [Action("finish", exit_code=int(ExitCode.OK), reason="no rank processes")]
-    actions: list[Action] = []
+        return [RankAction("finish", exit_code=int(ExitCode.OK), reason="no rank processes")]
+    actions: list[RankAction] = []
     hung = tuple(p.local_rank for p in procs
                  if p.exit_code is None and p.hard_timeout is not None and p.heartbeat_age is not None
                  and p.heartbeat_age > p.hard_timeout)
     if hung:
-        actions.append(Action("kill", hung, int(ExitCode.HARD_TIMEOUT),
+        actions.append(RankAction("kill", hung, int(ExitCode.HARD_TIMEOUT),
                               f"no progress within the hard timeout (local ranks {list(hung)})", "hard_timeout"))
     stopped = tuple(p.local_rank for p in procs
                     if p.exit_code is None and p.stopped and p.local_rank not in hung and p.soft_timeout is not None
                     and p.heartbeat_age is not None and p.heartbeat_age > p.soft_timeout)
     if stopped:
-        actions.append(Action("kill", stopped, int(ExitCode.HARD_TIMEOUT),
+        actions.append(RankAction("kill", stopped, int(ExitCode.HARD_TIMEOUT),
                               f"stopped (SIGSTOP) past the soft timeout (local ranks {list(stopped)})", "stopped"))
     exited = [p for p in procs if p.exit_code is not None]
     if len(exited) == len(procs) and all(p.exit_code == 0 for p in exited):
-        return [Action("finish", exit_code=int(ExitCode.OK), reason="every rank returned")]
+        return [RankAction("finish", exit_code=int(ExitCode.OK), reason="every rank returned")]
     for p in exited:
         code = int(p.exit_code or 0)
         if code == 0:
@@ -77,17 +77,17 @@ def supervise(procs: Sequence[ProcView], *, restarts_used: int, max_restarts: in
         what = disposition(code)
         if p.wrapped and what in (Disposition.JOB_FAILURE, Disposition.POD_REPLACEMENT) \
                 and code in ExitCode._value2member_map_:
-            return [Action("finish", (p.local_rank,), code,
+            return [RankAction("finish", (p.local_rank,), code,
                            f"local rank {p.local_rank} exited {code} ({ExitCode(code).name})")]
         if p.wrapped and code == ExitCode.STALE_EPOCH:
-            return [Action("restart_all", (p.local_rank,), code, "the rendezvous round is over")]
+            return [RankAction("restart_all", (p.local_rank,), code, "the rendezvous round is over")]
         if restarts_used >= max_restarts:
             final = code if 0 < code < 256 else int(ExitCode.FAILED)
-            return [Action("finish", (p.local_rank,), final,
+            return [RankAction("finish", (p.local_rank,), final,
                            f"local rank {p.local_rank} exited {code}; {restarts_used} process restarts used "
                            f"(max {max_restarts})")]
         if p.wrapped:
-            actions.append(Action("respawn", (p.local_rank,), code, f"local rank {p.local_rank} exited {code}"))
+            actions.append(RankAction("respawn", (p.local_rank,), code, f"local rank {p.local_rank} exited {code}"))
         else:
-            return [Action("restart_all", (p.local_rank,), code, f"local rank {p.local_rank} exited {code}")]
-    return actions or [Action("wait")]
+            return [RankAction("restart_all", (p.local_rank,), code, f"local rank {p.local_rank} exited {code}")]
+    return actions or [RankAction("wait")]

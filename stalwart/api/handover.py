@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
+from stalwart.api import pod_env
 from stalwart.api.base import ApiModel
 
 __all__ = ["HANDOVER_FILE_ENV", "PARKED_ENV", "Handover"]
 
-#: The variable naming a rank process's handover file.
-HANDOVER_FILE_ENV = "STALWART_HANDOVER_FILE"
-#: ``true`` for a warm spare's process that has no round yet.
-PARKED_ENV = "STALWART_PARKED"
+#: The variables, as the pod contract names them.
+HANDOVER_FILE_ENV = pod_env.HANDOVER_FILE
+PARKED_ENV = pod_env.PARKED
 
 
 class Handover(ApiModel):
@@ -36,6 +36,6 @@ class Handover(ApiModel):
         for name in env:
             if not name or not all(c.isalnum() or c == "_" for c in name):
                 raise ValueError(f"env: {name!r} is not a variable name")
-        if "STALWART_EPOCH" not in env:
-            raise ValueError("env: STALWART_EPOCH is required")
+        if pod_env.EPOCH not in env:
+            raise ValueError(f"env: {pod_env.EPOCH} is required")
         return env

@@ -33,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from stalwart.agent.runner import Agent, AgentOptions
-    from stalwart.agent.settings import AgentSettings, SettingsError
+    from stalwart.agent.runner import Agent, AgentTuning
+    from stalwart.agent.settings import PodSettings
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -43,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
         print("stalwart agent: give the training command after `--`", file=sys.stderr)
         return 2
     try:
-        settings = AgentSettings.from_env()
-        options = AgentOptions(max_restarts=args.max_restarts, term_grace=args.term_grace,
-                               last_call_timeout=args.last_call, node_ttl=args.node_ttl,
-                               spare_ranks=args.spare_ranks, warm_spares=args.warm_spares)
-    except (SettingsError, ValueError) as e:
+        settings = PodSettings.from_env()
+        options = AgentTuning(max_restarts=args.max_restarts, term_grace=args.term_grace,
+                              last_call_timeout=args.last_call, node_ttl=args.node_ttl,
+                              spare_ranks=args.spare_ranks, warm_spares=args.warm_spares)
+    except ValueError as e:  # the pod contract's PodEnvError among them
         print(f"stalwart agent: invalid settings:\n{e}", file=sys.stderr)
         return 2
     agent = Agent(settings, command, options)

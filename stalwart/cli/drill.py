@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from stalwart.api import pod_env
 from stalwart.drill.core import ALL_KINDS
 
 
@@ -29,7 +30,7 @@ def register(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a fault may take to recover before the drill fails (default 300)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
-    p.add_argument("--etcd-endpoints", default=os.environ.get("STALWART_ETCD_ENDPOINTS", ""),
+    p.add_argument("--etcd-endpoints", default=os.environ.get(pod_env.ETCD_ENDPOINTS, ""),
                    help="the job's etcd, host:port,... (default: the job's spec.rendezvous.endpoints, else "
                         "$STALWART_ETCD_ENDPOINTS)")
     p.set_defaults(func=run)

@@ -98,8 +98,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stalwart.operator.handlers import OperatorConfig, kube_from_config, operate
-    from stalwart.operator.model import OperatorSettings
+    from stalwart.operator.handlers import OperatorRunConfig, kube_from_config, operate
+    from stalwart.operator.model import ReconcileSettings
 
     if args.concurrency < 1:
         log.error("--concurrency: must be >= 1, got %d", args.concurrency)
@@ -115,13 +115,13 @@ def run(args: argparse.Namespace) -> int:
     if args.job_etcd_users and not credentials.user:
         log.error("--job-etcd-users: needs an etcd administrator login (username/password in --etcd-secret-dir)")
         return 2
-    config = OperatorConfig(
+    config = OperatorRunConfig(
         etcd_credentials=credentials,
         job_etcd_users=args.job_etcd_users,
         etcd_enable_auth=args.etcd_enable_auth,
         namespaces=tuple(sorted(set(args.namespace))),
         default_endpoints=args.etcd_endpoints,
-        settings=OperatorSettings(status_interval=args.status_interval),
+        settings=ReconcileSettings(status_interval=args.status_interval),
         concurrency=args.concurrency,
         peering=args.peering,
         priority=args.priority,

@@ -38,7 +38,7 @@ from stalwart.drill.core import (
     status_summary,
     table_line,
 )
-from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.keys import MANIFEST, JobKeys
 from stalwart.etcd.store import Store, StoreError
 
 __all__ = ["DrillError", "DrillOptions", "DrillSession", "Refused"]
@@ -171,9 +171,9 @@ class DrillSession:
     def manifest(self) -> Manifest | None:
         # One read of the header and its parts (a large manifest's keys share the prefix "manifest").
         rdzv = self.keys.rendezvous
-        kvs, _ = self._store().get_prefix(rdzv + "manifest")
+        kvs, _ = self._store().get_prefix(self.keys.manifest)
         found = {kv.key[len(rdzv):]: (kv.value, kv.mod_revision) for kv in kvs}
-        header = found.get("manifest")
+        header = found.get(MANIFEST)
         return decode_manifest(header[0], header[1], found) if header is not None else None
 
     def current_points(self) -> list[RankPoint]:
@@ -213,9 +213,9 @@ class DrillSession:
         req = req.signed(self.token if token is None else token)
         store = self._store()
         lease = store.lease_grant(REQUEST_TTL, keepalive=False)
-        store.put(self.keys.drill + "requests/" + req.id, req.to_json_bytes(), lease=lease)
+        store.put(self.keys.drill_request(req.id), req.to_json_bytes(), lease=lease)
         deadline = time.monotonic() + 30.0
-        key = self.keys.drill + "results/" + req.id
+        key = self.keys.drill_result(req.id)
         while time.monotonic() < deadline:
             kv = store.get(key)
             if kv is not None:

@@ -17,21 +17,19 @@ start with an error naming the cause, before anything is written.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stalwart.api.pod_env import ETCD_SECRET_DIR, EtcdSecretMount
 from stalwart.etcd.admin import ROOT_USER
 from stalwart.etcd.admin import enable_auth as turn_on_auth
 from stalwart.etcd.store import DEFAULT_TIMEOUT, Store, StorePermissionDenied, StoreSecurityError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENV_SECRET_DIR", "ENV_TLS", "CredentialsError", "EtcdCredentials", "connect"]
+__all__ = ["CredentialsError", "EtcdCredentials", "connect"]
 
-ENV_TLS = "STALWART_ETCD_TLS"
-ENV_SECRET_DIR = "STALWART_ETCD_SECRET_DIR"
 SECRET_KEYS = ("ca.crt", "tls.crt", "tls.key", "username", "password")
 
 
@@ -83,28 +81,23 @@ class EtcdCredentials:
         """From a mounted Secret: one file per key."""
         root = Path(directory)
         if not root.is_dir():
-            raise CredentialsError(f"{ENV_SECRET_DIR}: {str(root)!r} is not a directory (the mounted etcd "
+            raise CredentialsError(f"{ETCD_SECRET_DIR}: {str(root)!r} is not a directory (the mounted etcd "
                                    "credentials Secret)")
         return cls.from_secret({k: (root / k).read_bytes() for k in SECRET_KEYS if (root / k).is_file()}, tls=tls)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EtcdCredentials:
-        """From the pod contract: ``STALWART_ETCD_SECRET_DIR`` and ``STALWART_ETCD_TLS``; none set means none."""
-        env = os.environ if environ is None else environ
-        tls_text = env.get(ENV_TLS, "").strip().lower()
-        if tls_text not in ("", "true", "false", "1", "0"):
-            raise CredentialsError(f"{ENV_TLS}: expected true or false, got {env[ENV_TLS]!r}")
-        tls = tls_text in ("true", "1")
-        directory = env.get(ENV_SECRET_DIR, "")
-        if not directory:
-            if tls:
-                raise CredentialsError(f"{ENV_SECRET_DIR}: required when {ENV_TLS} is true")
+        """From the pod contract (:class:`~stalwart.api.pod_env.EtcdSecretMount`: ``STALWART_ETCD_SECRET_DIR`` and
+        ``STALWART_ETCD_TLS``; none set means none). A malformed variable raises
+        :class:`~stalwart.api.pod_env.PodEnvError`, incomplete credentials :class:`CredentialsError`."""
+        access = EtcdSecretMount.from_env(environ)
+        if access.secret_dir is None:
             return cls()
-        return cls.from_dir(directory, tls=tls)
+        return cls.from_dir(access.secret_dir, tls=access.tls)
 
     def to_env(self, directory: str | Path) -> dict[str, str]:
         """The variables that make :meth:`from_env` read these credentials back from ``directory``."""
-        return {ENV_TLS: "true" if self.tls else "false", ENV_SECRET_DIR: str(directory)}
+        return EtcdSecretMount(tls=self.tls, secret_dir=str(directory)).to_env()
 
     def with_login(self, user: str, password: str) -> EtcdCredentials:
         return EtcdCredentials(self.tls, user, password, self.ca_cert, self.client_cert, self.client_key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stalwart.etcd.keys import MANIFEST, NODES, JobKeys
+from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Compare, Delete, Get, Op, Put, Store, TxnResult
 
 
@@ -43,13 +43,13 @@ class Fence:
         self.keys = keys
         self.epoch = epoch
         self.holder = holder
-        self._manifest_key = keys.rendezvous + MANIFEST
+        self._manifest_key = keys.manifest
         self._guards = [Compare(self._manifest_key, "mod", "==", epoch)]
         if holder is not None:
             node_id, revision = holder
             if revision < 1:
                 raise ValueError(f"holder: create_revision must be >= 1, got {revision}")
-            self._guards.append(Compare(keys.rendezvous + NODES + node_id, "create", "==", revision))
+            self._guards.append(Compare(keys.node(node_id), "create", "==", revision))
 
     def txn(self, compare: Sequence[Compare] = (), success: Sequence[Op] = (),
             failure: Sequence[Get] = (), *, timeout: float | None = None) -> TxnResult:
@@ -64,7 +64,7 @@ class Fence:
                 raise TypeError(f"failure: only Get ops are allowed in a fenced txn, got {type(op).__name__}")
         guard_reads: list[Op] = [Get(self._manifest_key)]
         if self.holder is not None:
-            guard_reads.append(Get(self.keys.rendezvous + NODES + self.holder[0]))
+            guard_reads.append(Get(self.keys.node(self.holder[0])))
         res = self.store.txn([*self._guards, *compare], success, [*guard_reads, *failure], timeout=timeout)
         if res.succeeded:
             return res

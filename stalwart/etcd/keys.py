@@ -55,6 +55,25 @@ class JobKeys:
         """Sub-prefix of the node rendezvous (node keys, manifest, close flag)."""
         return self.prefix + "rdzv/"
 
+    def node(self, node_id: str) -> str:
+        """A node's lease-bound key in the rendezvous."""
+        return self.rendezvous + NODES + node_id
+
+    @property
+    def manifest(self) -> str:
+        """The sealed round's manifest; its mod_revision is the round's epoch."""
+        return self.rendezvous + MANIFEST
+
+    @property
+    def closed(self) -> str:
+        """The rendezvous' close flag."""
+        return self.rendezvous + CLOSED
+
+    @property
+    def expected(self) -> str:
+        """The node ids the operator expects in a round."""
+        return self.rendezvous + EXPECTED
+
     @property
     def restart(self) -> str:
         """Sub-prefix of in-process restart coordination (faults, barriers), fenced by epoch."""
@@ -64,6 +83,10 @@ class JobKeys:
     def progress(self) -> str:
         """Sub-prefix of progress reports, one key per node, read by the operator."""
         return self.prefix + "progress/"
+
+    def progress_of(self, node_id: str) -> str:
+        """A node's progress report."""
+        return self.progress + node_id
 
     def torch_store(self, epoch: int) -> str:
         """Sub-prefix of the torch.distributed Store of one round (epoch)."""
@@ -75,6 +98,23 @@ class JobKeys:
         return self.prefix + "drill/"
 
     @property
+    def drill_requests(self) -> str:
+        """Sub-prefix of the signed drill requests the agents watch."""
+        return self.drill + "requests/"
+
+    def drill_request(self, request_id: str) -> str:
+        return self.drill_requests + request_id
+
+    def drill_result(self, request_id: str) -> str:
+        """The answer to a drill request (carried out, or refused and why)."""
+        return self.drill + "results/" + request_id
+
+    @property
     def rpc(self) -> str:
         """Sub-prefix of the RPC layer (worker addresses)."""
         return self.prefix + "rpc/"
+
+    @property
+    def rpc_workers(self) -> str:
+        """Sub-prefix of the RPC workers' address records, one per worker name."""
+        return self.rpc + "workers/"

@@ -22,312 +22,52 @@ Values are bytes; callers store JSON documents of ``stalwart.api`` models and ch
 from __future__ import annotations
 
 import logging
-import queue
-import random
 import threading
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from pyetcd.etcdrpc import rpc_pb2 as rpc
 from pyetcd.etcdrpc import rpc_pb2_grpc as rpc_grpc
 
 from stalwart.etcd import auth as store_auth
+from stalwart.etcd.errors import (
+    MAX_VALUE_BYTES,
+    StoreError,
+    StorePermissionDenied,
+    StoreSecurityError,
+    StoreTimeout,
+    StoreUnavailable,
+    ValueTooLarge,
+    WatchCompacted,
+    check_value_size,
+    map_error,
+)
+from stalwart.etcd.leases import KeepAlive
+from stalwart.etcd.records import (
+    Compare,
+    Delete,
+    Get,
+    KeyValue,
+    Op,
+    Put,
+    TxnResult,
+    WatchEvent,
+    as_bytes,
+    prefix_range_end,
+)
+from stalwart.etcd.watch import Watch
 
 log = logging.getLogger(__name__)
 
-#: Largest value stalwart writes to etcd. etcd's own request limit is 1.5 MiB; our records are small JSON.
-MAX_VALUE_BYTES = 256 * 1024
+# The adapter's public face: callers import the records and errors from here.
+__all__ = [
+    "DEFAULT_TIMEOUT", "MAX_VALUE_BYTES", "Compare", "Delete", "Get", "KeyValue", "Op", "Put", "Store", "StoreError",
+    "StorePermissionDenied", "StoreSecurityError", "StoreTimeout", "StoreUnavailable", "TxnResult", "ValueTooLarge",
+    "Watch", "WatchCompacted", "WatchEvent", "check_value_size", "prefix_range_end",
+]
+
 DEFAULT_TIMEOUT = 5.0
-#: A watch that has delivered nothing for this many seconds asks etcd for a progress report; one that does not
-#: answer within the store's timeout is silent (see :class:`Watch`).
-WATCH_IDLE_CHECK = 10.0
-
-
-class StoreError(Exception):
-    """etcd refused or failed a request."""
-
-
-class StoreUnavailable(StoreError):
-    """The etcd server could not be reached; the channel keeps reconnecting in the background."""
-
-
-class StoreTimeout(StoreError):
-    """A call to etcd did not finish before its deadline."""
-
-
-class StoreSecurityError(StoreError):
-    """etcd refused this client's TLS handshake, login or permissions; retrying will not help."""
-
-
-class StorePermissionDenied(StoreSecurityError):
-    """The user may not read or write these keys."""
-
-
-class WatchCompacted(StoreError):
-    """A watch's start revision has been compacted; re-read the current state and watch from there."""
-
-    def __init__(self, compact_revision: int) -> None:
-        super().__init__(f"watch start revision was compacted; oldest available is {compact_revision}")
-        self.compact_revision = compact_revision
-
-
-class ValueTooLarge(StoreError):
-    """A value is larger than :data:`MAX_VALUE_BYTES`."""
-
-
-def check_value_size(key: str, value: bytes, limit: int = MAX_VALUE_BYTES) -> None:
-    if len(value) > limit:
-        raise ValueTooLarge(f"value for {key!r} is {len(value)} bytes; the limit is {limit}")
-
-
-def prefix_range_end(prefix: bytes) -> bytes:
-    """The exclusive end of the key range that holds every key starting with ``prefix``."""
-    end = bytearray(prefix)
-    for i in range(len(end) - 1, -1, -1):
-        if end[i] < 0xFF:
-            end[i] += 1
-            return bytes(end[: i + 1])
-    return b"\0"  # the prefix is all 0xff: the range runs to the end of the keyspace
-
-
-def _b(key: str | bytes) -> bytes:
-    return key.encode() if isinstance(key, str) else key
-
-
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-    @classmethod
-    def _from_pb(cls, kv: Any) -> KeyValue:
-        return cls(kv.key.decode(), bytes(kv.value), kv.create_revision, kv.mod_revision, kv.version, kv.lease)
-
-
-@dataclass(frozen=True, slots=True)
-class Compare:
-    """One condition of a transaction. ``target`` picks which field of ``key`` is compared with ``value``.
-
-    A key that does not exist has version, create and mod revision 0, so ``Compare(k, "create", "==", 0)``
-    means "k is absent". With ``prefix=True`` the condition must hold for every key under ``key`` (etcd's
-    compare over a range; no key under it means it holds).
-    """
-
-    key: str
-    target: Literal["mod", "create", "version", "value", "lease"]
-    op: Literal["==", "!=", "<", ">"]
-    value: int | bytes
-    prefix: bool = False
-
-    def _to_pb(self) -> Any:
-        result = {"==": rpc.Compare.EQUAL, "!=": rpc.Compare.NOT_EQUAL, "<": rpc.Compare.LESS,
-                  ">": rpc.Compare.GREATER}[self.op]
-        c = rpc.Compare(key=_b(self.key), result=result)
-        if self.prefix:
-            c.range_end = prefix_range_end(_b(self.key))
-        if self.target == "mod":
-            c.target, c.mod_revision = rpc.Compare.MOD, int(self.value)
-        elif self.target == "create":
-            c.target, c.create_revision = rpc.Compare.CREATE, int(self.value)
-        elif self.target == "version":
-            c.target, c.version = rpc.Compare.VERSION, int(self.value)
-        elif self.target == "lease":
-            c.target, c.lease = rpc.Compare.LEASE, int(self.value)
-        else:
-            if not isinstance(self.value, bytes):
-                raise TypeError("Compare on 'value' needs bytes")
-            c.target, c.value = rpc.Compare.VALUE, self.value
-        return c
-
-
-@dataclass(frozen=True, slots=True)
-class Put:
-    key: str
-    value: bytes
-    lease: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Delete:
-    key: str
-    prefix: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Get:
-    key: str
-    prefix: bool = False
-
-
-Op = Put | Delete | Get
-
-
-@dataclass(frozen=True, slots=True)
-class TxnResult:
-    succeeded: bool
-    revision: int
-    #: For each ``Get`` in the branch that ran, the key-values it read (in op order); other ops give ``[]``.
-    responses: list[list[KeyValue]] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class WatchEvent:
-    type: Literal["put", "delete"]
-    kv: KeyValue
-
-
-class Watch:
-    """A stream of events for a key or prefix, from a start revision.
-
-    Iterate with :meth:`next` (which takes a timeout, so no wait is unbounded) or as an iterator. Cancel with
-    :meth:`cancel` (also done by ``with``). Errors on the stream surface as :class:`StoreError` from ``next``.
-
-    A stream can go silent without breaking: etcd stops delivering to a watcher that falls behind (an
-    "unsynced" watcher) and a proxy can stall while the connection lives, so gRPC keepalives see nothing
-    wrong. Whenever :meth:`next` has seen no response for :data:`WATCH_IDLE_CHECK` seconds it asks etcd for a
-    progress report on the stream (answered at once by a synced watcher); if nothing at all arrives within the
-    store's timeout after that, ``next`` raises :class:`StoreTimeout` and the caller re-reads and watches anew,
-    as after any broken stream. A silent watch is thus noticed within ``WATCH_IDLE_CHECK`` + timeout seconds.
-    """
-
-    _END = object()
-
-    def __init__(self, store: Store, key: bytes, range_end: bytes, start_revision: int) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._requests: queue.Queue[Any] = queue.Queue()
-        self._cancelled = threading.Event()
-        self._created = threading.Event()
-        self._create_error: StoreError | None = None
-        self._answer_within = store.timeout
-        self._last_response = time.monotonic()
-        self._progress_asked: float | None = None
-        create = rpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
-        self._requests.put(rpc.WatchRequest(create_request=create))
-        self._call = store._watch_stub.Watch(self._request_iter(), metadata=store._auth_metadata())
-        self._thread = threading.Thread(target=self._pump, args=(key,), name=f"etcd-watch:{key[:40]!r}",
-                                        daemon=True)
-        self._thread.start()
-        if not self._created.wait(store.timeout):
-            self.cancel()
-            raise StoreTimeout(f"watch on {key!r} was not created within {store.timeout}s")
-        if self._create_error is not None:
-            self.cancel()
-            raise self._create_error
-
-    def _request_iter(self) -> Iterator[Any]:
-        while True:
-            req = self._requests.get()
-            if req is None:
-                return
-            yield req
-
-    def _pump(self, key: bytes) -> None:
-        try:
-            for resp in self._call:
-                self._last_response = time.monotonic()
-                if resp.compact_revision:
-                    err: StoreError = WatchCompacted(resp.compact_revision)
-                    if not self._created.is_set():
-                        self._create_error = err
-                        self._created.set()
-                    self._queue.put(err)
-                    return
-                if resp.created and not resp.canceled:
-                    self._created.set()
-                if resp.canceled:
-                    reason = resp.cancel_reason
-                    err = StorePermissionDenied(f"watch on {key!r}: {store_auth.EXPLAIN['permission']}") \
-                        if "permission denied" in reason else StoreError(f"watch canceled by server: {reason}")
-                    if not self._created.is_set():
-                        self._create_error = err
-                        self._created.set()
-                    self._queue.put(err)
-                    return
-                for ev in resp.events:
-                    kind: Literal["put", "delete"] = "put" if ev.type == 0 else "delete"
-                    self._queue.put(WatchEvent(kind, KeyValue._from_pb(ev.kv)))
-        except grpc.RpcError as e:
-            if not self._cancelled.is_set():
-                failure = _map_error(e, "watch")
-                if not self._created.is_set():
-                    self._create_error = failure
-                    self._created.set()
-                self._queue.put(failure)
-        finally:
-            self._queue.put(self._END)
-
-    def next(self, timeout: float | None) -> WatchEvent | None:
-        """The next event, or ``None`` when ``timeout`` passes first. Raises on a broken or silent stream."""
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            self._check_silence()
-            return None
-        if item is self._END:
-            self._queue.put(item)
-            raise StoreError("watch has ended")
-        if isinstance(item, StoreError):
-            self._queue.put(self._END)
-            raise item
-        assert isinstance(item, WatchEvent)
-        return item
-
-    def _check_silence(self) -> None:
-        now = time.monotonic()
-        asked = self._progress_asked
-        if asked is not None and self._last_response >= asked:
-            self._progress_asked = asked = None
-        if asked is None:
-            if now - self._last_response >= WATCH_IDLE_CHECK and not self._cancelled.is_set():
-                self._progress_asked = now
-                self._requests.put(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
-            return
-        if now - asked > self._answer_within:
-            raise StoreTimeout(f"watch silent: no answer to a progress request within {self._answer_within:g}s")
-
-    def __iter__(self) -> Iterator[WatchEvent]:
-        while True:
-            ev = self.next(timeout=WATCH_IDLE_CHECK / 2)
-            if ev is not None:
-                yield ev
-
-    def cancel(self) -> None:
-        if self._cancelled.is_set():
-            return
-        self._cancelled.set()
-        self._requests.put(None)
-        self._call.cancel()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> Watch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.cancel()
-
-
-def _map_error(e: grpc.RpcError, what: str) -> StoreError:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    refused = store_auth.refusal(e)
-    if refused == "permission":
-        return StorePermissionDenied(f"etcd {what}: {store_auth.EXPLAIN[refused]} ({details})")
-    if refused is not None:
-        return StoreSecurityError(f"etcd {what}: {store_auth.EXPLAIN[refused]} ({details})")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return StoreUnavailable(f"etcd unavailable during {what}: {details}")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return StoreTimeout(f"etcd {what} timed out")
-    if code == grpc.StatusCode.CANCELLED:
-        return StoreUnavailable(f"etcd {what} was cancelled: {details}")
-    return StoreError(f"etcd {what} failed ({code}): {details}")
 
 
 class Store:
@@ -380,7 +120,7 @@ class Store:
         self._maint = rpc_grpc.MaintenanceStub(self._channel)
         self._login: store_auth.Login | None = None
         self._closed = False
-        self._keepalive: _KeepAlive | None = None
+        self._keepalive: KeepAlive | None = None
         self._keepalive_lock = threading.Lock()
         if user is not None:
             self._login = store_auth.Login(self._channel, user, password or "", self.timeout)
@@ -388,7 +128,7 @@ class Store:
                 self._login.login()
             except grpc.RpcError as e:
                 self._channel.close()
-                raise _map_error(e, f"login as {user!r}") from e
+                raise map_error(e, f"login as {user!r}") from e
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
@@ -400,11 +140,11 @@ class Store:
             return fn(req, timeout=timeout or self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             if not self._renewed(e, metadata, what):
-                raise _map_error(e, what) from e
+                raise map_error(e, what) from e
         try:  # refused unapplied for a stale token (store_auth): once more with the new one
             return fn(req, timeout=timeout or self.timeout, metadata=self._auth_metadata())
         except grpc.RpcError as e:
-            raise _map_error(e, what) from e
+            raise map_error(e, what) from e
 
     def _auth_metadata(self) -> list[tuple[str, str]] | None:
         return None if self._login is None else self._login.metadata()
@@ -416,7 +156,7 @@ class Store:
         try:
             self._login.renew(stale)
         except grpc.RpcError as err:
-            raise _map_error(err, f"{what} (renewing the login of {self._login.user!r})") from err
+            raise map_error(err, f"{what} (renewing the login of {self._login.user!r})") from err
         log.info("etcd auth token of %r renewed (%s)", self._login.user, what)
         return True
 
@@ -433,37 +173,37 @@ class Store:
     # -- key-value ------------------------------------------------------------------------------------
 
     def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
-        resp = self._call(self._kv.Range, rpc.RangeRequest(key=_b(key)), f"get {key}", timeout)
+        resp = self._call(self._kv.Range, rpc.RangeRequest(key=as_bytes(key)), f"get {key}", timeout)
         return KeyValue._from_pb(resp.kvs[0]) if resp.kvs else None
 
     def get_prefix(self, prefix: str, *, keys_only: bool = False,
                    timeout: float | None = None) -> tuple[list[KeyValue], int]:
         """Every key under ``prefix`` (sorted by key) and the store revision they were read at."""
-        p = _b(prefix)
+        p = as_bytes(prefix)
         req = rpc.RangeRequest(key=p, range_end=prefix_range_end(p), keys_only=keys_only)
         resp = self._call(self._kv.Range, req, f"get prefix {prefix}", timeout)
         return [KeyValue._from_pb(kv) for kv in resp.kvs], resp.header.revision
 
     def count_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
-        p = _b(prefix)
+        p = as_bytes(prefix)
         req = rpc.RangeRequest(key=p, range_end=prefix_range_end(p), count_only=True)
         return int(self._call(self._kv.Range, req, f"count prefix {prefix}", timeout).count)
 
     def put(self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None) -> int:
         """Write ``value`` and return the new store revision (which is the key's mod_revision)."""
         check_value_size(key, value)
-        resp = self._call(self._kv.Put, rpc.PutRequest(key=_b(key), value=value, lease=lease),
+        resp = self._call(self._kv.Put, rpc.PutRequest(key=as_bytes(key), value=value, lease=lease),
                           f"put {key}", timeout)
         return int(resp.header.revision)
 
     def delete(self, key: str, *, timeout: float | None = None) -> bool:
-        resp = self._call(self._kv.DeleteRange, rpc.DeleteRangeRequest(key=_b(key)), f"delete {key}", timeout)
+        resp = self._call(self._kv.DeleteRange, rpc.DeleteRangeRequest(key=as_bytes(key)), f"delete {key}", timeout)
         return bool(resp.deleted)
 
     def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
         if not prefix:
             raise ValueError("prefix: refusing to delete the whole keyspace")
-        p = _b(prefix)
+        p = as_bytes(prefix)
         req = rpc.DeleteRangeRequest(key=p, range_end=prefix_range_end(p))
         return int(self._call(self._kv.DeleteRange, req, f"delete prefix {prefix}", timeout).deleted)
 
@@ -486,8 +226,8 @@ class Store:
     def _op(op: Op) -> Any:
         if isinstance(op, Put):
             check_value_size(op.key, op.value)
-            return rpc.RequestOp(request_put=rpc.PutRequest(key=_b(op.key), value=op.value, lease=op.lease))
-        k = _b(op.key)
+            return rpc.RequestOp(request_put=rpc.PutRequest(key=as_bytes(op.key), value=op.value, lease=op.lease))
+        k = as_bytes(op.key)
         end = prefix_range_end(k) if op.prefix else b""
         if isinstance(op, Delete):
             return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k, range_end=end))
@@ -511,7 +251,7 @@ class Store:
 
     def watch(self, key: str, *, prefix: bool = False, start_revision: int = 0) -> Watch:
         """Watch ``key`` (or every key under it with ``prefix``) from ``start_revision`` (0 = from now)."""
-        k = _b(key)
+        k = as_bytes(key)
         try:
             return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
         except StorePermissionDenied:
@@ -521,7 +261,7 @@ class Store:
             try:
                 self._login.renew(None)
             except grpc.RpcError as e:
-                raise _map_error(e, f"watch {key} (renewing the login of {self._login.user!r})") from e
+                raise map_error(e, f"watch {key} (renewing the login of {self._login.user!r})") from e
             return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
 
     # -- leases -------------------------------------------------------------------------------------------
@@ -565,17 +305,17 @@ class Store:
                     return int(resp.TTL)
             except grpc.RpcError as e:
                 if attempt or not self._renewed(e, metadata, "lease keep-alive"):
-                    raise _map_error(e, "lease keep-alive") from e
+                    raise map_error(e, "lease keep-alive") from e
         return 0
 
     def lost_leases(self) -> set[int]:
         """Leases kept alive by this store that etcd reported gone (expired while unreachable)."""
         return set() if self._keepalive is None else self._keepalive.lost()
 
-    def _keepalives(self) -> _KeepAlive:
+    def _keepalives(self) -> KeepAlive:
         with self._keepalive_lock:
             if self._keepalive is None:
-                self._keepalive = _KeepAlive(self)
+                self._keepalive = KeepAlive(self)
             return self._keepalive
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -594,71 +334,3 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _KeepAlive:
-    """One thread per Store that refreshes every kept lease at a third of its TTL, with jitter.
-
-    A lease etcd reports as gone (TTL <= 0) is dropped and remembered in :meth:`lost`, so its owner can
-    notice it was fenced out. Transient failures are retried at the next tick; the lease survives as long as
-    a refresh lands within its TTL.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._leases: dict[int, tuple[int, float]] = {}  # id -> (ttl, next due monotonic time)
-        self._lost: set[int] = set()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="etcd-lease-keepalive", daemon=True)
-        self._thread.start()
-
-    def add(self, lease_id: int, ttl: int) -> None:
-        with self._lock:
-            self._leases[lease_id] = (ttl, time.monotonic() + ttl / 3)
-        self._wake.set()
-
-    def remove(self, lease_id: int) -> None:
-        with self._lock:
-            self._leases.pop(lease_id, None)
-
-    def lost(self) -> set[int]:
-        with self._lock:
-            return set(self._lost)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            now = time.monotonic()
-            with self._lock:
-                due = [(lid, ttl) for lid, (ttl, at) in self._leases.items() if at <= now]
-                nxt = min((at for _, at in self._leases.values()), default=now + 1.0)
-            for lid, ttl in due:
-                if self._stop.is_set():
-                    return
-                try:
-                    granted = self._store.lease_refresh(lid, timeout=max(0.5, ttl / 3))
-                except StoreError as e:
-                    log.warning("lease %x keep-alive failed, retrying: %s", lid, e)
-                    retry = min(1.0, ttl / 6) * (0.5 + random.random())
-                    with self._lock:
-                        if lid in self._leases:
-                            self._leases[lid] = (ttl, time.monotonic() + retry)
-                    continue
-                with self._lock:
-                    if granted <= 0:
-                        self._leases.pop(lid, None)
-                        self._lost.add(lid)
-                        log.warning("lease %x has expired; its keys are gone", lid)
-                    elif lid in self._leases:
-                        jitter = 0.9 + 0.2 * random.random()
-                        self._leases[lid] = (ttl, time.monotonic() + ttl / 3 * jitter)
-            with self._lock:
-                nxt = min((at for _, at in self._leases.values()), default=time.monotonic() + 1.0)
-            self._wake.wait(timeout=max(0.01, min(1.0, nxt - time.monotonic())))
-            self._wake.clear()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=5)

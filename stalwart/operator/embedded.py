@@ -8,14 +8,14 @@ import asyncio
 import threading
 import time
 
-from stalwart.operator.handlers import OperatorConfig, kube_from_config, operate
+from stalwart.operator.handlers import OperatorRunConfig, kube_from_config, operate
 from stalwart.operator.kube import Kube
 
 
 class EmbeddedOperator:
     """``start()`` returns once kopf is ready (or raises); ``stop()`` stops it and its threads."""
 
-    def __init__(self, config: OperatorConfig, kubeconfig: str | None) -> None:
+    def __init__(self, config: OperatorRunConfig, kubeconfig: str | None) -> None:
         self.config = config
         self.kube: Kube = kube_from_config(kubeconfig, config.concurrency)
         self._stop = threading.Event()

@@ -103,7 +103,7 @@ class EtcdAccess:
         """Write the JobRecord and (when non-empty) the expected nodes, atomically."""
         ops = [Put(keys.job, record.to_json_bytes())]
         if expected:
-            ops.append(Put(keys.rendezvous + "expected", ExpectedNodes(node_ids=list(expected)).to_json_bytes()))
+            ops.append(Put(keys.expected, ExpectedNodes(node_ids=list(expected)).to_json_bytes()))
         self._write("write record", lambda: self.store(endpoints).txn([], ops))
 
     def revoke(self, endpoints: EtcdTarget | Sequence[str], lease_id: int) -> None:
@@ -112,7 +112,7 @@ class EtcdAccess:
 
     def close_rendezvous(self, endpoints: EtcdTarget | Sequence[str], keys: JobKeys, reason: str) -> None:
         self._write("close", lambda: self.store(endpoints).put(
-            keys.rendezvous + "closed", ClosedRecord(reason=reason[:1024]).to_json_bytes()))
+            keys.closed, ClosedRecord(reason=reason[:1024]).to_json_bytes()))
 
     def delete_job(self, endpoints: EtcdTarget | Sequence[str], keys: JobKeys) -> int:
         """Delete every key under the job's prefix and nothing else; returns how many went."""

@@ -35,7 +35,7 @@ from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.job_login import retire
 from stalwart.operator.kube import Kube, KubeError
 from stalwart.operator.manifests import AGENT_COMMAND
-from stalwart.operator.model import DeleteJob, OperatorSettings, PodView
+from stalwart.operator.model import DeleteJob, PodView, ReconcileSettings
 from stalwart.operator.node_loss import node_unreachable
 from stalwart.operator.observe import job_view, pod_view
 from stalwart.operator.runner import JobRunner, OperatorContext, etcd_target, uses_job_login
@@ -52,7 +52,7 @@ POD_DRAIN_SECONDS = 60.0
 
 
 @dataclass
-class OperatorConfig:
+class OperatorRunConfig:
     """How to run the operator (the ``stalwart operator`` flags)."""
 
     namespaces: tuple[str, ...] = ()  # empty: every namespace
@@ -63,7 +63,7 @@ class OperatorConfig:
     job_etcd_users: bool = False
     #: Turn etcd authentication on (creating root) where it is off, when the operator logs in as root.
     etcd_enable_auth: bool = False
-    settings: OperatorSettings = field(default_factory=OperatorSettings)
+    settings: ReconcileSettings = field(default_factory=ReconcileSettings)
     concurrency: int = 16
     peering: str | None = None  # None: standalone
     priority: int | None = None
@@ -96,7 +96,7 @@ def _unreachable(nodes: kopf.Index[str, bool]) -> frozenset[str]:
     return frozenset(name for name, flags in nodes.items() if any(flags))
 
 
-def build_registry(config: OperatorConfig, kube: Kube) -> kopf.OperatorRegistry:
+def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegistry:
     """A kopf registry with the operator's handlers, calling the API through ``kube`` (kopf logs in with the
     same credentials)."""
     registry = kopf.OperatorRegistry()
@@ -267,13 +267,13 @@ async def _wait(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float
             await asyncio.wait_for(wake.wait(), timeout=min(0.5, left))
 
 
-def _scope(config: OperatorConfig) -> dict[str, Any]:
+def _scope(config: OperatorRunConfig) -> dict[str, Any]:
     if config.namespaces:
         return {"namespaces": list(config.namespaces), "clusterwide": False}
     return {"clusterwide": True}
 
 
-async def operate(config: OperatorConfig, kube: Kube, *,
+async def operate(config: OperatorRunConfig, kube: Kube, *,
                   stop_flag: asyncio.Event | threading.Event | None = None,
                   ready_flag: asyncio.Event | threading.Event | None = None) -> None:
     """Run the operator until ``stop_flag`` is set (or the task is cancelled)."""

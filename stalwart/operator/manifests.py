@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stalwart.api import naming
+from stalwart.api.pod_env import worker_env
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.trainingjob import API_VERSION, KIND
 from stalwart.operator.pod_defaults import with_defaults
@@ -32,14 +33,6 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
             "blockOwnerDeletion": True}
 
 
-def _env(name: str, value: str) -> dict[str, Any]:
-    return {"name": name, "value": value}
-
-
-def _field_env(name: str, path: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-
 def etcd_secret(spec: TrainingJobSpec) -> tuple[str, bool] | None:
     """The Secret with the job's etcd credentials that the user named, and whether to use TLS."""
     ref = spec.rendezvous.secret_ref
@@ -48,24 +41,13 @@ def etcd_secret(spec: TrainingJobSpec) -> tuple[str, bool] | None:
 
 def stalwart_env(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, spare: bool,
                  endpoints: Sequence[str], credentials: tuple[str, bool] | None = None) -> list[dict[str, Any]]:
-    """The environment every worker/spare container gets (design: "What a worker pod gets")."""
-    env = [
-        _env("STALWART_JOB", f"{namespace}/{job}"),
-        _env("STALWART_JOB_UID", uid),
-        _field_env("STALWART_NODE_ID", "metadata.name"),
-        _field_env("STALWART_POD_IP", "status.podIP"),
-        _env("STALWART_SPARE", "true" if spare else "false"),
-        _env("STALWART_NPROC_PER_NODE", str(spec.nproc_per_node)),
-        _env("STALWART_MIN_NODES", str(spec.min_nodes)),
-        _env("STALWART_MAX_NODES", str(spec.max_nodes)),
-        _env("STALWART_ETCD_ENDPOINTS", ",".join(endpoints)),
-        {"name": "STALWART_RPC_TOKEN",
-         "valueFrom": {"secretKeyRef": {"name": naming.secret_name(job), "key": RPC_TOKEN_KEY}}},
-    ]
-    if credentials is not None:
-        env.append(_env("STALWART_ETCD_TLS", "true" if credentials[1] else "false"))
-        env.append(_env("STALWART_ETCD_SECRET_DIR", ETCD_SECRET_DIR))
-    return env
+    """The environment every worker/spare container gets (design: "What a worker pod gets"; the pod contract,
+    :mod:`stalwart.api.pod_env`)."""
+    return worker_env(job=job, namespace=namespace, uid=uid, spare=spare, nproc_per_node=spec.nproc_per_node,
+                      min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, endpoints=endpoints,
+                      token_secret=naming.secret_name(job), token_key=RPC_TOKEN_KEY,
+                      etcd_secret_dir=None if credentials is None else ETCD_SECRET_DIR,
+                      etcd_tls=credentials is not None and credentials[1])
 
 
 #: Gang schedulers the operator can make a PodGroup for: (apiVersion, plural, pod scheduler name or None).

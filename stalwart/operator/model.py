@@ -19,7 +19,7 @@ PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
 
 
 @dataclass(frozen=True, slots=True)
-class OperatorSettings:
+class ReconcileSettings:
     """Operator-wide knobs (not per job). All durations are seconds."""
 
     #: At most one status patch per job per this many seconds, however fast agents report.

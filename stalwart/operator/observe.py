@@ -21,7 +21,7 @@ from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import API_VERSION, KIND
 from stalwart.api.validation import document_problems
-from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.keys import NODES, JobKeys
 from stalwart.etcd.store import KeyValue
 from stalwart.operator.model import EtcdView, JobView, PodPhase, PodView
 
@@ -147,15 +147,15 @@ def etcd_view(keys: JobKeys, kvs: Iterable[KeyValue]) -> EtcdView:
         try:
             if kv.key == keys.job:
                 record = JobRecord.from_json_bytes(kv.value)
-            elif kv.key == rdzv + "manifest":
+            elif kv.key == keys.manifest:
                 manifest, epoch = decode_manifest(kv.value, kv.mod_revision, parts), kv.mod_revision
-            elif kv.key == rdzv + "expected":
+            elif kv.key == keys.expected:
                 expected = tuple(ExpectedNodes.from_json_bytes(kv.value).node_ids)
-            elif kv.key == rdzv + "closed":
+            elif kv.key == keys.closed:
                 closed = True
-            elif kv.key.startswith(rdzv + "nodes/"):
+            elif kv.key.startswith(rdzv + NODES):
                 if kv.lease:
-                    leases[kv.key[len(rdzv + "nodes/"):]] = kv.lease
+                    leases[kv.key[len(rdzv + NODES):]] = kv.lease
             elif kv.key.startswith(keys.progress):
                 progress.append(ProgressRecord.from_json_bytes(kv.value))
         except (ValidationError, ValueError) as e:

@@ -75,9 +75,9 @@ from stalwart.operator.model import (
     EmitEvent,
     EnsureOwnedObjects,
     Observation,
-    OperatorSettings,
     PatchStatus,
     PodView,
+    ReconcileSettings,
     RevokeLease,
     WriteJobRecord,
 )
@@ -202,7 +202,7 @@ class _Work:
     """Mutable scratch of one reconcile (local to the function; never escapes it)."""
 
     obs: Observation
-    settings: OperatorSettings
+    settings: ReconcileSettings
     status: TrainingJobStatus
     actions: list[Action] = field(default_factory=list)
     events: list[EmitEvent] = field(default_factory=list)
@@ -233,9 +233,9 @@ class _Work:
 # -- the decision --------------------------------------------------------------------------------------------
 
 
-def reconcile(obs: Observation, settings: OperatorSettings | None = None) -> Decision:
+def reconcile(obs: Observation, settings: ReconcileSettings | None = None) -> Decision:
     """Decide the actions and the new status for one job. Pure: same observation, same decision."""
-    settings = settings or OperatorSettings()
+    settings = settings or ReconcileSettings()
     job = obs.job
     old = job.status
     status = old.model_copy(deep=True)

@@ -47,9 +47,9 @@ from stalwart.operator.model import (
     EtcdView,
     JobView,
     Observation,
-    OperatorSettings,
     PatchStatus,
     PodView,
+    ReconcileSettings,
     RevokeLease,
     WriteJobRecord,
 )
@@ -65,7 +65,7 @@ class OperatorContext:
 
     kube: Kube
     etcd: EtcdAccess
-    settings: OperatorSettings = field(default_factory=OperatorSettings)
+    settings: ReconcileSettings = field(default_factory=ReconcileSettings)
     default_endpoints: tuple[str, ...] = ()
     #: How the operator logs in to its default etcd (TLS, user); an administrator with ``job_logins``.
     default_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)

@@ -51,7 +51,7 @@ def init_rpc(name: str | None = None, rank: int | None = None, *, membership: Me
     * it waits up to ``timeout`` seconds until workers of every rank below ``$WORLD_SIZE`` (or
       ``world_size``) have registered in this round; TimeoutError names the missing ranks.
 
-    A missing or malformed variable raises :class:`~stalwart.restart.environment.EnvironmentError_` (a
+    A missing or malformed variable raises :class:`~stalwart.api.pod_env.PodEnvError` (a
     ValueError) naming it, before anything starts. :func:`shutdown` stops the agent, revokes the lease (the
     record goes at once) and closes the etcd client; so does interpreter exit if it was not called.
 

@@ -181,7 +181,7 @@ class EtcdMembership(Membership):
                  lease_ttl: int = 10, older_rounds: bool = True) -> None:
         super().__init__(MembershipView(epoch))
         self._store = store
-        self._prefix = keys.rpc + "workers/"
+        self._prefix = keys.rpc_workers
         self._own_lease = lease is None
         self._lease = store.lease_grant(lease_ttl) if lease is None else lease
         self._records: dict[str, RpcWorkerRecord] = {}

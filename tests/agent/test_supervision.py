@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.agent.settings import AgentSettings, SettingsError
+from stalwart.agent.settings import PodSettings
 from stalwart.agent.supervision import ProcView, supervise
 from stalwart.api.exit_codes import ExitCode
+from stalwart.api.pod_env import PodEnvError
 
 
 def kinds(actions: list) -> list[str]:
@@ -83,7 +84,7 @@ POD_ENV = {
 
 
 def test_settings_from_the_pod_environment() -> None:
-    s = AgentSettings.from_env(POD_ENV)
+    s = PodSettings.from_env(POD_ENV)
     assert s.nproc_per_node == 4 and s.etcd_endpoints == ["etcd-0:2379", "etcd-1:2379"]
     assert s.keys.prefix == "/stalwart/v1/team/uid-1/"
     assert s.rpc_token is not None and "s3cret" not in repr(s)
@@ -99,5 +100,5 @@ def test_settings_from_the_pod_environment() -> None:
 ])
 def test_settings_errors_name_the_variable(change: dict, message: str) -> None:
     env = {k: v for k, v in {**POD_ENV, **change}.items() if v is not None}
-    with pytest.raises(SettingsError, match=message):
-        AgentSettings.from_env(env)
+    with pytest.raises(PodEnvError, match=message):
+        PodSettings.from_env(env)

@@ -16,8 +16,8 @@ import yaml
 
 from stalwart.local.cluster import LocalCluster
 from stalwart.operator.embedded import EmbeddedOperator
-from stalwart.operator.handlers import OperatorConfig
-from stalwart.operator.model import OperatorSettings
+from stalwart.operator.handlers import OperatorRunConfig
+from stalwart.operator.model import ReconcileSettings
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "stalwart"
 NAMESPACE = "stalwart-system"
@@ -94,14 +94,14 @@ OperatorFactory = Callable[..., EmbeddedOperator]
 
 
 def operator_factory(account: OperatorAccount, etcd_endpoint: str) -> tuple[OperatorFactory, list[EmbeddedOperator]]:
-    """``start(namespace, **OperatorConfig fields)``, which grants the account the chart's Role in ``namespace``
+    """``start(namespace, **OperatorRunConfig fields)``, which grants the account the chart's Role in ``namespace``
     and starts an embedded operator serving it as the account; and the list of those started (to stop)."""
     started: list[EmbeddedOperator] = []
 
     def start(namespace: str, **overrides: Any) -> EmbeddedOperator:
-        settings = overrides.pop("settings", OperatorSettings(status_interval=0.5))
+        settings = overrides.pop("settings", ReconcileSettings(status_interval=0.5))
         overrides.setdefault("default_endpoints", (etcd_endpoint,))
-        config = OperatorConfig(namespaces=(namespace,), settings=settings, **overrides)
+        config = OperatorRunConfig(namespaces=(namespace,), settings=settings, **overrides)
         account.grant(namespace, peering=config.peering is not None, gang=config.gang_scheduler)
         op = EmbeddedOperator(config, str(account.kubeconfig)).start()
         started.append(op)

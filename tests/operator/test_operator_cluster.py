@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "stalwart.dev", "v1alpha1", "trainingjobs"
 TRAIN = ["python", "-m", "stalwart.examples.train", "--log-every", "5"]
 SLEEP = ["sleep", "900"]
-#: start_operator(namespace, **OperatorConfig fields) -> the embedded operator (tests/operator/conftest.py).
+#: start_operator(namespace, **OperatorRunConfig fields) -> the embedded operator (tests/operator/conftest.py).
 OperatorFactory = Callable[..., Any]
 
 

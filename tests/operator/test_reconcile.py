@@ -18,8 +18,8 @@ from stalwart.operator.model import (
     EmitEvent,
     EnsureOwnedObjects,
     EtcdView,
-    OperatorSettings,
     PatchStatus,
+    ReconcileSettings,
     RevokeLease,
     WriteJobRecord,
 )
@@ -233,7 +233,7 @@ def test_pod_stuck_terminating_is_force_deleted() -> None:
     stuck = pod("worker-1", deleting_since=NOW - 70, deletion_grace=30)
     d = reconcile(observe(job(status(Phase.RESTARTING, replacements=1)), [pod("worker-0"), stuck,
                                                                           pod("spare-0")],
-                          etcd("worker-0", "spare-0")), OperatorSettings(terminating_grace_limit=30))
+                          etcd("worker-0", "spare-0")), ReconcileSettings(terminating_grace_limit=30))
     assert of(d, DeletePod) == [DeletePod(f"{JOB}-worker-1", 0, "StuckTerminating")]
     assert "ForceDeleted" in reasons(d) and not of(d, CreatePod)
 
@@ -475,9 +475,9 @@ def test_reconcile_is_deterministic() -> None:
 
 def test_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="status_interval"):
-        OperatorSettings(status_interval=0)
+        ReconcileSettings(status_interval=0)
     with pytest.raises(ValueError, match="delete_grace_seconds"):
-        OperatorSettings(delete_grace_seconds=-1)
+        ReconcileSettings(delete_grace_seconds=-1)
 
 
 def test_manifest_helper_is_consistent() -> None:

@@ -13,7 +13,7 @@ import pytest
 from stalwart.local.cluster import LocalCluster
 from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.handlers import kube_from_config
-from stalwart.operator.model import OperatorSettings, PodView
+from stalwart.operator.model import PodView, ReconcileSettings
 from stalwart.operator.runner import JobRunner, OperatorContext
 
 pytestmark = pytest.mark.integration
@@ -35,7 +35,7 @@ def test_a_status_written_by_someone_else_is_not_overwritten(local_cluster: Loca
     local_cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
     kube = kube_from_config(str(local_cluster.kubeconfig), 4)
     etcd = EtcdAccess()
-    ctx = OperatorContext(kube=kube, etcd=etcd, settings=OperatorSettings(status_interval=0.01),
+    ctx = OperatorContext(kube=kube, etcd=etcd, settings=ReconcileSettings(status_interval=0.01),
                           default_endpoints=(str(local_cluster.etcd_endpoint),), agent_command=())
     runner = JobRunner(ctx, ns, "cas")
 

@@ -20,8 +20,8 @@ from stalwart.agent.rendezvous import (
     RoundSealed,
     StaleEpoch,
 )
-from stalwart.api.rendezvous import Manifest
-from stalwart.etcd.keys import MANIFEST, NODES, JobKeys
+from stalwart.api.rendezvous import ClosedRecord, Manifest
+from stalwart.etcd.keys import CLOSED, MANIFEST, NODES, JobKeys
 from stalwart.etcd.store import MAX_VALUE_BYTES, Store, ValueTooLarge
 from stalwart.local.etcd import EtcdServer
 
@@ -126,6 +126,26 @@ def test_leave_ends_the_round_for_the_others(make_rdzv) -> None:
     assert a.join(timeout=JOIN_TIMEOUT).world_size == 1
 
 
+def test_a_zombie_of_an_older_round_cannot_close_the_rendezvous(make_rdzv, store: Store,
+                                                                 job_keys: JobKeys) -> None:
+    r = make_rdzv(RendezvousSettings(min_nodes=2, max_nodes=2, node_ttl=30))
+    a, zombie = r.node(record("a")), r.node(record("zombie"))
+    first = infos(join_all([a, zombie]))["zombie"]
+    a.request_rerendezvous("a newer round")
+    second = a.join(timeout=JOIN_TIMEOUT)  # the zombie's key is still there: it is in round 2 too, unaware
+    assert second.epoch > first.epoch and zombie.info is not None and zombie.info.epoch == first.epoch
+    before = store.get_prefix(job_keys.rendezvous)[0]
+    with pytest.raises(StaleEpoch) as err:
+        zombie.close_rendezvous("a late close from round 1")
+    assert (err.value.epoch, err.value.current) == (first.epoch, second.epoch)
+    after = store.get_prefix(job_keys.rendezvous)[0]
+    assert [(kv.key, kv.mod_revision) for kv in after] == [(kv.key, kv.mod_revision) for kv in before]
+    assert store.get(job_keys.rendezvous + CLOSED) is None and a.round_end() is None
+    a.close_rendezvous("job finished")  # the live round's member may
+    closed = store.get(job_keys.rendezvous + CLOSED)
+    assert closed is not None and ClosedRecord.from_json_bytes(closed.value).reason == "job finished"
+
+
 def test_close_stops_new_rounds_and_spares_leave(make_rdzv) -> None:
     r = make_rdzv(RendezvousSettings(min_nodes=2, max_nodes=2, node_ttl=30))
     a, b, c = r.node(record("a")), r.node(record("b")), r.node(record("c"))
@@ -133,7 +153,7 @@ def test_close_stops_new_rounds_and_spares_leave(make_rdzv) -> None:
     # The third is a spare, or "waiting" if it registered just after the seal: either way outside the round.
     spare = next(h for h in (a, b, c) if got[h.node_id].role != "member")
     member = next(h for h in (a, b, c) if got[h.node_id].role == "member")
-    r.close("job finished")
+    member.close_rendezvous("job finished")
     end = spare.wait_round_end(ROUND_END_WAIT)
     assert end is not None and end.closed
     with pytest.raises(RendezvousClosed):

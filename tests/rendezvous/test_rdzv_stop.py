@@ -10,7 +10,7 @@ import pytest
 from rdzv_helpers import record
 
 from stalwart.agent.rendezvous import RendezvousCancelled, RendezvousSettings
-from stalwart.agent.rendezvous.driver import KEY_LOSS_BACKOFF
+from stalwart.agent.rendezvous.node import KEY_LOSS_BACKOFF
 from stalwart.etcd.keys import NODES, JobKeys
 from stalwart.etcd.store import Store
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from stalwart.api.exit_codes import Disposition, ExitCode, disposition
+from stalwart.api.pod_env import PodEnvError
 from stalwart.restart import (
     AbortProcessGroup,
     CallWrapper,
@@ -19,7 +20,7 @@ from stalwart.restart import (
     Unhealthy,
     restartable,
 )
-from stalwart.restart.environment import EnvironmentError_, RankEnvironment
+from stalwart.restart.environment import RankEnvironment
 from stalwart.restart.wrapper import _injection
 
 
@@ -150,7 +151,7 @@ def test_rank_environment_round_trips() -> None:
 ])
 def test_rank_environment_errors_name_the_variable(change: dict, message: str) -> None:
     env = {k: v for k, v in {**GOOD_ENV, **change}.items() if v is not None}
-    with pytest.raises(EnvironmentError_, match=message):
+    with pytest.raises(PodEnvError, match=message):
         RankEnvironment.from_env(env)
 
 

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 from rpc_helpers import wait_for
 
+from stalwart.api.pod_env import PodEnvError
 from stalwart.api.rpc import RpcWorkerRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
-from stalwart.restart.environment import EnvironmentError_
 from stalwart.rpc import (
     EtcdMembership,
     MembershipView,
@@ -183,12 +183,12 @@ def test_the_environment_gives_rank_world_round_address_and_token() -> None:
     ("STALWART_JOB_UID", None, "STALWART_JOB_UID: is required"),
 ])
 def test_a_missing_or_malformed_variable_is_named(var: str, value: str | None, says: str) -> None:
-    with pytest.raises(EnvironmentError_, match="^(.*; )?" + says.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(PodEnvError, match="^(.*; )?" + says.replace("(", r"\(").replace(")", r"\)")):
         RpcEnvironment.from_env(_env(**{var: value}))
 
 
 def test_every_problem_is_named_at_once() -> None:
-    with pytest.raises(EnvironmentError_) as e:
+    with pytest.raises(PodEnvError) as e:
         RpcEnvironment.from_env(_env(STALWART_EPOCH=None, RANK="x", STALWART_RPC_TOKEN=None))
     for var in ("STALWART_EPOCH", "RANK", "STALWART_RPC_TOKEN"):
         assert f"{var}: " in str(e.value)
@@ -198,14 +198,14 @@ def test_init_rpc_without_arguments_outside_an_agent_names_the_variables_and_sta
         monkeypatch: pytest.MonkeyPatch) -> None:
     for var in _env():
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(EnvironmentError_) as e:
+    with pytest.raises(PodEnvError) as e:
         init_rpc()
     for var in ("STALWART_ETCD_ENDPOINTS", "STALWART_EPOCH", "RANK", "WORLD_SIZE", "STALWART_RPC_TOKEN"):
         assert f"{var}: " in str(e.value)
     with pytest.raises(RpcShutdown):
         current_agent()
     # what is passed is not asked of the environment
-    with pytest.raises(EnvironmentError_) as e:
+    with pytest.raises(PodEnvError) as e:
         init_rpc("w", 0, world_size=1, token=TOKEN)
     assert "RANK" not in str(e.value) and "WORLD_SIZE" not in str(e.value) and "TOKEN" not in str(e.value)
 

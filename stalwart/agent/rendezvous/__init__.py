@@ -4,8 +4,9 @@ Public API:
 
 * :class:`Rendezvous` (one per process and job: one watch, one thread) and :class:`NodeHandle` (one per
   node): ``rdzv.node(record).join()`` -> :class:`RoundInfo` (epoch, role, manifest); ``wait_round_end`` ->
-  :class:`RoundEnd`; ``request_rerendezvous``; ``leave``; ``Rendezvous.close``; ``Rendezvous.subscribe`` for
-  :class:`RoundSealed` / :class:`RoundEnded` / :class:`Closed` (peer death is a ``RoundEnded`` with ``lost``).
+  :class:`RoundEnd`; ``request_rerendezvous``; ``close_rendezvous`` (fenced by the round); ``leave``;
+  ``Rendezvous.subscribe`` for :class:`RoundSealed` / :class:`RoundEnded` / :class:`Closed` (peer death is a
+  ``RoundEnded`` with ``lost``).
 * :class:`Fence`: writes bound to a round (a transaction comparing the epoch); :class:`StaleEpoch` otherwise.
 * :class:`EtcdTorchStore`: a ``torch.distributed.Store`` namespaced and fenced by the epoch (imports torch).
 * :mod:`.torch_backend`: torch's ``RendezvousBackend`` on etcd v3, registered for ``torchrun`` as
@@ -17,16 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from stalwart.agent.rendezvous.driver import (
-    Closed,
-    NodeHandle,
-    Rendezvous,
-    RoundEnd,
-    RoundEnded,
-    RoundEvent,
-    RoundInfo,
-    RoundSealed,
-)
+from stalwart.agent.rendezvous.driver import Rendezvous
 from stalwart.agent.rendezvous.errors import (
     CorruptRecord,
     DuplicateNode,
@@ -37,6 +29,8 @@ from stalwart.agent.rendezvous.errors import (
     RendezvousTimeout,
     StaleEpoch,
 )
+from stalwart.agent.rendezvous.node import NodeHandle
+from stalwart.agent.rendezvous.rounds import Closed, RoundEnd, RoundEnded, RoundEvent, RoundInfo, RoundSealed
 from stalwart.agent.rendezvous.settings import RendezvousSettings
 from stalwart.etcd.fence import Fence
 

@@ -411,10 +411,10 @@ class WakeAt:
     deadline: float
 
 
-Action = Seal | WakeAt
+RendezvousAction = Seal | WakeAt
 
 
-def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[State, list[Action]]:
+def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[State, list[RendezvousAction]]:
     """The next state and the actions to carry out, for one event."""
     if isinstance(event, Observed):
         state = replace(state, view=apply(state.view, event.events))

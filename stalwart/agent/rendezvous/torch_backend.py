@@ -39,6 +39,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
 
+from stalwart.api import pod_env
 from stalwart.api.rendezvous import TorchRendezvousState
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.store import Compare, Get, KeyValue, Put, Store, StoreError
@@ -148,7 +149,7 @@ def _secret(params: RendezvousParameters) -> bytes:
         except OSError as e:
             raise ValueError(f"rdzv_conf hmac_key_file: cannot read {path!r}: {e}") from None
     else:
-        secret = os.environ.get("STALWART_RPC_TOKEN", "").encode()
+        secret = os.environ.get(pod_env.RPC_TOKEN, "").encode()
     if len(secret) < 16:
         raise ValueError("rdzv_conf hmac_key_file: the stalwart-etcd backend signs torch's rendezvous state (torch "
                          "unpickles it); give a file holding a secret of at least 16 bytes shared by the run's "

@@ -1,0 +1,156 @@
+"""This pod's rank processes as the agent sees them (:class:`RankProcesses`): start them, poll their exits, read
+their status files (at most every ``status_interval``), turn both into the
+:class:`~stalwart.agent.supervision.ProcView` the supervision decision reads, and stop them with a deadline.
+
+What to do about them is :func:`~stalwart.agent.supervision.supervise`'s decision and the agent's loop
+(:mod:`stalwart.agent.runner`); nothing here talks to etcd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stalwart.agent.supervision import ProcView
+from stalwart.api.restart import RankStatus
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RankProc", "RankProcesses", "process_state"]
+
+
+@dataclass(slots=True)
+class RankProc:
+    """One rank process of this pod."""
+
+    local_rank: int
+    slot: int  # -1 while parked (no round yet)
+    popen: subprocess.Popen[bytes]
+    status_file: Path
+    killed_hung: str = ""  # why the agent killed it (hung past the hard timeout, stopped), "" when it did not
+    exit_code: int | None = None
+    status_read: float = 0.0
+    done_since: float | None = None  # when its status first said "done" (the function returned)
+    killed_after_done: bool = False
+    started: float = 0.0  # monotonic time it was started
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/PID/stat`` (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z``...), ``""``
+    when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+@dataclass(slots=True)
+class RankProcesses:
+    """The rank processes of this pod, by local rank, and what their status files last said."""
+
+    status_interval: float
+    finish_grace: float
+    context: str = ""
+    procs: dict[int, RankProc] = field(default_factory=dict)
+    statuses: dict[int, RankStatus] = field(default_factory=dict)
+    #: Local ranks whose script has shown it runs the restart wrapper (its respawns are treated as such too).
+    wrapped: set[int] = field(default_factory=set)
+
+    def start(self, command: Sequence[str], env: Mapping[str, str], local_rank: int, *, slot: int,
+              status_file: Path, fresh: bool) -> RankProc:
+        """Start local rank ``local_rank``; ``fresh``: a process of a round (its start time counts), not a
+        parked one."""
+        popen = subprocess.Popen(list(command), env=dict(env), start_new_session=False)
+        p = RankProc(local_rank, slot, popen, status_file, started=time.monotonic() if fresh else 0.0)
+        self.procs[local_rank] = p
+        return p
+
+    def poll(self) -> None:
+        for p in self.procs.values():
+            if p.exit_code is None:
+                p.exit_code = p.popen.poll()
+            if p.exit_code is not None and p.exit_code < 0 and p.killed_after_done:
+                p.exit_code = 0  # it returned from the training function; only its exit hung (and was ended)
+
+    def all_exited(self) -> bool:
+        return all(p.exit_code is not None for p in self.procs.values())
+
+    def read_status(self, p: RankProc) -> RankStatus | None:
+        # Exits are polled every tick (cheap); status files, which only feed the hard timeout and progress,
+        # at most every status_interval, to keep the agent's share of the CPU negligible.
+        now = time.monotonic()
+        if now - p.status_read < self.status_interval:
+            return self.statuses.get(p.local_rank)
+        p.status_read = now
+        try:
+            st = RankStatus.from_json_bytes(p.status_file.read_bytes())
+        except (OSError, ValueError):
+            self.statuses.pop(p.local_rank, None)
+            return None
+        self.statuses[p.local_rank] = st
+        return st
+
+    def last_words(self) -> None:
+        """Read every status file now (each process wrote its last word before returning or exiting)."""
+        for p in self.procs.values():
+            p.status_read = 0.0
+            self.read_status(p)
+
+    def views(self) -> list[ProcView]:
+        return [self.view(p) for p in self.procs.values()]
+
+    def view(self, p: RankProc) -> ProcView:
+        st = self.read_status(p)
+        if st is None:
+            return ProcView(p.local_rank, p.exit_code, wrapped=p.local_rank in self.wrapped)
+        self.wrapped.add(p.local_rank)
+        now = time.monotonic()
+        if st.state == "done" and p.exit_code is None:
+            p.done_since = p.done_since or now
+            if now - p.done_since > self.finish_grace and not p.killed_after_done:
+                log.warning("%s: local rank %d returned from the training function but its process has not "
+                            "exited in %.0fs: killing it", self.context, p.local_rank, self.finish_grace)
+                p.killed_after_done = True
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.kill()
+        # The heartbeat is the main thread's progress in every phase but the last.
+        age = now - st.heartbeat if st.state not in ("done", "failed") else None
+        stopped = p.exit_code is None and age is not None and process_state(p.popen.pid) == "T"
+        return ProcView(p.local_rank, p.exit_code, wrapped=True, heartbeat_age=age, hard_timeout=st.hard_timeout,
+                        soft_timeout=st.soft_timeout, stopped=stopped)
+
+    def stop_all(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL after ``grace``; a stopped (or traced) process gets SIGKILL at once: it cannot
+        act on SIGTERM, so waiting would only hold the pod up."""
+        running = [p for p in self.procs.values() if p.popen.poll() is None]
+        for p in running:
+            state = process_state(p.popen.pid)
+            with contextlib.suppress(ProcessLookupError):
+                if state in ("T", "t"):
+                    log.warning("%s: local rank %d (pid %d) is stopped: killing it", self.context, p.local_rank,
+                                p.popen.pid)
+                    p.popen.kill()
+                else:
+                    p.popen.terminate()
+        deadline = time.monotonic() + grace
+        for p in running:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s: local rank %d ignored SIGTERM for %.0fs: killing it", self.context, p.local_rank,
+                            grace)
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.kill()
+                try:
+                    p.popen.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # in uninterruptible sleep; the kernel reaps it later
+                    log.error("%s: local rank %d (pid %d) survived SIGKILL for 10s", self.context, p.local_rank,
+                              p.popen.pid)
+        for p in self.procs.values():
+            p.exit_code = p.popen.poll()

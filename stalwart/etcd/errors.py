@@ -1,0 +1,68 @@
+"""The typed errors of the etcd layer (see :mod:`stalwart.etcd.store` for what each means) and how a gRPC failure
+maps onto them."""
+
+from __future__ import annotations
+
+import grpc
+
+from stalwart.etcd import auth as store_auth
+
+__all__ = ["MAX_VALUE_BYTES", "StoreError", "StorePermissionDenied", "StoreSecurityError", "StoreTimeout",
+           "StoreUnavailable", "ValueTooLarge", "WatchCompacted", "check_value_size", "map_error"]
+
+#: Largest value stalwart writes to etcd. etcd's own request limit is 1.5 MiB; our records are small JSON.
+MAX_VALUE_BYTES = 256 * 1024
+
+
+class StoreError(Exception):
+    """etcd refused or failed a request."""
+
+
+class StoreUnavailable(StoreError):
+    """The etcd server could not be reached; the channel keeps reconnecting in the background."""
+
+
+class StoreTimeout(StoreError):
+    """A call to etcd did not finish before its deadline."""
+
+
+class StoreSecurityError(StoreError):
+    """etcd refused this client's TLS handshake, login or permissions; retrying will not help."""
+
+
+class StorePermissionDenied(StoreSecurityError):
+    """The user may not read or write these keys."""
+
+
+class WatchCompacted(StoreError):
+    """A watch's start revision has been compacted; re-read the current state and watch from there."""
+
+    def __init__(self, compact_revision: int) -> None:
+        super().__init__(f"watch start revision was compacted; oldest available is {compact_revision}")
+        self.compact_revision = compact_revision
+
+
+class ValueTooLarge(StoreError):
+    """A value is larger than :data:`MAX_VALUE_BYTES`."""
+
+
+def check_value_size(key: str, value: bytes, limit: int = MAX_VALUE_BYTES) -> None:
+    if len(value) > limit:
+        raise ValueTooLarge(f"value for {key!r} is {len(value)} bytes; the limit is {limit}")
+
+
+def map_error(e: grpc.RpcError, what: str) -> StoreError:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    refused = store_auth.refusal(e)
+    if refused == "permission":
+        return StorePermissionDenied(f"etcd {what}: {store_auth.EXPLAIN[refused]} ({details})")
+    if refused is not None:
+        return StoreSecurityError(f"etcd {what}: {store_auth.EXPLAIN[refused]} ({details})")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return StoreUnavailable(f"etcd unavailable during {what}: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return StoreTimeout(f"etcd {what} timed out")
+    if code == grpc.StatusCode.CANCELLED:
+        return StoreUnavailable(f"etcd {what} was cancelled: {details}")
+    return StoreError(f"etcd {what} failed ({code}): {details}")

@@ -1,0 +1,92 @@
+"""The pod contract end to end: what the operator writes, the agent reads; what the agent gives a rank, the
+restart wrapper and ``init_rpc()`` read; every error names its variable (stalwart/api/pod_env.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stalwart.agent.rank_env import parked_env, rank_env
+from stalwart.agent.rendezvous import RoundInfo
+from stalwart.agent.settings import PodSettings
+from stalwart.api import pod_env
+from stalwart.api.pod_env import PodEnvError, TorchrunEnvironment, read_env
+from stalwart.api.rendezvous import Manifest, Member
+from stalwart.api.spec import TrainingJobSpec
+from stalwart.operator.manifests import ETCD_SECRET_DIR, pod_manifest
+from stalwart.restart.environment import RankEnvironment
+from stalwart.rpc.environment import RpcEnvironment
+
+SPEC = {"replicas": 2, "nprocPerNode": 2, "rendezvous": {"secretRef": {"name": "etcd-creds"}, "tls": True},
+        "template": {"spec": {"containers": [{"name": "trainer", "image": "img", "command": ["python", "t.py"]}]}}}
+
+
+def _resolve(env: list[dict[str, Any]], pod: str, ip: str, token: str) -> dict[str, str]:
+    """What a kubelet makes of the container's env (downward API and the job's Secret)."""
+    out = {}
+    for e in env:
+        ref = e.get("valueFrom", {})
+        if "value" in e:
+            out[e["name"]] = e["value"]
+        elif "fieldRef" in ref:
+            out[e["name"]] = {"metadata.name": pod, "status.podIP": ip}[ref["fieldRef"]["fieldPath"]]
+        else:
+            assert ref["secretKeyRef"]["key"] == "rpc-token"
+            out[e["name"]] = token
+    return out
+
+
+def _settings() -> PodSettings:
+    spec = TrainingJobSpec.model_validate(SPEC)
+    pod = pod_manifest(job="train", namespace="team", uid="uid-1", spec=spec, name="train-worker-1",
+                       role="worker", index=1, endpoints=["etcd:2379"])
+    return PodSettings.from_env(_resolve(pod["spec"]["containers"][0]["env"], "train-worker-1", "10.0.0.7", "tok"))
+
+
+def test_what_the_operator_writes_the_agent_reads() -> None:
+    s = _settings()
+    assert (s.job, s.node_id, s.pod_ip, s.nproc_per_node, s.spare) == ("team/train", "train-worker-1", "10.0.0.7",
+                                                                       2, False)
+    assert s.keys.prefix == "/stalwart/v1/team/uid-1/" and s.etcd_secret_dir == ETCD_SECRET_DIR and s.etcd_tls
+    assert s.rpc_token is not None and s.rpc_token.get_secret_value() == "tok"
+
+
+def test_what_the_agent_gives_a_rank_the_wrapper_and_rpc_read(tmp_path: Path) -> None:
+    s = _settings()
+    manifest = Manifest(round=3, members=[
+        Member(node_id="train-worker-0", address="10.0.0.6", group_rank=0, rank_offset=0, nproc=2),
+        Member(node_id="train-worker-1", address="10.0.0.7", group_rank=1, rank_offset=2, nproc=2)],
+        world_size=4, master_addr="10.0.0.6", master_port=29400, sealed_by="train-worker-0")
+    info = RoundInfo(node_id=s.node_id, epoch=42, role="member", manifest=manifest, node_revision=7,
+                     member=manifest.members[1])
+    env = rank_env(s, info, 1, base_env={"PATH": "/bin", pod_env.POD_IP: s.pod_ip}, run_dir=tmp_path,
+                   master_port=1234, spare_ranks=False, restarts=2, job=None)
+    rank = RankEnvironment.from_env(env)
+    assert (rank.epoch, rank.slot, rank.slots, rank.target_world, rank.local_rank) == (42, 3, 4, 4, 1)
+    assert rank.keys == s.keys and env[pod_env.ETCD_SECRET_DIR] == ETCD_SECRET_DIR
+    torchrun = read_env(TorchrunEnvironment, pod_env.TORCHRUN_VARIABLES, env)
+    assert (torchrun.rank, torchrun.world_size, torchrun.group_rank, torchrun.master_addr, torchrun.master_port,
+            torchrun.restart_count) == (3, 4, 1, "10.0.0.6", 29400, 2)
+    rpc = RpcEnvironment.from_env(env)
+    assert (rpc.rank, rpc.world_size, rpc.host, rpc.token, rpc.epoch) == (3, 4, "10.0.0.7", "tok", 42)
+    parked = parked_env(s, 0, base_env={}, run_dir=tmp_path)
+    assert parked[pod_env.PARKED] == "true" and pod_env.EPOCH not in parked
+    with pytest.raises(PodEnvError, match="STALWART_EPOCH: is required"):
+        RankEnvironment.from_env(parked)
+
+
+def test_every_bad_variable_is_named_at_once_with_what_was_expected() -> None:
+    with pytest.raises(PodEnvError) as e:
+        PodSettings.from_env({pod_env.JOB: "no-namespace", pod_env.NPROC_PER_NODE: "0", pod_env.POD_IP: "10.0.0.1",
+                              pod_env.NODE_ID: "n"})
+    assert set(e.value.problems) >= {
+        "STALWART_JOB: expected <namespace>/<name>, got 'no-namespace'",
+        "STALWART_JOB_UID: is required (set by the operator)",
+        "STALWART_ETCD_ENDPOINTS: is required (set by the operator)"}
+    assert any(p.startswith("STALWART_NPROC_PER_NODE: ") for p in e.value.problems)
+    with pytest.raises(PodEnvError, match=r"^STALWART_MAX_NODES \(1\) must be >= STALWART_MIN_NODES \(2\)$"):
+        PodSettings.from_env({**_settings().etcd_env(), pod_env.JOB: "a/b", pod_env.JOB_UID: "u",
+                              pod_env.NODE_ID: "n", pod_env.POD_IP: "10.0.0.1", pod_env.ETCD_ENDPOINTS: "e:1",
+                              pod_env.MIN_NODES: "2", pod_env.MAX_NODES: "1"})
