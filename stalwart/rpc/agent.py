@@ -22,6 +22,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from stalwart.api import pod_env
 from stalwart.api.rpc import RRefWire, check_worker_name
 from stalwart.rpc import errors as E
 from stalwart.rpc.calls import Caller, RefEncoder
@@ -43,8 +44,6 @@ T = TypeVar("T")
 X = TypeVar("X", bound=RpcExtension)
 
 DEFAULT_TIMEOUT = 60.0
-#: Where the job's RPC token comes from (the job's Secret, through the pod's environment).
-TOKEN_ENV = "STALWART_RPC_TOKEN"
 
 
 class RpcFuture(concurrent.futures.Future[T]):
@@ -72,10 +71,10 @@ class RpcAgent:
             raise ValueError(f"num_worker_threads: must be >= 1, got {num_worker_threads}")
         if not default_timeout > 0:
             raise ValueError(f"default_timeout: must be > 0, got {default_timeout}")
-        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        token = token if token is not None else os.environ.get(pod_env.RPC_TOKEN)
         if transport is None:
             if not token:
-                raise ValueError(f"token: no RPC token given and ${TOKEN_ENV} is not set")
+                raise ValueError(f"token: no RPC token given and ${pod_env.RPC_TOKEN} is not set")
             transport = StreamTransport(token)
         self.name = name
         self.rank = rank
