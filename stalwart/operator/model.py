@@ -30,6 +30,9 @@ class OperatorSettings:
     delete_grace_seconds: int = 30
     #: Longest sleep between two reconciles of a running job, even when nothing is reported.
     resync_interval: float = 10.0
+    #: Refuse templates that ask for the host (privileged containers, host namespaces, hostPath volumes): the
+    #: job fails with InvalidSpec naming the field (``pod_defaults.privilege_problems``).
+    restrict_pod_security: bool = True
 
     def __post_init__(self) -> None:
         for name in ("status_interval", "terminating_grace_limit", "resync_interval"):

@@ -7,7 +7,9 @@ reads the clock itself, so every phase transition and failure path is a table ro
 Rules it implements, in the order it applies them:
 
 1. A job being deleted is left to the finalizer (which deletes the etcd prefix).
-2. A spec that does not validate ends the job ``Failed`` with an ``InvalidSpec`` condition and one Event.
+2. A spec that does not validate ends the job ``Failed`` with an ``InvalidSpec`` condition and one Event; so
+   does a template asking for the host (privileged, host namespaces, hostPath) when the operator restricts
+   pod security (``OperatorSettings.restrict_pod_security``).
 3. A finished job gets its pods cleaned up per ``cleanPodPolicy``, its rendezvous closed, and is deleted
    ``ttlSecondsAfterFinished`` after completion.
 4. ``activeDeadlineSeconds`` past ``startTime`` fails the job (``DeadlineExceeded``).
@@ -64,6 +66,7 @@ from stalwart.operator.model import (
     WriteJobRecord,
 )
 from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
+from stalwart.operator.pod_defaults import privilege_problems
 from stalwart.operator.pods import (
     count_pods,
     follow_record,
@@ -113,9 +116,11 @@ def reconcile(obs: Observation, settings: OperatorSettings | None = None) -> Dec
         status.selector = naming.selector(job.name)
 
     if job.spec is None:
-        _invalid_spec(w)
+        _invalid_spec(w, job.spec_problem)
     elif old.phase is not None and old.phase.finished:
         _finished(w, job.spec)
+    elif (refused := refused_template(job.spec, settings)) is not None:
+        _invalid_spec(w, refused)
     else:
         _active(w, job.spec)
 
@@ -176,8 +181,20 @@ _APPLY_ORDER_COUNTED: tuple[type, ...] = (EnsureOwnedObjects, RevokeLease, Delet
                                           CreatePod, CloseRendezvous, EmitEvent, DeleteJob)
 
 
-def _invalid_spec(w: Work) -> None:
-    field_, message = w.obs.job.spec_problem or ("spec", "does not validate")
+def refused_template(spec: TrainingJobSpec, settings: OperatorSettings) -> tuple[str, str] | None:
+    """``(field path, message)`` when the operator restricts pod security and the template asks for the host
+    (privileged, host namespaces, hostPath; the first such field, the others named in the message)."""
+    if not settings.restrict_pod_security:
+        return None
+    problems = privilege_problems(spec.template.spec.model_dump(mode="json", by_alias=True, exclude_none=True))
+    if not problems:
+        return None
+    (path, message), others = problems[0], [p for p, _ in problems[1:]]
+    return path, message + (f" (also: {', '.join(others)})" if others else "")
+
+
+def _invalid_spec(w: Work, problem: tuple[str, str] | None) -> None:
+    field_, message = problem or ("spec", "does not validate")
     text = f"spec.{field_}: {message}" if not field_.startswith("spec") else f"{field_}: {message}"
     existing = condition(w.status, ConditionType.FAILED)
     if w.status.phase != Phase.FAILED or existing is None or existing.reason != REASON_INVALID_SPEC \
