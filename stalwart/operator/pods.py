@@ -60,7 +60,8 @@ def keep_rank(w: Work, pod: PodView) -> tuple[int, int, int, int]:
 def new_pods(w: Work, spec: TrainingJobSpec, deficit: int, replacements: int) -> list[CreatePod]:
     """Names for ``deficit`` new pods: the first ``replacements`` are fresh spares (a replacement joins as a
     spare); the rest fill free worker slots 0..replicas-1, then free spare slots, then fresh spares."""
-    taken = {p.name for p in w.obs.pods}
+    # A pod name held by a pod that is not the job's stays out of use (see guards.ownership).
+    taken = {p.name for p in w.obs.pods} | {c.name for c in w.obs.conflicts if c.kind == "Pod"}
     spare_indices = [p.index for p in w.obs.pods if p.role == naming.ROLE_SPARE]
     restarts = w.status.restarts or RestartCounts()
     # Fresh spare indices never reuse a name: they grow with the replacement count, which only grows.

@@ -10,6 +10,8 @@ Rules it implements, in the order it applies them:
 2. A spec that does not validate ends the job ``Failed`` with an ``InvalidSpec`` condition and one Event; so
    does a template asking for the host (privileged, host namespaces, hostPath) when the operator restricts
    pod security (``OperatorSettings.restrict_pod_security``).
+   Credentials the job's etcd refuses (or its Secret lacks) and objects holding the job's Secret or Service
+   name without being the job's hold the job back, each with a condition naming the cause (:mod:`.guards`).
 3. A finished job gets its pods cleaned up per ``cleanPodPolicy``, its rendezvous closed, and is deleted
    ``ttlSecondsAfterFinished`` after completion.
 4. ``activeDeadlineSeconds`` past ``startTime`` fails the job (``DeadlineExceeded``).
@@ -49,6 +51,7 @@ from stalwart.api.spec import CleanPodPolicy, FailureAction, FailureReason, Trai
 from stalwart.api.status import ConditionStatus, ConditionType, FailureRecord, Phase, RestartCounts, TrainingJobStatus
 from stalwart.operator.failure_rules import failure_action, failure_reason, rule_matches
 from stalwart.operator.failures import Fact
+from stalwart.operator.guards import etcd_access, ownership
 from stalwart.operator.incidents import REASON_DISAPPEARED
 from stalwart.operator.model import (
     Action,
@@ -122,7 +125,10 @@ def reconcile(obs: Observation, settings: OperatorSettings | None = None) -> Dec
     elif (refused := refused_template(job.spec, settings)) is not None:
         _invalid_spec(w, refused)
     else:
-        _active(w, job.spec)
+        # Both conditions are kept up to date; either one holds back every action until it clears.
+        blocked = [etcd_access(w), ownership(w)]
+        if not any(blocked):
+            _active(w, job.spec)
 
     return _finish(w)
 
