@@ -350,8 +350,7 @@ class JobRunner:
         resources = {"Pod": "pods", "Service": "services", "Secret": "secrets"}
         for kind, name in list(self.conflicts):
             try:
-                if not await self._conflicting(resources[kind], kind, name, uid):
-                    self.owned_ready = self.owned_ready and kind not in BLOCKING_KINDS
+                await self._conflicting(resources[kind], kind, name, uid)
             except KubeError as e:
                 log.warning("job %s/%s: cannot check %s %s: %s", self.namespace, self.name, kind, name, e)
 
