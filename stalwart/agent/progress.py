@@ -15,6 +15,12 @@ better evidence of them.
 :class:`ProgressReporter` is the shell: it writes the book's record to ``JobKeys.progress + node`` at most once
 per interval, and backs off (capped, with jitter) while etcd is unreachable, logging one line when that starts
 and one when it ends.
+
+A record that speaks of a round is written through that round's :class:`~stalwart.etcd.fence.Fence` (the epoch
+and this node's key, its incarnation in the rendezvous): an agent paused across a new round, or fenced by the
+operator (its lease revoked), can change nothing when it resumes; the write is refused with
+:class:`~stalwart.etcd.fence.StaleEpoch` and the reporter writes nothing more until it joins another round.
+Only a record of an agent that never joined a round (epoch 0: no facts of any round in it) goes unfenced.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from stalwart.api.restart import (
     RankStatus,
     RoundSummary,
 )
+from stalwart.etcd.fence import Fence, StaleEpoch
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.outage import Backoff, Outage
 from stalwart.etcd.store import Store, StoreError
@@ -47,12 +54,14 @@ __all__ = [
     "ProcView",
     "ProgressBook",
     "ProgressReporter",
+    "WriteGuard",
     "exited",
     "joined",
     "observed",
     "record",
     "respawned",
     "restarted_all",
+    "write_guard",
 ]
 
 log = logging.getLogger(__name__)
@@ -237,9 +246,24 @@ def record(book: ProgressBook, state: NodeState, *, wall: float, world_size: int
         incarnation=book.incarnation, ranks=list(book.ranks), exits=list(book.exits), history=list(book.history))
 
 
+WriteGuard = Literal["plain", "fenced", "hold"]
+
+
+def write_guard(book: ProgressBook, fence_epoch: int | None, refused_epoch: int) -> WriteGuard:
+    """How the record of ``book`` may be written: ``plain`` before any round (epoch 0: it holds no round's
+    facts), ``fenced`` through the fence of the book's round (``fence_epoch``), ``hold`` (not at all) when
+    there is no fence of that round or the round already refused a write (``refused_epoch``: it is over)."""
+    if book.epoch == 0:
+        return "plain"
+    if fence_epoch != book.epoch or refused_epoch == book.epoch:
+        return "hold"
+    return "fenced"
+
+
 class ProgressReporter:
     """Keeps the :class:`ProgressBook` and writes its record (at most every ``interval`` seconds; a forced
-    write skips the interval but not the back-off of an etcd outage)."""
+    write skips the interval but not the back-off of an etcd outage). :meth:`join` enters a round with its
+    fence; see the module docstring for what is fenced."""
 
     def __init__(self, store: Store, keys: JobKeys, node_id: str, *, interval: float = 1.0,
                  context: str = "", write_timeout: float = 2.0, backoff: Backoff | None = None) -> None:
@@ -253,6 +277,17 @@ class ProgressReporter:
         self.world_size: int | None = None
         self._written = 0.0
         self.writes = 0
+        self.fence: Fence | None = None
+        #: The epoch of the round that refused a write (0: none): nothing more is written in it.
+        self.refused_epoch = 0
+        self.context = context
+
+    def join(self, round_: int, epoch: int, fence: Fence) -> None:
+        """The node runs ranks in the round sealed at ``epoch``; its records are written through ``fence``."""
+        if fence.epoch != epoch:
+            raise ValueError(f"fence: the fence of epoch {fence.epoch} cannot fence the round of epoch {epoch}")
+        self.book = joined(self.book, round_, epoch)
+        self.fence = fence
 
     def publish(self, state: NodeState, *, force: bool = False) -> bool:
         """Write the record if it is due; True when it was written."""
@@ -261,9 +296,20 @@ class ProgressReporter:
             return False
         if not self.outage.due():
             return False
+        guard = write_guard(self.book, self.fence.epoch if self.fence is not None else None, self.refused_epoch)
+        if guard == "hold":
+            return False
         rec = record(self.book, state, wall=time.time(), world_size=self.world_size)
         try:
-            self.store.put(self.key, rec.to_json_bytes(), timeout=self.write_timeout)
+            if guard == "fenced":
+                assert self.fence is not None
+                self.fence.put(self.key, rec.to_json_bytes(), timeout=self.write_timeout)
+            else:
+                self.store.put(self.key, rec.to_json_bytes(), timeout=self.write_timeout)
+        except StaleEpoch as e:
+            self.refused_epoch = self.book.epoch
+            log.info("%s: progress of round %d not written, the round is over: %s", self.context, self.book.round, e)
+            return False
         except StoreError as e:
             self.outage.failed(e)
             return False

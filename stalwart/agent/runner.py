@@ -182,7 +182,7 @@ class Agent:
                 self._kept = keep_at_round_end(self.ranks.views(), parked=self._parked,
                                                warm=step == "park")
                 continue
-            self.reporter.book = book_.joined(self.reporter.book, info.round, info.epoch)
+            self.reporter.join(info.round, info.epoch, self.handle.fence())
             self.reporter.world_size = info.world_size
             if step == "hand_over":
                 self._hand_over(info)

@@ -31,6 +31,25 @@ MAX_RULES = 32
 MAX_NPROC_PER_NODE = 1024
 #: One day: no single wait of stalwart's is meant to be longer.
 MAX_TIMEOUT_SECONDS = 86_400
+#: A Kubernetes quantity of bytes: a number with an optional binary (Ki..Ei) or decimal (k..E) suffix.
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+_QUANTITY = re.compile(QUANTITY_PATTERN)
+_SUFFIX_BYTES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+                 "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+#: The memory-backed /dev/shm every worker pod gets unless its template mounts one itself.
+DEFAULT_SHM_SIZE = "1Gi"
+#: Below this a /dev/shm is no better than a container runtime's 64 MiB default.
+MIN_SHM_BYTES = 64 * 2**20
+
+
+def quantity_bytes(text: str) -> int:
+    """The bytes of a Kubernetes quantity such as ``1Gi``, ``512Mi`` or ``2G``; ValueError naming what was
+    expected otherwise."""
+    match = _QUANTITY.fullmatch(text)
+    if match is None:
+        raise ValueError(f"expected a quantity of bytes such as 1Gi, 512Mi or 2G, got {text!r}")
+    suffix = match.group(2) or ""
+    return int(float(text[: len(text) - len(suffix)]) * _SUFFIX_BYTES[suffix])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -461,6 +480,23 @@ class TrainingJobSpec(ApiModel):
     fault_injection: FaultInjection = Field(
         default_factory=FaultInjection, description="Fault drills through the job's agents (stalwart drill).",
         json_schema_extra={"default": {}})
+    shm_size: str = Field(
+        default=DEFAULT_SHM_SIZE, max_length=32, json_schema_extra={"pattern": QUANTITY_PATTERN},
+        description=("Size limit of the memory-backed /dev/shm (an emptyDir with medium Memory) every pod gets "
+                     "unless its template mounts /dev/shm itself: a Kubernetes quantity such as 1Gi or 8Gi, at "
+                     "least 64Mi. It counts against the pod's memory. The RPC layer's shared-memory rings and "
+                     "DataLoader workers need more than a container runtime's 64 MiB default."))
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm_size(cls, value: str) -> str:
+        try:
+            size = quantity_bytes(value)
+        except ValueError as e:
+            raise RuleViolation([("", str(e))]) from None
+        if size < MIN_SHM_BYTES:
+            raise RuleViolation([("", f"must be at least 64Mi (a container runtime's default), got {value!r}")])
+        return value
 
     __rules__: ClassVar[list[Rule]] = [
         Rule(field="minReplicas",

@@ -39,6 +39,12 @@ class ConditionType(StrEnum):
     STALLED = "Stalled"
     #: The operator cannot reach the job's etcd; training may go on undisturbed, but its progress is unseen.
     COORDINATION_DEGRADED = "CoordinationDegraded"
+    #: False while the job's etcd cannot be used with its credentials (the reason and message name the Secret's
+    #: missing key or etcd's refusal); set True again once it can. No pod is created meanwhile.
+    ETCD_ACCESS = "EtcdAccess"
+    #: True while an object the job needs (its Secret, Service, a pod) has its name but is not the job's (the
+    #: message names it); the operator leaves such an object alone.
+    OWNERSHIP_CONFLICT = "OwnershipConflict"
 
 
 class ConditionStatus(StrEnum):
@@ -51,7 +57,7 @@ class Condition(ApiModel):
     """One aspect of the job's state (Kubernetes condition conventions)."""
 
     type: str = Field(description=("Condition type: Created, Running, Restarting, Succeeded, Failed, Suspended, "
-                                   "Stalled, CoordinationDegraded."),
+                                   "Stalled, CoordinationDegraded, EtcdAccess, OwnershipConflict."),
                       min_length=1, max_length=316)
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str | None = Field(

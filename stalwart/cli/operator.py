@@ -92,6 +92,11 @@ def register(sub: Any) -> None:
     p.add_argument("--gang-scheduler", choices=["volcano", "coscheduling"], default=None,
                    help="create a PodGroup per job (minMember = minReplicas) for this gang scheduler and point "
                         "the job's pods at it (default: none; the operator's own gang start still applies)")
+    p.add_argument("--restrict-pod-security", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("STALWART_RESTRICT_POD_SECURITY", "true").lower() in ("1", "true"),
+                   help="refuse TrainingJobs whose pod template asks for the host (privileged containers, "
+                        "hostNetwork/hostPID/hostIPC, hostPath volumes): the job fails with an InvalidSpec "
+                        "condition naming the field (default: on; $STALWART_RESTRICT_POD_SECURITY)")
     p.add_argument("--status-interval", type=_positive, default=1.0,
                    help="at most one status patch per job per this many seconds (default 1)")
     p.set_defaults(func=run)
@@ -121,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         etcd_enable_auth=args.etcd_enable_auth,
         namespaces=tuple(sorted(set(args.namespace))),
         default_endpoints=args.etcd_endpoints,
-        settings=ReconcileSettings(status_interval=args.status_interval),
+        settings=ReconcileSettings(status_interval=args.status_interval,
+                                   restrict_pod_security=args.restrict_pod_security),
         concurrency=args.concurrency,
         peering=args.peering,
         priority=args.priority,

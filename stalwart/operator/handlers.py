@@ -189,7 +189,8 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
         try:
             while not stopped:
                 wake.clear()
-                pods = [view for owner, view in stalwart_pods.get(key, []) if owner in (uid, "")]
+                # Only the pods the job controls: one with its label and another owner, or none, is not adopted.
+                pods = [view for owner, view in stalwart_pods.get(key, []) if owner == uid]
                 try:
                     decision = await runner.step(body, pods, _unreachable(stalwart_nodes))
                     failures = 0
@@ -222,7 +223,7 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
         elapsed = runtime.total_seconds()
         # The pods go first: an agent still running would write its progress again after the prefix is gone.
         # (Owner references would delete them only once the job itself is gone, after this finalizer.)
-        pods = [view for owner, view in stalwart_pods.get((namespace, name), []) if owner in (uid, "")]
+        pods = [view for owner, view in stalwart_pods.get((namespace, name), []) if owner == uid]
         if pods:
             force = elapsed > POD_DRAIN_SECONDS
             grace = 0 if force else ctx.settings.delete_grace_seconds

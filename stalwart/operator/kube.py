@@ -94,10 +94,11 @@ class Kube:
 
     # -- pods ----------------------------------------------------------------------------------------------
 
-    async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> None:
+    async def create_pod(self, namespace: str, body: Mapping[str, Any]) -> bool:
+        """Create the pod; False when one of that name exists already (see :meth:`owner_references`)."""
         name = str(body["metadata"]["name"])
-        await self._call("create", "pods", name, lambda: self.core.create_namespaced_pod(
-            namespace, body, _request_timeout=self.timeout, _preload_content=False), ok_status=(409,))
+        return await self._call("create", "pods", name, lambda: self.core.create_namespaced_pod(
+            namespace, body, _request_timeout=self.timeout, _preload_content=False), ok_status=(409,)) is not None
 
     async def delete_pod(self, namespace: str, name: str, grace: int) -> None:
         opts = k8s.V1DeleteOptions(grace_period_seconds=grace, propagation_policy="Background")
@@ -118,17 +119,32 @@ class Kube:
 
     # -- owned objects -------------------------------------------------------------------------------------
 
-    async def create_service(self, namespace: str, body: Mapping[str, Any]) -> None:
-        await self._call("create", "services", str(body["metadata"]["name"]),
-                         lambda: self.core.create_namespaced_service(namespace, body,
-                                                                     _request_timeout=self.timeout),
-                         ok_status=(409,))
+    async def create_service(self, namespace: str, body: Mapping[str, Any]) -> bool:
+        """Create the Service; False when one of that name exists already."""
+        return await self._call("create", "services", str(body["metadata"]["name"]),
+                                lambda: self.core.create_namespaced_service(
+                                    namespace, body, _request_timeout=self.timeout, _preload_content=False),
+                                ok_status=(409,)) is not None
 
-    async def create_secret(self, namespace: str, body: Mapping[str, Any]) -> None:
-        await self._call("create", "secrets", str(body["metadata"]["name"]),
-                         lambda: self.core.create_namespaced_secret(namespace, body,
-                                                                    _request_timeout=self.timeout),
-                         ok_status=(409,))
+    async def create_secret(self, namespace: str, body: Mapping[str, Any]) -> bool:
+        """Create the Secret; False when one of that name exists already."""
+        return await self._call("create", "secrets", str(body["metadata"]["name"]),
+                                lambda: self.core.create_namespaced_secret(
+                                    namespace, body, _request_timeout=self.timeout, _preload_content=False),
+                                ok_status=(409,)) is not None
+
+    async def owner_references(self, resource: str, namespace: str, name: str) -> list[dict[str, Any]] | None:
+        """The ``metadata.ownerReferences`` of the pod, Service or Secret ``name`` (``resource``: pods,
+        services or secrets); None when it does not exist. Checked before the operator adopts an object it
+        found in place of one it meant to create."""
+        read = {"pods": self.core.read_namespaced_pod, "services": self.core.read_namespaced_service,
+                "secrets": self.core.read_namespaced_secret}[resource]
+        result = await self._call("get", resource, name, lambda: read(
+            name, namespace, _request_timeout=self.timeout, _preload_content=False), ok_status=(404,))
+        if result is None:
+            return None
+        refs = (json.loads(result.data).get("metadata") or {}).get("ownerReferences") or []
+        return [dict(r) for r in refs if isinstance(r, Mapping)]
 
     async def create_pod_group(self, namespace: str, body: Mapping[str, Any]) -> None:
         group, _, version = str(body["apiVersion"]).partition("/")

@@ -118,7 +118,7 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
         pod_spec["schedulerName"] = GANG_SCHEDULERS[gang][2]
     elif gang == "coscheduling":
         labels["scheduling.x-k8s.io/pod-group"] = job
-    pod_spec = with_defaults(pod_spec)
+    pod_spec = with_defaults(pod_spec, shm_size=spec.shm_size)
     pod_spec["restartPolicy"] = "Never"
     pod_spec["hostname"] = name
     pod_spec["subdomain"] = naming.service_name(job)

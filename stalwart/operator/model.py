@@ -30,6 +30,9 @@ class ReconcileSettings:
     delete_grace_seconds: int = 30
     #: Longest sleep between two reconciles of a running job, even when nothing is reported.
     resync_interval: float = 10.0
+    #: Refuse templates that ask for the host (privileged containers, host namespaces, hostPath volumes): the
+    #: job fails with InvalidSpec naming the field (``pod_defaults.privilege_problems``).
+    restrict_pod_security: bool = True
 
     def __post_init__(self) -> None:
         for name in ("status_interval", "terminating_grace_limit", "resync_interval"):
@@ -112,6 +115,29 @@ class JobView:
 
 
 @dataclass(frozen=True, slots=True)
+class EtcdProblem:
+    """Why the operator cannot use the job's etcd with the credentials it has (a Secret without a key TLS
+    needs, a missing Secret, etcd refusing the login or the keys): retrying does not help until the Secret or
+    etcd changes. ``reason`` is CamelCase; ``message`` names the key or etcd's refusal."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Conflict:
+    """An object with a name the job needs (its Secret, Service or a pod) that exists and is not the job's:
+    ``owner`` says whose it is (``"no owner"``, ``"TrainingJob other"``...). The operator leaves it alone."""
+
+    kind: str
+    name: str
+    owner: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name} ({self.owner})"
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """Everything one reconcile looks at. ``now`` is Unix seconds; ``last_status_patch`` is when this
     operator last patched the job's status (None if never).
@@ -130,6 +156,10 @@ class Observation:
     owned_objects_ready: bool = False
     #: Nodes whose kubelet is gone (Ready=Unknown or the unreachable taint; see ``node_loss``).
     unreachable_nodes: frozenset[str] = frozenset()
+    #: Set when the job's etcd cannot be used with the credentials at hand (``etcd.reachable`` is then False).
+    etcd_problem: EtcdProblem | None = None
+    #: Objects the job needs whose names are taken by objects that are not the job's.
+    conflicts: tuple[Conflict, ...] = ()
 
 
 # -- actions -------------------------------------------------------------------------------------------------
@@ -137,7 +167,8 @@ class Observation:
 
 @dataclass(frozen=True, slots=True)
 class EnsureOwnedObjects:
-    """Create the headless Service and the Secret with a random RPC token, unless they exist."""
+    """Create the headless Service and the Secret with a random RPC token, unless they exist (and check that
+    existing ones are the job's: one that is not becomes a :class:`Conflict`)."""
 
 
 @dataclass(frozen=True, slots=True)

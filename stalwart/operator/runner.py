@@ -10,7 +10,6 @@ the job's Service and Secret exist.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ from stalwart.etcd.outage import Backoff, Outage
 from stalwart.etcd.store import StoreError
 from stalwart.operator import metrics
 from stalwart.operator.etcd_access import EtcdAccess, EtcdTarget
+from stalwart.operator.guards import BLOCKING_KINDS, conflict_of, etcd_problem
 from stalwart.operator.job_login import job_secret_data, provision
 from stalwart.operator.kube import Kube, KubeError, new_rpc_token
 from stalwart.operator.manifests import (
@@ -38,12 +38,14 @@ from stalwart.operator.manifests import (
 )
 from stalwart.operator.model import (
     CloseRendezvous,
+    Conflict,
     CreatePod,
     Decision,
     DeleteJob,
     DeletePod,
     EmitEvent,
     EnsureOwnedObjects,
+    EtcdProblem,
     EtcdView,
     JobView,
     Observation,
@@ -134,7 +136,10 @@ class JobRunner:
         self.deleted: dict[str, tuple[int, float]] = {}
         self.phase: str | None = None
         self._target: tuple[int, EtcdTarget | None] | None = None  # (generation, target)
-        self._told_credentials: int | None = None  # the generation whose bad credentials an Event named
+        #: Why the job's etcd cannot be used with its credentials (kept until a read succeeds).
+        self.etcd_problem: EtcdProblem | None = None
+        #: Objects of the names the job needs that are not the job's, by (kind, name); re-checked every look.
+        self.conflicts: dict[tuple[str, str], Conflict] = {}
         #: The resourceVersion of the object the decided status was computed from (sent with every status
         #: patch: a conflict means someone else wrote, and the next reconcile starts again from the API).
         self.resource_version: str | None = None
@@ -164,9 +169,13 @@ class JobRunner:
                 if target is not None:
                     etcd = await asyncio.to_thread(self.ctx.etcd.read, target, JobKeys(self.namespace, job.uid))
                     self.etcd_outage.ok()
+                self.etcd_problem = None
             except (StoreError, KubeError, ValueError) as e:
                 self._target = None
+                self.etcd_problem = etcd_problem(e, job)
                 self.etcd_outage.failed(e)
+        if job.uid and not job.deleting:
+            await self._recheck_conflicts(job.uid)
         # Forget overlay entries the watch has caught up with.
         watched = {p.name: p for p in pods}
         for pod_name in [n for n in self.created if n in watched]:
@@ -175,7 +184,8 @@ class JobRunner:
             del self.deleted[pod_name]
         return Observation(job=job, pods=overlay(pods, self.created, self.deleted, now), etcd=etcd, now=now,
                            last_status_patch=self.last_patch, owned_objects_ready=self.owned_ready,
-                           written_status=self.written_status, unreachable_nodes=unreachable_nodes)
+                           written_status=self.written_status, unreachable_nodes=unreachable_nodes,
+                           etcd_problem=self.etcd_problem, conflicts=tuple(self.conflicts.values()))
 
     async def step(self, body: Mapping[str, Any], pods: Sequence[PodView],
                    unreachable_nodes: frozenset[str] = frozenset()) -> Decision:
@@ -209,18 +219,13 @@ class JobRunner:
         a failed one that comes before pod creations (it carries the count of the replacements they are). Any
         other failed status patch or Event only logs: the next reconcile retries it."""
         job = obs.job
+        target: EtcdTarget | None = None
         try:
             target = await self.target(job) if job.spec is not None else None
         except (KubeError, ValueError) as e:
+            # The decision knows (EtcdAccess, from the observation); what needs etcd fails below and stops.
             self._target = None
             log.warning("job %s/%s: cannot resolve its etcd: %s", self.namespace, self.name, e)
-            if isinstance(e, CredentialsError) and self._told_credentials != job.generation:
-                # Named once per spec generation where `kubectl describe tj` shows it; nothing is started.
-                self._told_credentials = job.generation
-                with contextlib.suppress(KubeError):
-                    await self.ctx.kube.event(self.namespace, self.name, job.uid, type_="Warning",
-                                              reason="EtcdCredentialsInvalid", message=str(e)[:1024])
-            return False
         endpoints = target.endpoints if target is not None else ()
         keys = JobKeys(self.namespace, job.uid) if job.uid else None
         ns, kube = self.namespace, self.ctx.kube
@@ -241,6 +246,9 @@ class JobRunner:
             try:
                 if isinstance(action, EnsureOwnedObjects):
                     await self._ensure_owned(job)
+                    if any(c.kind in BLOCKING_KINDS for c in self.conflicts.values()) \
+                            and set(self.conflicts.values()) != set(obs.conflicts):
+                        return False  # decide again, knowing the conflict: no pod may use a foreign object
                 elif isinstance(action, RevokeLease):
                     for a in batch:
                         assert isinstance(a, RevokeLease)
@@ -298,22 +306,53 @@ class JobRunner:
 
     async def _ensure_owned(self, job: JobView) -> None:
         ns = self.namespace
+        secret = naming.secret_name(self.name)
         extra: dict[str, bytes] = {}
         if uses_job_login(self.ctx, job):
-            existing = await self.ctx.kube.get_secret_data(ns, naming.secret_name(self.name), missing_ok=True)
+            # A Secret of that name that is not the job's is neither read nor written.
+            if await self._conflicting("secrets", "Secret", secret, job.uid):
+                return
+            existing = await self.ctx.kube.get_secret_data(ns, secret, missing_ok=True)
             store = self.ctx.etcd.store(_need(await self.target(job)))
             login = await asyncio.to_thread(provision, store, JobKeys(ns, job.uid), existing)
             extra = job_secret_data(login, self.ctx.default_credentials)
-        calls = [
+        service = naming.service_name(self.name)
+        made = await asyncio.gather(
             self.ctx.kube.create_service(ns, service_manifest(job=self.name, namespace=ns, uid=job.uid)),
             self.ctx.kube.create_secret(ns, secret_manifest(job=self.name, namespace=ns, uid=job.uid,
-                                                            token=new_rpc_token(), extra=extra))]
+                                                            token=new_rpc_token(), extra=extra)))
+        found = [await self._conflicting(resource, kind, name, job.uid)
+                 for created, (resource, kind, name) in zip(made, [("services", "Service", service),
+                                                                   ("secrets", "Secret", secret)], strict=True)
+                 if not created]
+        if any(found):
+            return
         if self.ctx.gang_scheduler is not None and job.spec is not None:
-            calls.append(self.ctx.kube.create_pod_group(ns, pod_group_manifest(
+            await self.ctx.kube.create_pod_group(ns, pod_group_manifest(
                 gang=self.ctx.gang_scheduler, job=self.name, namespace=ns, uid=job.uid,
-                min_member=job.spec.min_nodes)))
-        await asyncio.gather(*calls)
+                min_member=job.spec.min_nodes))
         self.owned_ready = True
+
+    async def _conflicting(self, resource: str, kind: str, name: str, uid: str) -> bool:
+        """Whether the existing ``kind``/``name`` is not the job's (then remembered as a conflict)."""
+        conflict = conflict_of(kind, name, uid, await self.ctx.kube.owner_references(resource, self.namespace, name))
+        if conflict is None:
+            self.conflicts.pop((kind, name), None)
+            return False
+        if (kind, name) not in self.conflicts:
+            log.warning("job %s/%s: %s %s exists and is not the job's (%s); leaving it alone", self.namespace,
+                        self.name, kind, name, conflict.owner)
+        self.conflicts[(kind, name)] = conflict
+        return True
+
+    async def _recheck_conflicts(self, uid: str) -> None:
+        """Drop the conflicts that are gone (the object deleted, or now the job's)."""
+        resources = {"Pod": "pods", "Service": "services", "Secret": "secrets"}
+        for kind, name in list(self.conflicts):
+            try:
+                await self._conflicting(resources[kind], kind, name, uid)
+            except KubeError as e:
+                log.warning("job %s/%s: cannot check %s %s: %s", self.namespace, self.name, kind, name, e)
 
     async def _create(self, job: JobView, endpoints: Sequence[str], action: CreatePod) -> None:
         assert job.spec is not None
@@ -323,7 +362,9 @@ class JobRunner:
                             credentials=(naming.secret_name(self.name), self.ctx.default_credentials.tls)
                             if uses_job_login(self.ctx, job) else None)
         self.deleted.pop(action.name, None)
-        await self.ctx.kube.create_pod(self.namespace, body)
+        if not await self.ctx.kube.create_pod(self.namespace, body) \
+                and await self._conflicting("pods", "Pod", action.name, job.uid):
+            return  # the name is taken by a pod that is not the job's; the next decision picks another
         self.created[action.name] = (PodView(name=action.name, role=action.role, index=action.index,
                                              phase="Pending"), time.time())
 

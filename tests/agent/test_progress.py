@@ -21,7 +21,8 @@ from stalwart.agent.progress import (
     respawned,
 )
 from stalwart.api.restart import MAX_EXITS, MAX_HISTORY, ProgressRecord, RankStatus, RoundSummary
-from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.fence import Fence
+from stalwart.etcd.keys import MANIFEST, JobKeys
 from stalwart.etcd.outage import Backoff
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
@@ -135,7 +136,8 @@ def test_an_etcd_outage_logs_one_line_when_it_starts_and_one_when_it_ends(
     store = Store([private_etcd.endpoint], timeout=2.0)
     reporter = ProgressReporter(store, keys, "n0", interval=0.1, context="job=default/j node=n0",
                                 write_timeout=0.5, backoff=Backoff(initial=0.2, cap=2.0))
-    reporter.book = joined(reporter.book, 1, 7)
+    epoch = store.put(keys.rendezvous + MANIFEST, b"{}")
+    reporter.join(1, epoch, Fence(store, keys, epoch))
     caplog.set_level(logging.DEBUG, logger="stalwart.agent.progress")
 
     def loop(seconds: float) -> int:

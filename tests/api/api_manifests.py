@@ -216,6 +216,9 @@ BAD: list[Bad] = [
         "expected true or false, got a string \"maybe\"", "schema"),
     Bad("unknown-success-policy", put("spec.successPolicy", "AnyWorker"), "spec.successPolicy",
         "expected 'AllWorkers' or 'RankZero', got \"AnyWorker\"", "schema"),
+    # spec.shmSize
+    Bad("shm-size-not-a-quantity", put("spec.shmSize", "1 GB"), "spec.shmSize",
+        "expected a quantity of bytes such as 1Gi, 512Mi or 2G, got '1 GB'", "schema"),
 ]
 
 #: Malformed YAML: (id, text, line, column, part of the message).

@@ -215,3 +215,19 @@ def test_the_installed_command_end_to_end(tmp_path: Path) -> None:
                             input=(REPO / "examples" / "elastic.yaml").read_text(), capture_output=True,
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("size", "problem"), [
+    ("1Gi", None),
+    ("64Mi", None),
+    ("8G", None),
+    ("1.5Gi", None),
+    ("32Mi", "must be at least 64Mi (a container runtime's default), got '32Mi'"),
+    ("0", "must be at least 64Mi (a container runtime's default), got '0'"),
+    ("2gb", "expected a quantity of bytes such as 1Gi, 512Mi or 2G, got '2gb'"),
+    ("-1Gi", "expected a quantity of bytes such as 1Gi, 512Mi or 2G, got '-1Gi'"),
+])
+def test_shm_size_is_a_quantity_of_at_least_64mi(size: str, problem: str | None) -> None:
+    doc = copy.deepcopy(GOOD)
+    doc["spec"]["shmSize"] = size
+    assert document_problems(doc) == ([] if problem is None else [("spec.shmSize", problem)])

@@ -178,6 +178,16 @@ def test_pod_manifest_wraps_the_command_and_sets_the_environment() -> None:
     assert bare["spec"]["containers"][0]["command"] == ["python", "t.py", "--lr", "1"]
 
 
+@pytest.mark.parametrize(("shm_size", "limit"), [(None, "1Gi"), ("16Gi", "16Gi")])
+def test_pod_manifest_mounts_a_memory_backed_shm_sized_by_the_spec(shm_size: str | None, limit: str) -> None:
+    s = TrainingJobSpec.model_validate(spec() if shm_size is None else spec(shmSize=shm_size))
+    ps = pod_manifest(job=JOB, namespace="ns", uid="u", spec=s, name=f"{JOB}-worker-0", role="worker", index=0,
+                      endpoints=["e1:2379"])["spec"]
+    shm = [v for v in ps["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+    assert shm == [{"name": "stalwart-shm", "emptyDir": {"medium": "Memory", "sizeLimit": limit}}]
+    assert {"name": "stalwart-shm", "mountPath": "/dev/shm"} in ps["containers"][0]["volumeMounts"]
+
+
 def test_pod_manifest_needs_endpoints() -> None:
     s = TrainingJobSpec.model_validate({k: v for k, v in spec().items() if k != "rendezvous"})
     with pytest.raises(ValueError, match="endpoints"):

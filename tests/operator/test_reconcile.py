@@ -405,6 +405,30 @@ def test_invalid_spec_fails_once_with_a_condition_naming_the_field(body_spec: di
     assert not of(again, EmitEvent) and not of(again, PatchStatus)
 
 
+PRIVILEGED = {"spec": {"containers": [{"name": "trainer", "image": "img", "command": ["python", "train.py"],
+                                        "securityContext": {"privileged": True}}],
+                        "hostNetwork": True}}
+
+
+@pytest.mark.parametrize(("restrict", "refused"), [(True, True), (False, False)])
+def test_a_template_asking_for_the_host_is_refused_when_pod_security_is_restricted(restrict: bool,
+                                                                                   refused: bool) -> None:
+    settings = ReconcileSettings(restrict_pod_security=restrict)
+    d = reconcile(observe(job(template=PRIVILEGED), [], ready=False), settings)
+    failed = condition(d.status, "Failed")
+    if not refused:
+        assert failed is None and len(of(d, CreatePod)) == 2
+        return
+    assert d.status.phase == Phase.FAILED and failed is not None and failed.reason == "InvalidSpec"
+    assert failed.message is not None
+    assert failed.message.startswith("spec.template.spec.hostNetwork: ")
+    assert "spec.template.spec.containers[0].securityContext.privileged" in failed.message
+    assert reasons(d).count("InvalidSpec") == 1 and not of(d, CreatePod) and not of(d, EnsureOwnedObjects)
+    # Failed for good: the next look changes nothing and says nothing again.
+    again = reconcile(observe(job(d.status, template=PRIVILEGED), []), settings)
+    assert not of(again, EmitEvent) and not of(again, CreatePod)
+
+
 def test_spec_broken_after_start_stops_the_pods() -> None:
     jobv = raw_job({**spec(), "replicas": -1})
     running = type(jobv)(**{**{k: getattr(jobv, k) for k in jobv.__slots__}, "status": status(Phase.RUNNING)})

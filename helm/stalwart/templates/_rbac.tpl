@@ -32,12 +32,13 @@ The operator's permissions: exactly the resources and verbs it calls, as listed 
 - apiGroups: ["stalwart.dev"]
   resources: ["trainingjobs/finalizers"]
   verbs: ["update"]
+# get: an existing pod or Service of the name the operator meant to create is adopted only if the job controls it.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "delete"]
+  verbs: ["list", "watch", "get", "create", "delete"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create"]
+  verbs: ["create", "get"]
 # Creating the job's RPC-token Secret, and reading the etcd credentials a job names in spec.rendezvous.secretRef.
 - apiGroups: [""]
   resources: ["secrets"]
