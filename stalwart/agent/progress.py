@@ -95,11 +95,11 @@ class ProgressBook:
     last_failure: FailureInfo | None = None
 
 
-def joined(book: ProgressBook, round_: int, epoch: int) -> ProgressBook:
-    """The node runs ranks in a new round."""
+def joined(book: ProgressBook, round_: int, epoch: int, *, kept: bool = False) -> ProgressBook:
+    """The node runs ranks in a new round (``kept``: with the processes it already ran, none started for it)."""
     if book.history and book.history[-1].round == round_:
         return replace(book, round=round_, epoch=epoch)
-    history = (*book.history, RoundSummary(round=round_, epoch=epoch))[-MAX_HISTORY:]
+    history = (*book.history, RoundSummary(round=round_, epoch=epoch, kept=kept))[-MAX_HISTORY:]
     return replace(book, round=round_, epoch=epoch, history=history, ranks=(), pending=frozenset(),
                    running_since=())
 

@@ -212,7 +212,7 @@ class Agent:
                 self._kept = keep_at_round_end([self._view(p) for p in self.procs.values()], parked=self._parked,
                                                warm=step == "park")
                 continue
-            self.reporter.book = book_.joined(self.reporter.book, info.round, info.epoch)
+            self.reporter.book = book_.joined(self.reporter.book, info.round, info.epoch, kept=step == "hand_over")
             self.reporter.world_size = info.world_size
             if step == "hand_over":
                 self._hand_over(info)

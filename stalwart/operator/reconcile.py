@@ -83,6 +83,7 @@ from stalwart.operator.model import (
 )
 from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
 from stalwart.operator.rank_failures import rank_verdict
+from stalwart.operator.takeover import REASON_SPARE_TOOK_OVER, takeovers
 
 #: Condition reasons the operator sets (the ``reason`` of conditions and Events).
 REASON_INVALID_SPEC = "InvalidSpec"
@@ -732,6 +733,9 @@ def _training(w: _Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: S
         st.progress = Progress(step=a.evidence.step, updated=to_time(a.evidence.step_time or w.now))
     for type_, reason, message in a.events:
         w.event(type_, reason, message)
+    for message in takeovers(w.obs.job.status.round, manifest, w.obs.etcd.record, w.obs.etcd.progress,
+                             st.last_failure, warm=spec.restart_policy.in_process.warm_spares):
+        w.event("Normal", REASON_SPARE_TOOK_OVER, message)
 
     if a.degraded:
         w.cond(ConditionType.COORDINATION_DEGRADED, ConditionStatus.TRUE, "EtcdUnreachable",
