@@ -8,7 +8,12 @@
 * ``torchrun``: the anchor users have now: two ``torchrun --max-restarts 3`` "nodes" (c10d rendezvous, its store
   hosted by the surviving node), the lost node's processes killed and a replacement node started at once (as a
   PyTorchJob's new pod would be, without its scheduling and image pull); every worker restarts and loads the
-  checkpoint.
+  checkpoint. With torch 2.13 it does not recover: the agents share the rendezvous' TCPStore with their
+  workers, the surviving node reuses the store information it built in the first round and never writes the
+  new round's ``MASTER_ADDR``, so the replacement and the survivor each wait for the other's keys and time
+  out after 60 s (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` it fails too, sooner: the surviving agent
+  loses its connection to the rendezvous store, ``RendezvousConnectionError``). Its ``seconds`` row is then
+  null with a ``reason`` (the nodes' last errors).
 
 The script is ``stalwart.examples.train`` (gloo, SGD; ``--hidden`` sets the size: 21 parameters per unit),
 one step event per step, a checkpoint every ``--checkpoint-every`` steps. Faults: ``force-delete`` (the pod
@@ -107,7 +112,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Events,
-            survivor: Events) -> list[dict[str, Any]]:
+            survivor: Events, why: str = "") -> list[dict[str, Any]]:
+    """The rows of one case. A case that never recovered prints ``seconds`` as null with a ``reason``: ``why``
+    (what the run's logs say ended it), or that no rank completed a step after the fault."""
     steps = [e for e in events if e["event"] == "step"]
     before = sorted(e["time"] for e in steps if e["time"] < t_fault and e["rank"] == 0)
     gaps = [b - a for a, b in itertools.pairwise(before)]
@@ -124,7 +131,11 @@ def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Event
     starts = sum(1 for e in survivor if e["event"] == "start" and e["time"] >= t_fault)
     base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params}
     recovery = max(firsts) - t_fault - step_s
-    return [{**base, "metric": "seconds", "value": None if math.isnan(recovery) else round(recovery, 3)},
+    seconds: dict[str, Any] = {**base, "metric": "seconds", "value": round(recovery, 3)}
+    if math.isnan(recovery):
+        seconds = {**base, "metric": "seconds", "value": None,
+                   "reason": why or "no step at full world size after the fault"}
+    return [seconds,
             {**base, "metric": "steps_recomputed", "value": max(0, done_before - restart_from)},
             {**base, "metric": "survivor_process_starts", "value": starts},
             {**base, "metric": "step_seconds", "value": round(step_s, 4)}]
@@ -190,7 +201,7 @@ def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, p
 # -- torchrun -----------------------------------------------------------------------------------------------------
 
 
-def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[float, Events, Events]:
+def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[float, Events, Events, str]:
     port = free_port("127.0.0.1")
     work = Path(tempfile.mkdtemp(prefix="podloss-torchrun-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STALWART_CHECKPOINT_DIR": str(work / "ckpt")}
@@ -233,7 +244,18 @@ def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[fl
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     logs = [parse(p.read_text()) for p in (survivor_log, victim_log, replacement_log)]
-    return t_fault, [e for evs in logs for e in evs], logs[0]
+    return t_fault, [e for evs in logs for e in evs], logs[0], failure(survivor_log, replacement_log)
+
+
+def failure(*logs: Path) -> str:
+    """The last error each torchrun node's log ends with (an exception's last line), for a run that failed."""
+    out = []
+    for path in logs:
+        errors = [line.strip() for line in path.read_text(errors="replace").splitlines()
+                  if not line.startswith("{") and ("Error:" in line or "Error(" in line) and "[rank" not in line]
+        if errors:
+            out.append(f"{path.stem}: {errors[-1][:300]}")
+    return "; ".join(out)
 
 
 # -- the picture ----------------------------------------------------------------------------------------------------
@@ -293,13 +315,15 @@ def main() -> int:
         for params in args.params:
             for fault in args.faults:
                 for impl in args.impls:
+                    why = ""
                     if impl == "torchrun":
-                        t_fault, events, survivor = torchrun_case(args, fault, params)
+                        t_fault, events, survivor, why = torchrun_case(args, fault, params)
                     else:
                         assert cluster is not None
                         t_fault, events, survivor = stalwart_case(cluster, args, fault, params,
                                                                   warm=impl == "stalwart")
-                    for row in measure(impl, fault, params, t_fault=t_fault, events=events, survivor=survivor):
+                    for row in measure(impl, fault, params, t_fault=t_fault, events=events, survivor=survivor,
+                                       why=why):
                         print(json.dumps(row), flush=True)
                     if fault == args.faults[0] and params == args.params[0]:
                         runs[impl] = (t_fault, events)

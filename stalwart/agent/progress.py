@@ -104,11 +104,11 @@ class ProgressBook:
     last_failure: FailureInfo | None = None
 
 
-def joined(book: ProgressBook, round_: int, epoch: int) -> ProgressBook:
-    """The node runs ranks in a new round."""
+def joined(book: ProgressBook, round_: int, epoch: int, *, kept: bool = False) -> ProgressBook:
+    """The node runs ranks in a new round (``kept``: with the processes it already ran, none started for it)."""
     if book.history and book.history[-1].round == round_:
         return replace(book, round=round_, epoch=epoch)
-    history = (*book.history, RoundSummary(round=round_, epoch=epoch))[-MAX_HISTORY:]
+    history = (*book.history, RoundSummary(round=round_, epoch=epoch, kept=kept))[-MAX_HISTORY:]
     return replace(book, round=round_, epoch=epoch, history=history, ranks=(), pending=frozenset(),
                    running_since=())
 
@@ -282,11 +282,12 @@ class ProgressReporter:
         self.refused_epoch = 0
         self.context = context
 
-    def join(self, round_: int, epoch: int, fence: Fence) -> None:
-        """The node runs ranks in the round sealed at ``epoch``; its records are written through ``fence``."""
+    def join(self, round_: int, epoch: int, fence: Fence, *, kept: bool = False) -> None:
+        """The node runs ranks in the round sealed at ``epoch`` (``kept``: with the processes it already ran);
+        its records are written through ``fence``."""
         if fence.epoch != epoch:
             raise ValueError(f"fence: the fence of epoch {fence.epoch} cannot fence the round of epoch {epoch}")
-        self.book = joined(self.book, round_, epoch)
+        self.book = joined(self.book, round_, epoch, kept=kept)
         self.fence = fence
 
     def publish(self, state: NodeState, *, force: bool = False) -> bool:

@@ -224,6 +224,10 @@ class RoundSummary(ApiModel):
     respawned: list[int] = Field(
         default_factory=list, max_length=1024,
         description="Iterations that respawned rank processes of this node joined (process restarts).")
+    kept: bool = Field(
+        default=False,
+        description=("The node's rank processes entered the round already running (handed over from its last "
+                     "round, or a warm spare's parked processes): none was started for it."))
 
 
 class ProgressRecord(ApiModel):

@@ -65,6 +65,7 @@ FAULT_MARKER = "fault-injected"
 IN_FEATURES = 16
 HIDDEN = 32
 OUT_FEATURES = 4
+BASE_LR = 0.05
 
 
 class InjectedFault(RuntimeError):
@@ -115,7 +116,10 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
     parser.add_argument("--steps-per-epoch", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=int(env.get("BATCH_SIZE", "32")),
                         help="per-rank batch size (default $BATCH_SIZE or 32)")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"SGD learning rate (default {BASE_LR:g}, times {HIDDEN}/hidden for a wider hidden "
+                             "layer: the output layer's update grows with the width, and a fixed rate makes the "
+                             "loss of a wide model diverge to NaN)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", default=env.get(CHECKPOINT_DIR_ENV),
                         help=f"where rank 0 keeps the checkpoint (default ${CHECKPOINT_DIR_ENV}, "
@@ -148,14 +152,24 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
         fail_times = 0
     if fail_times < 1:
         raise ValueError(f"{FAIL_TIMES_ENV} must be a positive integer, got {env[FAIL_TIMES_ENV]!r}")
+    hidden = _positive("--hidden", args.hidden)
+    lr = default_lr(hidden) if args.lr is None else args.lr
+    if not lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.step_delay < 0:
         raise ValueError(f"--step-delay must be >= 0, got {args.step_delay}")
     return Options(steps=_positive("--steps", steps), batch_size=_positive("--batch-size", args.batch_size),
-                   lr=args.lr, seed=args.seed, checkpoint_dir=Path(checkpoint_dir),
+                   lr=lr, seed=args.seed, checkpoint_dir=Path(checkpoint_dir),
                    checkpoint_every=_positive("--checkpoint-every", args.checkpoint_every),
                    log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
                    fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times,
-                   hidden=_positive("--hidden", args.hidden))
+                   hidden=hidden)
+
+
+def default_lr(hidden: int) -> float:
+    """The learning rate a model of width ``hidden`` trains stably with: ``BASE_LR`` up to the default width,
+    scaled down in proportion beyond it."""
+    return BASE_LR * min(1.0, HIDDEN / hidden)
 
 
 def build_model(seed: int, hidden: int = HIDDEN) -> nn.Module:

@@ -16,8 +16,9 @@ iteration, ``position``), so an operator that restarts picks it up where the las
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from stalwart.api.restart import ProgressRecord
 from stalwart.api.status import (
     ConditionStatus,
     ConditionType,
@@ -31,7 +32,7 @@ from stalwart.operator.failures import Fact, at_or_after, compose, exit_facts, r
 from stalwart.operator.ledger import advance, round_facts
 from stalwart.operator.model import EtcdView
 
-__all__ = ["REASON_DISAPPEARED", "Assessment", "assess", "describe"]
+__all__ = ["REASON_DISAPPEARED", "Assessment", "assess", "describe", "lost_members"]
 
 REASON_DISAPPEARED = "PodDisappeared"
 
@@ -99,6 +100,33 @@ def _incident_position(record: FailureRecord | None, position: Position | None) 
     return position
 
 
+def lost_members(side_facts: Sequence[Fact], progress: Sequence[ProgressRecord], round_: int | None,
+                 position: Position | None) -> tuple[list[Fact], list[Fact]]:
+    """Split the facts of pods outside the current round into training faults and side facts.
+
+    A pod that ran ranks in an earlier round, no earlier than the last counted step (``position``), and is
+    missing from the current round was lost from training: the round that replaced it was sealed before the
+    operator saw the pod go (its agent left the rendezvous on its way out, or its lease ran out first). Its
+    loss is the fault behind the new round, placed where the pod last ran, not news about a spare. The rest
+    (spares, pods of rounds already counted past) stay side facts."""
+    last: dict[str, Position] = {}
+    for rec in progress:
+        if rec.history:
+            s = rec.history[-1]
+            ran = [i for i in (s.stepped, s.faulted) if i is not None]
+            last[rec.node_id] = Position(round=s.round, iteration=max(ran, default=0))
+    training: list[Fact] = []
+    side: list[Fact] = []
+    for f in side_facts:
+        at = last.get(f.pod or "")
+        if at is not None and round_ is not None and at.round < round_ and (
+                position is None or at.key() >= position.key()):
+            training.append(f if f.position is not None else replace(f, position=at))
+        else:
+            side.append(f)
+    return training, side
+
+
 def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fact] = (),
            side_facts: Sequence[Fact] = (), vanished: frozenset[str] = frozenset(), now: float,
            soft_timeout: float) -> Assessment:
@@ -115,7 +143,8 @@ def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fac
     manifest = etcd.manifest
     round_ = manifest.round if manifest is not None else None
     here = position or (Position(round=round_, iteration=0) if round_ is not None else None)
-    pods = [with_position(f, here) for f in pod_facts]
+    gone, side_facts = lost_members(side_facts, etcd.progress, round_, position)
+    pods = [*gone, *(with_position(f, here) for f in pod_facts)]
 
     if not etcd.reachable:
         if pods:

@@ -13,9 +13,11 @@ What counts, and as what (one fault is one recovery):
   it: a restart that failed again was still a restart), is an in-process restart, or a process restart when a
   respawned rank process joined it (some rank did not keep its process);
 * an iteration cut short before it ran (its round ended first) is not a restart of its own: the new round is;
-* a new round in which a step completed is a process restart (every rank started again) when it follows a
-  fault the operator knew of (an open incident, from an earlier round). A round that follows no fault (a
-  scale change, a resume after suspension) is not a recovery.
+* a new round in which a step completed is a recovery when it follows a fault the operator knew of (an open
+  incident, from an earlier round): in process when every node of the round entered it with the rank
+  processes it already ran (warm spares: survivors handed over, spares' parked processes promoted), else a
+  process restart (every rank started again). A round that follows no fault (a scale change, a resume after
+  suspension) is not a recovery.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ __all__ = ["RoundFacts", "Tally", "advance", "round_facts"]
 @dataclass(frozen=True, slots=True)
 class RoundFacts:
     """One round as the nodes saw it, merged: the last iteration in which a step completed (None: none yet),
-    the iterations that respawned rank processes joined, and the last iteration that ran into a fault."""
+    the iterations that respawned rank processes joined, the last iteration that ran into a fault, and whether
+    every node entered the round with the processes it already ran (None: no node said)."""
 
     stepped: int | None = None
     respawned: frozenset[int] = field(default_factory=frozenset)
     faulted: int | None = None
+    kept: bool | None = None
 
     @property
     def ran(self) -> int | None:
@@ -53,7 +57,8 @@ def round_facts(records: Iterable[ProgressRecord]) -> dict[int, RoundFacts]:
             old = out.get(summary.round, RoundFacts())
             out[summary.round] = RoundFacts(_most(old.stepped, summary.stepped),
                                             old.respawned | frozenset(summary.respawned),
-                                            _most(old.faulted, summary.faulted))
+                                            _most(old.faulted, summary.faulted),
+                                            summary.kept if old.kept is None else old.kept and summary.kept)
     return out
 
 
@@ -91,7 +96,10 @@ def advance(position: Position | None, rounds: Mapping[int, RoundFacts], inciden
             continue
         same_round = current is not None and r == current.round
         if not same_round and pending and (incident is None or r > incident.round):
-            process += 1  # a new round after a fault: every rank started again
+            if facts.kept:
+                in_process += 1  # a new round after a fault, every rank in the process it ran before
+            else:
+                process += 1  # a new round after a fault: every rank started again
             pending = False
         start = current.iteration if same_round and current is not None else 0
         for iteration in range(start + 1, ran + 1):

@@ -11,6 +11,7 @@ from stalwart.api.status import ConditionStatus, ConditionType, Phase, Progress
 from stalwart.operator.failures import Fact
 from stalwart.operator.incidents import assess
 from stalwart.operator.model import PodView
+from stalwart.operator.takeover import REASON_SPARE_TOOK_OVER, takeovers
 from stalwart.operator.work import REASON_UNSCHEDULABLE, Work, condition, to_time
 
 __all__ = ["training"]
@@ -33,6 +34,9 @@ def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Seq
         st.progress = Progress(step=a.evidence.step, updated=to_time(a.evidence.step_time or w.now))
     for type_, reason, message in a.events:
         w.event(type_, reason, message)
+    for message in takeovers(w.obs.job.status.round, manifest, w.obs.etcd.record, w.obs.etcd.progress,
+                             st.last_failure, warm=spec.restart_policy.in_process.warm_spares):
+        w.event("Normal", REASON_SPARE_TOOK_OVER, message)
 
     if a.degraded:
         w.cond(ConditionType.COORDINATION_DEGRADED, ConditionStatus.TRUE, "EtcdUnreachable",

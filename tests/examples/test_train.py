@@ -160,3 +160,34 @@ def test_in_process_restart_after_an_injected_fault(tmp_path: Path, etcd: Any, s
         assert resumes[1]["step"] == 25
         assert of(events, "done")[0]["step"] == 40
     assert of(results[1][1], "fault") == [{"event": "fault", "rank": 1, "step": 25, "count": 1}]
+
+
+def _final_loss(hidden: int, lr: float, steps: int = 25) -> float:
+    model = train.build_model(0, hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        x, y = train.batch(0, step, 0, 32)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    return float(loss.detach())
+
+
+def test_the_default_learning_rate_keeps_a_wide_model_finite() -> None:
+    # About 1 M parameters (21 per hidden unit): the benchmark's smallest size.
+    hidden = 47_618
+    opts = train.parse_options(["--hidden", str(hidden)], env={})
+    assert opts.lr == pytest.approx(train.BASE_LR * train.HIDDEN / hidden)
+    assert train.parse_options([], env={}).lr == train.BASE_LR  # the default width trains as it always did
+    assert train.parse_options(["--hidden", str(hidden), "--lr", "0.01"], env={}).lr == 0.01
+    assert not torch.isfinite(torch.tensor(_final_loss(hidden, train.BASE_LR)))  # the fixed rate diverged
+    first = _final_loss(hidden, opts.lr, steps=1)
+    last = _final_loss(hidden, opts.lr)
+    assert torch.isfinite(torch.tensor(last)) and last < first
+
+
+def test_a_learning_rate_that_is_not_positive_is_refused_naming_the_option() -> None:
+    with pytest.raises(ValueError, match=r"--lr must be > 0, got 0\.0"):
+        train.parse_options(["--lr", "0"], env={})

@@ -36,6 +36,17 @@ def facts(**rounds: int | tuple[int | None, set[int]] | tuple[int | None, set[in
     (at(1, 0), facts(r1=2, r2=2), at(1, 2), True, Tally(4, 1, at(2, 2), True, at(2, 2))),
     # A pod lost: the survivors' next iteration never ran (the round ended first); the new round did.
     (at(1, 3), facts(r1=3, r2=0), at(1, 3), True, Tally(0, 1, at(2, 0), True, at(2, 0))),
+    # Warm spares: a pod lost, the new round's nodes all entered it with the processes they ran (survivors
+    # handed over, a spare's parked processes promoted): one recovery, in process.
+    (at(1, 3), {1: RoundFacts(3), 2: RoundFacts(0, kept=True)}, at(1, 3), True,
+     Tally(1, 0, at(2, 0), True, at(2, 0))),
+    # ... but one node of the new round started its processes for it (a cold spare): a process restart.
+    (at(1, 3), {1: RoundFacts(3), 2: RoundFacts(0, kept=False)}, at(1, 3), True,
+     Tally(0, 1, at(2, 0), True, at(2, 0))),
+    # Warm spares, a second loss before the new round's first step: round 2 ran into it, round 3 stepped,
+    # every process kept throughout. One recovery (counted at round 2), in process.
+    (at(1, 3), {1: RoundFacts(3), 2: RoundFacts(None, faulted=0, kept=True), 3: RoundFacts(0, kept=True)},
+     at(1, 3), True, Tally(1, 0, at(3, 0), True, at(3, 0))),
     # A new round with no fault behind it (a scale change, a resume): not a recovery.
     (at(1, 3), facts(r2=0), None, False, Tally(0, 0, at(2, 0), False, at(2, 0))),
     # The operator was away for three in-process restarts: each is counted, once.
@@ -56,7 +67,8 @@ def facts(**rounds: int | tuple[int | None, set[int]] | tuple[int | None, set[in
     (at(1, 0), facts(r1=(0, set(), 2)), at(1, 0), True, Tally(2, 0, at(1, 2), False, at(1, 0))),
     # ... and read again: nothing more.
     (at(1, 2), facts(r1=(0, set(), 2)), at(1, 0), True, Tally(0, 0, at(1, 2), False, at(1, 0))),
-], ids=["exception", "killed-rank", "two-rounds", "pod-lost", "scale", "operator-away", "read-again",
+], ids=["exception", "killed-rank", "two-rounds", "pod-lost", "warm-pod-lost", "cold-spare", "warm-second-loss",
+        "scale", "operator-away", "read-again",
         "old-rounds", "nothing", "first-step", "startup-fault", "waiting", "fault-repeats", "repeats-read-again"])
 def test_advance(position: Position | None, rounds: dict[int, RoundFacts], incident: Position | None,
                  is_open: bool, expected: Tally) -> None:
@@ -70,7 +82,11 @@ def test_round_facts_merge_every_nodes_report() -> None:
     merged = round_facts([
         rec("a", RoundSummary(round=1, epoch=5, stepped=2), RoundSummary(round=2, epoch=9, stepped=None)),
         rec("b", RoundSummary(round=1, epoch=5, stepped=3, respawned=[3], faulted=3)),
-        rec("c", RoundSummary(round=2, epoch=9, stepped=1, respawned=[1])),
+        rec("c", RoundSummary(round=2, epoch=9, stepped=1, respawned=[1], kept=True)),
         rec("dead-pod", RoundSummary(round=1, epoch=5, stepped=1, respawned=[1], faulted=4)),
+        rec("d", RoundSummary(round=3, epoch=12, kept=True)),
+        rec("e", RoundSummary(round=3, epoch=12, stepped=0, kept=True)),
     ])
-    assert merged == {1: RoundFacts(3, frozenset({1, 3}), 4), 2: RoundFacts(1, frozenset({1}))}
+    # A round is kept only when every node that reported it kept its processes.
+    assert merged == {1: RoundFacts(3, frozenset({1, 3}), 4, kept=False), 2: RoundFacts(1, frozenset({1}), kept=False),
+                      3: RoundFacts(0, kept=True)}
