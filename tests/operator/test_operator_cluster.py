@@ -153,8 +153,10 @@ def test_lifecycle_of_a_small_job_with_real_agents(start_operator: OperatorFacto
     assert st["worldSize"] == 2 and st["round"] >= 1 and st["progress"]["step"] == 40
     assert st["observedGeneration"] == 1 and st["completionTime"] and st["startTime"]
     assert {c["type"]: c["status"] for c in st["conditions"]}["Succeeded"] == "True"
+    # The Event is posted after the status patch (kopf's event queue): wait for it, then count it.
+    wait_for("the PhaseSucceeded Event", lambda: "PhaseSucceeded" in jobs.events("life"), timeout=60)
     reasons = jobs.events("life")
-    assert "PhaseSucceeded" in reasons and reasons.count("PhaseSucceeded") == 1
+    assert reasons.count("PhaseSucceeded") == 1, reasons
     assert etcd_store.get(keys.job) is not None  # the record stays until the job is deleted
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
@@ -392,7 +394,7 @@ def test_ttl_after_success_deletes_the_job(start_operator: OperatorFactory, jobs
     start_operator(jobs.ns, agent_command=())
     jobs.create(job_body("ttl", replicas=2, command=["true"], runPolicy={"ttlSecondsAfterFinished": 1}))
     wait_for("the job to succeed and be deleted", lambda: jobs.gone("ttl"), timeout=120)
-    assert "PhaseSucceeded" in jobs.events("ttl")
+    wait_for("the PhaseSucceeded Event", lambda: "PhaseSucceeded" in jobs.events("ttl"), timeout=60)
 
 
 def test_deadline_and_exit_code_rules_fail_the_job(start_operator: OperatorFactory, jobs: Jobs) -> None:
