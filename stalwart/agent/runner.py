@@ -44,6 +44,7 @@ from stalwart.agent.rendezvous import (
 )
 from stalwart.agent.settings import AgentSettings
 from stalwart.agent.supervision import ProcView, supervise
+from stalwart.api.base import positive_seconds
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
@@ -81,8 +82,7 @@ class AgentOptions:
             raise ValueError(f"max_restarts: expected >= 0, got {self.max_restarts}")
         for name in ("poll_interval", "progress_interval", "status_interval", "term_grace", "finish_grace",
                      "join_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)}")
+            positive_seconds(name, getattr(self, name))
 
 
 @dataclass(slots=True)
