@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from kubernetes import watch as k8s_watch  # noqa: E402
 
 from stalwart.api.spec import TrainingJobSpec  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
+from stalwart.net import free_port  # noqa: E402
 from stalwart.operator.handlers import kube_from_config  # noqa: E402
 from stalwart.operator.manifests import pod_manifest  # noqa: E402
 
@@ -146,13 +146,6 @@ def api_calls(samples: dict[str, float]) -> dict[str, float]:
             labels = dict(part.split("=", 1) for part in key.split("{", 1)[1].rstrip("}").split(","))
             out[f"{labels['verb'].strip(chr(34))} {labels['resource'].strip(chr(34))}"] = value
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def start_operator(cluster: LocalCluster, namespace: str, concurrency: int) -> tuple[subprocess.Popen[bytes], int]:

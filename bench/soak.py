@@ -33,7 +33,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from stalwart.etcd.store import Store, StoreError  # noqa: E402
 from stalwart.examples.train import CHECKPOINT_DIR_ENV, CHECKPOINT_NAME  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
 from stalwart.local.settings import LocalClusterSettings  # noqa: E402
+from stalwart.net import free_port  # noqa: E402
 
 JSON = dict[str, Any]
 KINDS = ("rank-exception", "rank-kill", "rank-hang", "pod-delete", "pod-force-delete", "node-loss",
@@ -469,7 +469,7 @@ class Soak:
 
         directory = self.directory / "clean"
         directory.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_")}
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
                     CHECKPOINT_DIR_ENV: str(directory), "OMP_NUM_THREADS": "1"})
@@ -521,13 +521,6 @@ def _serves(store: Store) -> bool:
         return True
     except StoreError:
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:

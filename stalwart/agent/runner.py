@@ -45,6 +45,7 @@ from stalwart.agent.rendezvous import (
 from stalwart.agent.settings import PodSettings
 from stalwart.agent.supervision import supervise
 from stalwart.api import pod_env
+from stalwart.api.base import positive_seconds
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
@@ -82,8 +83,7 @@ class AgentTuning:
             raise ValueError(f"max_restarts: expected >= 0, got {self.max_restarts}")
         for name in ("poll_interval", "progress_interval", "status_interval", "term_grace", "finish_grace",
                      "join_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected seconds > 0, got {getattr(self, name)}")
+            positive_seconds(name, getattr(self, name))
 
 
 class Agent:

@@ -14,6 +14,7 @@ model's validator) and the CEL rule that :mod:`stalwart.api.crd` puts in the CRD
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
@@ -23,6 +24,14 @@ from pydantic.alias_generators import to_camel
 
 #: The largest JSON document stalwart writes to or accepts from etcd or a peer (same cap as the store).
 MAX_RECORD_BYTES = 256 * 1024
+
+
+def positive_seconds(name: str, value: object) -> float:
+    """``value`` as a number of seconds, or a ValueError naming ``name``: a duration, a timeout or an interval
+    must be a finite number > 0 (not a bool, not NaN)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 
 from stalwart.api import naming
+from stalwart.api.base import positive_seconds
 from stalwart.api.drill import AGENT_KINDS, DrillRequest, DrillResult
 from stalwart.api.rendezvous import Manifest, decode_manifest
 from stalwart.api.restart import ProgressRecord
@@ -68,8 +69,7 @@ class DrillOptions:
 
     def __post_init__(self) -> None:
         for name in ("timeout", "settle", "ready_timeout", "poll"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')}: expected seconds > 0, got {getattr(self, name)}")
+            positive_seconds(f"--{name.replace('_', '-')}", getattr(self, name))
 
 
 @dataclass

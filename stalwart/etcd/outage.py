@@ -10,12 +10,13 @@ are table-tested; :class:`Outage` is the small stateful shell that the I/O loops
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+from stalwart.api.base import positive_seconds
 
 __all__ = ["Backoff", "Outage", "OutageState", "attempt_due", "on_failure", "on_success"]
 
@@ -36,9 +37,7 @@ class Backoff:
 
     def __post_init__(self) -> None:
         for name in ("initial", "cap"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}: expected seconds > 0, got {value!r}")
+            positive_seconds(name, getattr(self, name))
         if self.cap < self.initial:
             raise ValueError(f"cap: must be >= initial ({self.initial}), got {self.cap}")
         if not self.factor >= 1:

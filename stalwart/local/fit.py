@@ -190,6 +190,19 @@ def insufficient(pod_spec: Mapping[str, Any], node: NodeFit) -> list[str]:
     return reasons
 
 
+def rejection(pod_spec: Mapping[str, Any], node: NodeFit) -> tuple[str, str] | None:
+    """The kubelet's own admission of a pod bound to ``node``: None when it fits, else the pod's reason
+    (``OutOf<resource>``) and message, worded as the kubelet words them (the first resource short)."""
+    reasons = insufficient(pod_spec, node)
+    if not reasons:
+        return None
+    resource = "pods" if reasons[0] == "Too many pods" else reasons[0].removeprefix("Insufficient ")
+    wanted = 1 if resource == "pods" else pod_requests(pod_spec).get(resource, 0)
+    used = node.pods if resource == "pods" else node.requested.get(resource, 0)
+    return f"OutOf{resource}", (f"Pod was rejected: Node didn't have enough resource: {resource}, requested: "
+                                f"{wanted}, used: {used}, capacity: {node.allocatable.get(resource, 0)}")
+
+
 def filter_node(pod_spec: Mapping[str, Any], node: NodeFit) -> tuple[list[str], bool]:
     """Why the pod cannot go to ``node`` (empty: it can) and whether preemption could help."""
     tolerations = pod_spec.get("tolerations") or []

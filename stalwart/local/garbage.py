@@ -20,6 +20,7 @@ import logging
 from collections import defaultdict
 from typing import Any
 
+from stalwart.api.base import positive_seconds
 from stalwart.local.apiserver.errors import ApiError
 from stalwart.local.apiserver.objects import ObjectStore
 from stalwart.local.apiserver.storage import Event, Key
@@ -35,9 +36,7 @@ class GarbageCollector(ControlLoop):
     it on the store's loop whenever something changed (and every ``period`` seconds), until ``stop()``."""
 
     def __init__(self, store: ObjectStore, period: float = 5.0) -> None:
-        if period <= 0:
-            raise ValueError(f"period: must be > 0 seconds, got {period}")
-        super().__init__("garbage collector", period)
+        super().__init__("garbage collector", positive_seconds("period", period))
         self.store = store
         store.listeners.append(self._on_event)
 

@@ -1,5 +1,7 @@
 """The process kubelet of the local cluster: it runs each pod bound to one of its virtual nodes as local
-processes, one per container (:mod:`.processes` is its container runtime).
+processes, one per container. This module is the pod's lifecycle (which pods run, admission, start, stop on
+deletion, status, node loss as the API sees it); :mod:`.podruns` holds the running pods' processes,
+:mod:`.podworker` runs one pod's containers, :mod:`.processes` is the container runtime.
 
 Contract, per pod:
 - It runs pods bound to a node that is up (the scheduler, :mod:`.scheduler`, binds them). Before starting one
@@ -33,16 +35,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from stalwart.local import processes
+from stalwart.local.apiserver import podlife
 from stalwart.local.apiserver.objects import ApiError, Event, ObjectStore, now_rfc3339
-from stalwart.local.fit import NodeFit, insufficient, pod_requests
+from stalwart.local.fit import NodeFit, rejection
 from stalwart.local.nodes import NodeAgents, NodeState
 from stalwart.local.podenv import PodEnvironment
 from stalwart.local.podlogs import pod_dir, stream_logs
+from stalwart.local.podruns import PodRuns
 from stalwart.local.pods import ContainerRun, PodRun, had_started, pod_status, unknown_termination
 from stalwart.local.podworker import PodWorker, current_pod
 from stalwart.local.recorder import record_event
@@ -73,12 +76,10 @@ class ProcessKubelet:
         self.node_agents = NodeAgents(store, nodes, self.settings)
         self.env = PodEnvironment(store, workdir, api_port)
         self.backoff = backoff
-        self.runs: dict[tuple[str, str], PodRun] = {}
+        self.runs = PodRuns()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._next_ip = 2
         self._closing = False
-        self._tasks: set[asyncio.Task[None]] = set()
         self.pods_info = store.info("", "v1", "pods")
         store.listeners.append(self._on_event)
         store.graceful_pods = graceful_deletion
@@ -96,23 +97,11 @@ class ProcessKubelet:
     async def shutdown(self, grace: float = 5.0) -> None:
         """Stop every pod (paused ones are resumed first) and the reconcile loop."""
         self._closing = True
-        await asyncio.to_thread(processes.resume_pods, [r.uid for r in self.runs.values()
-                                                        if self.nodes.get(r.node) == NodeState.PARTITIONED])
-        await asyncio.gather(*(self._stop_run(r, grace) for r in list(self.runs.values())),
-                             return_exceptions=True)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.runs.shutdown(grace, [r for r in self.runs if self.nodes.get(r.node) == NodeState.PARTITIONED])
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run a background step, keeping a reference until it ends (the loop holds tasks only weakly)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _on_event(self, ev: Event) -> None:
         if ev.group == "" and ev.plural in ("pods", "secrets", "configmaps"):
@@ -123,28 +112,14 @@ class ProcessKubelet:
     async def lose_node(self, name: str, *, partition: bool = False) -> list[str]:
         """Lose node ``name`` (see the module docstring); returns the ``namespace/name`` of the pods it ran."""
         self.node_agents.check(name)
-        lost = [r for r in self.runs.values() if r.node == name]
-        uids = [r.uid for r in lost]
+        lost = self.runs.on(name)
         if partition and self.nodes[name] != NodeState.DOWN:
             self.node_agents.set_state(name, NodeState.PARTITIONED)
-            paused = await asyncio.to_thread(processes.pause_pods, uids)
+            paused = await self.runs.pause(lost)
             log.warning("node %s partitioned: %d process(es) of %d pod(s) paused", name, len(paused), len(lost))
         elif not partition:
             self.node_agents.set_state(name, NodeState.DOWN)
-            for run in lost:
-                run.stopping = True
-            await asyncio.to_thread(processes.kill_pods, uids)
-            for run in lost:
-                if run.task is not None:
-                    run.task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await run.task
-                for c in run.all_containers():
-                    if c.proc is not None:
-                        with contextlib.suppress(Exception):
-                            await c.proc.wait()
-                self.runs.pop(run.key, None)
-                run.stopped.set()
+            await self.runs.kill(lost)
             log.warning("node %s lost: the processes of %d pod(s) killed", name, len(lost))
         return [f"{r.namespace}/{r.name}" for r in lost]
 
@@ -156,9 +131,9 @@ class ProcessKubelet:
             return
         self.node_agents.set_state(name, NodeState.UP)
         if before == NodeState.PARTITIONED:
-            await asyncio.to_thread(processes.resume_pods, [r.uid for r in self.runs.values() if r.node == name])
+            await self.runs.resume(self.runs.on(name))
         self.node_agents.post_status(name)
-        for run in [r for r in self.runs.values() if r.node == name]:
+        for run in self.runs.on(name):
             self._write_pod_status(run)
         log.info("node %s is back (it was %s)", name, before)
         self._wake.set()
@@ -178,13 +153,13 @@ class ProcessKubelet:
     def _reconcile(self) -> None:
         pods, _ = self.store.list_objects(self.pods_info, None)
         present = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
-        for key, run in list(self.runs.items()):
+        for run in self.runs:
             if not self.node_agents.up(run.node):
                 continue  # a lost node's kubelet sees nothing
-            pod = present.get(key)
+            pod = present.get(run.key)
             if (pod is None or pod["metadata"]["uid"] != run.uid) and not run.stopping:
-                log.info("pod %s/%s left the API: stopping its containers", *key)
-                self._spawn(self._stop_run(run, MINIMUM_GRACE))
+                log.info("pod %s/%s left the API: stopping its containers", *run.key)
+                self.runs.spawn(self.runs.stop(run, MINIMUM_GRACE))
         for key, pod in present.items():
             meta, spec = pod["metadata"], pod.get("spec") or {}
             node = spec.get("nodeName")
@@ -195,10 +170,10 @@ class ProcessKubelet:
                 if current is not None and current.uid == meta["uid"]:
                     if not current.stopping:
                         current.stopping = True
-                        self._spawn(self._stop_and_finish(current, float(meta.get("deletionGracePeriodSeconds")
-                                                                         or 0)))
+                        self.runs.spawn(self._stop_and_finish(current, float(meta.get("deletionGracePeriodSeconds")
+                                                                             or 0)))
                 elif current is None:
-                    self.store.finish_pod(*key)
+                    podlife.finish_pod(self.store, *key)
                 continue
             if current is not None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 continue
@@ -214,49 +189,31 @@ class ProcessKubelet:
         uid = pod["metadata"]["uid"]
         others = [p.get("spec") or {} for p in pods if holds_resources(p) and p["spec"]["nodeName"] == node
                   and p["metadata"]["uid"] != uid]
-        fit = NodeFit.of(node_obj, others)
-        reasons = insufficient(pod.get("spec") or {}, fit)
-        if not reasons:
+        rejected = rejection(pod.get("spec") or {}, NodeFit.of(node_obj, others))
+        if rejected is None:
             return True
-        resource = "pods" if reasons[0] == "Too many pods" else reasons[0].removeprefix("Insufficient ")
-        wanted = 1 if resource == "pods" else pod_requests(pod.get("spec") or {}).get(resource, 0)
-        used = fit.pods if resource == "pods" else fit.requested.get(resource, 0)
-        message = (f"Pod was rejected: Node didn't have enough resource: {resource}, requested: {wanted}, "
-                   f"used: {used}, capacity: {fit.allocatable.get(resource, 0)}")
-        pod["status"] = {**(pod.get("status") or {}), "phase": "Failed", "reason": f"OutOf{resource}",
-                         "message": message}
+        reason, message = rejected
+        pod["status"] = {**(pod.get("status") or {}), "phase": "Failed", "reason": reason, "message": message}
         with contextlib.suppress(ApiError):
             self.store.update(self.pods_info, pod["metadata"]["namespace"], pod["metadata"]["name"], pod, "status")
-        record_event(self.store, pod, "Warning", f"OutOf{resource}", message, component="kubelet")
+        record_event(self.store, pod, "Warning", reason, message, component="kubelet")
         return False
-
-    def _alloc_ip(self) -> str:
-        used = {r.ip for r in self.runs.values()}
-        while True:
-            n = self._next_ip
-            self._next_ip = 2 if self._next_ip >= 65000 else self._next_ip + 1
-            ip = f"127.0.{n // 256}.{n % 256}"
-            if n % 256 in (0, 1, 255) or ip in used:
-                continue
-            return ip
 
     def _start(self, pod: JSON, node: str) -> None:
         meta, spec = pod["metadata"], pod.get("spec") or {}
         directory = pod_dir(self.workdir, meta["namespace"], meta["name"], meta["uid"])
         directory.mkdir(parents=True, exist_ok=True)
-        previous_ip = (pod.get("status") or {}).get("podIP")
-        ip = previous_ip if had_started(pod) and previous_ip and previous_ip not in {
-            r.ip for r in self.runs.values()} else self._alloc_ip()
+        ip = self.runs.free_ip((pod.get("status") or {}).get("podIP") if had_started(pod) else None)
         run = PodRun(meta["namespace"], meta["name"], meta["uid"], node, ip, directory,
                      [ContainerRun(c) for c in spec.get("containers") or []],
                      [ContainerRun(c, init=True) for c in spec.get("initContainers") or []],
                      grace=float(spec.get("terminationGracePeriodSeconds", 30)))
-        self.runs[run.key] = run
+        self.runs.add(run)
         if had_started(pod) and not self._resume_after_node_loss(run, pod, spec):
             return
         worker = PodWorker(run, spec, store=self.store, env=self.env, backoff=self.backoff,
                            reachable=self.node_agents.reachable[node],
-                           report=lambda **kw: self._write_pod_status(run, **kw), spawn=self._spawn)
+                           report=lambda **kw: self._write_pod_status(run, **kw), spawn=self.runs.spawn)
         run.task = asyncio.get_running_loop().create_task(worker.main())
 
     def _resume_after_node_loss(self, run: PodRun, pod: JSON, spec: JSON) -> bool:
@@ -280,34 +237,19 @@ class ProcessKubelet:
 
     # --- stopping ----------------------------------------------------------------------------------------------
 
-    async def _stop_run(self, run: PodRun, grace: float) -> None:
-        """Stop every container of the pod as a runtime does (see :func:`processes.stop_container`)."""
-        run.stopping = True
-        await asyncio.gather(*(processes.stop_container(c.proc, processes.container_id(run.uid, c.name), grace)
-                               for c in run.all_containers() if c.proc is not None and c.proc.returncode is None))
-        # Whatever else carries the pod's marker (a process that outlived its container) goes too.
-        await asyncio.to_thread(processes.kill_pods, [run.uid])
-        if run.task is not None and not run.task.done():
-            run.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await run.task
-        if self.runs.get(run.key) is run:
-            self.runs.pop(run.key)
-        run.stopped.set()
-
     async def _stop_and_finish(self, run: PodRun, grace: float) -> None:
         pod = current_pod(self.store, run)
         if pod is not None:
             record_event(self.store, pod, "Normal", "Killing", f"Stopping containers (grace period {grace:g}s)",
                          component="kubelet")
-        await self._stop_run(run, grace)
+        await self.runs.stop(run, grace)
         for c in run.containers:
             if "running" in c.state or "waiting" in c.state:
                 c.state = {"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": now_rfc3339()}}
         with contextlib.suppress(ApiError):
             self._write_pod_status(run)
         if self.node_agents.up(run.node):
-            self.store.finish_pod(run.namespace, run.name)
+            podlife.finish_pod(self.store, run.namespace, run.name)
         self._wake.set()
 
     # --- status ------------------------------------------------------------------------------------------------
@@ -333,6 +275,6 @@ class ProcessKubelet:
         uid = pod["metadata"]["uid"]
         path = pod_dir(self.workdir, namespace, name, uid) / (
             f"{container}.previous.log" if previous else f"{container}.log")
-        async for chunk in stream_logs(path, self.runs, (namespace, name), uid, container, follow=follow,
+        async for chunk in stream_logs(path, self.runs.by_key, (namespace, name), uid, container, follow=follow,
                                        tail_lines=tail_lines, previous=previous, limit_bytes=limit_bytes):
             yield chunk

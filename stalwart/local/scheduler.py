@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from stalwart.local.apiserver import podlife
 from stalwart.local.apiserver.objects import ApiError, Event, ObjectStore
 from stalwart.local.fit import NodeFit, choose
 from stalwart.local.loop import ControlLoop
@@ -97,7 +98,7 @@ class Scheduler(ControlLoop):
             current = self.store.get(self.pods_info, ns, name)
             if current["metadata"]["uid"] != meta["uid"] or (current.get("spec") or {}).get("nodeName"):
                 return False
-            bound = self.store.bind(ns, name, node)  # the binding subresource: spec.nodeName is immutable
+            bound = podlife.bind(self.store, ns, name, node)  # the binding subresource: spec.nodeName is immutable
             with_condition(bound, "PodScheduled", "True")
             self.store.update(self.pods_info, ns, name, bound, "status")
         except ApiError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from stalwart.api.base import positive_seconds
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import Manifest
 from stalwart.api.restart import FaultRecord, ProgressRecord
@@ -36,9 +37,7 @@ class ReconcileSettings:
 
     def __post_init__(self) -> None:
         for name in ("status_interval", "terminating_grace_limit", "resync_interval"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name}: must be > 0 seconds, got {value!r}")
+            positive_seconds(name, getattr(self, name))
         if self.delete_grace_seconds < 0:
             raise ValueError(f"delete_grace_seconds: must be >= 0, got {self.delete_grace_seconds}")
 

@@ -4,10 +4,10 @@ the options a decorator leaves out."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from stalwart.api.base import positive_seconds
 from stalwart.restart.assignment import RankAssignment
 from stalwart.restart.policies import (
     Abort,
@@ -28,12 +28,6 @@ JOB_SETTINGS: Mapping[str, str] = {
     "hard_timeout": "hardTimeoutSeconds",
     "barrier_timeout": "barrierTimeoutSeconds",
 }
-
-
-def _seconds(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -80,7 +74,7 @@ class RestartConfig:
             raise ValueError(f"max_restarts: expected an int >= 0, got {self.max_restarts!r}")
         for name in ("soft_timeout", "hard_timeout", "barrier_timeout", "start_timeout", "completion_timeout",
                      "monitor_interval", "etcd_timeout", "coordination_timeout"):
-            _seconds(name, getattr(self, name))
+            positive_seconds(name, getattr(self, name))
         if self.hard_timeout <= self.soft_timeout:
             raise ValueError(f"hard_timeout: must exceed soft_timeout ({self.soft_timeout}s), "
                              f"got {self.hard_timeout}")

@@ -21,12 +21,12 @@ import contextlib
 import datetime
 import gc
 import logging
-import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from stalwart.api.base import positive_seconds
 from stalwart.restart.sockets import SocketSnapshot, shutdown_sockets_since
 
 log = logging.getLogger(__name__)
@@ -153,12 +153,6 @@ class Compose(Initialize, Abort, Finalize, HealthCheck):
             p(ctx)
 
 
-def _check_timeout(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
-    return float(value)
-
-
 class InitProcessGroup(Initialize):
     """Builds the default process group of the iteration from the iteration's Store.
 
@@ -170,7 +164,7 @@ class InitProcessGroup(Initialize):
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"InitProcessGroup.backend: expected 'auto', 'gloo' or 'nccl', got {backend!r}")
         self.backend = backend
-        self.timeout = _check_timeout("InitProcessGroup.timeout", timeout)
+        self.timeout = positive_seconds("InitProcessGroup.timeout", timeout)
 
     def resolved_backend(self) -> str:
         if self.backend != "auto":
@@ -303,7 +297,7 @@ class CudaHealthCheck(HealthCheck):
     that does not answer makes the process :class:`Unhealthy`. Without CUDA it does nothing."""
 
     def __init__(self, timeout: float = 30.0) -> None:
-        self.timeout = _check_timeout("CudaHealthCheck.timeout", timeout)
+        self.timeout = positive_seconds("CudaHealthCheck.timeout", timeout)
 
     def __call__(self, ctx: IterationContext) -> None:
         import torch

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -17,15 +16,9 @@ import torch
 
 from stalwart.etcd.keys import MANIFEST, JobKeys
 from stalwart.examples import train
+from stalwart.net import free_port
 
 WAIT = 180  # seconds; generous for a loaded 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 Result = tuple[int, list[dict[str, Any]], str]

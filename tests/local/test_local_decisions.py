@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from stalwart.local.admission import add_default_tolerations
-from stalwart.local.fit import NodeFit, choose, filter_node, pod_requests, unschedulable_message
+from stalwart.local.fit import NodeFit, choose, filter_node, pod_requests, rejection, unschedulable_message
 from stalwart.local.nodelifecycle import eviction_time, taints_for
 from stalwart.local.pods import qos_class
 from stalwart.local.quantity import QuantityError, parse_quantity
@@ -100,6 +100,22 @@ def test_filter_node(spec: dict[str, Any], fit: NodeFit, reasons: list[str], res
     assert got == reasons
     if reasons:
         assert can_preempt is resolvable
+
+
+@pytest.mark.parametrize(("spec", "fit", "expected"), [
+    (pod_spec("1"), node("a"), None),
+    (pod_spec("4"), node("a", bound=1, bound_cpu="5"),
+     ("OutOfcpu", "Pod was rejected: Node didn't have enough resource: cpu, requested: 4000, used: 5000, "
+                  "capacity: 8000")),
+    ({"containers": [container({"nvidia.com/gpu": "1", "memory": "64Gi"})]}, node("a"),
+     ("OutOfmemory", f"Pod was rejected: Node didn't have enough resource: memory, requested: {64 * GI}, used: 0, "
+                     f"capacity: {32 * GI}")),
+    (pod_spec(), node("a", bound=110),
+     ("OutOfpods", "Pod was rejected: Node didn't have enough resource: pods, requested: 1, used: 110, "
+                   "capacity: 110")),
+], ids=["fits", "cpu", "first-resource-short", "pods"])
+def test_the_kubelets_own_admission(spec: dict[str, Any], fit: NodeFit, expected: tuple[str, str] | None) -> None:
+    assert rejection(spec, fit) == expected
 
 
 def test_the_least_allocated_node_is_chosen_and_the_message_names_every_node() -> None:

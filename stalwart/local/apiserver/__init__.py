@@ -13,7 +13,9 @@ resources (``kmock/_internal/resources.json.gz``, a discovery dump of a real clu
 
 Module map:
 - the object store: :mod:`.storage` (objects, revisions, history, watches, snapshots, pages), :mod:`.objects`
-  (write semantics), :mod:`.subresources`, :mod:`.deletion`, :mod:`.fieldmanager` (managedFields, apply);
+  (the write semantics every kind shares), :mod:`.subresources`, :mod:`.deletion`, :mod:`.fieldmanager`
+  (managedFields, apply), and one kind's own: :mod:`.podlife` (binding, the kubelet's end of a deletion),
+  :mod:`.namespaces` (initial ones, where objects may be created), :mod:`.crds` (serving a CRD's resource);
 - admission: :mod:`.admission` (the order of checks), :mod:`.metadata` (names, labels, annotations),
   :mod:`.core_schema` (built-in kinds against their OpenAPI schemas), :mod:`.builtins` and :mod:`.podspec`
   (defaults and semantic checks; quantities by :mod:`stalwart.local.quantity`), :mod:`.crds` and :mod:`.celcheck`

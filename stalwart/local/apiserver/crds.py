@@ -16,7 +16,7 @@ from typing import Any
 from stalwart.local.apiserver.catalog import Registry, ResourceInfo
 from stalwart.local.apiserver.celcheck import compile_error
 from stalwart.local.apiserver.schema import Problem
-from stalwart.local.apiserver.storage import now_rfc3339
+from stalwart.local.apiserver.storage import Storage, now_rfc3339
 
 JSON = dict[str, Any]
 CRD_GROUP, CRD_PLURAL = "apiextensions.k8s.io", "customresourcedefinitions"
@@ -193,3 +193,13 @@ def serve(registry: Registry, crd: JSON) -> None:
         "conditions": [condition("NamesAccepted", "NoConflicts", "no conflicts found"),
                        condition("Established", "InitialNamesAccepted", "the initial names have been accepted")],
     }
+
+
+def unserve(registry: Registry, storage: Storage, crd: JSON) -> None:
+    """The CRD ``crd`` is gone: so are its resource, every object of it, and the watches on them."""
+    spec = crd.get("spec") or {}
+    group, plural = spec.get("group", ""), (spec.get("names") or {}).get("plural", "")
+    for key in list(storage.of_resource(group, plural)):
+        storage.pop(key)
+    storage.end_watches(group, plural)
+    registry.remove_group_resource(group, plural)

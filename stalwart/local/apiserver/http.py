@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import yaml
 from aiohttp import web
 
-from stalwart.local.apiserver import openapi, protobuf, tables
+from stalwart.local.apiserver import openapi, podlife, protobuf, tables
 from stalwart.local.apiserver.catalog import ResourceInfo
 from stalwart.local.apiserver.errors import ApiError, bad_request, conflict, not_found
 from stalwart.local.apiserver.objects import ObjectStore, WriteOptions
@@ -266,7 +266,7 @@ class ApiServer:
             target = (body.get("target") or {}).get("name")
             if not target:
                 raise ApiError(422, "Invalid", "target.name: Required value")
-            self.store.bind(ns, name, str(target))
+            podlife.bind(self.store, ns, name, str(target))
             return _json({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}, 201)
         if res.plural == "pods" and sub == "eviction":
             self.store.delete(res, ns, name, (body or {}).get("deleteOptions"))

@@ -5,15 +5,21 @@
   when anything but metadata and status changes, and when deletion starts), ``creationTimestamp``,
   ``generateName``; ``managedFields`` for every writer (:mod:`.fieldmanager`).
 - Optimistic concurrency: an update or patch that carries a stale ``metadata.resourceVersion`` is a 409.
-- Subresources: status, scale, finalize (:mod:`.subresources`); pods are bound to nodes through ``bind``.
+- Subresources: status, scale, finalize (:mod:`.subresources`); pods are bound to nodes through ``binding``
+  (:mod:`.podlife`).
 - Admission (:mod:`.admission`): defaults, validation, immutability, pruning of unknown fields.
 - Deletion: objects with finalizers get ``deletionTimestamp`` and stay until the last finalizer goes; pods on a
-  node get a grace period (the kubelet stops them, then ``finish_pod`` removes them); ``propagationPolicy``
+  node get a grace period (the kubelet stops them, then :func:`.podlife.finish_pod` removes them);
+  ``propagationPolicy``
   Orphan and Foreground add the ``orphan`` and ``foregroundDeletion`` finalizers and Background (the default)
   removes the object at once: dependents are then handled by the garbage collector, asynchronously, as on a
   real cluster (:mod:`stalwart.local.garbage`). A namespace is marked Terminating and goes once the namespace
-  controller has emptied it and cleared ``spec.finalizers``.
-- CustomResourceDefinitions: storing one serves its resource (:mod:`.crds`).
+  controller has emptied it and cleared ``spec.finalizers``; nothing is created in it meanwhile
+  (:mod:`.namespaces`).
+- CustomResourceDefinitions: storing one serves its resource, removing it ends the resource (:mod:`.crds`).
+
+Semantics of one kind live beside the kind's other rules (:mod:`.podlife`, :mod:`.namespaces`, :mod:`.crds`);
+this module holds what every kind shares.
 
 All methods run on one asyncio loop and never await, so each call is atomic with respect to the others.
 """
@@ -28,7 +34,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.local.apiserver import crds, deletion, fieldmanager
+from stalwart.local.apiserver import crds, deletion, fieldmanager, namespaces
 from stalwart.local.apiserver.admission import WriteOptions, admit
 from stalwart.local.apiserver.catalog import Registry, ResourceInfo
 from stalwart.local.apiserver.errors import (
@@ -63,7 +69,7 @@ class ObjectStore:
         #: Mutating admission plugins run on every create, before validation (see ``stalwart.local.admission``).
         self.admission: list[Callable[[ResourceInfo, JSON], None]] = []
         self.cluster_ips = itertools.count(1)
-        for ns in ("default", "kube-system", "kube-public", "kube-node-lease"):
+        for ns in namespaces.INITIAL:
             self.create(self.info("", "v1", "namespaces"), "", {"metadata": {"name": ns}})
 
     # The storage's state, for readers that only observe.
@@ -167,7 +173,7 @@ class ObjectStore:
             suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
             meta["name"] = f"{meta['generateName']}{suffix}"
         if info.namespaced:
-            namespace = self._creatable_namespace(info, namespace, meta)
+            namespace = namespaces.creatable(self.storage, info, namespace, meta)
             meta["namespace"] = namespace
         else:
             meta.pop("namespace", None)
@@ -196,21 +202,6 @@ class ObjectStore:
         meta["resourceVersion"] = self.storage.next_rv()
         self.storage.put(key, obj, "ADDED")
         return self.serve(info, obj)
-
-    def _creatable_namespace(self, info: ResourceInfo, namespace: str, meta: JSON) -> str:
-        body_ns = meta.get("namespace")
-        if body_ns and namespace and body_ns != namespace:
-            raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
-        namespace = namespace or body_ns or "default"
-        ns_obj = self.storage.objects.get(("", "namespaces", "", namespace))
-        if ns_obj is None:
-            raise ApiError(404, "NotFound", f'namespaces "{namespace}" not found',
-                           {"name": namespace, "kind": "namespaces"})
-        if ns_obj["metadata"].get("deletionTimestamp"):
-            raise ApiError(403, "Forbidden", f'{info.plural} "{meta["name"]}" is forbidden: unable to create new '
-                                             f"content in namespace {namespace} because it is being terminated",
-                           {"name": meta["name"], "group": info.group, "kind": info.plural})
-        return str(namespace)
 
     def update(self, info: ResourceInfo, namespace: str, name: str, body: JSON, subresource: str = "",  # noqa: PLR0917
                opts: WriteOptions | None = None) -> JSON:
@@ -275,8 +266,8 @@ class ObjectStore:
             crds.serve(self.registry, new)
         meta["resourceVersion"] = self.storage.next_rv()
         self.storage.put(key, new, "MODIFIED")
-        if self._releasable(info, new):
-            self._remove(info, key)
+        if deletion.releasable(info, new, self._running_pod(info, new)):
+            self.remove(info, key)
         return self.serve(info, new)
 
     def patch(self, info: ResourceInfo, namespace: str, name: str, patch_type: str, patch: Any,  # noqa: PLR0917
@@ -321,24 +312,6 @@ class ObjectStore:
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
         return self.replace(info, key, old, new, subresource, opts.without_record())
 
-    def bind(self, namespace: str, name: str, node: str) -> JSON:
-        """The binding subresource: set ``spec.nodeName`` of a pod that has none (the one way it changes)."""
-        info = self.info("", "v1", "pods")
-        key = self.key(info, namespace, name)
-        old = self.storage.objects.get(key)
-        if old is None:
-            raise not_found(info, name)
-        current = (old.get("spec") or {}).get("nodeName")
-        if current:
-            raise conflict(info, name, f'pod {name} is already assigned to node "{current}"')
-        if old["metadata"].get("deletionTimestamp"):
-            raise conflict(info, name, f"pod {name} is being deleted, cannot be assigned to a host")
-        new = copy.deepcopy(old)
-        new["spec"]["nodeName"] = node
-        new["metadata"]["resourceVersion"] = self.storage.next_rv()
-        self.storage.put(key, new, "MODIFIED")
-        return self.serve(info, new)
-
     # --- deletion ------------------------------------------------------------------------------------------------
 
     def delete(self, info: ResourceInfo, namespace: str, name: str, options: JSON | None = None,
@@ -351,47 +324,25 @@ class ObjectStore:
         if obj is None:
             raise not_found(info, name)
         deletion.check_preconditions(info, name, obj, options.get("preconditions") or {})
-        running = info.plural == "pods" and not info.group and self.graceful_pods(obj)
-        new = deletion.marked(info, obj, options, running)
+        new = deletion.marked(info, obj, options, self._running_pod(info, obj))
         if dry_run:
             return self.serve(info, obj)
         if new is None:
-            return self._remove(info, key)
+            return self.remove(info, key)
         if new != obj:
             new["metadata"]["resourceVersion"] = self.storage.next_rv()
             self.storage.put(key, new, "MODIFIED")
         return self.serve(info, new)
 
-    def _releasable(self, info: ResourceInfo, obj: JSON) -> bool:
-        return deletion.releasable(info, obj, info.plural == "pods" and not info.group and self.graceful_pods(obj))
+    def _running_pod(self, info: ResourceInfo, obj: JSON) -> bool:
+        """A pod whose kubelet must stop it before it goes (:attr:`graceful_pods`)."""
+        return info.plural == "pods" and not info.group and self.graceful_pods(obj)
 
-    def finish_pod(self, namespace: str, name: str) -> None:
-        """The kubelet's last word on a deleted pod: its processes are gone; remove it (finalizers allowing)."""
-        info = self.info("", "v1", "pods")
-        key = self.key(info, namespace, name)
-        obj = self.storage.objects.get(key)
-        if obj is None or not obj["metadata"].get("deletionTimestamp"):
-            return
-        if obj["metadata"].get("finalizers"):
-            new = copy.deepcopy(obj)
-            new["metadata"]["deletionGracePeriodSeconds"] = 0
-            new["metadata"]["resourceVersion"] = self.storage.next_rv()
-            self.storage.put(key, new, "MODIFIED")
-            return
-        self._remove(info, key)
-
-    def _remove(self, info: ResourceInfo, key: Key) -> JSON:
+    def remove(self, info: ResourceInfo, key: Key) -> JSON:
+        """Remove the object at ``key`` now: the end of its deletion (finalizers and grace are over)."""
         gone = self.storage.pop(key)
         if gone is None:
             raise not_found(info, key[3])
         if crds.is_crd(info):
-            self._unserve_crd(gone)
+            crds.unserve(self.registry, self.storage, gone)
         return self.serve(info, gone)
-
-    def _unserve_crd(self, crd: JSON) -> None:
-        spec = crd.get("spec") or {}
-        group, plural = spec.get("group", ""), (spec.get("names") or {}).get("plural", "")
-        for key in list(self.storage.of_resource(group, plural)):
-            self.storage.pop(key)
-        self.storage.end_watches(group, plural)
-        self.registry.remove_group_resource(group, plural)

@@ -1,0 +1,108 @@
+"""The process side of the local kubelet: the pods whose processes run on this machine (one :class:`PodRun`
+each, by ``(namespace, name)``), and what happens to those processes: stopped as a container runtime stops
+them, paused and resumed with a partitioned node, killed with a lost one. Which pods should run, and what the
+API hears of them, is the kubelet's (:mod:`.kubelet`); the processes themselves are :mod:`.processes`'."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+from stalwart.local import processes
+from stalwart.local.pods import PodRun
+
+Key = tuple[str, str]
+
+
+class PodRuns:
+    """See the module docstring. Every task it is given (:meth:`spawn`) is cancelled by :meth:`shutdown`."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[Key, PodRun] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._next_ip = 2
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def __iter__(self) -> Iterator[PodRun]:
+        return iter(list(self.by_key.values()))
+
+    def get(self, key: Key) -> PodRun | None:
+        return self.by_key.get(key)
+
+    def on(self, node: str) -> list[PodRun]:
+        return [r for r in self.by_key.values() if r.node == node]
+
+    def add(self, run: PodRun) -> None:
+        self.by_key[run.key] = run
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a background step, keeping a reference until it ends (the loop holds tasks only weakly)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def free_ip(self, previous: str | None = None) -> str:
+        """A loopback address 127.0.x.y for a pod: ``previous`` (the pod's, from before its node went down)
+        while no other pod holds it, else the next free one."""
+        used = {r.ip for r in self.by_key.values()}
+        if previous and previous not in used:
+            return previous
+        while True:
+            n = self._next_ip
+            self._next_ip = 2 if self._next_ip >= 65000 else self._next_ip + 1
+            ip = f"127.0.{n // 256}.{n % 256}"
+            if n % 256 in (0, 1, 255) or ip in used:
+                continue
+            return ip
+
+    async def stop(self, run: PodRun, grace: float) -> None:
+        """Stop every container of the pod as a runtime does (see :func:`processes.stop_container`)."""
+        run.stopping = True
+        await asyncio.gather(*(processes.stop_container(c.proc, processes.container_id(run.uid, c.name), grace)
+                               for c in run.all_containers() if c.proc is not None and c.proc.returncode is None))
+        # Whatever else carries the pod's marker (a process that outlived its container) goes too.
+        await asyncio.to_thread(processes.kill_pods, [run.uid])
+        await _cancel(run)
+        if self.by_key.get(run.key) is run:
+            self.by_key.pop(run.key)
+        run.stopped.set()
+
+    async def pause(self, runs: list[PodRun]) -> list[int]:
+        """SIGSTOP every process of ``runs`` (a partitioned node); returns the pids paused."""
+        return await asyncio.to_thread(processes.pause_pods, [r.uid for r in runs])
+
+    async def resume(self, runs: list[PodRun]) -> None:
+        await asyncio.to_thread(processes.resume_pods, [r.uid for r in runs])
+
+    async def kill(self, runs: list[PodRun]) -> None:
+        """SIGKILL every process of ``runs`` and forget them (their node is gone, and nothing is reported)."""
+        for run in runs:
+            run.stopping = True
+        await asyncio.to_thread(processes.kill_pods, [r.uid for r in runs])
+        for run in runs:
+            await _cancel(run)
+            for c in run.all_containers():
+                if c.proc is not None:
+                    with contextlib.suppress(Exception):
+                        await c.proc.wait()
+            self.by_key.pop(run.key, None)
+            run.stopped.set()
+
+    async def shutdown(self, grace: float, paused: list[PodRun]) -> None:
+        """Stop every pod (``paused`` ones are resumed first, or they could not hear SIGTERM) and every task."""
+        await self.resume(paused)
+        await asyncio.gather(*(self.stop(r, grace) for r in self), return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _cancel(run: PodRun) -> None:
+    if run.task is not None and not run.task.done():
+        run.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await run.task
