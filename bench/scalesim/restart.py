@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -32,8 +31,8 @@ from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.etcd.keys import MANIFEST, JobKeys
 from stalwart.etcd.store import KeyValue
 from stalwart.restart.assignment import RankAssignment
-from stalwart.restart.coordination import Coordinator, EpochView, barrier_complete
-from stalwart.restart.wrapper import _Session
+from stalwart.restart.coordination import Coordinator
+from stalwart.restart.protocol import EpochView, Participant, barrier_complete, plan_seal
 
 KEYS = JobKeys("scale", "sim1")
 
@@ -104,10 +103,9 @@ class Rank:
         self.seen = view.revision
         seal = view.seals.get(1)
         if seal is None and barrier_complete(view, 1, self.slots):
-            stand_in = SimpleNamespace(env=SimpleNamespace(slot=self.coord.slot, slots=self.slots,
-                                                           target_world=self.slots),
-                                       config=SimpleNamespace(rank_assignment=RankAssignment()))
-            seal = self.coord.try_seal(_Session._decide(stand_in, 1, view, False))  # type: ignore[arg-type]
+            me = Participant(slot=self.coord.slot, node_id=self.coord.node_id, slots=self.slots,
+                             target_world=self.slots)
+            seal = self.coord.try_seal(plan_seal(view, 1, me, RankAssignment(), timed_out=False))
         if seal is not None:
             self.seal, self.state, self.released_at = seal, "released", self.sim.now
             self.releases += 1
@@ -151,9 +149,8 @@ class RestartRun:
                 r.coord.arrive(0, ArrivalRecord(slot=r.coord.slot, node_id=r.coord.node_id))
             first = self.ranks[0]
             view = first.coord.view()
-            stand_in = SimpleNamespace(env=SimpleNamespace(slot=0, slots=self.n, target_world=self.n),
-                                       config=SimpleNamespace(rank_assignment=RankAssignment()))
-            first.coord.try_seal(_Session._decide(stand_in, 0, view, False))  # type: ignore[arg-type]
+            me = Participant(slot=0, node_id=first.coord.node_id, slots=self.n, target_world=self.n)
+            first.coord.try_seal(plan_seal(view, 0, me, RankAssignment(), timed_out=False))
         self.sim._sent = len(self.sim.mem.log)  # the setup's changes are old news
         self.sim.committed_at = [0.0] * len(self.sim.mem.log)
 
@@ -185,7 +182,7 @@ class RestartRun:
             fault_at = sim.committed_at[position]
             sim.run(start + limit, stop=lambda: all(r.state == "released" for r in self.ranks))
         released = [r.released_at for r in self.ranks if r.released_at is not None]
-        seals = [ev for ev in sim.mem.log if ev.type == "put" and ev.kv.key == self.ranks[0].coord.seal_key(1)]
+        seals = [ev for ev in sim.mem.log if ev.type == "put" and ev.kv.key == self.ranks[0].coord.round_keys.seal(1)]
         return {"seconds": max(released) - fault_at if len(released) == self.n else None,
                 "released": len(released), "seals": len(seals),
                 "writes": sim.mem.counters.proposals - writes0, "reads": sim.mem.counters.reads - reads0,

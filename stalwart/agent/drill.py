@@ -29,12 +29,12 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from stalwart.agent.settings import PodSettings
+from stalwart.api import drill as rank_drill
 from stalwart.api.drill import MAX_LIFETIME, DrillRequest, DrillResult
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import RankStatus
 from stalwart.etcd.outage import Outage
 from stalwart.etcd.store import Store, StoreError, Watch
-from stalwart.restart import drill as rank_drill
 
 log = logging.getLogger(__name__)
 

@@ -52,9 +52,9 @@ from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
 from stalwart.api.restart import FaultKind, FaultRecord
 from stalwart.etcd.client import connect
+from stalwart.etcd.faults import record_fault
 from stalwart.etcd.store import StoreError
 from stalwart.net import free_port
-from stalwart.restart.coordination import record_fault
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,12 @@
 ``D + "results/<id>"`` -> :class:`DrillResult`
     The agent's answer: carried out (and on which process) or refused (and why).
 
+An accepted ``rank-exception`` reaches the rank through files next to its status file and a signal from its
+own agent (same pod, same user), never from the network: the rank says it accepts drills in
+:func:`marker_path` (``{"pid": ..., "signal": "SIGUSR2"}``), the agent writes the request's id to
+:func:`request_path` and sends :data:`DRILL_SIGNAL`, the rank answers in :func:`ack_path`
+(``{"id": ..., "raised": true|false}``).
+
 JSON only; nothing here is ever unpickled.
 """
 
@@ -19,19 +25,24 @@ import hashlib
 import hmac
 import json
 import re
+import signal
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from stalwart.api.base import ApiModel
 
-__all__ = ["AGENT_KINDS", "MAX_LIFETIME", "DrillKind", "DrillRequest", "DrillResult"]
+__all__ = ["AGENT_KINDS", "DRILL_SIGNAL", "MAX_LIFETIME", "DrillKind", "DrillRequest", "DrillResult", "ack_path",
+           "marker_path", "request_path"]
 
 DrillKind = Literal["rank-exception", "rank-kill", "rank-hang"]
 #: The faults an agent carries out (the others go through the Kubernetes API).
 AGENT_KINDS: tuple[DrillKind, ...] = ("rank-exception", "rank-kill", "rank-hang")
 #: Longest validity of a request (``expires - issued``), in seconds.
 MAX_LIFETIME = 300.0
+
+#: The signal an agent sends a rank process to raise a drill's exception in its training function.
+DRILL_SIGNAL = signal.SIGUSR2
 
 _ID = re.compile(r"^[0-9a-f]{16,64}$")
 
@@ -81,3 +92,18 @@ class DrillResult(ApiModel):
     slot: int | None = Field(default=None, description="That process's slot.")
     pid: int | None = Field(default=None, description="That process's pid.")
     time: float = Field(description="Wall-clock time the fault was carried out (or refused).")
+
+
+def marker_path(status_file: str) -> str:
+    """Written by a rank that accepts drills: ``{"pid": ..., "signal": "SIGUSR2"}``."""
+    return status_file + ".drill"
+
+
+def request_path(status_file: str) -> str:
+    """Written by the agent before it signals: ``{"id": ...}``."""
+    return status_file + ".drill-request"
+
+
+def ack_path(status_file: str) -> str:
+    """Written by the rank when the signal arrives: ``{"id": ..., "raised": true|false}``."""
+    return status_file + ".drill-ack"

@@ -1,6 +1,7 @@
 """The JSON records of in-process restart, kept in etcd under ``JobKeys.restart`` and in the agent's run dir.
 
-Key layout (``R = JobKeys(ns, uid).restart + "<epoch>/"``; every write is fenced by the epoch):
+Key layout (``R = JobKeys(ns, uid).restart + "<epoch>/"``, built by :class:`stalwart.etcd.keys.RestartKeys`;
+every write is fenced by the epoch):
 
 ``R + "alive/<slot>"`` -> :class:`AliveRecord`
     One key per live rank process, bound to the process's lease (its heartbeat).

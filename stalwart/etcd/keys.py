@@ -21,6 +21,15 @@ REQUEST = "request"
 CLOSED = "closed"
 EXPECTED = "expected"
 
+# In-process restart's keys, relative to one round's restart prefix (``RestartKeys.base``): a live process's
+# ALIVE key (bound to its lease), its ARRIVE at an iteration's barrier (bound to its lease), the iteration's
+# SEAL, the FAULT records of an iteration and the DONE marks of its completion barrier.
+ALIVE = "alive/"
+ARRIVE = "arrive/"
+SEAL = "seal/"
+FAULT = "fault/"
+DONE = "done/"
+
 _SEGMENT = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
@@ -79,6 +88,10 @@ class JobKeys:
         """Sub-prefix of in-process restart coordination (faults, barriers), fenced by epoch."""
         return self.prefix + "restart/"
 
+    def restart_round(self, epoch: int) -> RestartKeys:
+        """The keys of in-process restart in the round of ``epoch``."""
+        return RestartKeys(f"{self.restart}{epoch}/", self.torch_store(epoch))
+
     @property
     def progress(self) -> str:
         """Sub-prefix of progress reports, one key per node, read by the operator."""
@@ -118,3 +131,36 @@ class JobKeys:
     def rpc_workers(self) -> str:
         """Sub-prefix of the RPC workers' address records, one per worker name."""
         return self.rpc + "workers/"
+
+
+@dataclass(frozen=True, slots=True)
+class RestartKeys:
+    """The keys of in-process restart in one round: ``base`` is ``JobKeys.restart + "<epoch>/"``, ``torch_store``
+    the round's torch.distributed Store prefix (each iteration's group bootstraps under ``"<iteration>/"``).
+    The records they hold are :mod:`stalwart.api.restart`'s."""
+
+    base: str
+    torch_store: str
+
+    def alive(self, slot: int) -> str:
+        return f"{self.base}{ALIVE}{slot}"
+
+    def arrival(self, iteration: int, slot: int) -> str:
+        return f"{self.base}{ARRIVE}{iteration}/{slot}"
+
+    def seal(self, iteration: int) -> str:
+        return f"{self.base}{SEAL}{iteration}"
+
+    def fault(self, iteration: int, slot: int) -> str:
+        return f"{self.base}{FAULT}{iteration}/{slot}"
+
+    def done(self, iteration: int, slot: int) -> str:
+        return f"{self.base}{DONE}{iteration}/{slot}"
+
+    def of_iteration(self, kind: str, iteration: int) -> str:
+        """The prefix of the ``kind`` (ARRIVE, FAULT or DONE) keys of ``iteration``."""
+        return f"{self.base}{kind}{iteration}/"
+
+    def torch_store_of(self, iteration: int) -> str:
+        """The prefix of the torch Store keys of ``iteration``'s process groups."""
+        return f"{self.torch_store}{iteration}/"

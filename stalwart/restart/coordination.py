@@ -1,8 +1,8 @@
 """The etcd side of in-process restart: fault reports, the iteration barrier and its seal, the completion
 barrier, heartbeats. Every write is fenced by the round's epoch; every wait is a watch with a deadline.
 
-The key layout is documented in :mod:`stalwart.api.restart`. This module only does I/O; the decisions
-(who runs which rank) are :mod:`stalwart.restart.assignment`'s and are passed in.
+The key layout is :class:`stalwart.etcd.keys.RestartKeys`, the records :mod:`stalwart.api.restart`'s. This
+module only does I/O; what to write and when a wait is over are :mod:`stalwart.restart.protocol`'s decisions.
 """
 
 from __future__ import annotations
@@ -12,82 +12,22 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
-from stalwart.api.restart import DIRECT_KINDS, AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
+from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import Fence
-from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.keys import ARRIVE, DONE, FAULT, JobKeys
 from stalwart.etcd.outage import Outage
 from stalwart.etcd.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTimeout, StoreUnavailable, Watch
+from stalwart.restart.protocol import EpochView, parse_view, stale_iterations
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinationTimeout", "Coordinator", "EpochView", "IterationOutcome", "barrier_complete", "record_fault"]
+__all__ = ["CoordinationTimeout", "Coordinator"]
 
 
 class CoordinationTimeout(Exception):
     """A barrier or the completion wait did not finish before its deadline."""
-
-
-@dataclass(slots=True)
-class EpochView:
-    """What etcd holds for one epoch's restart prefix, parsed. Invalid records are skipped (and logged)."""
-
-    revision: int = 0
-    alive: dict[int, AliveRecord] = field(default_factory=dict)
-    arrivals: dict[int, dict[int, ArrivalRecord]] = field(default_factory=dict)
-    seals: dict[int, SealRecord] = field(default_factory=dict)
-    faults: dict[int, list[tuple[int, FaultRecord]]] = field(default_factory=dict)  # it -> [(rev, rec)]
-    done: dict[int, set[int]] = field(default_factory=dict)
-
-    def first_fault(self, iteration: int) -> FaultRecord | None:
-        faults = sorted(self.faults.get(iteration, []), key=lambda f: f[0])
-        return faults[0][1] if faults else None
-
-    def cause(self, iteration: int) -> FaultRecord | None:
-        """The iteration's cause: its first fault of a kind seen at the faulty process (``DIRECT_KINDS``),
-        else its first fault."""
-        faults = [rec for _, rec in sorted(self.faults.get(iteration, []), key=lambda f: f[0])]
-        return next((rec for rec in faults if rec.kind in DIRECT_KINDS), faults[0] if faults else None)
-
-    def faults_of_others(self, iteration: int, slot: int) -> list[FaultRecord]:
-        """The faults recorded in ``iteration`` by processes other than ``slot``, oldest first."""
-        return [rec for _, rec in sorted(self.faults.get(iteration, []), key=lambda f: f[0]) if rec.slot != slot]
-
-
-IterationOutcome = str  # "done" | "fault"
-
-
-def barrier_complete(view: EpochView, iteration: int, slots: int) -> bool:
-    """Whether every slot the barrier of ``iteration`` waits for has arrived. Pure.
-
-    A slot that took no part in the last iteration and has no live process is not waited for again.
-    Arrivals are bound to their process's lease and vanish with it, so the last seal (which is not) also
-    says who took part: a process cut off from etcd for a moment is waited for, and comes back with a new
-    lease, instead of being dropped from the world.
-    """
-    expected = set(range(slots))
-    previous = view.arrivals.get(iteration - 1)
-    if previous is not None:
-        took_part = set(previous)
-        last_seal = view.seals.get(iteration - 1)
-        if last_seal is not None:
-            took_part |= {int(s) for s in last_seal.ranks} | set(last_seal.inactive)
-        expected -= {s for s in expected if s not in took_part and s not in view.alive}
-    return expected <= set(view.arrivals.get(iteration, {}))
-
-
-def fault_key(keys: JobKeys, epoch: int, iteration: int, slot: int) -> str:
-    return f"{keys.restart}{epoch}/fault/{iteration}/{slot}"
-
-
-def record_fault(store: Store, keys: JobKeys, epoch: int, rec: FaultRecord) -> bool:
-    """Publish ``rec`` as the fault of slot ``rec.slot`` in its iteration, fenced by ``epoch``, unless that slot
-    recorded one there already (which says more: e.g. the exception before the process died): what an agent
-    does for a rank process it found dead, stopped or hung. Returns whether it was written."""
-    key = fault_key(keys, epoch, rec.iteration, rec.slot)
-    return Fence(store, keys, epoch).txn([Compare(key, "create", "==", 0)], [Put(key, rec.to_json_bytes())]).succeeded
 
 
 T = TypeVar("T")
@@ -115,7 +55,8 @@ class Coordinator:
         self.node_id = node_id
         self.lease_ttl = lease_ttl
         self.fence = Fence(store, keys, epoch)
-        self.base = f"{keys.restart}{epoch}/"
+        self.round_keys = keys.restart_round(epoch)
+        self.base = self.round_keys.base
         self.lease = 0
         self.retry_for = retry_for
         # One log line when etcd becomes unreachable and one when it is back, however many calls retry meanwhile.
@@ -137,26 +78,6 @@ class Coordinator:
                 self.outage.ok()
                 return result
 
-    # -- keys -----------------------------------------------------------------------------------------------
-
-    def alive_key(self, slot: int) -> str:
-        return f"{self.base}alive/{slot}"
-
-    def arrive_key(self, iteration: int, slot: int) -> str:
-        return f"{self.base}arrive/{iteration}/{slot}"
-
-    def seal_key(self, iteration: int) -> str:
-        return f"{self.base}seal/{iteration}"
-
-    def fault_key(self, iteration: int, slot: int) -> str:
-        return fault_key(self.keys, self.epoch, iteration, slot)
-
-    def done_key(self, iteration: int, slot: int) -> str:
-        return f"{self.base}done/{iteration}/{slot}"
-
-    def torch_store_prefix(self, iteration: int) -> str:
-        return f"{self.keys.torch_store(self.epoch)}{iteration}/"
-
     # -- reading ----------------------------------------------------------------------------------------------
 
     def view(self) -> EpochView:
@@ -164,26 +85,10 @@ class Coordinator:
         return self.parse(kvs, revision)
 
     def parse(self, kvs: list[KeyValue], revision: int) -> EpochView:
-        v = EpochView(revision=revision)
-        for kv in kvs:
-            parts = kv.key[len(self.base):].split("/")
-            try:
-                kind = parts[0]
-                if kind == "alive" and len(parts) == 2:
-                    v.alive[int(parts[1])] = AliveRecord.from_json_bytes(kv.value)
-                elif kind == "arrive" and len(parts) == 3:
-                    v.arrivals.setdefault(int(parts[1]), {})[int(parts[2])] = \
-                        ArrivalRecord.from_json_bytes(kv.value)
-                elif kind == "seal" and len(parts) == 2:
-                    v.seals[int(parts[1])] = SealRecord.from_json_bytes(kv.value)
-                elif kind == "fault" and len(parts) == 3:
-                    v.faults.setdefault(int(parts[1]), []).append(
-                        (kv.mod_revision, FaultRecord.from_json_bytes(kv.value)))
-                elif kind == "done" and len(parts) == 3:
-                    v.done.setdefault(int(parts[1]), set()).add(int(parts[2]))
-            except ValueError as e:
-                log.warning("epoch %d: ignoring invalid record at %s: %s", self.epoch, kv.key, e)
-        return v
+        view, problems = parse_view(((kv.key[len(self.base):], kv.value, kv.mod_revision) for kv in kvs), revision)
+        for key, why in problems.items():
+            log.warning("epoch %d: ignoring invalid record at %s%s: %s", self.epoch, self.base, key, why)
+        return view
 
     # -- writing (fenced) -------------------------------------------------------------------------------------
 
@@ -191,7 +96,7 @@ class Coordinator:
         """Grant the heartbeat lease and publish this process's ``alive`` key."""
         self.lease = self._retry("lease grant", lambda: self.store.lease_grant(self.lease_ttl))
         rec = AliveRecord(slot=self.slot, node_id=self.node_id, pid=os.getpid())
-        self._retry("heartbeat put", lambda: self.fence.put(self.alive_key(self.slot), rec.to_json_bytes(),
+        self._retry("heartbeat put", lambda: self.fence.put(self.round_keys.alive(self.slot), rec.to_json_bytes(),
                                                              lease=self.lease))
 
     def stop(self) -> None:
@@ -205,7 +110,7 @@ class Coordinator:
 
     def report_fault(self, rec: FaultRecord) -> None:
         """Publish a fault of this process in ``rec.iteration`` (overwrites its earlier one there)."""
-        self._retry("fault report", lambda: self.fence.put(self.fault_key(rec.iteration, self.slot),
+        self._retry("fault report", lambda: self.fence.put(self.round_keys.fault(rec.iteration, self.slot),
                                                            rec.to_json_bytes()))
 
     def ensure_lease(self) -> None:
@@ -220,12 +125,12 @@ class Coordinator:
 
     def arrive(self, iteration: int, rec: ArrivalRecord) -> None:
         self.ensure_lease()
-        self._retry("arrival", lambda: self.fence.put(self.arrive_key(iteration, self.slot), rec.to_json_bytes(),
-                                                      lease=self.lease))
+        key = self.round_keys.arrival(iteration, self.slot)
+        self._retry("arrival", lambda: self.fence.put(key, rec.to_json_bytes(), lease=self.lease))
 
     def mark_done(self, iteration: int) -> None:
         rec = DoneRecord(slot=self.slot, iteration=iteration)
-        self._retry("completion", lambda: self.fence.put(self.done_key(iteration, self.slot),
+        self._retry("completion", lambda: self.fence.put(self.round_keys.done(iteration, self.slot),
                                                          rec.to_json_bytes()))
 
     def try_seal(self, seal: SealRecord) -> SealRecord:
@@ -233,27 +138,28 @@ class Coordinator:
 
         The sealer also deletes the keys of iterations before the previous one, and their torch Stores.
         """
-        key = self.seal_key(seal.iteration)
+        key = self.round_keys.seal(seal.iteration)
         ops: list[Put | Delete] = [Put(key, seal.to_json_bytes())]
         res = self._retry("seal", lambda: self.fence.txn([Compare(key, "create", "==", 0)], ops, [Get(key)]))
         if not res.succeeded:
             return SealRecord.from_json_bytes(res.responses[0][0].value)
-        self._cleanup_before(seal.iteration - 1)
+        self._cleanup_before(seal.iteration)
         return seal
 
-    def _cleanup_before(self, iteration: int) -> None:
-        if iteration <= 0:
+    def _cleanup_before(self, sealed: int) -> None:
+        stale = stale_iterations(sealed)
+        if not stale:
             return
+        keys = self.round_keys
         ops: list[Put | Delete] = []
-        for it in range(max(0, iteration - 2), iteration):
-            for kind in ("arrive", "fault", "done"):
-                ops.append(Delete(f"{self.base}{kind}/{it}/", prefix=True))
-            ops.append(Delete(self.seal_key(it)))
-            ops.append(Delete(self.torch_store_prefix(it), prefix=True))
+        for it in stale:
+            ops += [Delete(keys.of_iteration(kind, it), prefix=True) for kind in (ARRIVE, FAULT, DONE)]
+            ops.append(Delete(keys.seal(it)))
+            ops.append(Delete(keys.torch_store_of(it), prefix=True))
         try:
             self.fence.txn((), ops)
         except Exception as e:  # cleanup is best-effort; the next sealer retries the same range
-            log.warning("epoch %d: cleanup before iteration %d failed: %s", self.epoch, iteration, e)
+            log.warning("epoch %d: cleanup before iteration %d failed: %s", self.epoch, sealed - 1, e)
 
     # -- waiting ----------------------------------------------------------------------------------------------
 

@@ -3,9 +3,9 @@ when the agent asks.
 
 The request itself is authenticated and checked by the agent (:mod:`stalwart.agent.drill`); the rank only
 learns of it by a signal from its own agent (same pod, same user), with the request's id in a file next to its
-status file. So nothing of the request reaches the rank from the network, and a rank that does not run the
-restart wrapper never gets the signal: the agent sends it only to a process that wrote the marker file this
-module leaves, naming its pid.
+status file (the wire format is :mod:`stalwart.api.drill`'s). So nothing of the request reaches the rank from
+the network, and a rank that does not run the restart wrapper never gets the signal: the agent sends it only
+to a process that wrote the marker file this module leaves, naming its pid.
 """
 
 from __future__ import annotations
@@ -20,30 +20,14 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
+from stalwart.api.drill import DRILL_SIGNAL, ack_path, marker_path, request_path
+
 log = logging.getLogger(__name__)
 
-__all__ = ["DRILL_SIGNAL", "DrillFault", "ack_path", "install", "marker_path", "request_path"]
-
-DRILL_SIGNAL = signal.SIGUSR2
-
+__all__ = ["DrillFault", "install"]
 
 class DrillFault(RuntimeError):
     """The exception ``stalwart drill`` injects into a rank's training function."""
-
-
-def marker_path(status_file: str) -> str:
-    """Written by a rank that accepts drills: ``{"pid": ..., "signal": "SIGUSR2"}``."""
-    return status_file + ".drill"
-
-
-def request_path(status_file: str) -> str:
-    """Written by the agent before it signals: ``{"id": ...}``."""
-    return status_file + ".drill-request"
-
-
-def ack_path(status_file: str) -> str:
-    """Written by the rank when the signal arrives: ``{"id": ..., "raised": true|false}``."""
-    return status_file + ".drill-ack"
 
 
 def _write(path: str, data: dict[str, object]) -> None:

@@ -22,11 +22,13 @@ import tempfile
 import threading
 import time
 
-from stalwart.api.restart import DIRECT_KINDS, FaultRecord, RankStatus, failure_info
+from stalwart.api.restart import FaultRecord, RankStatus, failure_info
+from stalwart.etcd.keys import ALIVE, FAULT
 from stalwart.etcd.store import StoreError, Watch, WatchEvent
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
+from stalwart.restart.protocol import Report, better_cause, lost_peer_report, stall_limit
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +93,6 @@ class StatusFile:
             os.replace(tmp, self.path)
         except OSError as e:
             log.warning("cannot write status file %s: %s", self.path, e)
-
-
-def stall_limit(soft_timeout: float, startup_timeout: float, *, pinged: bool) -> float:
-    """Seconds without progress after which a running iteration counts as hung: the soft timeout once the
-    training code has pinged in this iteration, the longer startup allowance before."""
-    return soft_timeout if pinged else max(soft_timeout, startup_timeout)
 
 
 class Monitor:
@@ -204,8 +200,7 @@ class Monitor:
             first = rec.iteration not in self._faults
             if first:
                 self._faults[rec.iteration] = rec
-            cause = self._causes.get(rec.iteration)
-            better = cause is None or (rec.kind in DIRECT_KINDS and cause.kind not in DIRECT_KINDS)
+            better = better_cause(self._causes.get(rec.iteration), rec)
             if better:
                 self._causes[rec.iteration] = rec
             current = self._iteration
@@ -218,35 +213,37 @@ class Monitor:
         # One read, not the coordinator's retrying one: the thread must keep ticking during an outage.
         kvs, revision = self.coord.store.get_prefix(self.coord.base)
         view = self.coord.parse(kvs, revision)
-        for _it, faults in view.faults.items():
-            for _, rec in sorted(faults, key=lambda f: f[0]):
-                self._on_fault(rec)
-                break
+        for it in view.faults:
+            first = view.first_fault(it)
+            if first is not None:
+                self._on_fault(first)
         return self.coord.store.watch(self.coord.base, prefix=True, start_revision=view.revision + 1)
 
     def _on_event(self, ev: WatchEvent) -> None:
         rel = ev.kv.key[len(self.coord.base):]
-        if ev.type == "put" and rel.startswith("fault/"):
+        if ev.type == "put" and rel.startswith(FAULT):
             try:
                 self._on_fault(FaultRecord.from_json_bytes(ev.kv.value))
             except ValueError as e:
                 log.warning("ignoring invalid fault record at %s: %s", ev.kv.key, e)
-        elif ev.type == "delete" and rel.startswith("alive/"):
+        elif ev.type == "delete" and rel.startswith(ALIVE):
             with contextlib.suppress(ValueError):
-                self._on_peer_lost(int(rel[len("alive/"):]))
+                self._on_peer_lost(int(rel[len(ALIVE):]))
 
     def _on_peer_lost(self, slot: int) -> None:
         """A peer's heartbeat lease ended (it died without closing its connections, or was cut off)."""
         with self._lock:
             ctx, running, iteration, active = self._ctx, self._running, self._iteration, self._active
-        if not running or ctx is None or slot == self.coord.slot or slot not in active:
+        if not running or ctx is None:
             return
-        reason = f"the heartbeat lease of slot {slot} ended"
-        rec = FaultRecord(slot=self.coord.slot, rank=ctx.rank, node_id=self.coord.node_id, iteration=iteration,
-                          kind="peer_lost", reason=reason, time=time.time(), lost_slots=[slot])
+        report = lost_peer_report(slot, self.coord.slot, iteration=iteration, rank=ctx.rank, active=active)
+        if report is not None:
+            self._report_and_interrupt(report)
+
+    def _report_and_interrupt(self, report: Report) -> None:
         with contextlib.suppress(Exception):  # interrupting matters more than reporting
-            self.coord.report_fault(rec)
-        self._interrupt(reason)
+            self.coord.report_fault(report.record(self.coord.slot, self.coord.node_id, time.time()))
+        self._interrupt(report.reason)
 
     def _run(self) -> None:
         # Ticks (the soft timeout, the probe, the status file) go on at every interval whatever etcd does:
@@ -298,11 +295,7 @@ class Monitor:
             which = "soft timeout" if limit == self.soft_timeout else "startup timeout, before the first ping"
             reason = f"no progress for {now - self.last_progress:.1f}s ({which} {limit}s)"
             log.warning("slot %d iteration %d: %s", self.coord.slot, iteration, reason)
-            rec = FaultRecord(slot=self.coord.slot, rank=ctx.rank, node_id=self.coord.node_id,
-                              iteration=iteration, kind="soft_timeout", reason=reason, time=time.time())
-            with contextlib.suppress(Exception):  # interrupting matters more than reporting
-                self.coord.report_fault(rec)
-            self._interrupt(reason)
+            self._report_and_interrupt(Report(iteration, ctx.rank, "soft_timeout", reason))
         self._flush_status()
 
     def _flush_status(self, force: bool = False) -> None:

@@ -12,7 +12,9 @@ torch Store of the iteration, ...):
 * :class:`HealthCheck` runs after Abort; raising :class:`Unhealthy` takes the process out of the job
   (default: :class:`CudaHealthCheck`, a no-op without CUDA).
 
-:class:`Compose` chains several policies of one kind, in order.
+:func:`Compose` chains several policies of one kind, in order, into a policy of that kind. Each kind is an
+abstract base class: a policy is an instance of exactly one of them, so :class:`RestartConfig` refuses a
+policy of the wrong kind, a chain included.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ import datetime
 import gc
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from stalwart.api.base import positive_seconds
 from stalwart.restart.sockets import SocketSnapshot, shutdown_sockets_since
+
+if TYPE_CHECKING:
+    from stalwart.etcd.torch_store import EtcdTorchStore
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,8 @@ __all__ = [
     "InitProcessGroup",
     "Initialize",
     "IterationContext",
+    "Policy",
+    "ProcessGroupState",
     "Unhealthy",
     "group_released_last",
 ]
@@ -65,18 +73,40 @@ class GroupArgs:
 
 
 @dataclass(slots=True)
+class ProcessGroupState:
+    """The default process group of one iteration as the policies build and tear it down. One object per
+    iteration, shared by every :class:`IterationContext` of it (the monitor thread frees blocked peers from
+    it while the main thread runs)."""
+
+    #: Filled by Initialize: the sockets open before the group was built (the group's are those opened since).
+    sockets_before: SocketSnapshot | None = None
+    #: The backend of the group being built or last built (NCCL communicators are aborted, gloo's sockets shut).
+    backend: str | None = None
+    #: The NCCL communicators were aborted already (abort once).
+    nccl_aborted: bool = False
+    #: How the default group of this iteration was built (set by :func:`build_default_group`).
+    built: GroupArgs | None = None
+    #: Groups built in this iteration so far (each from a fresh scope of the iteration's Store).
+    builds: int = 0
+    #: Groups the training function destroyed: held until its frames are gone (see group_released_last).
+    retired: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
 class IterationContext:
-    """One iteration as the policies see it. ``store`` is the iteration's torch.distributed Store."""
+    """One iteration as the policies see it. ``store`` is the iteration's torch.distributed Store; ``group``
+    the state of its default process group (the one part that changes while the iteration runs). After a
+    fault the wrapper hands Abort, Finalize and HealthCheck a copy with ``fault`` and ``own_faults`` set."""
 
     iteration: int
     slot: int
     rank: int
     world_size: int
-    store: Any
+    store: EtcdTorchStore
+    #: The process's local rank on its node (the CUDA device of an NCCL group built without ``device_id``).
+    local_rank: int = 0
     #: Peers (host, port) whose connections are not the process group's (etcd): never shut down.
-    keep_peers: Sequence[tuple[str, int]] = ()
-    #: Filled by Initialize: the sockets open before the group was built.
-    sockets_before: SocketSnapshot | None = None
+    keep_peers: tuple[tuple[str, int], ...] = ()
     #: What interrupted the iteration, for Finalize and HealthCheck (None while it runs).
     fault: BaseException | None = None
     #: The number of faults this process has raised itself (for FaultCounter).
@@ -84,73 +114,100 @@ class IterationContext:
     #: How the training function asked for the default group in an earlier iteration (it calls
     #: ``init_process_group`` itself): InitProcessGroup builds it that way from the start.
     group_args: GroupArgs | None = None
-    #: How the default group of this iteration was built (set by :func:`build_default_group`).
-    built: GroupArgs | None = None
-    #: Groups built in this iteration so far (each from a fresh scope of ``store``).
-    builds: int = 0
-    #: Groups the training function destroyed: held until its frames are gone (see group_released_last).
-    retired: list[Any] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
+    group: ProcessGroupState = field(default_factory=ProcessGroupState)
 
 
-class Initialize:
+class Policy(ABC):
+    """A step of the restart loop over an :class:`IterationContext`. Each kind below is one step; a policy
+    is an instance of exactly one kind, so a configuration can check it was given the right one."""
+
+    @abstractmethod
+    def __call__(self, ctx: IterationContext) -> None: ...
+
+
+class Initialize(Policy):
     """Runs before the training function in every iteration."""
 
-    def __call__(self, ctx: IterationContext) -> None:
-        raise NotImplementedError
 
-
-class Abort:
+class Abort(Policy):
     """Tears down what an interrupted iteration left (process groups, communicators). Must not block on
     peers: it runs while they may be dead or hung."""
 
-    def __call__(self, ctx: IterationContext) -> None:
-        raise NotImplementedError
 
-
-class Finalize:
+class Finalize(Policy):
     """Runs after Abort, before the health check and the next iteration."""
 
-    def __call__(self, ctx: IterationContext) -> None:
-        raise NotImplementedError
 
-
-class HealthCheck:
+class HealthCheck(Policy):
     """Raises :class:`Unhealthy` when this process should not take part in the next iteration."""
 
+
+KINDS: tuple[type[Policy], ...] = (Initialize, Abort, Finalize, HealthCheck)
+
+K = TypeVar("K", Initialize, Abort, Finalize, HealthCheck)
+
+
+def _kind_of(policy: object, i: int) -> type[Policy]:
+    kinds = [k for k in KINDS if isinstance(policy, k)]
+    if len(kinds) != 1:
+        what = "is not a policy" if not kinds else f"is of several kinds ({', '.join(k.__name__ for k in kinds)})"
+        raise TypeError(f"Compose: policy #{i} ({policy!r}) {what}: expected an Initialize, Abort, Finalize or "
+                        "HealthCheck")
+    return kinds[0]
+
+
+def Compose(*policies: K) -> K:  # a factory under the name of the composition it makes
+    """Chain several policies of one kind into one policy of that kind, run in order: an Abort chain runs
+    every member even when one fails (and then raises the first error); other chains stop at the first
+    error. Policies of different kinds cannot be chained (TypeError naming them): the chain is a policy of
+    its members' kind only, so a configuration still refuses it where another kind is expected."""
+    if not policies:
+        raise ValueError("Compose: give at least one policy")
+    kinds = [_kind_of(p, i) for i, p in enumerate(policies)]
+    if len(set(kinds)) > 1:
+        raise TypeError(f"Compose: expected policies of one kind, got {', '.join(k.__name__ for k in kinds)}")
+    chain = next(c for c in _CHAINS if issubclass(c, kinds[0]))(policies)
+    return chain  # type: ignore[return-value]  # the chain of K's kind is a K
+
+
+class _Chain(Policy):
+    def __init__(self, policies: Sequence[Policy]) -> None:
+        self.policies = tuple(policies)
+
+    def __repr__(self) -> str:
+        return f"Compose({', '.join(map(repr, self.policies))})"
+
     def __call__(self, ctx: IterationContext) -> None:
-        raise NotImplementedError
-
-
-Policy = Initialize | Abort | Finalize | HealthCheck
-
-
-class Compose(Initialize, Abort, Finalize, HealthCheck):
-    """Runs several policies of one kind in order. An Abort chain runs every member even when one fails
-    (and then raises the first error); other chains stop at the first error."""
-
-    def __init__(self, *policies: Callable[[IterationContext], None]) -> None:
-        if not policies:
-            raise ValueError("Compose: give at least one policy")
-        for i, p in enumerate(policies):
-            if not callable(p):
-                raise TypeError(f"Compose: policy #{i} ({p!r}) is not callable")
-        self.policies = policies
-
-    def __call__(self, ctx: IterationContext) -> None:
-        if all(isinstance(p, Abort) for p in self.policies):
-            first: BaseException | None = None
-            for p in self.policies:
-                try:
-                    p(ctx)
-                except Exception as e:
-                    log.warning("abort policy %r failed: %s", p, e)
-                    first = first or e
-            if first is not None:
-                raise first
-            return
         for p in self.policies:
             p(ctx)
+
+
+class _InitializeChain(_Chain, Initialize):
+    pass
+
+
+class _AbortChain(_Chain, Abort):
+    def __call__(self, ctx: IterationContext) -> None:
+        first: BaseException | None = None
+        for p in self.policies:
+            try:
+                p(ctx)
+            except Exception as e:
+                log.warning("abort policy %r failed: %s", p, e)
+                first = first or e
+        if first is not None:
+            raise first
+
+
+class _FinalizeChain(_Chain, Finalize):
+    pass
+
+
+class _HealthCheckChain(_Chain, HealthCheck):
+    pass
+
+
+_CHAINS: tuple[type[_Chain], ...] = (_InitializeChain, _AbortChain, _FinalizeChain, _HealthCheckChain)
 
 
 class InitProcessGroup(Initialize):
@@ -184,23 +241,24 @@ def build_default_group(ctx: IterationContext, args: GroupArgs, init: Callable[.
     import torch
     from torch.distributed import distributed_c10d
 
+    group = ctx.group
     if "nccl" in args.backend and args.device_id is None and torch.cuda.is_available():
-        torch.cuda.set_device(int(ctx.extra.get("local_rank", 0)) % max(1, torch.cuda.device_count()))
-    if ctx.sockets_before is None:
-        ctx.sockets_before = SocketSnapshot()
-    ctx.extra["backend"] = args.backend
-    ctx.extra.pop("nccl_aborted", None)
-    store = ctx.store if ctx.builds == 0 else distributed_c10d.PrefixStore(f"group-{ctx.builds}/", ctx.store)
+        torch.cuda.set_device(ctx.local_rank % max(1, torch.cuda.device_count()))
+    if group.sockets_before is None:
+        group.sockets_before = SocketSnapshot()
+    group.backend = args.backend
+    group.nccl_aborted = False
+    store = ctx.store if group.builds == 0 else distributed_c10d.PrefixStore(f"group-{group.builds}/", ctx.store)
     if not distributed_c10d.is_initialized():
         # torch names the default group after a counter that destroy_process_group() resets; an earlier
         # init that failed left it raised, and the ranks would then look for each other under different names
         # (each waiting for keys the others never write). Reset it as destroy_process_group() does.
         distributed_c10d._world.group_count = 0
-    ctx.builds += 1
+    group.builds += 1
     (init or distributed_c10d.init_process_group)(
         args.backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
         timeout=datetime.timedelta(seconds=args.timeout), pg_options=args.pg_options, device_id=args.device_id)
-    ctx.built = args
+    group.built = args
 
 
 class AbortProcessGroup(Abort):
@@ -252,13 +310,14 @@ def group_released_last(retired: list[Any] | None = None, *, collect: bool = Fal
 def free_blocked_peers(ctx: IterationContext) -> int:
     """Free this process and its peers from blocked collectives, from any thread, without waiting: shut down
     the process group's TCP connections (gloo) and abort its NCCL communicators. Idempotent."""
-    if ctx.sockets_before is None:
+    group = ctx.group
+    if group.sockets_before is None:
         return 0
-    n = shutdown_sockets_since(ctx.sockets_before, keep_peers=ctx.keep_peers)
+    n = shutdown_sockets_since(group.sockets_before, keep_peers=ctx.keep_peers)
     if n:
         log.debug("iteration %d: shut down %d process-group connection(s)", ctx.iteration, n)
-    if "nccl" in str(ctx.extra.get("backend", "")) and not ctx.extra.get("nccl_aborted"):
-        ctx.extra["nccl_aborted"] = True
+    if "nccl" in (group.backend or "") and not group.nccl_aborted:
+        group.nccl_aborted = True
         try:
             _abort_nccl()
         except Exception as e:

@@ -173,7 +173,7 @@ class InitStandIn:
         if group is None or group is dist.group.WORLD:
             default = dist.group.WORLD
             if default is not None:
-                self.ctx.retired.append(default)
+                self.ctx.group.retired.append(default)
         self.original_destroy(group)
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -186,7 +186,7 @@ class InitStandIn:
         call = InitCall.of(bound.arguments)
         ctx = self.ctx
         exists = distributed_c10d.is_initialized()
-        plan = decide(call, exists=exists, built=ctx.built if exists else None, fallback=self.fallback,
+        plan = decide(call, exists=exists, built=ctx.group.built if exists else None, fallback=self.fallback,
                       rank=ctx.rank, world_size=ctx.world_size)
         unused = f" ({', '.join(plan.unused)} not used: groups bootstrap from the iteration's etcd Store)" \
             if plan.unused else ""

@@ -33,16 +33,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from stalwart.api.exit_codes import ExitCode
-from stalwart.api.restart import ArrivalRecord, FaultKind, FaultRecord, SealRecord, failure_info
+from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord, failure_info
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.restart import drill
-from stalwart.restart.assignment import Candidate, WorldTooSmall, initial_ranks
 from stalwart.restart.config import RestartConfig
-from stalwart.restart.coordination import CoordinationTimeout, Coordinator, EpochView, barrier_complete
+from stalwart.restart.coordination import CoordinationTimeout, Coordinator
 from stalwart.restart.environment import RankEnvironment
 from stalwart.restart.errors import NonRetryable, RestartExit, describe, exception_name, release_frames
 from stalwart.restart.handover import RoundWatch
@@ -54,6 +53,26 @@ from stalwart.restart.policies import (
     IterationContext,
     Unhealthy,
     group_released_last,
+)
+from stalwart.restart.protocol import (
+    EpochView,
+    Exit,
+    Finished,
+    Join,
+    Participant,
+    Report,
+    Spare,
+    WaitEnd,
+    barrier_state,
+    budget_left,
+    fault_report,
+    iteration_end,
+    join,
+    missing_slots,
+    placement,
+    plan_seal,
+    unhealthy_seal,
+    verdict,
 )
 from stalwart.restart.rounds import run_rounds
 from stalwart.restart.user_group import InitStandIn
@@ -104,6 +123,8 @@ class _Session:
     def __init__(self, env: RankEnvironment, config: RestartConfig, rounds: RoundWatch | None = None) -> None:
         self.env = env
         self.config = config
+        self.me = Participant(slot=env.slot, node_id=env.node_id, slots=env.slots, target_world=env.target_world,
+                              spare=env.spare)
         self.store = connect(env.etcd_endpoints, EtcdCredentials.from_env(), timeout=config.etcd_timeout)
         self.coord = Coordinator(self.store, env.keys, env.epoch, slot=env.slot, node_id=env.node_id,
                                  lease_ttl=config.heartbeat_ttl, retry_for=config.coordination_timeout)
@@ -114,7 +135,7 @@ class _Session:
                                watch_main_thread=main, startup_timeout=config.barrier_timeout)
         self.monitor.update_status(soft_timeout=config.soft_timeout, hard_timeout=config.hard_timeout)
         drill.install(env.status_file, lambda: self.monitor.status.state == "running")
-        self.keep_peers = [(h, int(p)) for h, _, p in (e.rpartition(":") for e in env.etcd_endpoints)]
+        self.keep_peers = tuple((h, int(p)) for h, _, p in (e.rpartition(":") for e in env.etcd_endpoints))
         self.own_faults = 0
         self.last_ctx: IterationContext | None = None
         #: How the training function asks for its process group, once it has called init_process_group.
@@ -148,63 +169,49 @@ class _Session:
             return None
         while True:
             self.check_round()
-            if iteration > self.config.max_restarts:
+            over = budget_left(iteration, self.config.max_restarts,
+                               describe(self.last_cause) if self.last_cause else "")
+            if over is not None:
                 self.monitor.update_status(state="failed")
-                last = f"; the last failure: {describe(self.last_cause)}" if self.last_cause else ""
-                raise RestartExit(ExitCode.RESTARTS_EXHAUSTED, f"{iteration} in-process restarts; max_restarts is "
-                                                               f"{self.config.max_restarts}{last}")
+                raise RestartExit(over.code, over.reason)
             healthy, why = self._health()
             self.monitor.update_status(state="barrier", iteration=iteration, restarts=iteration)
-            seal = self._barrier(iteration, healthy)
-            if not healthy:
-                raise RestartExit(ExitCode.UNHEALTHY, why)
-            if seal.error:
-                self.monitor.update_status(state="failed")
-                raise RestartExit(ExitCode.WORLD_TOO_SMALL, seal.error)
-            rank = seal.ranks.get(str(self.env.slot))
-            if rank is None:
-                self.monitor.update_status(state="inactive", rank=None, world_size=seal.world_size)
-                outcome = self._wait_end(iteration, seal, deadline=None)
-                if outcome == "done":
+            place = placement(self._barrier(iteration, healthy), self.me, healthy, why)
+            if isinstance(place, Exit):
+                if place.code != ExitCode.UNHEALTHY:
+                    self.monitor.update_status(state="failed")
+                raise RestartExit(place.code, place.reason)
+            if isinstance(place, Spare):
+                self.monitor.update_status(state="inactive", rank=None, world_size=place.seal.world_size)
+                if self._wait_end(place.seal, deadline=None) == "done":
                     self.monitor.update_status(state="done")
                     return None
                 self._take_cause(iteration)
                 iteration += 1
                 continue
-            done = self._run_iteration(fn, args, kwargs, inject, iteration=iteration, rank=rank,
-                                       world_size=seal.world_size,
-                                       active=frozenset(int(s) for s in seal.ranks))
+            done = self._run_iteration(fn, args, kwargs, inject, iteration=iteration, rank=place.rank,
+                                       world_size=place.world_size, active=place.active)
             if isinstance(done, _Finished):
                 self.monitor.update_status(state="done")
                 return done.result
             iteration += 1
 
     def _first_iteration(self) -> int | _Finished:
-        """Where a (re)started process joins: iteration 0 at the job's start; after a respawn, the next
-        iteration, reporting the current one as faulted when this slot was running in it."""
-        view = self.coord.view()
-        if not view.seals:
-            return max(view.arrivals, default=0)
-        latest = max(view.seals)
-        seal = view.seals[latest]
-        if seal.error:
-            raise RestartExit(ExitCode.WORLD_TOO_SMALL, seal.error)
-        if latest + 1 in view.arrivals:
-            return latest + 1
-        if str(self.env.slot) in seal.ranks and latest not in view.faults:
-            # The process that held this slot died during the iteration: the iteration cannot finish.
-            self._report(latest, seal.ranks[str(self.env.slot)], "process_died",
-                         "the process of this slot was restarted")
-            return latest + 1
-        if latest in view.faults:
-            return latest + 1
-        active = {int(s) for s in seal.ranks}
-        if active <= view.done.get(latest, set()):
+        """Where a (re)started process joins (:func:`~.protocol.join`)."""
+        entry = join(self.coord.view(), self.me)
+        if isinstance(entry, Exit):
+            raise RestartExit(entry.code, entry.reason)
+        if isinstance(entry, Finished):
             return _Finished(None)
+        if isinstance(entry, Join):
+            if entry.report is not None:
+                self._report(entry.report)
+            return entry.iteration
+        assert isinstance(entry, WaitEnd)
         self.monitor.update_status(state="inactive")
-        if self._wait_end(latest, seal, deadline=None) == "done":
+        if self._wait_end(entry.seal, deadline=None) == "done":
             return _Finished(None)
-        return latest + 1
+        return entry.iteration + 1
 
     def _health(self) -> tuple[bool, str]:
         if self.config.health_check is None or self.last_ctx is None:
@@ -220,76 +227,47 @@ class _Session:
         self.coord.arrive(iteration, ArrivalRecord(slot=self.env.slot, node_id=self.env.node_id,
                                                    spare=self.env.spare, healthy=healthy))
         if not healthy:
-            return SealRecord(iteration=iteration, world_size=0, ranks={}, sealed_by=self.env.slot,
-                              error="unhealthy")
+            return unhealthy_seal(iteration, self.me)
         # Processes start at different speeds (imports, CUDA): the first barrier waits longer.
         wait = self.config.barrier_timeout if iteration else max(self.config.barrier_timeout,
                                                                  self.config.start_timeout)
-        deadline = time.monotonic() + wait
 
         def ready(view: EpochView) -> object:
             self.check_round()
-            return view.seals.get(iteration) or barrier_complete(view, iteration, self.env.slots)
+            return barrier_state(view, iteration, self.env.slots)
 
         timed_out = False
         try:
-            view, result = self.coord.wait_until(ready, deadline)
+            view, result = self.coord.wait_until(ready, time.monotonic() + wait)
         except CoordinationTimeout:
             view, timed_out = self.coord.view(), True
             result = view.seals.get(iteration)
         if isinstance(result, SealRecord):
             return result
-        return self.coord.try_seal(self._decide(iteration, view, timed_out))
-
-    def _decide(self, iteration: int, view: EpochView, timed_out: bool) -> SealRecord:
-        arrivals = view.arrivals.get(iteration, {})
-        previous_seal = view.seals.get(iteration - 1)
-        if previous_seal is not None and not previous_seal.error:
-            previous = {int(s): r for s, r in previous_seal.ranks.items()}
-        else:
-            previous = initial_ranks(self.env.target_world)
-        candidates = [Candidate(slot=a.slot, spare=a.spare, healthy=a.healthy) for a in arrivals.values()]
-        try:
-            a = self.config.rank_assignment.assign(candidates, previous, self.env.target_world)
-        except WorldTooSmall as e:
-            return SealRecord(iteration=iteration, world_size=0, ranks={}, sealed_by=self.env.slot,
-                              timed_out=timed_out, error=str(e))
         if timed_out:
-            missing = sorted(set(range(self.env.slots)) - set(arrivals))
-            log.warning("iteration %d: barrier timed out; slots %s missing", iteration, missing)
-        return SealRecord(iteration=iteration, world_size=a.world_size,
-                          ranks={str(s): r for s, r in a.ranks.items()}, inactive=a.inactive,
-                          sealed_by=self.env.slot, timed_out=timed_out)
+            log.warning("iteration %d: barrier timed out; slots %s missing", iteration,
+                        missing_slots(view, iteration, self.env.slots))
+        return self.coord.try_seal(plan_seal(view, iteration, self.me, self.config.rank_assignment, timed_out))
 
-    def _wait_end(self, iteration: int, seal: SealRecord, deadline: float | None) -> str:
-        """Wait until ``iteration`` ends: ``"done"`` (every active process returned) or ``"fault"`` (a fault
-        was reported, or an active process that had not returned lost its heartbeat lease)."""
-        active = {int(s) for s in seal.ranks}
+    def _wait_end(self, seal: SealRecord, deadline: float | None) -> str:
+        """Wait until the iteration of ``seal`` ends (:func:`~.protocol.iteration_end`): ``"done"`` or
+        ``"fault"``, after reporting a peer it found lost."""
 
         def ended(view: EpochView) -> object:
             self.check_round()
-            if view.faults.get(iteration):
-                return "fault"
-            done = view.done.get(iteration, set())
-            if active <= done:
-                return "done"
-            lost = sorted(s for s in active - done if s not in view.alive)
-            if lost:
-                self._report(iteration, seal.ranks.get(str(self.env.slot)), "peer_lost",
-                             f"the heartbeat lease of slot(s) {lost} ended", lost_slots=lost)
-                return "fault"
-            return None
+            return iteration_end(view, seal, self.me)
 
-        _, result = self.coord.wait_until(ended, deadline)
-        return str(result)
+        _, ended_as = self.coord.wait_until(ended, deadline)
+        assert isinstance(ended_as, tuple)
+        outcome, report = ended_as
+        if report is not None:
+            self._report(report)
+        return str(outcome)
 
-    def _report(self, iteration: int, rank: int | None, kind: FaultKind, reason: str,
-                error: BaseException | None = None, *, lost_slots: list[int] | None = None) -> None:
-        rec = FaultRecord(slot=self.env.slot, rank=rank, node_id=self.env.node_id, iteration=iteration,
-                          kind=kind, reason=reason[:2048], time=time.time(), lost_slots=lost_slots or [],
-                          exception=None if error is None else exception_name(error)[:512],
-                          message=None if error is None else str(error)[:2048])
-        self.coord.report_fault(rec)
+    def _report(self, report: Report, error: BaseException | None = None) -> None:
+        self.coord.report_fault(report.record(
+            self.env.slot, self.env.node_id, time.time(), exception=None if error is None else exception_name(error),
+            message=None if error is None else str(error)))
 
     @contextlib.contextmanager
     def _building(self, ctx: IterationContext) -> Iterator[None]:
@@ -327,8 +305,8 @@ class _Session:
         timeout = getattr(self.config.initialize, "timeout", 1800.0)
         store = EtcdTorchStore(self.store, self.env.keys, self.env.epoch, scope=f"{iteration}/", timeout=timeout)
         ctx = IterationContext(iteration=iteration, slot=self.env.slot, rank=rank, world_size=world_size,
-                               store=store, keep_peers=self.keep_peers, own_faults=self.own_faults,
-                               group_args=self.group_args, extra={"local_rank": self.env.local_rank})
+                               store=store, local_rank=self.env.local_rank, keep_peers=self.keep_peers,
+                               own_faults=self.own_faults, group_args=self.group_args)
         self.last_ctx = ctx
         os.environ["RANK"] = str(rank)
         os.environ["WORLD_SIZE"] = str(world_size)
@@ -358,7 +336,7 @@ class _Session:
         except NonRetryable as e:
             self.interrupter.leave_user_code()
             self.monitor.end()
-            self._report(iteration, rank, "non_retryable", f"non-retryable: {e!r}", e)
+            self._report(Report(iteration, rank, "non_retryable", f"non-retryable: {e!r}"), e)
             self._abort(ctx)
             raise RestartExit(ExitCode.NON_RETRYABLE, f"{exception_name(e)}: {e}") from e
         except (RestartInterrupt, Exception) as e:
@@ -369,10 +347,10 @@ class _Session:
                 self.coord.mark_done(iteration)
                 seal = self.coord.view().seals.get(iteration) or SealRecord(
                     iteration=iteration, world_size=world_size, ranks={}, sealed_by=self.env.slot)
-                outcome = self._wait_end(iteration, seal, time.monotonic() + self.config.completion_timeout)
+                outcome = self._wait_end(seal, time.monotonic() + self.config.completion_timeout)
             except CoordinationTimeout:
-                self._report(iteration, rank, "completion_timeout",
-                             f"not every rank returned within {self.config.completion_timeout}s")
+                self._report(Report(iteration, rank, "completion_timeout",
+                                    f"not every rank returned within {self.config.completion_timeout}s"))
                 outcome = "fault"
             self.monitor.end()
             if outcome == "done":
@@ -380,10 +358,11 @@ class _Session:
                 return _Finished(result)
             fault = RestartInterrupt("a peer failed before every rank returned")
         self.monitor.end()
-        ctx.fault = fault
         self._on_fault(ctx, fault)
+        ctx = replace(ctx, fault=fault, own_faults=self.own_faults)
+        self.last_ctx = ctx
         self.monitor.update_status(state="restarting")
-        with group_released_last(ctx.retired):
+        with group_released_last(ctx.group.retired):
             self._abort(ctx)
             release_frames(fault)
         # The iteration's cause, as every process will see it (this process's error may be a consequence).
@@ -398,30 +377,30 @@ class _Session:
             return
         self.last_cause = cause
         self.monitor.update_status(last_failure=failure_info(cause))
-        if cause.kind == "non_retryable":
+        end = verdict(cause, describe(cause))
+        if end is not None:
             self.monitor.update_status(state="failed")
-            raise RestartExit(ExitCode.NON_RETRYABLE, describe(cause))
+            raise RestartExit(end.code, end.reason)
 
     def _on_fault(self, ctx: IterationContext, fault: BaseException) -> None:
         """Report ``fault`` unless the iteration was interrupted, or it followed another process's fault."""
         iteration, rank = ctx.iteration, ctx.rank
-        if isinstance(fault, RestartInterrupt) or self.interrupter.requested is not None:
+        interrupted = isinstance(fault, RestartInterrupt) or self.interrupter.requested is not None
+        peer = None if interrupted else self._peer_fault(iteration)
+        report = fault_report(iteration, rank, interrupted=interrupted, peer_fault=peer,
+                              init_deadline_hit=ctx.store.deadline_hit, barrier_timeout=self.config.barrier_timeout,
+                              error=repr(fault))
+        if interrupted:
             log.info("slot %d rank %d iteration %d: interrupted (%s)", self.env.slot, rank, iteration,
                      self.interrupter.requested or fault)
-            return
-        peer = self._peer_fault(iteration)
-        if peer is not None:
+        elif peer is not None:
             log.info("slot %d rank %d iteration %d: %r after %s: taken as its consequence", self.env.slot, rank,
                      iteration, fault, describe(peer))
+        if report is None:
             return
         self.own_faults += 1
-        ctx.own_faults = self.own_faults
         log.warning("slot %d rank %d iteration %d: fault: %r", self.env.slot, rank, iteration, fault)
-        if ctx.store.deadline_hit:
-            self._report(iteration, rank, "init_timeout", f"the process group was not built within "
-                         f"{self.config.barrier_timeout:g}s: {fault!r}", fault)
-        else:
-            self._report(iteration, rank, "exception", repr(fault), fault)
+        self._report(report, fault)
 
     def _abort(self, ctx: IterationContext) -> None:
         try:
@@ -439,7 +418,7 @@ class _Session:
 
         # DDP keeps the group in reference cycles: the group is destroyed here, before the function returns
         # to the script, and its worker threads joined (see group_released_last).
-        with group_released_last(ctx.retired, collect=True):
+        with group_released_last(ctx.group.retired, collect=True):
             if dist.is_initialized():
                 dist.destroy_process_group()
 

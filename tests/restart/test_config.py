@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Callable
 
 import pytest
 
 from stalwart.api.exit_codes import Disposition, ExitCode, disposition
 from stalwart.api.pod_env import PodEnvError
 from stalwart.restart import (
+    Abort,
     AbortProcessGroup,
     CallWrapper,
     Compose,
     CudaHealthCheck,
     FaultCounter,
+    FinalizeCallback,
+    HealthCheck,
     InitProcessGroup,
     IterationContext,
     RestartConfig,
@@ -61,10 +66,47 @@ def test_importing_stalwart_does_not_import_torch() -> None:
     (lambda: FaultCounter(-1), "FaultCounter.max_faults"),
     (Compose, "Compose: give at least one policy"),
     (lambda: Compose(AbortProcessGroup(), 3), "policy #1"),  # type: ignore[arg-type]
+    (lambda: Compose(AbortProcessGroup(), lambda ctx: None), r"policy #1 \(<function .*\) is not a policy"),
+    (lambda: Compose(AbortProcessGroup(), FaultCounter(1)), "expected policies of one kind, got Abort, HealthCheck"),
 ])
 def test_policies_are_validated(policy: object, message: str) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         policy()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("option", "chain", "message"), [
+    ("health_check", lambda: Compose(AbortProcessGroup()), "health_check: expected a HealthCheck policy"),
+    ("abort", lambda: Compose(FaultCounter(1), CudaHealthCheck()), "abort: expected a Abort policy"),
+    ("initialize", lambda: Compose(FinalizeCallback(print)), "initialize: expected a Initialize policy"),
+])
+def test_a_chain_is_a_policy_of_its_members_kind_only(option: str, chain: Callable[[], object],
+                                                      message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        RestartConfig(**{option: chain()})  # type: ignore[arg-type]
+
+
+def test_chains_of_each_kind_are_accepted_where_that_kind_is_expected() -> None:
+    config = RestartConfig(initialize=Compose(InitProcessGroup("gloo")), abort=Compose(AbortProcessGroup()),
+                           finalize=Compose(FinalizeCallback(print)),
+                           health_check=Compose(CudaHealthCheck(), FaultCounter(2)))
+    assert isinstance(config.health_check, HealthCheck) and not isinstance(config.health_check, Abort)
+    assert "FaultCounter" in repr(config.health_check)
+
+
+def test_a_policy_kind_is_abstract() -> None:
+    class NoCall(Abort):
+        pass
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoCall()  # type: ignore[abstract]
+
+
+def test_the_iteration_context_is_frozen() -> None:
+    ctx = _ctx()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.rank = 3  # type: ignore[misc]
+    after = dataclasses.replace(ctx, own_faults=2)
+    assert after.group is ctx.group and after.own_faults == 2 and ctx.own_faults == 0
 
 
 def _ctx(**kw: object) -> IterationContext:

@@ -68,7 +68,7 @@ def test_sealing_deletes_iterations_before_the_previous(store: Store, job: tuple
     for it in range(6):
         c.arrive(it, ArrivalRecord(slot=0, node_id="n"))
         c.try_seal(SealRecord(iteration=it, world_size=1, ranks={"0": 0}, sealed_by=0))
-        store.put(c.torch_store_prefix(it) + "addr", b"x")
+        store.put(c.round_keys.torch_store_of(it) + "addr", b"x")
         c.report_fault(_fault(0, it))
     view = c.view()
     assert set(view.seals) == {4, 5}

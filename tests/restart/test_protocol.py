@@ -1,60 +1,245 @@
-"""The pure decisions of the restart protocol over an epoch's records: who a barrier waits for, and which
-fault of an iteration is its cause."""
+"""The pure decisions of the restart protocol over a round's records: where a process joins, who a barrier
+waits for, the seal, what it means for each process, when an iteration ended, which fault of an iteration
+is its cause and what a failure reports. No etcd, no clock, no threads."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
+from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import AliveRecord, ArrivalRecord, FaultRecord, SealRecord
-from stalwart.restart.coordination import EpochView, barrier_complete
-from stalwart.restart.monitor import stall_limit
+from stalwart.restart.assignment import RankAssignment
+from stalwart.restart.protocol import (
+    Arrived,
+    EpochView,
+    Exit,
+    Finished,
+    Join,
+    Participant,
+    Report,
+    Run,
+    Spare,
+    WaitEnd,
+    barrier_complete,
+    barrier_state,
+    better_cause,
+    budget_left,
+    fault_report,
+    iteration_end,
+    join,
+    lost_peer_report,
+    missing_slots,
+    parse_view,
+    placement,
+    plan_seal,
+    stale_iterations,
+    stall_limit,
+    verdict,
+)
+
+ME = Participant(slot=1, node_id="n", slots=3, target_world=2)
 
 
-def arrivals(*slots: int) -> dict[int, ArrivalRecord]:
-    return {s: ArrivalRecord(slot=s, node_id="n") for s in slots}
+def arrivals(*slots: int, spare: tuple[int, ...] = (), sick: tuple[int, ...] = ()) -> dict[int, ArrivalRecord]:
+    return {s: ArrivalRecord(slot=s, node_id="n", spare=s in spare, healthy=s not in sick) for s in slots}
 
 
-def view(*, now: tuple[int, ...], before: tuple[int, ...] | None = None, alive: tuple[int, ...] = (),
+def seal(iteration: int, ranks: Mapping[int, int], *, inactive: tuple[int, ...] = (), error: str = "") -> SealRecord:
+    return SealRecord(iteration=iteration, world_size=0 if error else len(ranks),
+                      ranks={str(s): r for s, r in ranks.items()}, inactive=list(inactive), sealed_by=0, error=error)
+
+
+def fault(slot: int, kind: str, iteration: int = 0) -> FaultRecord:
+    return FaultRecord(slot=slot, node_id="n", iteration=iteration, kind=kind, reason=kind,  # type: ignore[arg-type]
+                       time=0.0)
+
+
+def alive(*slots: int) -> dict[int, AliveRecord]:
+    return {s: AliveRecord(slot=s, node_id="n", pid=1) for s in slots}
+
+
+def view(*, now: tuple[int, ...], before: tuple[int, ...] | None = None, alive_: tuple[int, ...] = (),
          sealed: dict[str, int] | None = None, inactive: tuple[int, ...] = ()) -> EpochView:
-    v = EpochView(alive={s: AliveRecord(slot=s, node_id="n", pid=1) for s in alive}, arrivals={1: arrivals(*now)})
+    arr: dict[int, Mapping[int, ArrivalRecord]] = {1: arrivals(*now)}
     if before is not None:
-        v.arrivals[0] = arrivals(*before)
-    if sealed is not None:
-        v.seals[0] = SealRecord(iteration=0, world_size=len(sealed), ranks=sealed, inactive=list(inactive),
-                                sealed_by=0)
-    return v
+        arr[0] = arrivals(*before)
+    seals = {} if sealed is None else {0: SealRecord(iteration=0, world_size=len(sealed), ranks=sealed,
+                                                     inactive=list(inactive), sealed_by=0)}
+    return EpochView(alive=alive(*alive_), arrivals=arr, seals=seals)
 
 
 @pytest.mark.parametrize(("the_view", "complete"), [
     (view(now=(0, 1, 2)), True),
     (view(now=(0, 1)), False),  # the first barrier waits for every slot
     (view(now=(0, 1), before=(0, 1)), True),  # slot 2 took no part and has no process
-    (view(now=(0, 1), before=(0, 1), alive=(2,)), False),  # ...but now it has one: waited for
+    (view(now=(0, 1), before=(0, 1), alive_=(2,)), False),  # ...but now it has one: waited for
     (view(now=(0,), before=(0,), sealed={"0": 0, "1": 1}), False),  # slot 1 ran iteration 0 (its arrival went
     # with its lease): waited for, it may come back with a new lease
     (view(now=(0, 1), before=(0, 1), sealed={"0": 0, "1": 1}, inactive=(2,)), False),  # an inactive spare too
 ], ids=["all", "first-missing", "never-there", "alive-now", "took-part", "spare-took-part"])
 def test_who_the_barrier_waits_for(the_view: EpochView, complete: bool) -> None:
     assert barrier_complete(the_view, 1, slots=3) is complete
+    state = barrier_state(the_view, 1, slots=3)
+    assert isinstance(state, Arrived) if complete else state is None
+    assert missing_slots(the_view, 1, slots=3) == sorted({0, 1, 2} - set(the_view.arrivals[1]))
 
 
-def fault(slot: int, kind: str) -> FaultRecord:
-    return FaultRecord(slot=slot, node_id="n", iteration=0, kind=kind, reason=kind, time=0.0)  # type: ignore[arg-type]
+def test_a_sealed_barrier_is_over_whoever_is_missing() -> None:
+    sealed = seal(1, {0: 0})
+    v = EpochView(arrivals={1: arrivals(0)}, seals={1: sealed})
+    assert barrier_state(v, 1, slots=3) == sealed
+
+
+@pytest.mark.parametrize(("arrived", "previous", "timed_out", "expected"), [
+    (arrivals(0, 1, 2, spare=(2,)), None, False, ({"0": 0, "1": 1}, [2], "")),  # the first seal: slot i, rank i
+    (arrivals(1, 2, spare=(2,)), seal(0, {0: 0, 1: 1}, inactive=(2,)), True, ({"2": 0, "1": 1}, [], "")),  # the
+    # spare takes the lost rank 0
+    (arrivals(0, 1, 2, spare=(2,), sick=(0, 2)), seal(0, {0: 0, 1: 1}), False, ({"1": 0}, [], "")),  # the world
+    # shrinks from the top
+    (arrivals(0, 1, 2, spare=(2,)), seal(0, {}, error="too small"), False, ({"0": 0, "1": 1}, [2], "")),  # an
+    # invalid previous seal: start again from slot i, rank i
+    (arrivals(spare=()), None, True, ({}, [], "0 healthy process(es) present")),
+], ids=["first", "spare-fills", "shrinks", "after-error", "nobody"])
+def test_the_seal(arrived: dict[int, ArrivalRecord], previous: SealRecord | None, timed_out: bool,
+                  expected: tuple[dict[str, int], list[int], str]) -> None:
+    ranks, inactive, error = expected
+    v = EpochView(arrivals={1: arrived}, seals={} if previous is None else {0: previous})
+    s = plan_seal(v, 1, ME, RankAssignment(), timed_out)
+    assert (s.iteration, s.ranks, s.inactive, s.sealed_by, s.timed_out) == (1, ranks, inactive, ME.slot, timed_out)
+    assert s.error.startswith(error) and bool(s.error) == bool(error)
+    assert s.world_size == len(ranks)
+
+
+@pytest.mark.parametrize(("the_seal", "healthy", "expected"), [
+    (seal(3, {0: 1, 1: 0}), True, Run(0, 2, frozenset({0, 1}))),
+    (seal(3, {0: 0, 2: 1}, inactive=(1,)), True, Spare(seal(3, {0: 0, 2: 1}, inactive=(1,)))),
+    (seal(3, {}, error="too few"), True, Exit(ExitCode.WORLD_TOO_SMALL, "too few")),
+    (seal(3, {0: 1, 1: 0}), False, Exit(ExitCode.UNHEALTHY, "gpu gone")),
+], ids=["runs", "spare", "too-small", "unhealthy"])
+def test_what_a_seal_means_for_a_process(the_seal: SealRecord, healthy: bool, expected: object) -> None:
+    assert placement(the_seal, ME, healthy, "gpu gone") == expected
+
+
+RUNNING = seal(4, {0: 0, 1: 1})
+
+
+@pytest.mark.parametrize(("the_view", "expected"), [
+    (EpochView(alive=alive(0, 1)), None),
+    (EpochView(alive=alive(0, 1), done={4: frozenset({0})}), None),
+    (EpochView(alive=alive(0, 1), done={4: frozenset({0, 1})}), ("done", None)),
+    (EpochView(alive=alive(0), done={4: frozenset({1})}), None),  # slot 1 returned, then left: not lost
+    (EpochView(alive=alive(1), faults={4: ((9, fault(0, "exception", 4)),)}), ("fault", None)),
+    (EpochView(alive=alive(1)), ("fault", Report(4, 1, "peer_lost", "the heartbeat lease of slot(s) [0] ended",
+                                                 (0,)))),
+    (EpochView(alive=alive(1), faults={3: ((9, fault(0, "exception", 3)),)}), ("fault", Report(
+        4, 1, "peer_lost", "the heartbeat lease of slot(s) [0] ended", (0,)))),  # a fault of another iteration
+], ids=["running", "one-returned", "all-returned", "returned-then-gone", "fault", "peer-lost", "older-fault"])
+def test_when_an_iteration_ended(the_view: EpochView, expected: object) -> None:
+    assert iteration_end(the_view, RUNNING, ME) == expected
+
+
+@pytest.mark.parametrize(("the_view", "expected"), [
+    (EpochView(), Join(0)),
+    (EpochView(arrivals={0: arrivals(0, 2)}), Join(0)),  # the first barrier is under way
+    (EpochView(seals={0: seal(0, {}, error="too few")}), Exit(ExitCode.WORLD_TOO_SMALL, "too few")),
+    (EpochView(seals={2: seal(2, {0: 0, 1: 1})}, arrivals={3: arrivals(0)}), Join(3)),  # the next barrier began
+    (EpochView(seals={2: seal(2, {0: 0, 1: 1})}), Join(3, Report(2, 1, "process_died",
+                                                                  "the process of this slot was restarted"))),
+    (EpochView(seals={2: seal(2, {0: 0, 1: 1})}, faults={2: ((5, fault(0, "exception", 2)),)}), Join(3)),
+    (EpochView(seals={2: seal(2, {0: 0, 2: 1})}, done={2: frozenset({0, 2})}), Finished()),
+    (EpochView(seals={2: seal(2, {0: 0, 2: 1})}), WaitEnd(2, seal(2, {0: 0, 2: 1}))),  # a spare: wait
+], ids=["start", "first-barrier", "too-small", "next-barrier", "died-running", "after-fault", "finished", "spare"])
+def test_where_a_process_joins(the_view: EpochView, expected: object) -> None:
+    assert join(the_view, ME) == expected
+
+
+@pytest.mark.parametrize(("iteration", "limit", "last", "expected"), [
+    (0, 0, "", None),
+    (3, 3, "", None),
+    (4, 3, "rank 1: boom", Exit(ExitCode.RESTARTS_EXHAUSTED,
+                                "4 in-process restarts; max_restarts is 3; the last failure: rank 1: boom")),
+    (1, 0, "", Exit(ExitCode.RESTARTS_EXHAUSTED, "1 in-process restarts; max_restarts is 0")),
+])
+def test_the_restart_budget(iteration: int, limit: int, last: str, expected: Exit | None) -> None:
+    assert budget_left(iteration, limit, last) == expected
+
+
+@pytest.mark.parametrize(("interrupted", "peer", "deadline_hit", "expected"), [
+    (True, None, False, None),  # someone reported the iteration's fault already
+    (False, fault(0, "exception"), False, None),  # a consequence of the peer's fault
+    (False, None, True, Report(2, 1, "init_timeout", "the process group was not built within 60s: E()")),
+    (False, None, False, Report(2, 1, "exception", "E()")),
+], ids=["interrupted", "consequence", "init-timeout", "own"])
+def test_what_a_failure_reports(interrupted: bool, peer: FaultRecord | None, deadline_hit: bool,
+                                expected: Report | None) -> None:
+    assert fault_report(2, 1, interrupted=interrupted, peer_fault=peer, init_deadline_hit=deadline_hit,
+                        barrier_timeout=60.0, error="E()") == expected
+
+
+def test_a_report_becomes_a_bounded_record() -> None:
+    rec = Report(2, None, "peer_lost", "x" * 5000, (3, 4)).record(1, "pod-1", 12.5, exception="E" * 600)
+    assert (rec.slot, rec.node_id, rec.rank, rec.iteration, rec.kind, rec.lost_slots, rec.time) == \
+        (1, "pod-1", None, 2, "peer_lost", [3, 4], 12.5)
+    assert len(rec.reason) == 2048 and rec.exception is not None and len(rec.exception) == 512
+
+
+def test_a_non_retryable_cause_ends_every_process() -> None:
+    assert verdict(None, "") is None
+    assert verdict(fault(0, "exception"), "rank 0: E") is None
+    assert verdict(fault(0, "non_retryable"), "rank 0: E") == Exit(ExitCode.NON_RETRYABLE, "rank 0: E")
+
+
+@pytest.mark.parametrize(("slot", "active", "expected"), [
+    (0, frozenset({0, 1}), Report(5, 1, "peer_lost", "the heartbeat lease of slot 0 ended", (0,))),
+    (1, frozenset({0, 1}), None),  # its own lease: not a peer
+    (2, frozenset({0, 1}), None),  # a spare's: not in the iteration
+])
+def test_a_lost_peer(slot: int, active: frozenset[int], expected: Report | None) -> None:
+    assert lost_peer_report(slot, ME.slot, iteration=5, rank=1, active=active) == expected
+
+
+@pytest.mark.parametrize(("sealed", "removed"), [(0, []), (1, []), (2, [0]), (3, [0, 1]), (7, [4, 5])])
+def test_the_sealer_removes_the_iterations_before_the_previous(sealed: int, removed: list[int]) -> None:
+    assert list(stale_iterations(sealed)) == removed
+
+
+def test_a_view_is_parsed_and_bad_records_left_out() -> None:
+    entries = [
+        ("alive/1", AliveRecord(slot=1, node_id="n", pid=7).to_json_bytes(), 3),
+        ("arrive/2/1", ArrivalRecord(slot=1, node_id="n").to_json_bytes(), 4),
+        ("seal/2", seal(2, {1: 0}).to_json_bytes(), 5),
+        ("fault/2/1", fault(1, "soft_timeout", 2).to_json_bytes(), 9),
+        ("fault/2/0", fault(0, "exception", 2).to_json_bytes(), 8),
+        ("done/2/1", b"{}", 6),
+        ("fault/2/2", b"not json", 7),
+        ("seal/x", b"{}", 7),
+        ("other/1", b"{}", 7),
+    ]
+    v, problems = parse_view(entries, 10)
+    assert v.revision == 10 and set(v.alive) == {1} and set(v.arrivals[2]) == {1} and v.seals[2].ranks == {"1": 0}
+    assert [rev for rev, _ in v.faults[2]] == [8, 9] and v.done == {2: frozenset({1})}
+    assert set(problems) == {"fault/2/2", "seal/x"}
+    assert v.first_fault(2) == fault(0, "exception", 2)
 
 
 @pytest.mark.parametrize(("faults", "cause"), [
     ([], None),
     ([(5, fault(0, "soft_timeout"))], 0),
     ([(5, fault(0, "soft_timeout")), (6, fault(1, "stopped"))], 1),  # the stopped rank, not the peer it held up
-    ([(6, fault(1, "exception")), (5, fault(0, "exception"))], 0),  # the first by revision
+    ([(5, fault(0, "exception")), (6, fault(1, "exception"))], 0),  # the first by revision
     ([(5, fault(0, "peer_lost")), (6, fault(2, "completion_timeout")), (7, fault(1, "process_died"))], 1),
 ])
 def test_the_cause_of_an_iteration(faults: list[tuple[int, FaultRecord]], cause: int | None) -> None:
-    v = EpochView(faults={0: faults} if faults else {})
+    v = EpochView(faults={0: tuple(faults)} if faults else {})
     found = v.cause(0)
     assert (found.slot if found is not None else None) == cause
-    by_revision = [f.slot for _, f in sorted(faults, key=lambda rf: rf[0])]
-    assert [f.slot for f in v.faults_of_others(0, 0)] == [s for s in by_revision if s != 0]
+    assert [f.slot for f in v.faults_of_others(0, 0)] == [f.slot for _, f in faults if f.slot != 0]
+    known: FaultRecord | None = None
+    for _, rec in faults:  # what the monitor knows as records arrive, in revision order
+        known = rec if better_cause(known, rec) else known
+    assert (known.slot if known is not None else None) == cause
 
 
 @pytest.mark.parametrize(("soft", "startup", "pinged", "limit"), [
