@@ -5,6 +5,7 @@ These pydantic v2 models are the one source of truth for the CRD (:mod:`stalwart
 """
 
 from stalwart.api.base import MAX_RECORD_BYTES, ApiModel, Rule, RuleViolation
+from stalwart.api.failure_rules import ExitCodeMatch, ExitCodeOperator, FailureAction, FailureReason, FailureRule
 from stalwart.api.job_record import JobRecord
 from stalwart.api.naming import (
     LABEL_INDEX,
@@ -24,11 +25,6 @@ from stalwart.api.naming import (
 from stalwart.api.spec import (
     CleanPodPolicy,
     Container,
-    ExitCodeMatch,
-    ExitCodeOperator,
-    FailureAction,
-    FailureReason,
-    FailureRule,
     InProcessRestart,
     PodSpec,
     PodTemplate,

@@ -12,7 +12,8 @@ from typing import ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from stalwart.api.base import ApiModel, Rule, RuleViolation, check_rules
-from stalwart.api.spec import FailureRule, SuccessPolicy
+from stalwart.api.failure_rules import FailureRule
+from stalwart.api.spec import SuccessPolicy
 from stalwart.api.trainingjob import TrainingJob
 
 RECORD_VERSION = 1

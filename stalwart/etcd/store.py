@@ -118,52 +118,30 @@ class Store:
         self._lease = rpc_grpc.LeaseStub(self._channel)
         self._watch_stub = rpc_grpc.WatchStub(self._channel)
         self._maint = rpc_grpc.MaintenanceStub(self._channel)
-        self._login: store_auth.Login | None = None
+        login: store_auth.Login | None = None
         self._closed = False
         self._keepalive: KeepAlive | None = None
         self._keepalive_lock = threading.Lock()
         if user is not None:
-            self._login = store_auth.Login(self._channel, user, password or "", self.timeout)
+            login = store_auth.Login(self._channel, user, password or "", self.timeout)
             try:
-                self._login.login()
+                login.login()
             except grpc.RpcError as e:
                 self._channel.close()
                 raise map_error(e, f"login as {user!r}") from e
+        self._calls = _AuthedCalls(login)
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
     def _call(self, fn: Any, req: Any, what: str, timeout: float | None) -> Any:
         if self._closed:
             raise StoreError("store is closed")
-        metadata = self._auth_metadata()
-        try:
-            return fn(req, timeout=timeout or self.timeout, metadata=metadata)
-        except grpc.RpcError as e:
-            if not self._renewed(e, metadata, what):
-                raise map_error(e, what) from e
-        try:  # refused unapplied for a stale token (store_auth): once more with the new one
-            return fn(req, timeout=timeout or self.timeout, metadata=self._auth_metadata())
-        except grpc.RpcError as e:
-            raise map_error(e, what) from e
-
-    def _auth_metadata(self) -> list[tuple[str, str]] | None:
-        return None if self._login is None else self._login.metadata()
-
-    def _renewed(self, e: grpc.RpcError, stale: list[tuple[str, str]] | None, what: str) -> bool:
-        """Log in again when ``e`` says the token went stale; False when it did not (or there is no login)."""
-        if self._login is None or not store_auth.token_is_stale(e):
-            return False
-        try:
-            self._login.renew(stale)
-        except grpc.RpcError as err:
-            raise map_error(err, f"{what} (renewing the login of {self._login.user!r})") from err
-        log.info("etcd auth token of %r renewed (%s)", self._login.user, what)
-        return True
+        return self._calls.call(fn, req, what, timeout or self.timeout)
 
     @property
     def token_renewals(self) -> int:
         """How often this store logged in again after its auth token went stale."""
-        return 0 if self._login is None else self._login.renewals
+        return self._calls.renewals
 
     def auth(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """Call one method of etcd's Auth service (``UserAdd``, ``RoleGrantPermission``, ...) with this
@@ -256,12 +234,8 @@ class Store:
             return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
         except StorePermissionDenied:
             # etcd reports a stale token on a watch as a plain denial: log in again once and see.
-            if self._login is None:
+            if not self._calls.renew(f"watch {key}"):
                 raise
-            try:
-                self._login.renew(None)
-            except grpc.RpcError as e:
-                raise map_error(e, f"watch {key} (renewing the login of {self._login.user!r})") from e
             return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
 
     # -- leases -------------------------------------------------------------------------------------------
@@ -297,14 +271,14 @@ class Store:
     def lease_refresh(self, lease_id: int, *, timeout: float | None = None) -> int:
         """Send one keep-alive for a lease; returns the TTL granted (0 or less if the lease is gone)."""
         for attempt in (0, 1):
-            metadata = self._auth_metadata()
+            metadata = self._calls.metadata()
             call = self._lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
                                               timeout=timeout or self.timeout, metadata=metadata)
             try:
                 for resp in call:
                     return int(resp.TTL)
             except grpc.RpcError as e:
-                if attempt or not self._renewed(e, metadata, "lease keep-alive"):
+                if attempt or not self._calls.renewed(e, metadata, "lease keep-alive"):
                     raise map_error(e, "lease keep-alive") from e
         return 0
 
@@ -334,3 +308,51 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _AuthedCalls:
+    """Unary calls with the login's token; a call refused for a stale token logs in again and is made once
+    more (etcd refuses it unapplied, so the retry cannot apply it twice). Thread-safe."""
+
+    def __init__(self, login: store_auth.Login | None) -> None:
+        self._login = login
+
+    @property
+    def renewals(self) -> int:
+        return 0 if self._login is None else self._login.renewals
+
+    def call(self, fn: Any, req: Any, what: str, timeout: float) -> Any:
+        metadata = self.metadata()
+        try:
+            return fn(req, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            if not self.renewed(e, metadata, what):
+                raise map_error(e, what) from e
+        try:
+            return fn(req, timeout=timeout, metadata=self.metadata())
+        except grpc.RpcError as e:
+            raise map_error(e, what) from e
+
+    def metadata(self) -> list[tuple[str, str]] | None:
+        return None if self._login is None else self._login.metadata()
+
+    def renew(self, what: str) -> bool:
+        """Log in again (etcd reports a stale token on a watch as a plain denial); False without a login."""
+        if self._login is None:
+            return False
+        try:
+            self._login.renew(None)
+        except grpc.RpcError as e:
+            raise map_error(e, f"{what} (renewing the login of {self._login.user!r})") from e
+        return True
+
+    def renewed(self, e: grpc.RpcError, stale: list[tuple[str, str]] | None, what: str) -> bool:
+        """Log in again when ``e`` says the token went stale; False when it did not (or there is no login)."""
+        if self._login is None or not store_auth.token_is_stale(e):
+            return False
+        try:
+            self._login.renew(stale)
+        except grpc.RpcError as err:
+            raise map_error(err, f"{what} (renewing the login of {self._login.user!r})") from err
+        log.info("etcd auth token of %r renewed (%s)", self._login.user, what)
+        return True

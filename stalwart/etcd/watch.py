@@ -52,7 +52,7 @@ class Watch:
         self._progress_asked: float | None = None
         create = rpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
         self._requests.put(rpc.WatchRequest(create_request=create))
-        self._call = store._watch_stub.Watch(self._request_iter(), metadata=store._auth_metadata())
+        self._call = store._watch_stub.Watch(self._request_iter(), metadata=store._calls.metadata())
         self._thread = threading.Thread(target=self._pump, args=(key,), name=f"etcd-watch:{key[:40]!r}",
                                         daemon=True)
         self._thread.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from stalwart.api.exit_codes import Disposition, ExitCode, disposition
-from stalwart.api.spec import ExitCodeOperator, FailureAction, FailureReason, FailureRule
+from stalwart.api.failure_rules import ExitCodeOperator, FailureAction, FailureReason, FailureRule
 from stalwart.operator.model import PodView
 
 __all__ = ["failure_action", "failure_reason", "rule_matches"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from stalwart.api import naming
-from stalwart.api.spec import FailureReason, SuccessPolicy, TrainingJobSpec
+from stalwart.api.failure_rules import FailureReason
+from stalwart.api.spec import SuccessPolicy, TrainingJobSpec
 from stalwart.api.status import ConditionStatus, ConditionType, Phase, RestartCounts
 from stalwart.operator.failures import Fact
 from stalwart.operator.model import CreatePod, DeletePod, PodView, WriteJobRecord

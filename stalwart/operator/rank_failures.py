@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from stalwart.api.exit_codes import ExitCode
+from stalwart.api.failure_rules import FailureReason
 from stalwart.api.restart import FailureInfo, ProgressRecord
-from stalwart.api.spec import FailureReason
 from stalwart.api.status import FailureRecord
 from stalwart.operator.failures import reason_of_kind, short_type
 

@@ -47,7 +47,8 @@ conditions, and the outcomes that end a job).
 from __future__ import annotations
 
 from stalwart.api import naming
-from stalwart.api.spec import CleanPodPolicy, FailureAction, FailureReason, TrainingJobSpec
+from stalwart.api.failure_rules import FailureAction, FailureReason
+from stalwart.api.spec import CleanPodPolicy, TrainingJobSpec
 from stalwart.api.status import ConditionStatus, ConditionType, FailureRecord, Phase, RestartCounts, TrainingJobStatus
 from stalwart.operator.failure_rules import failure_action, failure_reason, rule_matches
 from stalwart.operator.failures import Fact

@@ -10,7 +10,7 @@ import pytest
 from stalwart.api.base import positive_seconds
 from stalwart.drill.session import DrillOptions
 from stalwart.etcd.outage import Backoff
-from stalwart.operator.model import OperatorSettings
+from stalwart.operator.model import ReconcileSettings
 from stalwart.restart.config import RestartConfig
 
 
@@ -28,7 +28,7 @@ def test_anything_else_is_refused_naming_the_field(value: object) -> None:
 
 @pytest.mark.parametrize(("make", "field"), [
     (lambda: Backoff(initial=0), "initial"),
-    (lambda: OperatorSettings(resync_interval=math.nan), "resync_interval"),
+    (lambda: ReconcileSettings(resync_interval=math.nan), "resync_interval"),
     (lambda: DrillOptions(ready_timeout=-1), "--ready-timeout"),
     (lambda: RestartConfig(barrier_timeout=math.inf), "barrier_timeout"),
 ])

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from stalwart.agent.rendezvous.errors import StaleEpoch
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
+from stalwart.etcd.fence import StaleEpoch
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
