@@ -4,7 +4,9 @@ When a round is sealed with a spare pod among its members (the job's JobRecord l
 took the ranks of a lost worker: the Event names the spare, its global ranks in the new round, the round, and
 the pod whose loss the job is recovering from (``lastFailure``). With ``restartPolicy.inProcess.warmSpares``
 the spare's processes were already running, parked, and took the ranks in process; without, they start now.
-A spare that was a member of an earlier round (promoted before) is not announced again.
+A spare that was a member of an earlier round (promoted before) is not announced again, as far as its progress
+record shows it: a spare whose first round was superseded before it wrote a record of that round is announced
+again for the next.
 """
 
 from __future__ import annotations

@@ -137,7 +137,10 @@ class Monitor:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        # A session whose round was over before it began (a second round sealed during a handover) closes a
+        # monitor that never started.
+        if self._thread.ident is not None:
+            self._thread.join(timeout=10)
         self._flush_status(force=True)
 
     def begin(self, iteration: int, ctx: IterationContext, active: frozenset[int] = frozenset()) -> None:

@@ -51,14 +51,17 @@ def pod_pids(pod: str) -> set[int]:
 
 
 def rank_pids(pod: str) -> set[int]:
-    """The rank processes of ``pod`` (its processes running the example, not its agent)."""
+    """The rank processes of ``pod``: its processes running the example whose parent is one of the pod's too (the
+    agent, whose own command line names the example after ``--``, is the pod's first process)."""
+    pids = pod_pids(pod)
     found = set()
-    for pid in pod_pids(pod):
+    for pid in pids:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if b"stalwart.examples.train" in cmdline:
+        if b"stalwart.examples.train" in cmdline and parent in pids:
             found.add(pid)
     return found
 
@@ -280,7 +283,10 @@ def test_a_second_worker_lost_while_the_job_recovers_from_the_first(
     assert restarts["processRestarts"] == 0 and restarts["podReplacements"] == 2, st
     assert restarts["inProcess"] in (1, 2), st
     assert st["lastFailure"]["pod"] in workers[1:], st["lastFailure"]  # a lost pod, not the survivor
-    assert sorted(took_over(jobs, name)) == spares
+    # Each spare is announced; one whose first round was superseded before its agent wrote a record of it (the
+    # second loss sealed the next round within a fraction of a second) may be announced again for the next
+    # round: the operator knows a spare's earlier rounds only from its records.
+    assert sorted(set(took_over(jobs, name))) == spares
     jobs.delete(name)
     wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
 
