@@ -28,6 +28,7 @@ Usage: ``python bench/rendezvous.py [--nodes 16 64 256 1024] [--cap 120] [--impl
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -263,7 +264,9 @@ def worker_torch(impl: str, n: int, endpoint: str, cap: float) -> dict[str, Any]
             backend = counting.wrap(C10dRendezvousBackend(client, run_id))
             handlers.append(create_handler(client, backend, params))
         else:
-            backend = counting.wrap(EtcdV3RendezvousBackend(shared, f"/bench/torch/{run_id}/state"))
+            # The backend signs its state with the job's secret; every worker process of the run derives the same.
+            secret = hashlib.sha256(f"bench secret {run_id}".encode()).digest()
+            backend = counting.wrap(EtcdV3RendezvousBackend(shared, f"/bench/torch/{run_id}/state", secret=secret))
             store = EtcdTorchStore.unfenced(shared, f"/bench/torch/{run_id}/store/", timeout=cap + 60)
             handlers.append(create_handler(store, backend, params))
     ranks: dict[int, int] = {}
