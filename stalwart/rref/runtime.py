@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_FETCH_MARGIN = 5.0
+
 #: Errors after which the owner never counted a new reference (releasing it must send no delete).
 _NEVER_RAN = (E.TransportError, E.PayloadError, E.UnknownFunction, E.StaleEpoch, E.EpochAhead, E.RpcShutdown)
 
@@ -109,7 +111,11 @@ class RRefRuntime(RpcExtension):
                 fut.set_result(value)
 
         self.host.call_soon(self._start_fetch, handle, t, finished)
-        return fut.result()
+        # The fetch ends itself at ``t``; the margin bounds the wait also when the loop stops before it can.
+        try:
+            return fut.result(timeout=t + _FETCH_MARGIN)
+        except concurrent.futures.TimeoutError:
+            raise E.RpcTimeout(f"to_here: no answer from {handle.owner_name!r} within {t:g}s") from None
 
     # -- loop thread ------------------------------------------------------------------------------------
 
