@@ -21,9 +21,10 @@ from stalwart.operator.work import Work, condition
 
 __all__ = ["BLOCKING_KINDS", "conflict_of", "etcd_access", "etcd_problem", "ownership"]
 
-#: Kinds whose conflict stops the job: its pods would mount a foreign Secret, or be named by a foreign
-#: Service. A pod's conflict only takes that pod's name out of use.
-BLOCKING_KINDS = frozenset({"Secret", "Service"})
+#: Kinds whose conflict stops the job: its pods would mount a foreign Secret, be named by a foreign
+#: Service, or be gang-scheduled by a foreign PodGroup's minimum. A pod's conflict only takes that pod's name
+#: out of use.
+BLOCKING_KINDS = frozenset({"Secret", "Service", "PodGroup"})
 REASON_NOT_OWNED = "NotOwned"
 
 

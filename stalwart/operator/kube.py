@@ -146,12 +146,33 @@ class Kube:
         refs = (json.loads(result.data).get("metadata") or {}).get("ownerReferences") or []
         return [dict(r) for r in refs if isinstance(r, Mapping)]
 
-    async def create_pod_group(self, namespace: str, body: Mapping[str, Any]) -> None:
+    async def create_pod_group(self, namespace: str, body: Mapping[str, Any]) -> bool:
+        """Create the PodGroup; False when one of that name exists already."""
         group, _, version = str(body["apiVersion"]).partition("/")
-        await self._call("create", "podgroups", str(body["metadata"]["name"]),
-                         lambda: self.custom.create_namespaced_custom_object(
-                             group, version, namespace, "podgroups", body, _request_timeout=self.timeout,
-                             _preload_content=False), ok_status=(409,))
+        return await self._call("create", "podgroups", str(body["metadata"]["name"]),
+                                lambda: self.custom.create_namespaced_custom_object(
+                                    group, version, namespace, "podgroups", body, _request_timeout=self.timeout,
+                                    _preload_content=False), ok_status=(409,)) is not None
+
+    async def patch_pod_group(self, namespace: str, body: Mapping[str, Any]) -> None:
+        """Merge-patch the existing PodGroup's ``spec`` to ``body``'s."""
+        group, _, version = str(body["apiVersion"]).partition("/")
+        name = str(body["metadata"]["name"])
+        await self._call("patch", "podgroups", name, lambda: self.custom.patch_namespaced_custom_object(
+            group, version, namespace, "podgroups", name, {"spec": dict(body["spec"])},
+            _request_timeout=self.timeout, _preload_content=False))
+
+    async def pod_group_owner_references(self, api_version: str, namespace: str,
+                                         name: str) -> list[dict[str, Any]] | None:
+        """As :meth:`owner_references`, for the PodGroup ``name`` of ``api_version`` (``group/version``)."""
+        group, _, version = api_version.partition("/")
+        result = await self._call("get", "podgroups", name, lambda: self.custom.get_namespaced_custom_object(
+            group, version, namespace, "podgroups", name, _request_timeout=self.timeout,
+            _preload_content=False), ok_status=(404,))
+        if result is None:
+            return None
+        refs = (json.loads(result.data).get("metadata") or {}).get("ownerReferences") or []
+        return [dict(r) for r in refs if isinstance(r, Mapping)]
 
     # -- the TrainingJob ------------------------------------------------------------------------------------
 

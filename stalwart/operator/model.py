@@ -159,6 +159,10 @@ class Observation:
     etcd_problem: EtcdProblem | None = None
     #: Objects the job needs whose names are taken by objects that are not the job's.
     conflicts: tuple[Conflict, ...] = ()
+    #: The operator runs with a gang scheduler (``--gang-scheduler``): each job has a PodGroup to keep.
+    gang_scheduled: bool = False
+    #: The job's PodGroup's ``minMember`` as this operator last wrote it (None: not written yet).
+    pod_group_min_member: int | None = None
 
 
 # -- actions -------------------------------------------------------------------------------------------------
@@ -168,6 +172,15 @@ class Observation:
 class EnsureOwnedObjects:
     """Create the headless Service and the Secret with a random RPC token, unless they exist (and check that
     existing ones are the job's: one that is not becomes a :class:`Conflict`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncPodGroup:
+    """Make the job's PodGroup's ``minMember`` the job's minimum (create the group, or patch the one there):
+    the gang scheduler then binds a pod only once that many of the job's pods fit (spares are not counted:
+    a job runs without them)."""
+
+    min_member: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +240,7 @@ class DeleteJob:
     """ttlSecondsAfterFinished passed: delete the TrainingJob (its pods go by owner reference)."""
 
 
-Action = (EnsureOwnedObjects | CreatePod | DeletePod | RevokeLease | WriteJobRecord | CloseRendezvous
+Action = (EnsureOwnedObjects | SyncPodGroup | CreatePod | DeletePod | RevokeLease | WriteJobRecord | CloseRendezvous
           | PatchStatus | EmitEvent | DeleteJob)
 
 

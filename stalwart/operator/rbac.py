@@ -59,8 +59,14 @@ PERMISSIONS: tuple[Permission, ...] = (
                "Events on the TrainingJob (restarts, replacements, phase changes) and kopf's own"),
     Permission("scheduling.volcano.sh", "podgroups", ("create",), "namespace", "volcano",
                "the job's PodGroup for Volcano (--gang-scheduler=volcano)"),
+    Permission("scheduling.volcano.sh", "podgroups", ("get", "patch"), "namespace", "volcano",
+               "the job's PodGroup exists already: adopted only if the job controls it, then its minMember "
+               "kept equal to spec.minReplicas as that is edited"),
     Permission("scheduling.x-k8s.io", "podgroups", ("create",), "namespace", "coscheduling",
                "the job's PodGroup for the coscheduling plugin (--gang-scheduler=coscheduling)"),
+    Permission("scheduling.x-k8s.io", "podgroups", ("get", "patch"), "namespace", "coscheduling",
+               "the job's PodGroup exists already: adopted only if the job controls it, then its minMember "
+               "kept equal to spec.minReplicas as that is edited"),
     Permission("kopf.dev", "clusterkopfpeerings", ("list", "watch", "patch"), "cluster", "peering",
                "kopf peering between replicas serving every namespace"),
     Permission("kopf.dev", "kopfpeerings", ("list", "watch", "patch"), "namespace", "peering",

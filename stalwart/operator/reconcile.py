@@ -67,6 +67,7 @@ from stalwart.operator.model import (
     PatchStatus,
     ReconcileSettings,
     RevokeLease,
+    SyncPodGroup,
     WriteJobRecord,
 )
 from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
@@ -181,11 +182,11 @@ def _replacements(status: TrainingJobStatus) -> int:
 #: The order actions are applied in: owned objects before pods that mount the Secret; fences before any pod is
 #: created (a lost pod is fenced before its replacement can join); the record before the pods that read it;
 #: the status after the changes it describes. The sort is stable, so pods keep their decided order.
-_APPLY_ORDER: tuple[type, ...] = (EnsureOwnedObjects, RevokeLease, DeletePod, WriteJobRecord, CreatePod,
-                                  CloseRendezvous, PatchStatus, EmitEvent, DeleteJob)
+_APPLY_ORDER: tuple[type, ...] = (EnsureOwnedObjects, SyncPodGroup, RevokeLease, DeletePod, WriteJobRecord,
+                                  CreatePod, CloseRendezvous, PatchStatus, EmitEvent, DeleteJob)
 #: The order when the decision counts new pod replacements: the status (the count) before the pods.
-_APPLY_ORDER_COUNTED: tuple[type, ...] = (EnsureOwnedObjects, RevokeLease, DeletePod, WriteJobRecord, PatchStatus,
-                                          CreatePod, CloseRendezvous, EmitEvent, DeleteJob)
+_APPLY_ORDER_COUNTED: tuple[type, ...] = (EnsureOwnedObjects, SyncPodGroup, RevokeLease, DeletePod, WriteJobRecord,
+                                          PatchStatus, CreatePod, CloseRendezvous, EmitEvent, DeleteJob)
 
 
 def refused_template(spec: TrainingJobSpec, settings: ReconcileSettings) -> tuple[str, str] | None:
@@ -249,6 +250,10 @@ def _active(w: Work, spec: TrainingJobSpec) -> None:
     obs = w.obs
     st = w.status
     _fold_etcd(w)
+    # The gang's minimum follows spec.minReplicas as it is edited; spares are not counted (a job runs without
+    # them, and a replacement pod joins a group whose other pods are bound already).
+    if obs.gang_scheduled and obs.pod_group_min_member != spec.min_nodes:
+        w.actions.append(SyncPodGroup(spec.min_nodes))
 
     # Deadline, counted from startTime (reset by suspension, as for Kubernetes Jobs).
     deadline = spec.run_policy.active_deadline_seconds

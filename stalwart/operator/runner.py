@@ -31,6 +31,7 @@ from stalwart.operator.job_login import job_secret_data, provision
 from stalwart.operator.kube import Kube, KubeError, new_rpc_token
 from stalwart.operator.manifests import (
     AGENT_COMMAND,
+    GANG_SCHEDULERS,
     pod_group_manifest,
     pod_manifest,
     secret_manifest,
@@ -53,6 +54,7 @@ from stalwart.operator.model import (
     PodView,
     ReconcileSettings,
     RevokeLease,
+    SyncPodGroup,
     WriteJobRecord,
 )
 from stalwart.operator.observe import job_view, overlay
@@ -132,6 +134,7 @@ class JobRunner:
         self.written_status: TrainingJobStatus | None = None
         self.last_patch: float | None = None
         self.owned_ready = False
+        self.pod_group_min_member: int | None = None
         self.created: dict[str, tuple[PodView, float]] = {}
         self.deleted: dict[str, tuple[int, float]] = {}
         self.phase: str | None = None
@@ -185,7 +188,9 @@ class JobRunner:
         return Observation(job=job, pods=overlay(pods, self.created, self.deleted, now), etcd=etcd, now=now,
                            last_status_patch=self.last_patch, owned_objects_ready=self.owned_ready,
                            written_status=self.written_status, unreachable_nodes=unreachable_nodes,
-                           etcd_problem=self.etcd_problem, conflicts=tuple(self.conflicts.values()))
+                           etcd_problem=self.etcd_problem, conflicts=tuple(self.conflicts.values()),
+                           gang_scheduled=self.ctx.gang_scheduler is not None,
+                           pod_group_min_member=self.pod_group_min_member)
 
     async def step(self, body: Mapping[str, Any], pods: Sequence[PodView],
                    unreachable_nodes: frozenset[str] = frozenset()) -> Decision:
@@ -249,6 +254,9 @@ class JobRunner:
                     if any(c.kind in BLOCKING_KINDS for c in self.conflicts.values()) \
                             and set(self.conflicts.values()) != set(obs.conflicts):
                         return False  # decide again, knowing the conflict: no pod may use a foreign object
+                elif isinstance(action, SyncPodGroup):
+                    if not await self._sync_pod_group(job, action.min_member):
+                        return False  # decide again, knowing the conflict
                 elif isinstance(action, RevokeLease):
                     for a in batch:
                         assert isinstance(a, RevokeLease)
@@ -287,7 +295,7 @@ class JobRunner:
                           time.perf_counter() - t0)
             except (KubeError, StoreError, ValueError) as e:
                 log.warning("job %s/%s: %s failed: %s", ns, self.name, type(action).__name__, e)
-                if isinstance(action, (RevokeLease, EnsureOwnedObjects, WriteJobRecord)):
+                if isinstance(action, (RevokeLease, EnsureOwnedObjects, SyncPodGroup, WriteJobRecord)):
                     return False  # what follows depends on it
                 if isinstance(action, PatchStatus) and any(isinstance(a, CreatePod) for a in actions[i:]):
                     return False  # the replacements' count must be written before they are created
@@ -327,15 +335,32 @@ class JobRunner:
                  if not created]
         if any(found):
             return
-        if self.ctx.gang_scheduler is not None and job.spec is not None:
-            await self.ctx.kube.create_pod_group(ns, pod_group_manifest(
-                gang=self.ctx.gang_scheduler, job=self.name, namespace=ns, uid=job.uid,
-                min_member=job.spec.min_nodes))
         self.owned_ready = True
+
+    async def _sync_pod_group(self, job: JobView, min_member: int) -> bool:
+        """Create the job's PodGroup, or patch the job's own to ``min_member``; False when one of that name
+        is not the job's (then a conflict: it is left alone)."""
+        assert self.ctx.gang_scheduler is not None
+        body = pod_group_manifest(gang=self.ctx.gang_scheduler, job=self.name, namespace=self.namespace,
+                                  uid=job.uid, min_member=min_member)
+        if not await self.ctx.kube.create_pod_group(self.namespace, body):
+            if await self._conflicting("podgroups", "PodGroup", self.name, job.uid):
+                return False
+            await self.ctx.kube.patch_pod_group(self.namespace, body)
+        self.pod_group_min_member = min_member
+        log.info("job %s/%s: PodGroup minMember %d", self.namespace, self.name, min_member)
+        return True
+
+    async def _owner_references(self, resource: str, name: str) -> list[dict[str, Any]] | None:
+        if resource == "podgroups":
+            assert self.ctx.gang_scheduler is not None
+            api_version = GANG_SCHEDULERS[self.ctx.gang_scheduler][0]
+            return await self.ctx.kube.pod_group_owner_references(api_version, self.namespace, name)
+        return await self.ctx.kube.owner_references(resource, self.namespace, name)
 
     async def _conflicting(self, resource: str, kind: str, name: str, uid: str) -> bool:
         """Whether the existing ``kind``/``name`` is not the job's (then remembered as a conflict)."""
-        conflict = conflict_of(kind, name, uid, await self.ctx.kube.owner_references(resource, self.namespace, name))
+        conflict = conflict_of(kind, name, uid, await self._owner_references(resource, name))
         if conflict is None:
             self.conflicts.pop((kind, name), None)
             return False
@@ -347,7 +372,7 @@ class JobRunner:
 
     async def _recheck_conflicts(self, uid: str) -> None:
         """Drop the conflicts that are gone (the object deleted, or now the job's)."""
-        resources = {"Pod": "pods", "Service": "services", "Secret": "secrets"}
+        resources = {"Pod": "pods", "Service": "services", "Secret": "secrets", "PodGroup": "podgroups"}
         for kind, name in list(self.conflicts):
             try:
                 await self._conflicting(resources[kind], kind, name, uid)

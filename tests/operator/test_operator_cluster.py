@@ -325,6 +325,32 @@ def test_gang_scheduler_pod_group(start_operator: OperatorFactory, jobs: Jobs, l
                                                      "gang")
     assert group["spec"]["minMember"] == 2
     assert all(p.metadata.labels["scheduling.x-k8s.io/pod-group"] == "gang" for p in jobs.pods("gang"))
+    # The gang's minimum follows spec.minReplicas as the user edits it.
+    jobs.patch_spec("gang", {"minReplicas": 3})
+    wait_for("minMember 3", lambda: jobs.custom.get_namespaced_custom_object(
+        "scheduling.x-k8s.io", "v1alpha1", jobs.ns, "podgroups", "gang")["spec"]["minMember"] == 3)
+
+
+def test_a_foreign_pod_group_holds_the_job_and_is_left_alone(
+        start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster) -> None:
+    local_cluster.kubectl("apply", "-f", "-", input=PODGROUP_CRD)
+    jobs.custom.create_namespaced_custom_object("scheduling.x-k8s.io", "v1alpha1", jobs.ns, "podgroups", {
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1", "kind": "PodGroup", "metadata": {"name": "squat"},
+        "spec": {"minMember": 7}})
+    start_operator(jobs.ns, agent_command=(), gang_scheduler="coscheduling")
+    jobs.create(job_body("squat", replicas=2, command=SLEEP))
+
+    def conflict() -> dict[str, Any] | None:
+        return next((c for c in jobs.status("squat").get("conditions") or []
+                     if c.get("type") == "OwnershipConflict" and c.get("status") == "True"), None)
+
+    cond = wait_for("the OwnershipConflict condition", conflict, timeout=60)
+    assert cond["message"].startswith("PodGroup squat (no controller): exists")
+    # No pod joins a gang whose minimum is someone else's, and that PodGroup is not changed.
+    assert jobs.pods("squat") == []
+    group = jobs.custom.get_namespaced_custom_object("scheduling.x-k8s.io", "v1alpha1", jobs.ns, "podgroups",
+                                                     "squat")
+    assert group["spec"]["minMember"] == 7 and not group["metadata"].get("ownerReferences")
 
 
 def test_two_replicas_with_peering_one_works_and_the_other_takes_over(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -21,6 +22,7 @@ from stalwart.operator.model import (
     PatchStatus,
     ReconcileSettings,
     RevokeLease,
+    SyncPodGroup,
     WriteJobRecord,
 )
 from stalwart.operator.reconcile import condition, failure_action, reconcile
@@ -59,6 +61,25 @@ def test_new_job_creates_service_secret_workers_spares_and_record() -> None:
     # Owned objects first, the record before the pods that read it, the status after them.
     kinds = [type(a).__name__ for a in d.actions]
     assert kinds.index("WriteJobRecord") < kinds.index("CreatePod") < kinds.index("PatchStatus")
+
+
+@pytest.mark.parametrize(("gang", "written", "min_replicas", "want"), [
+    (False, None, 2, None),
+    (True, None, 2, 2),
+    (True, 2, 2, None),
+    (True, 2, 1, 1),
+    (True, 1, 2, 2),
+], ids=["no-gang-scheduler", "first-write", "up-to-date", "minimum-lowered", "minimum-raised"])
+def test_pod_group_min_member_follows_min_replicas(gang: bool, written: int | None, min_replicas: int,
+                                                   want: int | None) -> None:
+    obs = replace(observe(job(minReplicas=min_replicas), [], ready=False), gang_scheduled=gang,
+                  pod_group_min_member=written)
+    d = reconcile(obs)
+    assert of(d, SyncPodGroup) == ([] if want is None else [SyncPodGroup(want)])
+    if want is not None:
+        # The gang's minimum is set before any pod is created, so the scheduler never binds a part of it.
+        kinds = [type(a).__name__ for a in d.actions]
+        assert kinds.index("EnsureOwnedObjects") < kinds.index("SyncPodGroup") < kinds.index("CreatePod")
 
 
 @pytest.mark.parametrize(("pods", "etcd_view", "phase", "reason"), [

@@ -49,11 +49,11 @@ The operator's permissions: exactly the resources and verbs it calls, as listed 
 {{- if eq .gang "volcano" }}
 - apiGroups: ["scheduling.volcano.sh"]
   resources: ["podgroups"]
-  verbs: ["create"]
+  verbs: ["create", "get", "patch"]
 {{- else if eq .gang "coscheduling" }}
 - apiGroups: ["scheduling.x-k8s.io"]
   resources: ["podgroups"]
-  verbs: ["create"]
+  verbs: ["create", "get", "patch"]
 {{- end }}
 {{- if .peering }}
 - apiGroups: ["kopf.dev"]
