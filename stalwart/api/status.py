@@ -184,6 +184,10 @@ class TrainingJobStatus(ApiModel):
     completion_time: datetime | None = Field(default=None, description="When the job finished.")
     selector: str | None = Field(
         default=None, description="Label selector of the worker pods (for the scale subresource).")
+    promoted_spares: list[str] | None = Field(
+        default=None,
+        description=("Spare pods that have taken a lost worker's ranks, sorted: each is announced once, by the "
+                     "SpareTookOver Event of the first round it is a member of."))
     tracked_pods: list[str] | None = Field(
         default=None,
         description=("Names of the job's pods the operator has seen alive and has not deleted itself, sorted. "

@@ -34,9 +34,12 @@ def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Seq
         st.progress = Progress(step=a.evidence.step, updated=to_time(a.evidence.step_time or w.now))
     for type_, reason, message in a.events:
         w.event(type_, reason, message)
-    for message in takeovers(w.obs.job.status.round, manifest, w.obs.etcd.record, w.obs.etcd.progress,
-                             st.last_failure, warm=spec.restart_policy.in_process.warm_spares):
+    took = takeovers(w.obs.job.status.round, manifest, w.obs.etcd.record, w.obs.etcd.progress, st.last_failure,
+                     warm=spec.restart_policy.in_process.warm_spares, announced=st.promoted_spares or ())
+    for _, message in took:
         w.event("Normal", REASON_SPARE_TOOK_OVER, message)
+    if took:
+        st.promoted_spares = sorted({*(st.promoted_spares or ()), *(spare for spare, _ in took)})
 
     if a.degraded:
         w.cond(ConditionType.COORDINATION_DEGRADED, ConditionStatus.TRUE, "EtcdUnreachable",

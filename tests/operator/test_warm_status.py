@@ -109,7 +109,9 @@ def test_takeovers() -> None:
     spare_history = progress("spare-0", round_=2, history=(RoundSummary(round=2, epoch=9, kept=True),))
     lost = status(Phase.RESTARTING).last_failure
     assert takeovers(1, m2, record(), (spare_history,), lost, warm=False) == [
-        f"spare pod {S0} took ranks 2-3 of world size 4 in round 2, with processes started now"]
+        (S0, f"spare pod {S0} took ranks 2-3 of world size 4 in round 2, with processes started now")]
+    # Announced already (its first round was superseded before it wrote a record of it): not again.
+    assert takeovers(1, m2, record(), (), lost, warm=True, announced=[S0]) == []
     # Not a new round, the first round, or a spare that was a member of an earlier round already: no Event.
     assert takeovers(2, m2, record(), (), lost, warm=True) == []
     assert takeovers(None, m2, record(), (), lost, warm=True) == []
