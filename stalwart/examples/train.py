@@ -28,7 +28,9 @@ Fault injection for demos and tests (environment): ``STALWART_EXAMPLE_FAIL_AT_ST
 restarted or replaced rank fails again only while the count lasts).
 
 Output: one JSON object per line on stdout, each with its ``time`` (``start``, ``resume``, ``fault``, ``step`` every
-``--log-every`` steps, ``done``).
+``--log-every`` steps, ``done``). ``done`` carries ``params_sha256``, the digest of the final parameters' bytes
+(equal on every rank of a correct run), and the parameters themselves as ``params`` only for a model of at most
+``PARAMS_IN_DONE`` of them (a 100 M-parameter list would be gigabytes of JSON).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -64,6 +67,8 @@ CHECKPOINT_NAME = "checkpoint.pt"
 FAULT_MARKER = "fault-injected"
 IN_FEATURES = 16
 HIDDEN = 32
+#: The largest model whose final parameters the ``done`` line lists (larger ones: the digest only).
+PARAMS_IN_DONE = 100_000
 OUT_FEATURES = 4
 BASE_LR = 0.05
 
@@ -276,8 +281,20 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
         if opts.step_delay:
             time.sleep(opts.step_delay)
     emit("done", rank=rank, world_size=world_size, step=_state.step, loss=round(last_loss, 6),
-         params=[float(v) for p in _state.model.parameters() for v in p.detach().flatten().tolist()])
+         **final_parameters(_state.model))
     return last_loss
+
+
+def final_parameters(model: nn.Module) -> dict[str, Any]:
+    """``params_sha256`` of the parameters' bytes, and ``params`` (flat) for a model of at most
+    :data:`PARAMS_IN_DONE` parameters."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    out: dict[str, Any] = {"params_sha256": digest.hexdigest()}
+    if sum(p.numel() for p in model.parameters()) <= PARAMS_IN_DONE:
+        out["params"] = [float(v) for p in model.parameters() for v in p.detach().flatten().tolist()]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

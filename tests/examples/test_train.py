@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -184,3 +185,18 @@ def test_the_default_learning_rate_keeps_a_wide_model_finite() -> None:
 def test_a_learning_rate_that_is_not_positive_is_refused_naming_the_option() -> None:
     with pytest.raises(ValueError, match=r"--lr must be > 0, got 0\.0"):
         train.parse_options(["--lr", "0"], env={})
+
+
+def test_the_done_line_lists_small_models_and_digests_every_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = train.build_model(0, 4)
+    out = train.final_parameters(small)
+    flat = torch.cat([p.detach().flatten() for p in small.parameters()])
+    assert out["params"] == flat.tolist()
+    assert out["params_sha256"] == hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    # One parameter changed by one ulp changes the digest.
+    with torch.no_grad():
+        next(small.parameters()).view(-1)[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+    assert train.final_parameters(small)["params_sha256"] != out["params_sha256"]
+    # Past the limit, the digest only (a 100 M-parameter list would be gigabytes of JSON).
+    monkeypatch.setattr(train, "PARAMS_IN_DONE", flat.numel() - 1)
+    assert set(train.final_parameters(small)) == {"params_sha256"}

@@ -90,6 +90,8 @@ def assert_fault_free(logs: list[list[dict[str, Any]]], steps: int, world: int) 
     expected = fault_free_params(steps, world=world)
     for d in done.values():
         assert torch.allclose(torch.tensor(d["params"]), expected, rtol=1e-5, atol=1e-6)
+    # The replicas are the same to the bit, the spare's copy from its peer included.
+    assert len({d["params_sha256"] for d in done.values()}) == 1, done
 
 
 @pytest.mark.parametrize("fault", ["force-delete", "sigkill", "delete"])
