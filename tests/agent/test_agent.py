@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "restart"))
 from restart_helpers import SCRIPT, expected_checksum, restart_records
 
+from stalwart.agent.processes import process_state
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ProgressRecord
 from stalwart.etcd.keys import JobKeys
@@ -167,6 +168,13 @@ def test_a_stopped_rank_is_killed_at_once_when_the_agent_stops(etcd: EtcdServer,
     ranks = sorted(_children(agent.pid))
     assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGSTOP)
+    # The stop takes effect when the rank is next scheduled: on a loaded machine a SIGTERM sent before that is
+    # dequeued first (the lower signal number) and the rank ends as a running process would, so the agent
+    # must be told to stop only once the rank is stopped.
+    until = time.monotonic() + 30
+    while process_state(ranks[1]) not in ("T", "t"):
+        assert time.monotonic() < until, f"rank {ranks[1]} did not stop: state {process_state(ranks[1])!r}"
+        time.sleep(0.01)
     start = time.monotonic()
     agent.send_signal(signal.SIGTERM)
     _, err = agent.communicate(timeout=TIMEOUT)
