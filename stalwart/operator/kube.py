@@ -141,10 +141,7 @@ class Kube:
                 "secrets": self.core.read_namespaced_secret}[resource]
         result = await self._call("get", resource, name, lambda: read(
             name, namespace, _request_timeout=self.timeout, _preload_content=False), ok_status=(404,))
-        if result is None:
-            return None
-        refs = (json.loads(result.data).get("metadata") or {}).get("ownerReferences") or []
-        return [dict(r) for r in refs if isinstance(r, Mapping)]
+        return None if result is None else _owner_references(result.data)
 
     async def create_pod_group(self, namespace: str, body: Mapping[str, Any]) -> bool:
         """Create the PodGroup; False when one of that name exists already."""
@@ -169,10 +166,7 @@ class Kube:
         result = await self._call("get", "podgroups", name, lambda: self.custom.get_namespaced_custom_object(
             group, version, namespace, "podgroups", name, _request_timeout=self.timeout,
             _preload_content=False), ok_status=(404,))
-        if result is None:
-            return None
-        refs = (json.loads(result.data).get("metadata") or {}).get("ownerReferences") or []
-        return [dict(r) for r in refs if isinstance(r, Mapping)]
+        return None if result is None else _owner_references(result.data)
 
     # -- the TrainingJob ------------------------------------------------------------------------------------
 
@@ -221,3 +215,9 @@ class Kube:
 def new_rpc_token() -> str:
     """A fresh random RPC token (256 bits, hex)."""
     return secrets.token_hex(32)
+
+
+def _owner_references(data: bytes) -> list[dict[str, Any]]:
+    """The ``metadata.ownerReferences`` of an object read as raw JSON."""
+    refs = (json.loads(data).get("metadata") or {}).get("ownerReferences") or []
+    return [dict(r) for r in refs if isinstance(r, Mapping)]
