@@ -15,7 +15,8 @@
   loses its connection to the rendezvous store, ``RendezvousConnectionError``). Its ``seconds`` row is then
   null with a ``reason`` (the nodes' last errors).
 
-The script is ``stalwart.examples.train`` (gloo, SGD; ``--hidden`` sets the size: 21 parameters per unit),
+The script is ``stalwart.examples.train`` (gloo, SGD with momentum 0.9, so the optimizer has state that the
+checkpoint and ``sync_from_peers`` carry; ``--hidden`` sets the size: 21 parameters per unit),
 one step event per step, a checkpoint every ``--checkpoint-every`` steps. Faults: ``force-delete`` (the pod
 deleted with no grace), ``sigkill`` (every process of the pod killed), ``delete`` (graceful deletion; for
 torchrun: SIGTERM to the node's torchrun). Per case:
@@ -65,7 +66,8 @@ def hidden_for(params: int) -> int:
 
 def train_args(args: argparse.Namespace, params: int) -> list[str]:
     return ["--steps", str(args.steps), "--hidden", str(hidden_for(params)), "--checkpoint-every",
-            str(args.checkpoint_every), "--log-every", "1", "--step-delay", str(args.step_delay)]
+            str(args.checkpoint_every), "--log-every", "1", "--step-delay", str(args.step_delay),
+            "--momentum", str(args.momentum)]
 
 
 def parse(text: str) -> Events:
@@ -296,6 +298,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=75, help="steps before the fault")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--step-delay", type=float, default=0.02)
+    p.add_argument("--momentum", type=float, default=0.9, help="the script's SGD momentum (optimizer state)")
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args()
     cluster = None

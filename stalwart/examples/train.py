@@ -22,6 +22,9 @@ Recovery, in the order it is tried:
 * **checkpoint**: a process that starts fresh (a replaced pod) loads ``<checkpoint-dir>/checkpoint.pt``, which
   rank 0 writes atomically every ``--checkpoint-every`` steps (tensors only; loaded with ``weights_only``).
 
+With ``--momentum`` the optimizer has state (each parameter's momentum buffer): it stays in memory across
+in-process restarts, goes into the checkpoint, and travels with the model to a rank that lacks it.
+
 Fault injection for demos and tests (environment): ``STALWART_EXAMPLE_FAIL_AT_STEP=N`` makes rank
 ``STALWART_EXAMPLE_FAIL_RANK`` (default 0) raise :class:`InjectedFault` when it reaches step ``N``, at most
 ``STALWART_EXAMPLE_FAIL_TIMES`` times (default 1) per checkpoint directory (marker files count the faults, so a
@@ -91,14 +94,17 @@ class Options:
     fail_rank: int
     fail_times: int = 1
     hidden: int = HIDDEN
+    momentum: float = 0.0
 
 
 @dataclass
 class TrainState:
-    """What survives an in-process restart: the (unwrapped) model and the next step to run."""
+    """What survives an in-process restart: the (unwrapped) model, its optimizer (whose momentum is state a
+    restart must keep) and the next step to run."""
 
     model: nn.Module
     step: int
+    optimizer: torch.optim.Optimizer | None = None
 
 
 # The state of this process, kept across in-process restarts of :func:`train`.
@@ -125,6 +131,9 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                         help=f"SGD learning rate (default {BASE_LR:g}, times {HIDDEN}/hidden for a wider hidden "
                              "layer: the output layer's update grows with the width, and a fixed rate makes the "
                              "loss of a wide model diverge to NaN)")
+    parser.add_argument("--momentum", type=float, default=0.0,
+                        help="SGD momentum in [0, 1) (default 0: a stateless optimizer); with momentum the "
+                             "optimizer's state is checkpointed and copied to a newcomer with the model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", default=env.get(CHECKPOINT_DIR_ENV),
                         help=f"where rank 0 keeps the checkpoint (default ${CHECKPOINT_DIR_ENV}, "
@@ -161,6 +170,8 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
     lr = default_lr(hidden) if args.lr is None else args.lr
     if not lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.momentum < 1:
+        raise ValueError(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.step_delay < 0:
         raise ValueError(f"--step-delay must be >= 0, got {args.step_delay}")
     return Options(steps=_positive("--steps", steps), batch_size=_positive("--batch-size", args.batch_size),
@@ -168,7 +179,7 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                    checkpoint_every=_positive("--checkpoint-every", args.checkpoint_every),
                    log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
                    fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times,
-                   hidden=hidden)
+                   hidden=hidden, momentum=args.momentum)
 
 
 def default_lr(hidden: int) -> float:
@@ -191,24 +202,37 @@ def batch(seed: int, step: int, rank: int, size: int) -> tuple[torch.Tensor, tor
     return x, x @ true_map
 
 
-def save_checkpoint(directory: Path, model: nn.Module, step: int) -> Path:
+def save_checkpoint(directory: Path, model: nn.Module, step: int,
+                    optimizer: torch.optim.Optimizer | None = None) -> Path:
     """Write the checkpoint atomically: readers see the previous one or this one, never a torn file."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / CHECKPOINT_NAME
     tmp = directory / f".{CHECKPOINT_NAME}.{os.getpid()}.tmp"
-    torch.save({"step": torch.tensor(step), "model": model.state_dict()}, tmp)
+    data: dict[str, Any] = {"step": torch.tensor(step), "model": model.state_dict()}
+    if optimizer is not None:
+        data["optimizer"] = optimizer.state_dict()
+    torch.save(data, tmp)
     os.replace(tmp, path)
     return path
 
 
-def load_checkpoint(directory: Path, model: nn.Module) -> int:
-    """Load the checkpoint into ``model`` and return its step; 0 when there is none."""
+def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Load the checkpoint into ``model`` (and ``optimizer``, when the checkpoint has its state) and return
+    its step; 0 when there is none."""
     path = directory / CHECKPOINT_NAME
     if not path.exists():
         return 0
     data: dict[str, Any] = torch.load(path, weights_only=True)
     model.load_state_dict(data["model"])
+    if optimizer is not None and "optimizer" in data:
+        optimizer.load_state_dict(data["optimizer"])
     return int(data["step"])
+
+
+def make_optimizer(model: nn.Module, opts: Options) -> torch.optim.SGD:
+    """SGD over the unwrapped model's parameters (DDP shares them), so the optimizer outlives each iteration's
+    DDP wrapper."""
+    return torch.optim.SGD(model.parameters(), lr=opts.lr, momentum=opts.momentum)
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -245,15 +269,19 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if _state is None:
         model = build_model(opts.seed, opts.hidden)
-        _state = TrainState(model, load_checkpoint(opts.checkpoint_dir, model))
+        first = make_optimizer(model, opts)
+        _state = TrainState(model, load_checkpoint(opts.checkpoint_dir, model, first), first)
         emit("start", rank=rank, world_size=world_size, step=_state.step)
-    # The most advanced replica in memory wins over the checkpoint a newcomer loaded (a warm spare's).
-    synced = sync_from_peers(_state.model, step=_state.step)
+    if _state.optimizer is None:
+        _state.optimizer = make_optimizer(_state.model, opts)
+    optimizer = _state.optimizer
+    # The most advanced replica in memory wins over the checkpoint a newcomer loaded (a warm spare's); with
+    # momentum the optimizer's state travels with the model (plain SGD has none to agree on).
+    synced = sync_from_peers(_state.model, optimizer if opts.momentum else None, step=_state.step)
     _state.step, source = synced.step or 0, synced.source
     emit("resume", rank=rank, world_size=world_size, step=_state.step, source=source,
          iteration=call_wrapper.iteration if call_wrapper is not None else 0)
     ddp = DistributedDataParallel(_state.model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=opts.lr)  # stateless, so nothing else needs agreeing on
     last_loss = float("nan")
     while _state.step < opts.steps:
         step = _state.step
@@ -273,9 +301,9 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
             if call_wrapper is not None:
                 # An interruption waits until the checkpoint is whole.
                 with call_wrapper.atomic():
-                    save_checkpoint(opts.checkpoint_dir, _state.model, _state.step)
+                    save_checkpoint(opts.checkpoint_dir, _state.model, _state.step, optimizer)
             else:
-                save_checkpoint(opts.checkpoint_dir, _state.model, _state.step)
+                save_checkpoint(opts.checkpoint_dir, _state.model, _state.step, optimizer)
         if _state.step % opts.log_every == 0 or _state.step == opts.steps:
             emit("step", rank=rank, step=_state.step, loss=round(last_loss, 6))
         if opts.step_delay:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -129,9 +130,11 @@ def test_options_from_arguments_and_environment(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_in_process_restart_after_an_injected_fault(tmp_path: Path, etcd: Any, store: Any) -> None:
+@pytest.mark.parametrize("momentum", ["0", "0.9"])
+def test_in_process_restart_after_an_injected_fault(tmp_path: Path, etcd: Any, store: Any, momentum: str) -> None:
     """Two rank processes run the example under ``@stalwart.restartable`` with a real etcd: rank 1 fails at
-    step 25; both re-run the training function in the same processes and finish from the state in memory."""
+    step 25; both re-run the training function in the same processes and finish from the state in memory
+    (with momentum, the optimizer's too: they end where a run without faults does)."""
     uid = f"ex-{uuid.uuid4().hex[:12]}"
     keys = JobKeys("examples", uid)
     # The round a sealed rendezvous leaves behind (its manifest's mod_revision is the epoch, the fence).
@@ -140,7 +143,7 @@ def test_in_process_restart_after_an_injected_fault(tmp_path: Path, etcd: Any, s
            "STALWART_EPOCH": str(epoch), "STALWART_SLOTS": "2", "STALWART_TARGET_WORLD": "2",
            train.FAIL_AT_STEP_ENV: "25", train.FAIL_RANK_ENV: "1"}
     try:
-        results = run_ranks(2, ["--steps", "40", "--checkpoint-dir", str(tmp_path)], env,
+        results = run_ranks(2, ["--steps", "40", "--momentum", momentum, "--checkpoint-dir", str(tmp_path)], env,
                             per_rank=lambda r: {"STALWART_SLOT": str(r), "STALWART_NODE_ID": f"node-{r}"})
     finally:
         store.delete_prefix(keys.prefix)
@@ -154,6 +157,8 @@ def test_in_process_restart_after_an_injected_fault(tmp_path: Path, etcd: Any, s
         assert resumes[1]["step"] == 25
         assert of(events, "done")[0]["step"] == 40
     assert of(results[1][1], "fault") == [{"event": "fault", "rank": 1, "step": 25, "count": 1}]
+    clean = run_ranks(2, ["--steps", "40", "--momentum", momentum, "--checkpoint-dir", str(tmp_path / "clean")])
+    assert _digests(results) == _digests(clean)
 
 
 def _final_loss(hidden: int, lr: float, steps: int = 25) -> float:
@@ -200,3 +205,47 @@ def test_the_done_line_lists_small_models_and_digests_every_model(monkeypatch: p
     # Past the limit, the digest only (a 100 M-parameter list would be gigabytes of JSON).
     monkeypatch.setattr(train, "PARAMS_IN_DONE", flat.numel() - 1)
     assert set(train.final_parameters(small)) == {"params_sha256"}
+
+
+def test_a_momentum_outside_zero_to_one_is_refused_naming_the_option() -> None:
+    for bad in ("1", "-0.1"):
+        with pytest.raises(ValueError, match=re.escape(f"--momentum must be in [0, 1), got {float(bad)}")):
+            train.parse_options(["--momentum", bad], env={})
+    assert train.parse_options(["--momentum", "0.9"], env={}).momentum == 0.9
+
+
+def test_the_checkpoint_keeps_the_momentum(tmp_path: Path) -> None:
+    opts = train.parse_options(["--momentum", "0.9", "--checkpoint-dir", str(tmp_path)], env={})
+    model = train.build_model(0)
+    opt = train.make_optimizer(model, opts)
+    for step in range(3):
+        x, y = train.batch(0, step, 0, 8)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    train.save_checkpoint(tmp_path, model, 3, opt)
+    fresh = train.build_model(1)
+    fresh_opt = train.make_optimizer(fresh, opts)
+    assert train.load_checkpoint(tmp_path, fresh, fresh_opt) == 3
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["momentum_buffer"], fresh_opt.state[q]["momentum_buffer"])
+
+
+def _digests(results: list[Result]) -> set[str]:
+    for code, _, err in results:
+        assert code == 0, err
+    return {of(events, "done")[0]["params_sha256"] for _, events, _ in results}
+
+
+@pytest.mark.integration
+def test_with_momentum_a_resume_from_the_checkpoint_ends_where_a_run_without_faults_does(tmp_path: Path) -> None:
+    args = ["--steps", "40", "--checkpoint-every", "10", "--momentum", "0.9"]
+    (clean,) = _digests(run_ranks(2, [*args, "--checkpoint-dir", str(tmp_path / "clean")]))
+    faulty = [*args, "--checkpoint-dir", str(tmp_path / "faulty")]
+    env = {train.FAIL_AT_STEP_ENV: "25", train.FAIL_RANK_ENV: "1"}
+    assert run_ranks(2, faulty, env)[1][0] != 0
+    resumed = run_ranks(2, faulty, env)
+    assert [of(events, "start")[0]["step"] for _, events, _ in resumed] == [20, 20]
+    # Without the momentum in the checkpoint, steps 20 to 40 would start from zero momentum and end elsewhere.
+    assert _digests(resumed) == {clean}
