@@ -19,8 +19,11 @@ Recovery, in the order it is tried:
 
 * **in memory**: the model and the step live in this process across in-process restarts; after a restart the
   ranks agree on the most advanced state (the highest step, held by the lowest such rank) and broadcast it;
-* **checkpoint**: a process that starts fresh (a replaced pod) loads ``<checkpoint-dir>/checkpoint.pt``, which
-  rank 0 writes atomically every ``--checkpoint-every`` steps (tensors only; loaded with ``weights_only``).
+* **from peers**: a process that starts fresh (a warm spare, a replaced pod) first asks its peers; when one
+  holds state in memory, the state comes from it and the checkpoint is not read;
+* **checkpoint**: when no rank holds state in memory (the job's start, every process replaced), every rank
+  loads ``<checkpoint-dir>/checkpoint.pt``, which rank 0 writes atomically every ``--checkpoint-every`` steps
+  (tensors only; loaded with ``weights_only``).
 
 With ``--momentum`` the optimizer has state (each parameter's momentum buffer): it stays in memory across
 in-process restarts, goes into the checkpoint, and travels with the model to a rank that lacks it.
@@ -267,21 +270,31 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     """
     global _state
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    fresh = _state is None
     if _state is None:
         model = build_model(opts.seed, opts.hidden)
-        first = make_optimizer(model, opts)
-        _state = TrainState(model, load_checkpoint(opts.checkpoint_dir, model, first), first)
-        emit("start", rank=rank, world_size=world_size, step=_state.step)
+        _state = TrainState(model, 0, make_optimizer(model, opts))
     if _state.optimizer is None:
         _state.optimizer = make_optimizer(_state.model, opts)
     optimizer = _state.optimizer
-    # The most advanced replica in memory wins over the checkpoint a newcomer loaded (a warm spare's); with
-    # momentum the optimizer's state travels with the model (plain SGD has none to agree on).
-    synced = sync_from_peers(_state.model, optimizer if opts.momentum else None, step=_state.step)
+    # With momentum the optimizer's state travels with the model (plain SGD has none to agree on).
+    moved = optimizer if opts.momentum else None
+    # The most advanced replica in memory wins. A newcomer asks its peers before it reads the checkpoint,
+    # which it needs only when no rank holds state in memory (the job's start, every process replaced): a
+    # warm spare taking a lost rank never reads it.
+    synced = sync_from_peers(_state.model, moved, step=None if fresh else _state.step)
+    if synced.step is None:
+        synced = sync_from_peers(_state.model, moved,
+                                 step=load_checkpoint(opts.checkpoint_dir, _state.model, optimizer))
     _state.step, source = synced.step or 0, synced.source
+    if fresh:
+        emit("start", rank=rank, world_size=world_size, step=_state.step)
     emit("resume", rank=rank, world_size=world_size, step=_state.step, source=source,
          iteration=call_wrapper.iteration if call_wrapper is not None else 0)
-    ddp = DistributedDataParallel(_state.model)
+    # Past step 0 the replicas are equal now (one source, or one checkpoint the same step on every rank), so
+    # DDP's own broadcast of the whole model at construction is skipped; the decision is the same on every
+    # rank (the agreed step). At step 0 it stays: it guards a job whose ranks built their models unseeded.
+    ddp = DistributedDataParallel(_state.model, init_sync=_state.step == 0)
     last_loss = float("nan")
     while _state.step < opts.steps:
         step = _state.step
