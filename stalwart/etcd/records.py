@@ -107,6 +107,16 @@ class TxnResult:
 
 
 @dataclass(frozen=True, slots=True)
+class WatchRange:
+    """One key (or, with ``prefix``, every key under it) that a watch follows; ``no_put`` leaves out the key's
+    puts (etcd's NOPUT filter: only deletions come)."""
+
+    key: str
+    prefix: bool = False
+    no_put: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class WatchEvent:
     type: Literal["put", "delete"]
     kv: KeyValue

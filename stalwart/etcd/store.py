@@ -53,6 +53,7 @@ from stalwart.etcd.records import (
     Put,
     TxnResult,
     WatchEvent,
+    WatchRange,
     as_bytes,
     prefix_range_end,
 )
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_TIMEOUT", "MAX_VALUE_BYTES", "Compare", "Delete", "Get", "KeyValue", "Op", "Put", "Store", "StoreError",
     "StorePermissionDenied", "StoreSecurityError", "StoreTimeout", "StoreUnavailable", "TxnResult", "ValueTooLarge",
-    "Watch", "WatchCompacted", "WatchEvent", "check_value_size", "prefix_range_end",
+    "Watch", "WatchCompacted", "WatchEvent", "WatchRange", "check_value_size", "prefix_range_end",
 ]
 
 DEFAULT_TIMEOUT = 5.0
@@ -229,14 +230,23 @@ class Store:
 
     def watch(self, key: str, *, prefix: bool = False, start_revision: int = 0) -> Watch:
         """Watch ``key`` (or every key under it with ``prefix``) from ``start_revision`` (0 = from now)."""
-        k = as_bytes(key)
+        return self.watch_ranges([WatchRange(key, prefix=prefix)], start_revision=start_revision)
+
+    def watch_ranges(self, ranges: Sequence[WatchRange], *, start_revision: int = 0) -> Watch:
+        """One watch over several keys or prefixes (one gRPC stream, their events in revision order), from
+        ``start_revision`` (0 = from now): a process that needs a few narrow parts of a prefix is not sent the
+        rest of it."""
+        if not ranges:
+            raise ValueError("ranges: expected at least one WatchRange")
+        wanted = [(as_bytes(r.key), r.prefix, r.no_put) for r in ranges]
+        specs = [(k, prefix_range_end(k) if prefix else b"", no_put) for k, prefix, no_put in wanted]
         try:
-            return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
+            return Watch(self, specs, start_revision)
         except StorePermissionDenied:
             # etcd reports a stale token on a watch as a plain denial: log in again once and see.
-            if not self._calls.renew(f"watch {key}"):
+            if not self._calls.renew(f"watch {ranges[0].key}"):
                 raise
-            return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
+            return Watch(self, specs, start_revision)
 
     # -- leases -------------------------------------------------------------------------------------------
 

@@ -11,15 +11,27 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import Fence
 from stalwart.etcd.keys import ARRIVE, DONE, FAULT, JobKeys
 from stalwart.etcd.outage import Outage
-from stalwart.etcd.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTimeout, StoreUnavailable, Watch
-from stalwart.restart.protocol import EpochView, parse_view, stale_iterations
+from stalwart.etcd.store import (
+    Compare,
+    Delete,
+    Get,
+    KeyValue,
+    Put,
+    Store,
+    StoreTimeout,
+    StoreUnavailable,
+    Watch,
+    WatchEvent,
+    WatchRange,
+)
+from stalwart.restart.protocol import EpochView, apply_changes, parse_view, stale_iterations
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +92,19 @@ class Coordinator:
 
     # -- reading ----------------------------------------------------------------------------------------------
 
-    def view(self) -> EpochView:
-        kvs, revision = self._retry("read", lambda: self.store.get_prefix(self.base))
-        return self.parse(kvs, revision)
+    def view(self, parts: Sequence[WatchRange] | None = None) -> EpochView:
+        """The round's restart prefix as etcd holds it now; with ``parts`` (keys or prefixes relative to it),
+        only those, read at one revision (the rest of the view is empty)."""
+        if parts is None:
+            kvs, revision = self._retry("read", lambda: self.store.get_prefix(self.base))
+            return self.parse(kvs, revision)
+        reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts]
+        res = self._retry("read", lambda: self.store.txn((), reads))
+        return self.parse([kv for got in res.responses for kv in got], res.revision)
+
+    def faults(self, iteration: int) -> EpochView:
+        """A view holding only the fault records of ``iteration``."""
+        return self.view([WatchRange(f"{FAULT}{iteration}/", prefix=True)])
 
     def parse(self, kvs: list[KeyValue], revision: int) -> EpochView:
         view, problems = parse_view(((kv.key[len(self.base):], kv.value, kv.mod_revision) for kv in kvs), revision)
@@ -163,19 +185,33 @@ class Coordinator:
 
     # -- waiting ----------------------------------------------------------------------------------------------
 
-    def _watch(self, sub: str, start: int) -> Watch:
-        return self._retry("watch", lambda: self.store.watch(self.base + sub, prefix=True, start_revision=start))
+    def _watch(self, parts: Sequence[WatchRange], start: int) -> Watch:
+        ranges = [WatchRange(self.base + p.key, prefix=p.prefix, no_put=p.no_put) for p in parts]
+        return self._retry("watch", lambda: self.store.watch_ranges(ranges, start_revision=start))
+
+    def _apply(self, view: EpochView, events: list[WatchEvent]) -> EpochView:
+        changes = [(ev.kv.key[len(self.base):], ev.kv.value if ev.type == "put" else None, ev.kv.mod_revision)
+                   for ev in events]
+        new, problems = apply_changes(view, changes, max(view.revision, events[-1].kv.mod_revision))
+        for key, why in problems.items():
+            log.warning("epoch %d: ignoring invalid record at %s%s: %s", self.epoch, self.base, key, why)
+        return new
 
     def wait_until(self, done: Callable[[EpochView], object], deadline: float | None,
-                   sub: str = "") -> tuple[EpochView, object]:
-        """Re-read the prefix whenever something under ``base + sub`` changes, until ``done(view)`` returns a
-        truthy value (returned with the view) or ``deadline`` (monotonic) passes (:class:`CoordinationTimeout`).
+                   parts: Sequence[WatchRange] | None = None) -> tuple[EpochView, object]:
+        """Read the prefix (or only ``parts`` of it, see :meth:`view`) once, then keep that view current from a
+        watch on the same parts (events applied, not re-read), until ``done(view)`` returns a truthy value
+        (returned with the view) or ``deadline`` (monotonic) passes (:class:`CoordinationTimeout`).
+
+        Narrow ``parts`` keep what etcd sends this process to what ``done`` looks at: a rank that waits for
+        one key is not sent every other rank's records.
         """
-        view = self.view()
+        watched = list(parts) if parts is not None else [WatchRange("", prefix=True)]
+        view = self.view(parts)
         result = done(view)
         if result:
             return view, result
-        watch = self._watch(sub, view.revision + 1)
+        watch = self._watch(watched, view.revision + 1)
         try:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -183,27 +219,24 @@ class Coordinator:
                     raise CoordinationTimeout("deadline passed")
                 try:
                     ev = watch.next(timeout=min(left, _TICK) if left is not None else _TICK)
+                    batch = [] if ev is None else [ev]
+                    # Take what else arrived, and decide once for the lot.
+                    while ev is not None and (ev := watch.next(timeout=0)) is not None:
+                        batch.append(ev)
                 except (StoreUnavailable, StoreTimeout) as e:
-                    # The stream broke (etcd restarting): re-read and watch again from there.
+                    # The stream broke (etcd restarting): read again and watch again from there.
                     self.outage.failed(f"watch: {e}")
                     watch.cancel()
-                    view = self.view()
+                    view = self.view(parts)
                     result = done(view)
                     if result:
                         return view, result
-                    watch = self._watch(sub, view.revision + 1)
+                    watch = self._watch(watched, view.revision + 1)
                     continue
-                if ev is None:
-                    # Nothing changed in etcd; ``done`` may also look at the process's own state (a handover
-                    # to a newer round), so it is asked again on the last view.
-                    result = done(view)
-                    if result:
-                        return view, result
-                    continue
-                # Drain what else arrived before re-reading once.
-                while watch.next(timeout=0) is not None:
-                    pass
-                view = self.view()
+                # Without changes ``done`` is still asked: it may also look at the process's own state (a
+                # handover to a newer round).
+                if batch:
+                    view = self._apply(view, batch)
                 result = done(view)
                 if result:
                     return view, result

@@ -5,13 +5,14 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import StaleEpoch
-from stalwart.etcd.keys import JobKeys
-from stalwart.etcd.store import Store
+from stalwart.etcd.keys import ARRIVE, SEAL, JobKeys
+from stalwart.etcd.store import Store, WatchRange
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
 
 pytestmark = pytest.mark.integration
@@ -88,3 +89,28 @@ def test_wait_until_wakes_on_a_write_and_times_out(store: Store, job: tuple[JobK
     assert isinstance(found, FaultRecord) and found.slot == 1
     with pytest.raises(CoordinationTimeout):
         c.wait_until(lambda v: 2 in v.faults, time.monotonic() + 0.3)
+
+
+def test_a_wait_on_parts_sees_only_them_and_keeps_its_view_from_the_watch(store: Store,
+                                                                        job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    c = Coordinator(store, keys, epoch, slot=0, node_id="n")
+    other = Coordinator(store, keys, epoch, slot=1, node_id="n", lease_ttl=5)
+    other.start()
+
+    def later(iteration: int) -> None:
+        other.arrive(iteration, ArrivalRecord(slot=1, node_id="n"))
+        other.report_fault(_fault(1, iteration))
+        other.try_seal(SealRecord(iteration=iteration, world_size=1, ranks={"1": 0}, sealed_by=1))
+
+    threading.Timer(0.3, later, args=(2,)).start()
+    view, found = c.wait_until(lambda v: v.seals.get(2), time.monotonic() + 60, [WatchRange(f"{SEAL}2")])
+    assert isinstance(found, SealRecord) and found.sealed_by == 1
+    assert view.arrivals == {} and view.alive == {} and view.faults == {}  # the rest was not sent
+    # The whole prefix, kept from the watch's events, is what a read then gives.
+    threading.Timer(0.3, later, args=(3,)).start()
+    full, _ = c.wait_until(lambda v: 3 in v.seals, time.monotonic() + 60)
+    assert replace(full, revision=0) == replace(c.view(), revision=0)
+    assert set(full.arrivals[3]) == {1} and set(full.alive) == {1} and full.first_fault(3) == c.faults(3).first_fault(3)
+    assert set(c.view([WatchRange(f"{ARRIVE}2/", prefix=True)]).arrivals) == {2}
+    other.stop()
