@@ -34,6 +34,7 @@ from stalwart.etcd.store import (
     Delete,
     Get,
     KeyValue,
+    LeaseNotFound,
     Op,
     Put,
     StoreError,
@@ -146,7 +147,7 @@ class MemEtcd:
     def _put(self, key: str, value: bytes, lease: int, rev: int, changes: list[WatchEvent]) -> None:
         check_value_size(key, value, self.value_limit)
         if lease and lease not in self.leases:
-            raise StoreError(f"put {key}: requested lease not found")
+            raise LeaseNotFound(f"put {key}: etcdserver: requested lease not found")
         old = self.keys.get(key)
         if old is None:
             bisect.insort(self.sorted_keys, key)

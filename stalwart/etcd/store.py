@@ -33,6 +33,7 @@ from pyetcd.etcdrpc import rpc_pb2_grpc as rpc_grpc
 from stalwart.etcd import auth as store_auth
 from stalwart.etcd.errors import (
     MAX_VALUE_BYTES,
+    LeaseNotFound,
     StoreError,
     StorePermissionDenied,
     StoreSecurityError,
@@ -63,9 +64,9 @@ log = logging.getLogger(__name__)
 
 # The adapter's public face: callers import the records and errors from here.
 __all__ = [
-    "DEFAULT_TIMEOUT", "MAX_VALUE_BYTES", "Compare", "Delete", "Get", "KeyValue", "Op", "Put", "Store", "StoreError",
-    "StorePermissionDenied", "StoreSecurityError", "StoreTimeout", "StoreUnavailable", "TxnResult", "ValueTooLarge",
-    "Watch", "WatchCompacted", "WatchEvent", "WatchRange", "check_value_size", "prefix_range_end",
+    "DEFAULT_TIMEOUT", "MAX_VALUE_BYTES", "Compare", "Delete", "Get", "KeyValue", "LeaseNotFound", "Op", "Put", "Store",
+    "StoreError", "StorePermissionDenied", "StoreSecurityError", "StoreTimeout", "StoreUnavailable", "TxnResult",
+    "ValueTooLarge", "Watch", "WatchCompacted", "WatchEvent", "WatchRange", "check_value_size", "prefix_range_end",
 ]
 
 DEFAULT_TIMEOUT = 5.0
@@ -109,6 +110,9 @@ class Store:
             # Reconnect quickly after an etcd restart instead of backing off for up to two minutes.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1_000),
+            # A job's prefix outgrows gRPC's default 4 MiB answer at about 10,000 nodes or ranks (a round's
+            # restart records are about 300 bytes per rank); etcd itself sends answers of any size.
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
         if ca_cert is not None or client_cert is not None:
             creds = grpc.ssl_channel_credentials(ca_cert, client_key, client_cert)

@@ -23,6 +23,7 @@ from stalwart.etcd.store import (
     Delete,
     Get,
     KeyValue,
+    LeaseNotFound,
     Put,
     Store,
     StoreTimeout,
@@ -145,10 +146,30 @@ class Coordinator:
         log.warning("slot %d: heartbeat lease lost; granting a new one", self.slot)
         self.start()
 
-    def arrive(self, iteration: int, rec: ArrivalRecord) -> None:
-        self.ensure_lease()
+    def arrive(self, iteration: int, rec: ArrivalRecord, read: Sequence[WatchRange] | None = ()) -> EpochView:
+        """Arrive at the barrier of ``iteration``: one write, bound to the heartbeat lease, and in the same
+        request a read of ``read`` (parts of the prefix, as :meth:`view` takes them; ``None``: the whole
+        prefix; by default nothing) whose view, as of the arrival, is returned: what a wait after it starts
+        from.
+
+        A lease etcd no longer has (this process was cut off past its TTL; the keepalive may not have noticed
+        yet) is re-granted when etcd refuses the arrival for it, so the common case costs no lease read."""
+        if not self.lease or self.lease in self.store.lost_leases():
+            self.ensure_lease()
         key = self.round_keys.arrival(iteration, self.slot)
-        self._retry("arrival", lambda: self.fence.put(key, rec.to_json_bytes(), lease=self.lease))
+        parts = list(read) if read is not None else [WatchRange("", prefix=True)]
+        reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts]
+
+        def write() -> EpochView:
+            res = self.fence.txn((), [Put(key, rec.to_json_bytes(), self.lease), *reads])
+            return self.parse([kv for got in res.responses[1:] for kv in got], res.revision)
+
+        try:
+            return self._retry("arrival", write)
+        except LeaseNotFound:
+            log.warning("slot %d: heartbeat lease lost; granting a new one", self.slot)
+            self.start()
+            return self._retry("arrival", write)
 
     def mark_done(self, iteration: int) -> None:
         rec = DoneRecord(slot=self.slot, iteration=iteration)
@@ -198,16 +219,18 @@ class Coordinator:
         return new
 
     def wait_until(self, done: Callable[[EpochView], object], deadline: float | None,
-                   parts: Sequence[WatchRange] | None = None) -> tuple[EpochView, object]:
-        """Read the prefix (or only ``parts`` of it, see :meth:`view`) once, then keep that view current from a
-        watch on the same parts (events applied, not re-read), until ``done(view)`` returns a truthy value
-        (returned with the view) or ``deadline`` (monotonic) passes (:class:`CoordinationTimeout`).
+                   parts: Sequence[WatchRange] | None = None, *,
+                   start: EpochView | None = None) -> tuple[EpochView, object]:
+        """Read the prefix (or only ``parts`` of it, see :meth:`view`) once, unless ``start`` is that read
+        already (from :meth:`arrive`), then keep that view current from a watch on the same parts (events
+        applied, not re-read), until ``done(view)`` returns a truthy value (returned with the view) or
+        ``deadline`` (monotonic) passes (:class:`CoordinationTimeout`).
 
         Narrow ``parts`` keep what etcd sends this process to what ``done`` looks at: a rank that waits for
         one key is not sent every other rank's records.
         """
         watched = list(parts) if parts is not None else [WatchRange("", prefix=True)]
-        view = self.view(parts)
+        view = start if start is not None else self.view(parts)
         result = done(view)
         if result:
             return view, result

@@ -240,11 +240,12 @@ class _Session:
         return self.coord.view([WatchRange(f"{SEAL}{iteration - 1}")]).seals.get(iteration - 1)
 
     def _barrier(self, iteration: int, healthy: bool) -> SealRecord:
-        self.coord.arrive(iteration, ArrivalRecord(slot=self.env.slot, node_id=self.env.node_id,
-                                                   spare=self.env.spare, healthy=healthy))
-        # One process follows the arrivals and seals; the others wait for the seal's one key. The sealer does
-        # its part even when it is unhealthy itself (it leaves after sealing).
+        # One process follows the arrivals and seals; the others wait for the seal's one key (read with the
+        # arrival, then watched). The sealer does its part even when it is unhealthy itself (it leaves after).
         sealer = barrier_sealer(self._previous_seal(iteration)) == self.env.slot
+        parts = None if sealer else [WatchRange(f"{SEAL}{iteration}")]
+        start = self.coord.arrive(iteration, ArrivalRecord(slot=self.env.slot, node_id=self.env.node_id,
+                                                           spare=self.env.spare, healthy=healthy), parts)
         if not healthy and not sealer:
             return unhealthy_seal(iteration, self.me)
         # Processes start at different speeds (imports, CUDA): the first barrier waits longer.
@@ -257,8 +258,7 @@ class _Session:
 
         timed_out = False
         try:
-            view, result = self.coord.wait_until(ready, time.monotonic() + wait,
-                                                 None if sealer else [WatchRange(f"{SEAL}{iteration}")])
+            view, result = self.coord.wait_until(ready, time.monotonic() + wait, parts, start=start)
         except CoordinationTimeout:
             view, timed_out = self.coord.view(), True
             result = view.seals.get(iteration)

@@ -103,6 +103,10 @@ def test_restart_barrier_releases_every_rank_once_into_one_seal() -> None:
     assert res["writes"] / N <= 2
     arrivals = [k for k in run.sim.mem.keys if k.startswith(run.ranks[0].coord.base + "arrive/1/")]
     assert len(arrivals) == N
+    # No N-squared fan-out: each rank's monitor is sent the fault, the one sealer (the lowest slot of the last
+    # seal) the arrivals, every other rank the seal at most once.
+    assert seal.sealed_by == 0 and [r.coord.slot for r in run.ranks if r.sealer] == [0]
+    assert res["watch_events"] <= N + (N - 1) + (N - 1)
 
 
 def test_the_anchor_pays_a_refused_write_per_node_ahead_of_it() -> None:

@@ -13,6 +13,7 @@ from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import StaleEpoch
 from stalwart.etcd.keys import ARRIVE, SEAL, JobKeys
 from stalwart.etcd.store import Store, WatchRange
+from stalwart.local.etcd import EtcdServer
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
 
 pytestmark = pytest.mark.integration
@@ -114,3 +115,20 @@ def test_a_wait_on_parts_sees_only_them_and_keeps_its_view_from_the_watch(store:
     assert set(full.arrivals[3]) == {1} and set(full.alive) == {1} and full.first_fault(3) == c.faults(3).first_fault(3)
     assert set(c.view([WatchRange(f"{ARRIVE}2/", prefix=True)]).arrivals) == {2}
     other.stop()
+
+
+def test_an_arrival_refused_for_a_lost_lease_takes_a_new_one(store: Store, etcd: EtcdServer,
+                                                             job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    c = Coordinator(store, keys, epoch, slot=3, node_id="n", lease_ttl=30)
+    c.start()
+    old = c.lease
+    with Store([etcd.endpoint]) as other:  # the lease ends where this process's keepalive cannot see it
+        other.lease_revoke(old)
+    assert c.view().alive == {}
+    c.arrive(0, ArrivalRecord(slot=3, node_id="n"))  # etcd refuses the old lease; the arrival is made anyway
+    view = c.view()
+    assert c.lease != old and set(view.arrivals[0]) == {3} and set(view.alive) == {3}
+    assert store.get(c.round_keys.arrival(0, 3)).lease == c.lease  # type: ignore[union-attr]
+    c.stop()
+    assert c.view().arrivals == {}  # bound to the new lease
