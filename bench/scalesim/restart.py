@@ -124,7 +124,7 @@ class Rank:
             return
         ranges = tuple(WatchRange(self.coord.base + p.key, prefix=p.prefix, no_put=p.no_put)
                        for p in (parts or (WatchRange("", prefix=True),)))
-        self.watch = self.sim.subscribe(ranges, self.on_barrier)
+        self.watch = self.sim.subscribe(ranges, self.view.revision + 1, self.on_barrier)
 
     def on_barrier(self, events: list[WatchEvent], when: float) -> None:
         assert self.view is not None
@@ -212,7 +212,8 @@ class RestartRun:
         # Each rank's monitor: one watch on the fault records and the heartbeats' deletions.
         monitor = (WatchRange(base + FAULT, prefix=True), WatchRange(base + ALIVE, prefix=True, no_put=True))
         for r in self.ranks:
-            sim.subscribe(monitor, lambda evs, when, r=r: r.on_monitor(evs, when, self.abort))  # type: ignore[misc]
+            sim.subscribe(monitor, sim.mem.revision_now + 1,
+                          lambda evs, when, r=r: r.on_monitor(evs, when, self.abort))  # type: ignore[misc]
         with self._patched():
             culprit = self.ranks[self.n // 3]
             position = len(sim.mem.log)

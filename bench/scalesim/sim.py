@@ -56,10 +56,11 @@ def in_ranges(ranges: tuple[WatchRange, ...], ev: WatchEvent) -> bool:
 
 @dataclass(eq=False)
 class Subscription:
-    """One watch stream of one simulated process: the ranges it follows and what it does with a batch (the
-    events it is sent, and when it holds them). Watches of equal ranges are costed together."""
+    """One watch stream of one simulated process: the ranges it follows from revision ``start`` and what it does
+    with a batch (the events it is sent, and when it holds them)."""
 
     ranges: tuple[WatchRange, ...]
+    start: int
     deliver: Callable[[list[WatchEvent], float], None]
     active: bool = True
 
@@ -161,11 +162,11 @@ class Sim:
 
     # -- watch fan-out -----------------------------------------------------------------------------------
 
-    def subscribe(self, ranges: tuple[WatchRange, ...], deliver: Callable[[list[WatchEvent], float], None]
-                  ) -> Subscription:
-        """A watch on ``ranges`` from the next change not yet sent (what a process that read at the latest
-        revision and then watched from the next one is sent; the caller skips what its read saw)."""
-        sub = Subscription(ranges, deliver)
+    def subscribe(self, ranges: tuple[WatchRange, ...], start: int,
+                  deliver: Callable[[list[WatchEvent], float], None]) -> Subscription:
+        """A watch on ``ranges`` from revision ``start`` (what etcd sends a process that read at ``start - 1``
+        and then watched from the next revision)."""
+        sub = Subscription(ranges, start, deliver)
         self.subscriptions.setdefault(ranges, []).append(sub)
         return sub
 
@@ -175,8 +176,9 @@ class Sim:
         if sub in group:
             group.remove(sub)
 
-    def _fan_out(self, log: Sequence[WatchEvent]) -> tuple[float, list[tuple[list[Subscription], list[WatchEvent]]]]:
-        """The server's cost of sending ``log`` to the subscriptions, and who gets what."""
+    def _fan_out(self, log: Sequence[WatchEvent]) -> tuple[float, list[tuple[Subscription, list[WatchEvent]]]]:
+        """The server's cost of sending ``log`` to the subscriptions, and who gets what. Watches of equal
+        ranges share the matching; each is sent what is at or after its start."""
         cost, sends = 0.0, []
         for ranges, group in self.subscriptions.items():
             if not group:
@@ -184,11 +186,16 @@ class Sim:
             events = [ev for ev in log if in_ranges(ranges, ev)]
             if not events:
                 continue
-            size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in events)
-            cost += len(group) * (len(events) * self.costs.event + size * self.costs.event_byte)
-            self.events_sent += len(group) * len(events)
-            self.event_bytes_sent += len(group) * size
-            sends.append((list(group), events))
+            for sub in group:
+                sent = events if events[0].kv.mod_revision >= sub.start else \
+                    [ev for ev in events if ev.kv.mod_revision >= sub.start]
+                if not sent:
+                    continue
+                size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in sent)
+                cost += len(sent) * self.costs.event + size * self.costs.event_byte
+                self.events_sent += len(sent)
+                self.event_bytes_sent += size
+                sends.append((sub, sent))
         return cost, sends
 
     def _schedule_pump(self, when: float) -> None:
@@ -218,9 +225,8 @@ class Sim:
         delivered = done + self.costs.rtt / 2
         for deliver in list(self.watchers):
             self.at(delivered, lambda d=deliver: d(start, end, delivered))  # type: ignore[misc]
-        for group, sent in sends:
-            for sub in group:
-                self.at(delivered, lambda s=sub, e=sent: s.deliver(e, delivered) if s.active else None)  # type: ignore[misc]
+        for sub, sent in sends:
+            self.at(delivered, lambda s=sub, e=sent: s.deliver(e, delivered) if s.active else None)  # type: ignore[misc]
         if len(self.committed_at) > end:
             self._schedule_pump(self.committed_at[end])
 
