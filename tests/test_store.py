@@ -138,6 +138,13 @@ def test_watch_single_key_ignores_others(store: Store, prefix: str) -> None:
         assert ev is not None and ev.kv.key == prefix + "one"
 
 
+def test_a_txn_counts_keys_without_reading_them(store: Store, prefix: str) -> None:
+    store.put(prefix + "c/1", b"x" * 100)
+    res = store.txn((), [Put(prefix + "c/2", b"y"), Get(prefix + "c/", prefix=True, count_only=True),
+                         Get(prefix + "c/1")])
+    assert res.counts == [0, 2, 1] and res.responses[1] == [] and len(res.responses[2]) == 1
+
+
 def test_one_watch_over_several_ranges_with_puts_filtered_out(store: Store, prefix: str) -> None:
     store.put(prefix + "gone/1", b"x")
     ranges = [WatchRange(prefix + "seal/3"), WatchRange(prefix + "gone/", prefix=True, no_put=True),

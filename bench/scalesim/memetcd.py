@@ -204,15 +204,20 @@ class MemEtcd:
         rev = self.revision_now + 1
         changes: list[WatchEvent] = []
         reads: list[list[KeyValue]] = []
+        counts: list[int] = []
         for op in ops:
             if isinstance(op, Put):
                 self._put(op.key, op.value, op.lease, rev, changes)
                 reads.append([])
+                counts.append(0)
             elif isinstance(op, Delete):
                 self._delete(op.key, op.prefix, rev, changes)
                 reads.append([])
+                counts.append(0)
             else:
-                reads.append(self._count_read(self._range(op.key, op.prefix)))
+                found = self._range(op.key, op.prefix)
+                counts.append(len(found))
+                reads.append([] if op.count_only else self._count_read(found))
         if writes:
             self.counters.proposals += 1
         else:
@@ -220,7 +225,7 @@ class MemEtcd:
         if changes:
             self.revision_now = rev
             self._changed(changes, rev)
-        return TxnResult(ok, self.revision_now, reads)
+        return TxnResult(ok, self.revision_now, reads, counts)
 
     def put(self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None) -> int:
         return self.txn((), [Put(key, value, lease)]).revision

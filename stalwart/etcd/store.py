@@ -198,12 +198,15 @@ class Store:
                              failure=[self._op(o) for o in failure])
         resp = self._call(self._kv.Txn, req, "txn", timeout)
         reads: list[list[KeyValue]] = []
+        counts: list[int] = []
         for r in resp.responses:
             if r.HasField("response_range"):
                 reads.append([KeyValue._from_pb(kv) for kv in r.response_range.kvs])
+                counts.append(int(r.response_range.count))
             else:
                 reads.append([])
-        return TxnResult(bool(resp.succeeded), int(resp.header.revision), reads)
+                counts.append(0)
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision), reads, counts)
 
     @staticmethod
     def _op(op: Op) -> Any:
@@ -214,7 +217,7 @@ class Store:
         end = prefix_range_end(k) if op.prefix else b""
         if isinstance(op, Delete):
             return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k, range_end=end))
-        return rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end))
+        return rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end, count_only=op.count_only))
 
     def revision(self, *, timeout: float | None = None) -> int:
         """The store's current revision."""

@@ -32,7 +32,7 @@ from stalwart.etcd.store import (
     WatchEvent,
     WatchRange,
 )
-from stalwart.restart.protocol import EpochView, apply_changes, parse_view, stale_iterations
+from stalwart.restart.protocol import EpochView, apply_changes, completes, parse_view, stale_iterations
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,12 @@ class Coordinator:
 
     def view(self, parts: Sequence[WatchRange] | None = None) -> EpochView:
         """The round's restart prefix as etcd holds it now; with ``parts`` (keys or prefixes relative to it),
-        only those, read at one revision (the rest of the view is empty)."""
+        only those, read at one revision (the rest of the view is empty; a part with ``no_put`` is not read)."""
         if parts is None:
             kvs, revision = self._retry("read", lambda: self.store.get_prefix(self.base))
             return self.parse(kvs, revision)
-        reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts]
+        # A part watched for its deletions only has nothing to read: what exists now is not its business.
+        reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts if not p.no_put]
         res = self._retry("read", lambda: self.store.txn((), reads))
         return self.parse([kv for got in res.responses for kv in got], res.revision)
 
@@ -158,7 +159,7 @@ class Coordinator:
             self.ensure_lease()
         key = self.round_keys.arrival(iteration, self.slot)
         parts = list(read) if read is not None else [WatchRange("", prefix=True)]
-        reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts]
+        reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts if not p.no_put]
 
         def write() -> EpochView:
             res = self.fence.txn((), [Put(key, rec.to_json_bytes(), self.lease), *reads])
@@ -171,10 +172,19 @@ class Coordinator:
             self.start()
             return self._retry("arrival", write)
 
-    def mark_done(self, iteration: int) -> None:
-        rec = DoneRecord(slot=self.slot, iteration=iteration)
-        self._retry("completion", lambda: self.fence.put(self.round_keys.done(iteration, self.slot),
-                                                         rec.to_json_bytes()))
+    def mark_done(self, seal: SealRecord) -> bool:
+        """Mark this process's function returned in the iteration of ``seal``, counting the marks in the same
+        request; the process whose mark is the last of the iteration's active processes also writes its END
+        record, the one key the others wait for (:func:`~.protocol.completes`). Returns whether it did."""
+        iteration = seal.iteration
+        rec = DoneRecord(slot=self.slot, iteration=iteration).to_json_bytes()
+        marks = Get(self.round_keys.of_iteration(DONE, iteration), prefix=True, count_only=True)
+        res = self._retry("completion", lambda: self.fence.txn(
+            (), [Put(self.round_keys.done(iteration, self.slot), rec), marks]))
+        if not completes(res.counts[1], seal):
+            return False
+        self._retry("completion end", lambda: self.fence.put(self.round_keys.end(iteration), rec))
+        return True
 
     def try_seal(self, seal: SealRecord) -> SealRecord:
         """Write ``seal`` unless one exists for its iteration; return the seal that holds (mine or theirs).
@@ -198,6 +208,7 @@ class Coordinator:
         for it in stale:
             ops += [Delete(keys.of_iteration(kind, it), prefix=True) for kind in (ARRIVE, FAULT, DONE)]
             ops.append(Delete(keys.seal(it)))
+            ops.append(Delete(keys.end(it)))
             ops.append(Delete(keys.torch_store_of(it), prefix=True))
         try:
             self.fence.txn((), ops)
@@ -219,15 +230,16 @@ class Coordinator:
         return new
 
     def wait_until(self, done: Callable[[EpochView], object], deadline: float | None,
-                   parts: Sequence[WatchRange] | None = None, *,
-                   start: EpochView | None = None) -> tuple[EpochView, object]:
+                   parts: Sequence[WatchRange] | None = None, *, start: EpochView | None = None,
+                   notice: Callable[[list[WatchEvent]], None] | None = None) -> tuple[EpochView, object]:
         """Read the prefix (or only ``parts`` of it, see :meth:`view`) once, unless ``start`` is that read
         already (from :meth:`arrive`), then keep that view current from a watch on the same parts (events
         applied, not re-read), until ``done(view)`` returns a truthy value (returned with the view) or
         ``deadline`` (monotonic) passes (:class:`CoordinationTimeout`).
 
         Narrow ``parts`` keep what etcd sends this process to what ``done`` looks at: a rank that waits for
-        one key is not sent every other rank's records.
+        one key is not sent every other rank's records. ``notice`` is shown each batch of events first (a
+        deletion of a key the view does not hold changes nothing in it).
         """
         watched = list(parts) if parts is not None else [WatchRange("", prefix=True)]
         view = start if start is not None else self.view(parts)
@@ -259,6 +271,8 @@ class Coordinator:
                 # Without changes ``done`` is still asked: it may also look at the process's own state (a
                 # handover to a newer round).
                 if batch:
+                    if notice is not None:
+                        notice(batch)
                     view = self._apply(view, batch)
                 result = done(view)
                 if result:

@@ -25,8 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from stalwart.api.exit_codes import ExitCode
-from stalwart.api.restart import DIRECT_KINDS, AliveRecord, ArrivalRecord, FaultKind, FaultRecord, SealRecord
-from stalwart.etcd.keys import ALIVE, ARRIVE, DONE, FAULT, SEAL
+from stalwart.api.restart import (
+    DIRECT_KINDS,
+    AliveRecord,
+    ArrivalRecord,
+    DoneRecord,
+    FaultKind,
+    FaultRecord,
+    SealRecord,
+)
+from stalwart.etcd.keys import ALIVE, ARRIVE, DONE, END, FAULT, SEAL
 from stalwart.restart.assignment import Candidate, RankAssignment, WorldTooSmall, initial_ranks
 
 __all__ = [
@@ -46,6 +54,8 @@ __all__ = [
     "barrier_state",
     "better_cause",
     "budget_left",
+    "completes",
+    "completion_known",
     "fault_report",
     "iteration_end",
     "join",
@@ -77,6 +87,8 @@ class EpochView:
     seals: Mapping[int, SealRecord] = field(default_factory=dict)
     faults: Mapping[int, tuple[tuple[int, FaultRecord], ...]] = field(default_factory=dict)
     done: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    #: Iterations whose END record says every active process returned.
+    ended: frozenset[int] = frozenset()
 
     def first_fault(self, iteration: int) -> FaultRecord | None:
         faults = self.faults.get(iteration, ())
@@ -93,7 +105,7 @@ class EpochView:
         return [rec for _, rec in self.faults.get(iteration, ()) if rec.slot != slot]
 
 
-_Record = AliveRecord | ArrivalRecord | SealRecord | FaultRecord | None
+_Record = AliveRecord | ArrivalRecord | SealRecord | FaultRecord | DoneRecord | None
 
 
 def _parse_entry(key: str, value: bytes | None) -> tuple[str, tuple[int, ...], _Record] | None:
@@ -103,8 +115,9 @@ def _parse_entry(key: str, value: bytes | None) -> tuple[str, tuple[int, ...], _
     kind, _, rest = key.partition("/")
     parts = rest.split("/")
     kind += "/"
-    model = {ALIVE: AliveRecord, ARRIVE: ArrivalRecord, SEAL: SealRecord, FAULT: FaultRecord, DONE: None}
-    width = {ALIVE: 1, SEAL: 1, ARRIVE: 2, FAULT: 2, DONE: 2}
+    model = {ALIVE: AliveRecord, ARRIVE: ArrivalRecord, SEAL: SealRecord, FAULT: FaultRecord, DONE: None,
+             END: DoneRecord}
+    width = {ALIVE: 1, SEAL: 1, ARRIVE: 2, FAULT: 2, DONE: 2, END: 1}
     if kind not in model or len(parts) != width[kind]:
         return None
     numbers = tuple(int(p) for p in parts)
@@ -129,6 +142,7 @@ def apply_changes(view: EpochView, changes: Iterable[tuple[str, bytes | None, in
     seals = dict(view.seals)
     faults = {it: list(fs) for it, fs in view.faults.items()}
     done = {it: set(slots) for it, slots in view.done.items()}
+    ended = set(view.ended)
     problems: dict[str, str] = {}
     for key, new_value, mod_revision in changes:
         value = new_value
@@ -148,6 +162,8 @@ def apply_changes(view: EpochView, changes: Iterable[tuple[str, bytes | None, in
             _set(alive, numbers[0], rec if value is not None else None)
         elif kind == SEAL:
             _set(seals, numbers[0], rec if value is not None else None)
+        elif kind == END:
+            (ended.add if value is not None else ended.discard)(numbers[0])
         elif kind == ARRIVE:
             _set(arrivals.setdefault(numbers[0], {}), numbers[1], rec if value is not None else None)
         elif kind == FAULT:
@@ -166,7 +182,8 @@ def apply_changes(view: EpochView, changes: Iterable[tuple[str, bytes | None, in
                      arrivals={it: a for it, a in arrivals.items() if a},
                      seals=seals,
                      faults={it: tuple(sorted(fs, key=lambda f: f[0])) for it, fs in faults.items() if fs},
-                     done={it: frozenset(slots) for it, slots in done.items() if slots}), problems
+                     done={it: frozenset(slots) for it, slots in done.items() if slots},
+                     ended=frozenset(ended)), problems
 
 
 def _set(mapping: dict[int, Any], key: int, rec: object) -> None:
@@ -260,7 +277,7 @@ def join(view: EpochView, me: Participant) -> Join | WaitEnd | Finished | Exit:
                                        "the process of this slot was restarted"))
     if latest in view.faults:
         return Join(latest + 1)
-    if {int(s) for s in seal.ranks} <= view.done.get(latest, frozenset()):
+    if latest in view.ended or {int(s) for s in seal.ranks} <= view.done.get(latest, frozenset()):
         return Finished()
     return WaitEnd(latest, seal)
 
@@ -403,6 +420,8 @@ def iteration_end(view: EpochView, seal: SealRecord, me: Participant) -> tuple[O
     iteration = seal.iteration
     if view.faults.get(iteration):
         return "fault", None
+    if iteration in view.ended:
+        return "done", None
     active = {int(s) for s in seal.ranks}
     done = view.done.get(iteration, frozenset())
     if active <= done:
@@ -412,6 +431,22 @@ def iteration_end(view: EpochView, seal: SealRecord, me: Participant) -> tuple[O
         return "fault", Report(iteration, seal.ranks.get(str(me.slot)), "peer_lost",
                                f"the heartbeat lease of slot(s) {list(lost)} ended", lost)
     return None
+
+
+def completion_known(view: EpochView, iteration: int) -> Outcome | None:
+    """What a process that waits for ``iteration`` to end learns from its fault records and its END record
+    alone (it is not sent the completion marks and heartbeats of every process): ``"fault"``, ``"done"``, or
+    ``None`` while neither is written. A heartbeat's deletion meanwhile is judged on a full read, by
+    :func:`iteration_end`."""
+    if view.faults.get(iteration):
+        return "fault"
+    return "done" if iteration in view.ended else None
+
+
+def completes(marks: int, seal: SealRecord) -> bool:
+    """Whether ``marks`` completion marks of the iteration of ``seal`` (counted in the transaction that wrote
+    one of them) are every active process's: the process whose mark it was writes the END record."""
+    return bool(seal.ranks) and marks >= len(seal.ranks)
 
 
 def fault_report(iteration: int, rank: int, *, interrupted: bool, peer_fault: FaultRecord | None,

@@ -39,8 +39,8 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord, failure_info
 from stalwart.etcd.client import EtcdCredentials, connect
-from stalwart.etcd.keys import ALIVE, DONE, FAULT, SEAL
-from stalwart.etcd.store import WatchRange
+from stalwart.etcd.keys import ALIVE, DONE, END, FAULT, SEAL
+from stalwart.etcd.store import WatchEvent, WatchRange
 from stalwart.restart import drill
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
@@ -68,6 +68,7 @@ from stalwart.restart.protocol import (
     barrier_sealer,
     barrier_state,
     budget_left,
+    completion_known,
     fault_report,
     iteration_end,
     join,
@@ -273,17 +274,36 @@ class _Session:
 
     def _wait_end(self, seal: SealRecord, deadline: float | None) -> str:
         """Wait until the iteration of ``seal`` ends (:func:`~.protocol.iteration_end`): ``"done"`` or
-        ``"fault"``, after reporting a peer it found lost."""
+        ``"fault"``, after reporting a peer it found lost.
+
+        The wait is sent the iteration's fault records, its END record and the heartbeats' deletions, not every
+        process's completion mark. A deletion of an active process's heartbeat is judged on a full read; so is
+        the start of a spare's wait (an active process's monitor reports a peer lost while it waits, a spare
+        has no such monitor)."""
+        it = seal.iteration
+        judge = [str(self.env.slot) not in seal.ranks]
+
+        def notice(events: list[WatchEvent]) -> None:
+            for ev in events:
+                rel = ev.kv.key[len(self.coord.base):]
+                if ev.type == "delete" and rel.startswith(ALIVE) and rel[len(ALIVE):] in seal.ranks:
+                    judge[0] = True
 
         def ended(view: EpochView) -> object:
             self.check_round()
-            return iteration_end(view, seal, self.me)
+            known = completion_known(view, it)
+            if known is not None:
+                return known, None
+            if not judge[0]:
+                return None
+            judge[0] = False
+            return iteration_end(self.coord.view([WatchRange(f"{FAULT}{it}/", prefix=True), WatchRange(f"{END}{it}"),
+                                                  WatchRange(f"{DONE}{it}/", prefix=True),
+                                                  WatchRange(ALIVE, prefix=True)]), seal, self.me)
 
-        it = seal.iteration
-        # What iteration_end looks at, and no more: not the arrivals, not the seals.
-        parts = [WatchRange(f"{FAULT}{it}/", prefix=True), WatchRange(f"{DONE}{it}/", prefix=True),
-                 WatchRange(ALIVE, prefix=True)]
-        _, ended_as = self.coord.wait_until(ended, deadline, parts)
+        parts = [WatchRange(f"{FAULT}{it}/", prefix=True), WatchRange(f"{END}{it}"),
+                 WatchRange(ALIVE, prefix=True, no_put=True)]
+        _, ended_as = self.coord.wait_until(ended, deadline, parts, notice=notice)
         assert isinstance(ended_as, tuple)
         outcome, report = ended_as
         if report is not None:
@@ -370,9 +390,9 @@ class _Session:
             fault = e
         if fault is None:
             try:
-                self.coord.mark_done(iteration)
                 seal = self._previous_seal(iteration + 1) or SealRecord(  # the seal of this iteration
                     iteration=iteration, world_size=world_size, ranks={}, sealed_by=self.env.slot)
+                self.coord.mark_done(seal)
                 outcome = self._wait_end(seal, time.monotonic() + self.config.completion_timeout)
             except CoordinationTimeout:
                 self._report(Report(iteration, rank, "completion_timeout",

@@ -11,7 +11,7 @@ import pytest
 
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import StaleEpoch
-from stalwart.etcd.keys import ARRIVE, SEAL, JobKeys
+from stalwart.etcd.keys import ARRIVE, END, SEAL, JobKeys
 from stalwart.etcd.store import Store, WatchRange
 from stalwart.local.etcd import EtcdServer
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
@@ -132,3 +132,23 @@ def test_an_arrival_refused_for_a_lost_lease_takes_a_new_one(store: Store, etcd:
     assert store.get(c.round_keys.arrival(0, 3)).lease == c.lease  # type: ignore[union-attr]
     c.stop()
     assert c.view().arrivals == {}  # bound to the new lease
+
+
+def test_the_last_completion_mark_writes_the_end_record(store: Store, job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    coords = [Coordinator(store, keys, epoch, slot=s, node_id="n") for s in range(3)]
+    seal = SealRecord(iteration=2, world_size=3, ranks={"0": 0, "1": 1, "2": 2}, sealed_by=0)
+    waiter = coords[0].view([WatchRange(f"{END}2")])
+    assert [c.mark_done(seal) for c in coords[:2]] == [False, False] and 2 not in coords[0].view().ended
+    assert coords[2].mark_done(seal) is True  # the last mark: its writer writes END
+    assert coords[1].mark_done(seal) is True  # a mark written again (a retry) finds them all too: END again
+    view = coords[0].view()
+    assert 2 in view.ended and view.done[2] == frozenset({0, 1, 2})
+    # A waiter is sent the END record, not the marks.
+    done, _ = coords[0].wait_until(lambda v: 2 in v.ended, time.monotonic() + 30, [WatchRange(f"{END}2")],
+                                   start=waiter)
+    assert done.done == {} and done.ended == frozenset({2})
+    # The sealer of a later iteration removes it with the rest.
+    for it in (3, 4):
+        coords[0].try_seal(SealRecord(iteration=it, world_size=1, ranks={"0": 0}, sealed_by=0))
+    assert coords[0].view().ended == frozenset()

@@ -5,6 +5,7 @@ is its cause and what a failure reports. No etcd, no clock, no threads."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
 
@@ -28,6 +29,8 @@ from stalwart.restart.protocol import (
     barrier_state,
     better_cause,
     budget_left,
+    completes,
+    completion_known,
     fault_report,
     iteration_end,
     join,
@@ -137,9 +140,24 @@ RUNNING = seal(4, {0: 0, 1: 1})
                                                  (0,)))),
     (EpochView(alive=alive(1), faults={3: ((9, fault(0, "exception", 3)),)}), ("fault", Report(
         4, 1, "peer_lost", "the heartbeat lease of slot(s) [0] ended", (0,)))),  # a fault of another iteration
-], ids=["running", "one-returned", "all-returned", "returned-then-gone", "fault", "peer-lost", "older-fault"])
+    (EpochView(ended=frozenset({4})), ("done", None)),  # the END record: the marks and heartbeats need not be read
+    (EpochView(ended=frozenset({4}), faults={4: ((9, fault(0, "exception", 4)),)}), ("fault", None)),
+], ids=["running", "one-returned", "all-returned", "returned-then-gone", "fault", "peer-lost", "older-fault", "end",
+        "end-after-fault"])
 def test_when_an_iteration_ended(the_view: EpochView, expected: object) -> None:
     assert iteration_end(the_view, RUNNING, ME) == expected
+    # What a waiter that is sent only the faults and the END record knows agrees, where it knows anything.
+    known = completion_known(replace(the_view, alive={}, done={}), 4)
+    assert known is None or known == expected[0]  # type: ignore[index]
+    assert (known is None) == (not the_view.faults.get(4) and 4 not in the_view.ended)
+
+
+@pytest.mark.parametrize(("marks", "ranks", "last"), [
+    (1, {0: 0, 1: 1}, False), (2, {0: 0, 1: 1}, True), (3, {0: 0, 1: 1}, True),  # a mark written again: still
+    (1, {}, False),  # no seal known: no END, the waiters judge on a full read
+])
+def test_the_last_completion_mark_writes_the_end(marks: int, ranks: dict[int, int], last: bool) -> None:
+    assert completes(marks, seal(4, ranks)) == last
 
 
 @pytest.mark.parametrize(("the_view", "expected"), [
@@ -151,8 +169,10 @@ def test_when_an_iteration_ended(the_view: EpochView, expected: object) -> None:
                                                                   "the process of this slot was restarted"))),
     (EpochView(seals={2: seal(2, {0: 0, 1: 1})}, faults={2: ((5, fault(0, "exception", 2)),)}), Join(3)),
     (EpochView(seals={2: seal(2, {0: 0, 2: 1})}, done={2: frozenset({0, 2})}), Finished()),
+    (EpochView(seals={2: seal(2, {0: 0, 2: 1})}, ended=frozenset({2})), Finished()),
     (EpochView(seals={2: seal(2, {0: 0, 2: 1})}), WaitEnd(2, seal(2, {0: 0, 2: 1}))),  # a spare: wait
-], ids=["start", "first-barrier", "too-small", "next-barrier", "died-running", "after-fault", "finished", "spare"])
+], ids=["start", "first-barrier", "too-small", "next-barrier", "died-running", "after-fault", "finished", "ended",
+        "spare"])
 def test_where_a_process_joins(the_view: EpochView, expected: object) -> None:
     assert join(the_view, ME) == expected
 
@@ -241,9 +261,11 @@ _START = {"alive/1": (_A, 3), "alive/2": (AliveRecord(slot=2, node_id="n", pid=8
     ([("fault/0/2", fault(2, "peer_lost").to_json_bytes(), 8), ("fault/0/1", None, 9)], set()),
     ([("done/0/2", None, 8), ("done/0/1", b"{}", 9)], set()),
     ([("seal/1", seal(1, {2: 0}).to_json_bytes(), 8), ("seal/0", None, 9)], set()),
+    ([("end/0", b'{"slot":2,"iteration":0}', 8), ("end/1", b"{}", 9)], {"end/1"}),
     ([("arrive/1/1", b"not json", 8)], {"arrive/1/1"}),  # an unreadable record replaces the good one: left out
     ([("other/1", b"{}", 8), ("seal/x", b"{}", 9)], {"seal/x"}),  # no kind, a bad number: ignored, said
-], ids=["none", "arrival", "lease-ended", "fault-overwritten", "fault-deleted", "done", "seal", "bad", "junk"])
+], ids=["none", "arrival", "lease-ended", "fault-overwritten", "fault-deleted", "done", "seal", "end", "bad",
+        "junk"])
 def test_changes_applied_to_a_view_equal_a_read_after_them(changes: list[tuple[str, bytes | None, int]],
                                                            bad: set[str]) -> None:
     before, _ = parse_view(((k, v, rev) for k, (v, rev) in _START.items()), 7)
