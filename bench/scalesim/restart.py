@@ -30,11 +30,19 @@ from unittest import mock
 from bench.scalesim.sim import Costs, Sim, Subscription, TimedStore
 from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
-from stalwart.etcd.keys import ALIVE, FAULT, MANIFEST, SEAL, JobKeys
+from stalwart.etcd.keys import ALIVE, END, FAULT, MANIFEST, SEAL, JobKeys
 from stalwart.etcd.store import KeyValue, WatchEvent, WatchRange
 from stalwart.restart.assignment import RankAssignment
 from stalwart.restart.coordination import Coordinator
-from stalwart.restart.protocol import Arrived, EpochView, Participant, barrier_sealer, barrier_state, plan_seal
+from stalwart.restart.protocol import (
+    Arrived,
+    EpochView,
+    Participant,
+    barrier_sealer,
+    barrier_state,
+    completion_known,
+    plan_seal,
+)
 
 KEYS = JobKeys("scale", "sim1")
 
@@ -165,6 +173,7 @@ class RestartRun:
     abort: float = 0.0
     sim: Sim = field(init=False)
     ranks: list[Rank] = field(init=False)
+    seal0: SealRecord | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.sim = Sim(self.costs)
@@ -195,6 +204,7 @@ class RestartRun:
             view = first.coord.view()
             me = Participant(slot=0, node_id=first.coord.node_id, slots=self.n, target_world=self.n)
             seal = first.coord.try_seal(plan_seal(view, 0, me, RankAssignment(), timed_out=False))
+        self.seal0 = seal
         sealer = barrier_sealer(seal)
         for r in self.ranks:
             r.sealer = r.coord.slot == sealer
@@ -229,3 +239,49 @@ class RestartRun:
                 "writes": sim.mem.counters.proposals - writes0, "reads": sim.mem.counters.reads - reads0,
                 "watch_events": sim.events_sent, "watch_bytes": sim.event_bytes_sent,
                 "peak_requests_per_second": sim.server.peak_rate()}
+
+    def complete(self, limit: float = 600.0) -> dict[str, Any]:
+        """Every rank's function returns in iteration 0 at once; run until every rank knows the iteration
+        ended (the completion barrier: ``Coordinator.mark_done``, then the wrapper's ``_wait_end``)."""
+        self.setup()
+        sim, seal = self.sim, self.seal0
+        assert seal is not None
+        start = sim.server.busy_until + 1.0
+        writes0 = sim.mem.counters.proposals
+        base = self.ranks[0].coord.base
+        parts = (WatchRange(f"{FAULT}0/", prefix=True), WatchRange(f"{END}0"))
+        ranges = (*(WatchRange(base + p.key, prefix=p.prefix) for p in parts),
+                  WatchRange(base + ALIVE, prefix=True, no_put=True))
+        ended_at: dict[int, float] = {}
+
+        def returned(r: Rank) -> None:
+            if r.coord.mark_done(seal):
+                ended_at[r.coord.slot] = sim.now
+                return
+            sim.at(sim.now, lambda: wait(r))
+
+        def wait(r: Rank) -> None:
+            view = r.coord.view(parts)
+            if completion_known(view, 0) is not None:
+                ended_at[r.coord.slot] = sim.now
+                return
+            holder: list[Any] = [view, None]
+
+            def deliver(events: list[WatchEvent], when: float) -> None:
+                fresh = [ev for ev in events if ev.kv.mod_revision > holder[0].revision]
+                if not fresh or r.coord.slot in ended_at:
+                    return
+                sim.now = when
+                holder[0] = r.applied(r.coord, holder[0], fresh)
+                if completion_known(holder[0], 0) is not None:
+                    ended_at[r.coord.slot] = when
+                    sim.unsubscribe(holder[1])
+            holder[1] = sim.subscribe(ranges, view.revision + 1, deliver)
+
+        for r in self.ranks:
+            sim.at(start, lambda r=r: returned(r))  # type: ignore[misc]
+        with self._patched():
+            sim.run(start + limit, stop=lambda: len(ended_at) == self.n)
+        return {"seconds": max(ended_at.values()) - start if len(ended_at) == self.n else None,
+                "ended": len(ended_at), "writes": sim.mem.counters.proposals - writes0,
+                "watch_events": sim.events_sent}

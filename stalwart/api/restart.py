@@ -14,6 +14,9 @@ every write is fenced by the epoch):
     A fault seen by a process in ``iteration``. The first one (lowest revision) interrupts the iteration.
 ``R + "done/<iteration>/<slot>"`` -> :class:`DoneRecord`
     The training function returned on this process (the completion barrier).
+``R + "end/<iteration>"`` -> :class:`DoneRecord`
+    Every active process of ``iteration`` returned: written by the process whose mark was the last (it counts
+    the marks in the request that writes its own). The others wait for this one key.
 
 Keys of iterations older than the previous one are deleted by the process that seals the next iteration,
 so the number of keys stays bounded however many restarts happen.

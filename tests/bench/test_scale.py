@@ -109,6 +109,15 @@ def test_restart_barrier_releases_every_rank_once_into_one_seal() -> None:
     assert res["watch_events"] <= N + (N - 1) + (N - 1)
 
 
+def test_the_completion_barrier_ends_every_rank_with_one_more_write() -> None:
+    run = RestartRun(N, COSTS)
+    res = run.complete(limit=600)
+    assert res["ended"] == N and res["seconds"] is not None
+    assert res["writes"] == N + 1  # a mark per rank, the END by the last
+    ends = [ev for ev in run.sim.mem.log if ev.kv.key == run.ranks[0].coord.round_keys.end(0)]
+    assert len(ends) == 1 and res["watch_events"] <= N - 1
+
+
 def test_the_anchor_pays_a_refused_write_per_node_ahead_of_it() -> None:
     res = CasRun(N, COSTS, grow=False).run()
     assert res["nodes_done"] == N
