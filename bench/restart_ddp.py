@@ -145,7 +145,7 @@ def leak_report(args: argparse.Namespace, rank: int, restarts: int) -> None:
     faults: dict[int, int] = {}
     for kv in kvs:
         parts = kv.key[len(prefix):].split("/")
-        if parts[0] == "restart" and len(parts) >= 4 and parts[2] in ("arrive", "seal", "fault", "done"):
+        if parts[0] == "restart" and len(parts) >= 4 and parts[2] in ("arrive", "seal", "fault", "done", "end"):
             iterations.add(int(parts[3]))
             if parts[2] == "fault":
                 faults[int(parts[3])] = faults.get(int(parts[3]), 0) + 1

@@ -9,7 +9,8 @@ seconds, exact etcd write and watch-event counts. One process, one thread; its C
 Per N (``--nodes``): ``rendezvous_seconds`` (every node holds round 1), ``writes_per_node``,
 ``peak_requests_per_second``, ``watch_events`` and ``manifest_bytes``; ``rerendezvous_seconds`` (one member's
 lease ends; every survivor holds the next round); ``restart_barrier_seconds`` (N ranks; one reports a fault;
-every rank released into the next iteration) and ``writes_per_rank_per_restart``; ``operator_read_bytes``
+every rank released into the next iteration) and ``writes_per_rank_per_restart``; ``completion_seconds`` (every
+rank's function returns at once; every rank knows the iteration ended); ``operator_read_bytes``
 (one read of the job's rendezvous prefix). Where round 1 cannot be sealed (past about 12,000 nodes the
 manifest is over ``MAX_MANIFEST_BYTES``, the most its parts may hold in one transaction) the row says so, and
 ``impl: "stalwart-cap-raised"`` shows the same run with the record cap at etcd's request limit.
@@ -115,6 +116,9 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     emit("stalwart", n, "restart_watch_events", restart["watch_events"], bytes=restart["watch_bytes"],
          reads=restart["reads"])
     emit("stalwart", n, "sim_cpu_seconds", time.process_time() - t0, what="restart")
+    end = RestartRun(n, costs).complete(LIMIT)
+    emit("stalwart", n, "completion_seconds", end["seconds"], ranks=n, ended=end["ended"],
+         writes=end["writes"], watch_events=end["watch_events"], limit="the 60 s completion timeout")
     if n <= anchor_max:
         res = CasRun(n, costs, grow=False).run(LIMIT)
         emit("anchor-cas", n, "rendezvous_seconds", res["seconds"])

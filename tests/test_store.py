@@ -19,6 +19,7 @@ from stalwart.etcd.store import (
     StoreUnavailable,
     ValueTooLarge,
     WatchCompacted,
+    WatchRange,
     prefix_range_end,
 )
 from stalwart.local.etcd import EtcdServer
@@ -135,6 +136,32 @@ def test_watch_single_key_ignores_others(store: Store, prefix: str) -> None:
         store.put(prefix + "one", b"y")
         ev = w.next(timeout=5)
         assert ev is not None and ev.kv.key == prefix + "one"
+
+
+def test_a_txn_counts_keys_without_reading_them(store: Store, prefix: str) -> None:
+    store.put(prefix + "c/1", b"x" * 100)
+    res = store.txn((), [Put(prefix + "c/2", b"y"), Get(prefix + "c/", prefix=True, count_only=True),
+                         Get(prefix + "c/1")])
+    assert res.counts == [0, 2, 1] and res.responses[1] == [] and len(res.responses[2]) == 1
+
+
+def test_one_watch_over_several_ranges_with_puts_filtered_out(store: Store, prefix: str) -> None:
+    store.put(prefix + "gone/1", b"x")
+    ranges = [WatchRange(prefix + "seal/3"), WatchRange(prefix + "gone/", prefix=True, no_put=True),
+              WatchRange(prefix + "fault/", prefix=True)]
+    with store.watch_ranges(ranges) as w:
+        store.put(prefix + "seal/30", b"not this one")  # a key, not a prefix
+        store.put(prefix + "gone/2", b"a put: filtered out")
+        store.put(prefix + "other/1", b"outside every range")
+        store.put(prefix + "fault/1", b"f")
+        store.delete(prefix + "gone/1")
+        store.put(prefix + "seal/3", b"s")
+        got = [w.next(timeout=5) for _ in range(3)]
+        assert [(e.type, e.kv.key) for e in got if e is not None] == [
+            ("put", prefix + "fault/1"), ("delete", prefix + "gone/1"), ("put", prefix + "seal/3")]
+        assert w.next(timeout=0.3) is None
+    with pytest.raises(ValueError, match="ranges"):
+        store.watch_ranges([])
 
 
 def test_watch_compacted_revision_is_a_typed_error(private_etcd: EtcdServer) -> None:

@@ -34,6 +34,7 @@ from stalwart.etcd.store import (
     Delete,
     Get,
     KeyValue,
+    LeaseNotFound,
     Op,
     Put,
     StoreError,
@@ -146,7 +147,7 @@ class MemEtcd:
     def _put(self, key: str, value: bytes, lease: int, rev: int, changes: list[WatchEvent]) -> None:
         check_value_size(key, value, self.value_limit)
         if lease and lease not in self.leases:
-            raise StoreError(f"put {key}: requested lease not found")
+            raise LeaseNotFound(f"put {key}: etcdserver: requested lease not found")
         old = self.keys.get(key)
         if old is None:
             bisect.insort(self.sorted_keys, key)
@@ -203,15 +204,20 @@ class MemEtcd:
         rev = self.revision_now + 1
         changes: list[WatchEvent] = []
         reads: list[list[KeyValue]] = []
+        counts: list[int] = []
         for op in ops:
             if isinstance(op, Put):
                 self._put(op.key, op.value, op.lease, rev, changes)
                 reads.append([])
+                counts.append(0)
             elif isinstance(op, Delete):
                 self._delete(op.key, op.prefix, rev, changes)
                 reads.append([])
+                counts.append(0)
             else:
-                reads.append(self._count_read(self._range(op.key, op.prefix)))
+                found = self._range(op.key, op.prefix)
+                counts.append(len(found))
+                reads.append([] if op.count_only else self._count_read(found))
         if writes:
             self.counters.proposals += 1
         else:
@@ -219,7 +225,7 @@ class MemEtcd:
         if changes:
             self.revision_now = rev
             self._changed(changes, rev)
-        return TxnResult(ok, self.revision_now, reads)
+        return TxnResult(ok, self.revision_now, reads, counts)
 
     def put(self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None) -> int:
         return self.txn((), [Put(key, value, lease)]).revision

@@ -1,50 +1,60 @@
 """N simulated rank processes through one in-process restart of the whole world, on the real coordination code.
 
 Each rank has its own :class:`~stalwart.restart.coordination.Coordinator` (the real etcd side: fenced fault
-report, arrival, prefix read and parse, create-if-absent seal) over the simulated store; the seal's rank
-assignment is the real ``_Session._decide`` (``RankAssignment.assign``). What the wrapper's loop does
-between those calls is followed step by step, as the wrapper on this branch does it:
+report, arrival, reads of the parts it needs, watch events applied to its view, create-if-absent seal) over
+the simulated store; the seal's rank assignment is the real ``RankAssignment``, who seals the real
+``barrier_sealer``. What the wrapper's loop does between those calls is followed step by step, as the
+wrapper (``stalwart/restart/wrapper.py``) does it:
 
-1. one rank reports a fault in iteration 0; every rank's monitor watch (one per rank, on the epoch's prefix)
-   brings it, and the rank is interrupted (``abort`` simulated seconds, 0 by default: the process group's
-   teardown is measured by ``bench/restart.py``, not here);
-2. the rank arrives at the barrier of iteration 1 (``ensure_lease``: a lease read; a fenced put), reads the
-   epoch's prefix, and, while not every slot has arrived, watches the prefix (a second watch) and reads the
-   whole prefix again after every batch of changes (``Coordinator.wait_until``);
-3. the first rank that reads every arrival writes the seal; a rank is **released** when a read shows it.
+1. one rank reports a fault in iteration 0; every rank's monitor watch (one per rank, on the epoch's fault
+   records and the heartbeats' deletions) brings it, and the rank is interrupted (``abort`` simulated seconds,
+   0 by default: the process group's teardown is measured by ``bench/restart.py``, not here); it reads the
+   iteration's fault records for the cause (``_take_cause``);
+2. the rank arrives at the barrier of iteration 1 (a fenced put bound to its heartbeat lease);
+3. with its arrival (one transaction) the sealer (``barrier_sealer`` of iteration 0's seal: the lowest slot
+   that took part) reads the epoch's prefix and keeps its view from a watch on the prefix
+   (``Coordinator.wait_until`` without parts); when ``barrier_complete`` holds it writes the seal. Every other
+   rank reads the seal's key with its arrival and, while it is absent, watches that key only; a rank is
+   **released** when it holds the seal.
 
-The barrier's completion rule is the real ``barrier_complete``.
-Every rank's read at one revision returns the same bytes, so the simulator reads and parses once per
-revision (with the real ``Coordinator.parse``) and charges every rank's read to the model server.
+Every rank's read of the same keys at one revision returns the same bytes, so the simulator parses them once
+(with the real ``Coordinator.parse``) and charges every rank's read to the model server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from unittest import mock
 
-from bench.scalesim.sim import Costs, Sim, TimedStore
+from bench.scalesim.sim import Costs, Sim, Subscription, TimedStore
 from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
-from stalwart.etcd.keys import MANIFEST, JobKeys
-from stalwart.etcd.store import KeyValue
+from stalwart.etcd.keys import ALIVE, END, FAULT, MANIFEST, SEAL, JobKeys
+from stalwart.etcd.store import KeyValue, WatchEvent, WatchRange
 from stalwart.restart.assignment import RankAssignment
 from stalwart.restart.coordination import Coordinator
-from stalwart.restart.protocol import EpochView, Participant, barrier_complete, plan_seal
+from stalwart.restart.protocol import (
+    Arrived,
+    EpochView,
+    Participant,
+    barrier_sealer,
+    barrier_state,
+    completion_known,
+    plan_seal,
+)
 
 KEYS = JobKeys("scale", "sim1")
 
 
 class _Reads:
-    """One read and one parse per (prefix, revision): every rank reading then gets the same answer."""
+    """One read and one parse per (keys, revision): every rank reading them then gets the same answer."""
 
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
         self.kvs: dict[tuple[str, int], tuple[list[KeyValue], int]] = {}
         self.cost: dict[tuple[str, int], float] = {}
-        self.parsed: dict[tuple[str, int], EpochView] = {}
+        self.parsed: dict[tuple[Any, ...], EpochView] = {}
 
     def get_prefix(self, store: TimedStore, prefix: str) -> tuple[list[KeyValue], int]:
         key = (prefix, self.sim.mem.revision_now)
@@ -60,11 +70,31 @@ class _Reads:
         return self.sim.request(self.cost[key], lambda: hit)
 
     def parse(self, real: Any, coord: Coordinator, kvs: list[KeyValue], revision: int) -> EpochView:
-        key = (coord.base, revision)
+        # A few keys (a rank's read of the seal's key with its arrival) are the same bytes at many revisions.
+        key: tuple[Any, ...] = (coord.base, tuple((kv.key, kv.mod_revision) for kv in kvs)) if len(kvs) <= 8 else \
+            (coord.base, revision, len(kvs), kvs[0].key, kvs[-1].key)
         view = self.parsed.get(key)
         if view is None:
+            if len(self.parsed) > 64:
+                self.parsed.clear()
             view = self.parsed[key] = real(coord, kvs, revision)
-        return view
+        return view if view.revision == revision else replace(view, revision=revision)
+
+
+class _Applied:
+    """Watch events applied to a view, once per (view, batch): the ranks that wait for the seal's key hold the
+    same view (but for its revision) and are sent the same batch."""
+
+    def __init__(self) -> None:
+        self.last: tuple[EpochView, int, EpochView] | None = None
+
+    def __call__(self, coord: Coordinator, view: EpochView, events: list[WatchEvent]) -> EpochView:
+        bare = replace(view, revision=0)
+        if self.last is not None and self.last[1] == id(events) and self.last[0] == bare:
+            return self.last[2]
+        new = coord._apply(view, events)
+        self.last = (bare, id(events), new)
+        return new
 
 
 @dataclass
@@ -72,43 +102,66 @@ class Rank:
     sim: Sim
     coord: Coordinator
     slots: int
-    state: str = "running"  # running -> waiting -> released
-    seen: int = 0  # the revision of the last read
+    applied: _Applied
+    sealer: bool = False
+    state: str = "running"  # running -> aborting -> waiting -> released
+    view: EpochView | None = None
+    watch: Subscription | None = None
     released_at: float | None = None
     releases: int = 0
     seal: SealRecord | None = None
 
-    def deliver(self, batch: tuple[bool, int], when: float, abort: float) -> None:
-        """A batch of changes under the epoch's prefix: (has a fault in iteration 0, its last revision)."""
-        fault, last = batch
-        if self.state == "running":
-            if fault:
-                self.state = "aborting"
-                self.sim.at(when + abort, self.arrive)
-        elif self.state == "waiting" and last > self.seen:
-            self.sim.now = when
-            self.check()
+    def on_monitor(self, events: list[WatchEvent], when: float, abort: float) -> None:
+        """The monitor's watch (fault records, heartbeat deletions) brings a batch."""
+        if self.state == "running" and any(ev.type == "put" and ev.kv.key.startswith(self.coord.base + FAULT + "0/")
+                                           for ev in events):
+            self.state = "aborting"
+            self.sim.at(when + abort, self.take_cause)
+
+    def take_cause(self) -> None:
+        self.coord.faults(0).cause(0)
+        self.sim.at(self.sim.now, self.arrive)
 
     def arrive(self) -> None:
-        self.coord.arrive(1, ArrivalRecord(slot=self.coord.slot, node_id=self.coord.node_id))
+        """The arrival, with the read of what this rank's wait looks at, in one request; then
+        ``Coordinator.wait_until`` from that view: a watch on the same parts from the next revision."""
+        parts = None if self.sealer else (WatchRange(f"{SEAL}1"),)
+        self.view = self.coord.arrive(1, ArrivalRecord(slot=self.coord.slot, node_id=self.coord.node_id), parts)
         self.state = "waiting"
-        # The read is a new request, sent when the put's answer is back: other ranks' puts sent before it
-        # are served first.
-        self.sim.at(self.sim.now, self.check)
-
-    def check(self) -> None:
-        if self.state == "released":
+        if self.check():
             return
-        view = self.coord.view()
-        self.seen = view.revision
-        seal = view.seals.get(1)
-        if seal is None and barrier_complete(view, 1, self.slots):
-            me = Participant(slot=self.coord.slot, node_id=self.coord.node_id, slots=self.slots,
-                             target_world=self.slots)
-            seal = self.coord.try_seal(plan_seal(view, 1, me, RankAssignment(), timed_out=False))
-        if seal is not None:
-            self.seal, self.state, self.released_at = seal, "released", self.sim.now
-            self.releases += 1
+        ranges = tuple(WatchRange(self.coord.base + p.key, prefix=p.prefix, no_put=p.no_put)
+                       for p in (parts or (WatchRange("", prefix=True),)))
+        self.watch = self.sim.subscribe(ranges, self.view.revision + 1, self.on_barrier)
+
+    def on_barrier(self, events: list[WatchEvent], when: float) -> None:
+        assert self.view is not None
+        fresh = [ev for ev in events if ev.kv.mod_revision > self.view.revision]
+        if self.state != "waiting" or not fresh:
+            return
+        self.sim.now = when
+        self.view = self.applied(self.coord, self.view, fresh)
+        self.check()
+
+    def check(self) -> bool:
+        assert self.view is not None
+        if self.sealer:
+            result = barrier_state(self.view, 1, self.slots)
+            if isinstance(result, Arrived):
+                me = Participant(slot=self.coord.slot, node_id=self.coord.node_id, slots=self.slots,
+                                 target_world=self.slots)
+                result = self.coord.try_seal(plan_seal(self.view, 1, me, RankAssignment(), timed_out=False))
+        else:
+            result = self.view.seals.get(1)
+        if result is None:
+            return False
+        assert isinstance(result, SealRecord)
+        self.seal, self.state, self.released_at = result, "released", self.sim.now
+        self.releases += 1
+        if self.watch is not None:
+            self.sim.unsubscribe(self.watch)
+            self.watch = None
+        return True
 
 
 @dataclass
@@ -120,11 +173,10 @@ class RestartRun:
     abort: float = 0.0
     sim: Sim = field(init=False)
     ranks: list[Rank] = field(init=False)
+    seal0: SealRecord | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.sim = Sim(self.costs)
-        self.sim.watch_prefix = KEYS.restart
-        self.sim.streams = 2  # the monitor's watch and the barrier's, per rank
         self.reads = _Reads(self.sim)
         self.store = TimedStore(self.sim)
         self.store.get_prefix = lambda prefix, **_: self.reads.get_prefix(self.store, prefix)  # type: ignore[method-assign]
@@ -132,8 +184,9 @@ class RestartRun:
                                                      rank_offset=0, nproc=self.n)],
                             world_size=self.n, master_addr="10.0.0.1", sealed_by="trainjob-worker-0")
         epoch = self.sim.mem.put(KEYS.rendezvous + MANIFEST, manifest.to_json_bytes())
+        applied = _Applied()
         self.ranks = [Rank(self.sim, Coordinator(self.store, KEYS, epoch, slot=i,  # type: ignore[arg-type]
-                                                 node_id=f"trainjob-worker-{i // 8}"), self.n)
+                                                 node_id=f"trainjob-worker-{i // 8}"), self.n, applied)
                       for i in range(self.n)]
 
     def _patched(self) -> Any:
@@ -150,7 +203,11 @@ class RestartRun:
             first = self.ranks[0]
             view = first.coord.view()
             me = Participant(slot=0, node_id=first.coord.node_id, slots=self.n, target_world=self.n)
-            first.coord.try_seal(plan_seal(view, 0, me, RankAssignment(), timed_out=False))
+            seal = first.coord.try_seal(plan_seal(view, 0, me, RankAssignment(), timed_out=False))
+        self.seal0 = seal
+        sealer = barrier_sealer(seal)
+        for r in self.ranks:
+            r.sealer = r.coord.slot == sealer
         self.sim._sent = len(self.sim.mem.log)  # the setup's changes are old news
         self.sim.committed_at = [0.0] * len(self.sim.mem.log)
 
@@ -161,18 +218,12 @@ class RestartRun:
         start = sim.server.busy_until + 1.0
         sim.now = start
         writes0, reads0 = sim.mem.counters.proposals, sim.mem.counters.reads
-        summaries: dict[tuple[int, int], tuple[bool, int]] = {}
         base = self.ranks[0].coord.base
-
-        def summary(s: int, e: int) -> tuple[bool, int]:
-            if (s, e) not in summaries:
-                events = [ev for ev in sim.mem.log[s:e] if ev.kv.key.startswith(base)]
-                summaries[(s, e)] = (any(ev.type == "put" and ev.kv.key.startswith(base + "fault/0/")
-                                         for ev in events), max((ev.kv.mod_revision for ev in events), default=0))
-            return summaries[(s, e)]
-        def watcher(r: Rank) -> Callable[[int, int, float], None]:
-            return lambda s, e, w: r.deliver(summary(s, e), w, self.abort)
-        sim.watchers.extend(watcher(r) for r in self.ranks)
+        # Each rank's monitor: one watch on the fault records and the heartbeats' deletions.
+        monitor = (WatchRange(base + FAULT, prefix=True), WatchRange(base + ALIVE, prefix=True, no_put=True))
+        for r in self.ranks:
+            sim.subscribe(monitor, sim.mem.revision_now + 1,
+                          lambda evs, when, r=r: r.on_monitor(evs, when, self.abort))  # type: ignore[misc]
         with self._patched():
             culprit = self.ranks[self.n // 3]
             position = len(sim.mem.log)
@@ -188,3 +239,49 @@ class RestartRun:
                 "writes": sim.mem.counters.proposals - writes0, "reads": sim.mem.counters.reads - reads0,
                 "watch_events": sim.events_sent, "watch_bytes": sim.event_bytes_sent,
                 "peak_requests_per_second": sim.server.peak_rate()}
+
+    def complete(self, limit: float = 600.0) -> dict[str, Any]:
+        """Every rank's function returns in iteration 0 at once; run until every rank knows the iteration
+        ended (the completion barrier: ``Coordinator.mark_done``, then the wrapper's ``_wait_end``)."""
+        self.setup()
+        sim, seal = self.sim, self.seal0
+        assert seal is not None
+        start = sim.server.busy_until + 1.0
+        writes0 = sim.mem.counters.proposals
+        base = self.ranks[0].coord.base
+        parts = (WatchRange(f"{FAULT}0/", prefix=True), WatchRange(f"{END}0"))
+        ranges = (*(WatchRange(base + p.key, prefix=p.prefix) for p in parts),
+                  WatchRange(base + ALIVE, prefix=True, no_put=True))
+        ended_at: dict[int, float] = {}
+
+        def returned(r: Rank) -> None:
+            if r.coord.mark_done(seal):
+                ended_at[r.coord.slot] = sim.now
+                return
+            sim.at(sim.now, lambda: wait(r))
+
+        def wait(r: Rank) -> None:
+            view = r.coord.view(parts)
+            if completion_known(view, 0) is not None:
+                ended_at[r.coord.slot] = sim.now
+                return
+            holder: list[Any] = [view, None]
+
+            def deliver(events: list[WatchEvent], when: float) -> None:
+                fresh = [ev for ev in events if ev.kv.mod_revision > holder[0].revision]
+                if not fresh or r.coord.slot in ended_at:
+                    return
+                sim.now = when
+                holder[0] = r.applied(r.coord, holder[0], fresh)
+                if completion_known(holder[0], 0) is not None:
+                    ended_at[r.coord.slot] = when
+                    sim.unsubscribe(holder[1])
+            holder[1] = sim.subscribe(ranges, view.revision + 1, deliver)
+
+        for r in self.ranks:
+            sim.at(start, lambda r=r: returned(r))  # type: ignore[misc]
+        with self._patched():
+            sim.run(start + limit, stop=lambda: len(ended_at) == self.n)
+        return {"seconds": max(ended_at.values()) - start if len(ended_at) == self.n else None,
+                "ended": len(ended_at), "writes": sim.mem.counters.proposals - writes0,
+                "watch_events": sim.events_sent}

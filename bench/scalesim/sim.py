@@ -8,7 +8,8 @@ a real etcd server of this machine first (:mod:`.calibrate`):
 * a request reaches etcd half a round trip after it is sent, waits for the server, takes its service time
   (``write`` for a proposal, ``read + read_byte * bytes`` for a read) and its answer comes back half a round
   trip later; the server does one thing at a time, in the order the simulator issues requests;
-* a change is sent to every watcher of its prefix: the server spends ``event + event_byte * bytes`` per
+* a change is sent to every watcher of its prefix (or, for a watch of :class:`Subscription`, to every watcher
+  whose ranges hold its key, with etcd's NOPUT filter): the server spends ``event + event_byte * bytes`` per
   event per watcher, in batches (all changes committed while it was busy go out together), and a watcher
   holds the batch half a round trip after the server finished sending it to all.
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from bench.scalesim.memetcd import MemEtcd
-from stalwart.etcd.store import Compare, KeyValue, Op, TxnResult, WatchEvent
+from stalwart.etcd.store import Compare, KeyValue, Op, TxnResult, WatchEvent, WatchRange
 
 T = TypeVar("T")
 
@@ -44,6 +45,24 @@ class Costs:
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__slots__}
+
+
+def in_ranges(ranges: tuple[WatchRange, ...], ev: WatchEvent) -> bool:
+    """Whether a watch on ``ranges`` is sent ``ev`` (etcd's matching, and its NOPUT filter)."""
+    key = ev.kv.key
+    return any((key.startswith(r.key) if r.prefix else key == r.key) and not (r.no_put and ev.type == "put")
+               for r in ranges)
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One watch stream of one simulated process: the ranges it follows from revision ``start`` and what it does
+    with a batch (the events it is sent, and when it holds them)."""
+
+    ranges: tuple[WatchRange, ...]
+    start: int
+    deliver: Callable[[list[WatchEvent], float], None]
+    active: bool = True
 
 
 @dataclass(order=True)
@@ -99,6 +118,8 @@ class Sim:
         self.streams = 1
         #: When set, the number of watch streams in all (agents that share one watch, as in one process).
         self.watch_streams: int | None = None
+        #: Watches by their ranges (see :meth:`subscribe`).
+        self.subscriptions: dict[tuple[WatchRange, ...], list[Subscription]] = {}
         self._sent = 0
         self._pump_pending = False
         self.events_sent = 0
@@ -115,7 +136,10 @@ class Sim:
             if job.at > until:
                 heapq.heappush(self._queue, job)
                 return
-            self.now = max(self.now, job.at)
+            # Each agent acts at its own time: a job runs at the time it was due, not after the requests of the
+            # jobs run before it (that would make every agent wait for every other's round trip, as if they
+            # all shared one connection and called one after another). The server stays one FIFO queue.
+            self.now = job.at
             job.fn()
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -138,6 +162,42 @@ class Sim:
 
     # -- watch fan-out -----------------------------------------------------------------------------------
 
+    def subscribe(self, ranges: tuple[WatchRange, ...], start: int,
+                  deliver: Callable[[list[WatchEvent], float], None]) -> Subscription:
+        """A watch on ``ranges`` from revision ``start`` (what etcd sends a process that read at ``start - 1``
+        and then watched from the next revision)."""
+        sub = Subscription(ranges, start, deliver)
+        self.subscriptions.setdefault(ranges, []).append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        sub.active = False
+        group = self.subscriptions.get(sub.ranges, [])
+        if sub in group:
+            group.remove(sub)
+
+    def _fan_out(self, log: Sequence[WatchEvent]) -> tuple[float, list[tuple[Subscription, list[WatchEvent]]]]:
+        """The server's cost of sending ``log`` to the subscriptions, and who gets what. Watches of equal
+        ranges share the matching; each is sent what is at or after its start."""
+        cost, sends = 0.0, []
+        for ranges, group in self.subscriptions.items():
+            if not group:
+                continue
+            events = [ev for ev in log if in_ranges(ranges, ev)]
+            if not events:
+                continue
+            for sub in group:
+                sent = events if events[0].kv.mod_revision >= sub.start else \
+                    [ev for ev in events if ev.kv.mod_revision >= sub.start]
+                if not sent:
+                    continue
+                size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in sent)
+                cost += len(sent) * self.costs.event + size * self.costs.event_byte
+                self.events_sent += len(sent)
+                self.event_bytes_sent += size
+                sends.append((sub, sent))
+        return cost, sends
+
     def _schedule_pump(self, when: float) -> None:
         if not self._pump_pending:
             self._pump_pending = True
@@ -159,11 +219,14 @@ class Sim:
         cost = watchers * (len(events) * self.costs.event + size * self.costs.event_byte)
         self.events_sent += watchers * len(events)
         self.event_bytes_sent += watchers * size
-        done = self.server.serve(self.now, cost, request=False)
+        sub_cost, sends = self._fan_out(self.mem.log[start:end])
+        done = self.server.serve(self.now, cost + sub_cost, request=False)
         self._sent = end
         delivered = done + self.costs.rtt / 2
         for deliver in list(self.watchers):
             self.at(delivered, lambda d=deliver: d(start, end, delivered))  # type: ignore[misc]
+        for sub, sent in sends:
+            self.at(delivered, lambda s=sub, e=sent: s.deliver(e, delivered) if s.active else None)  # type: ignore[misc]
         if len(self.committed_at) > end:
             self._schedule_pump(self.committed_at[end])
 
@@ -199,9 +262,12 @@ class TimedStore:
             return res[0]
 
         def cost() -> float:
+            read = [kv for r in res[0].responses for kv in r] if res else []
             if self.mem.counters.proposals > before:
-                return self.sim.costs.write
-            return self._read_cost([kv for r in res[0].responses for kv in r]) if res else self.sim.costs.read
+                # A write that also reads (an arrival with the keys it waits on) pays for what it returns.
+                return self.sim.costs.write + self._read_cost(read) - self.sim.costs.read if read else \
+                    self.sim.costs.write
+            return self._read_cost(read) if res else self.sim.costs.read
         return self.sim.request(cost, call)
 
     def put(self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None) -> int:

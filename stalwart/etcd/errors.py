@@ -7,8 +7,8 @@ import grpc
 
 from stalwart.etcd import auth as store_auth
 
-__all__ = ["MAX_VALUE_BYTES", "StoreError", "StorePermissionDenied", "StoreSecurityError", "StoreTimeout",
-           "StoreUnavailable", "ValueTooLarge", "WatchCompacted", "check_value_size", "map_error"]
+__all__ = ["MAX_VALUE_BYTES", "LeaseNotFound", "StoreError", "StorePermissionDenied", "StoreSecurityError",
+           "StoreTimeout", "StoreUnavailable", "ValueTooLarge", "WatchCompacted", "check_value_size", "map_error"]
 
 #: Largest value stalwart writes to etcd. etcd's own request limit is 1.5 MiB; our records are small JSON.
 MAX_VALUE_BYTES = 256 * 1024
@@ -42,6 +42,10 @@ class WatchCompacted(StoreError):
         self.compact_revision = compact_revision
 
 
+class LeaseNotFound(StoreError):
+    """A write was bound to a lease etcd no longer has (it expired or was revoked): nothing was written."""
+
+
 class ValueTooLarge(StoreError):
     """A value is larger than :data:`MAX_VALUE_BYTES`."""
 
@@ -59,6 +63,8 @@ def map_error(e: grpc.RpcError, what: str) -> StoreError:
         return StorePermissionDenied(f"etcd {what}: {store_auth.EXPLAIN[refused]} ({details})")
     if refused is not None:
         return StoreSecurityError(f"etcd {what}: {store_auth.EXPLAIN[refused]} ({details})")
+    if code == grpc.StatusCode.NOT_FOUND and "lease not found" in str(details):
+        return LeaseNotFound(f"etcd {what}: {details}")
     if code == grpc.StatusCode.UNAVAILABLE:
         return StoreUnavailable(f"etcd unavailable during {what}: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -76,7 +76,7 @@ class Fence:
             node = res.responses[1]
             if not node or node[0].create_revision != self.holder[1]:
                 raise StaleEpoch(self.epoch, current, f"node {self.holder[0]} is no longer registered")
-        return TxnResult(False, res.revision, res.responses[len(guard_reads):])
+        return TxnResult(False, res.revision, res.responses[len(guard_reads):], res.counts[len(guard_reads):])
 
     def check(self, *, timeout: float | None = None) -> None:
         """Raise :class:`StaleEpoch` unless the round is still current (a read-only transaction)."""

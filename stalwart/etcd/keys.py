@@ -23,12 +23,14 @@ EXPECTED = "expected"
 
 # In-process restart's keys, relative to one round's restart prefix (``RestartKeys.base``): a live process's
 # ALIVE key (bound to its lease), its ARRIVE at an iteration's barrier (bound to its lease), the iteration's
-# SEAL, the FAULT records of an iteration and the DONE marks of its completion barrier.
+# SEAL, the FAULT records of an iteration, the DONE marks of its completion barrier and its END (written by the
+# process whose mark completed it).
 ALIVE = "alive/"
 ARRIVE = "arrive/"
 SEAL = "seal/"
 FAULT = "fault/"
 DONE = "done/"
+END = "end/"
 
 _SEGMENT = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
@@ -156,6 +158,9 @@ class RestartKeys:
 
     def done(self, iteration: int, slot: int) -> str:
         return f"{self.base}{DONE}{iteration}/{slot}"
+
+    def end(self, iteration: int) -> str:
+        return f"{self.base}{END}{iteration}"
 
     def of_iteration(self, kind: str, iteration: int) -> str:
         """The prefix of the ``kind`` (ARRIVE, FAULT or DONE) keys of ``iteration``."""

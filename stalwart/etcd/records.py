@@ -91,8 +91,12 @@ class Delete:
 
 @dataclass(frozen=True, slots=True)
 class Get:
+    """Read ``key`` (or every key under it with ``prefix``); with ``count_only``, only how many there are (in
+    :attr:`TxnResult.counts`; its ``responses`` entry is then empty)."""
+
     key: str
     prefix: bool = False
+    count_only: bool = False
 
 
 Op = Put | Delete | Get
@@ -104,6 +108,18 @@ class TxnResult:
     revision: int
     #: For each ``Get`` in the branch that ran, the key-values it read (in op order); other ops give ``[]``.
     responses: list[list[KeyValue]] = field(default_factory=list)
+    #: For each op of the branch that ran, how many keys its read found (0 for a write).
+    counts: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class WatchRange:
+    """One key (or, with ``prefix``, every key under it) that a watch follows; ``no_put`` leaves out the key's
+    puts (etcd's NOPUT filter: only deletions come)."""
+
+    key: str
+    prefix: bool = False
+    no_put: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from pyetcd.etcdrpc import rpc_pb2_grpc as rpc_grpc
 from stalwart.etcd import auth as store_auth
 from stalwart.etcd.errors import (
     MAX_VALUE_BYTES,
+    LeaseNotFound,
     StoreError,
     StorePermissionDenied,
     StoreSecurityError,
@@ -53,6 +54,7 @@ from stalwart.etcd.records import (
     Put,
     TxnResult,
     WatchEvent,
+    WatchRange,
     as_bytes,
     prefix_range_end,
 )
@@ -62,9 +64,9 @@ log = logging.getLogger(__name__)
 
 # The adapter's public face: callers import the records and errors from here.
 __all__ = [
-    "DEFAULT_TIMEOUT", "MAX_VALUE_BYTES", "Compare", "Delete", "Get", "KeyValue", "Op", "Put", "Store", "StoreError",
-    "StorePermissionDenied", "StoreSecurityError", "StoreTimeout", "StoreUnavailable", "TxnResult", "ValueTooLarge",
-    "Watch", "WatchCompacted", "WatchEvent", "check_value_size", "prefix_range_end",
+    "DEFAULT_TIMEOUT", "MAX_VALUE_BYTES", "Compare", "Delete", "Get", "KeyValue", "LeaseNotFound", "Op", "Put", "Store",
+    "StoreError", "StorePermissionDenied", "StoreSecurityError", "StoreTimeout", "StoreUnavailable", "TxnResult",
+    "ValueTooLarge", "Watch", "WatchCompacted", "WatchEvent", "WatchRange", "check_value_size", "prefix_range_end",
 ]
 
 DEFAULT_TIMEOUT = 5.0
@@ -108,6 +110,9 @@ class Store:
             # Reconnect quickly after an etcd restart instead of backing off for up to two minutes.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1_000),
+            # A job's prefix outgrows gRPC's default 4 MiB answer at about 10,000 nodes or ranks (a round's
+            # restart records are about 300 bytes per rank); etcd itself sends answers of any size.
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
         if ca_cert is not None or client_cert is not None:
             creds = grpc.ssl_channel_credentials(ca_cert, client_key, client_cert)
@@ -193,12 +198,15 @@ class Store:
                              failure=[self._op(o) for o in failure])
         resp = self._call(self._kv.Txn, req, "txn", timeout)
         reads: list[list[KeyValue]] = []
+        counts: list[int] = []
         for r in resp.responses:
             if r.HasField("response_range"):
                 reads.append([KeyValue._from_pb(kv) for kv in r.response_range.kvs])
+                counts.append(int(r.response_range.count))
             else:
                 reads.append([])
-        return TxnResult(bool(resp.succeeded), int(resp.header.revision), reads)
+                counts.append(0)
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision), reads, counts)
 
     @staticmethod
     def _op(op: Op) -> Any:
@@ -209,7 +217,7 @@ class Store:
         end = prefix_range_end(k) if op.prefix else b""
         if isinstance(op, Delete):
             return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k, range_end=end))
-        return rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end))
+        return rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end, count_only=op.count_only))
 
     def revision(self, *, timeout: float | None = None) -> int:
         """The store's current revision."""
@@ -229,14 +237,23 @@ class Store:
 
     def watch(self, key: str, *, prefix: bool = False, start_revision: int = 0) -> Watch:
         """Watch ``key`` (or every key under it with ``prefix``) from ``start_revision`` (0 = from now)."""
-        k = as_bytes(key)
+        return self.watch_ranges([WatchRange(key, prefix=prefix)], start_revision=start_revision)
+
+    def watch_ranges(self, ranges: Sequence[WatchRange], *, start_revision: int = 0) -> Watch:
+        """One watch over several keys or prefixes (one gRPC stream, their events in revision order), from
+        ``start_revision`` (0 = from now): a process that needs a few narrow parts of a prefix is not sent the
+        rest of it."""
+        if not ranges:
+            raise ValueError("ranges: expected at least one WatchRange")
+        wanted = [(as_bytes(r.key), r.prefix, r.no_put) for r in ranges]
+        specs = [(k, prefix_range_end(k) if prefix else b"", no_put) for k, prefix, no_put in wanted]
         try:
-            return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
+            return Watch(self, specs, start_revision)
         except StorePermissionDenied:
             # etcd reports a stale token on a watch as a plain denial: log in again once and see.
-            if not self._calls.renew(f"watch {key}"):
+            if not self._calls.renew(f"watch {ranges[0].key}"):
                 raise
-            return Watch(self, k, prefix_range_end(k) if prefix else b"", start_revision)
+            return Watch(self, specs, start_revision)
 
     # -- leases -------------------------------------------------------------------------------------------
 

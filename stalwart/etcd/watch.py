@@ -26,7 +26,7 @@ WATCH_IDLE_CHECK = 10.0
 
 
 class Watch:
-    """A stream of events for a key or prefix, from a start revision.
+    """A stream of events for a key or prefix (or several, on one stream), from a start revision.
 
     Iterate with :meth:`next` (which takes a timeout, so no wait is unbounded) or as an iterator. Cancel with
     :meth:`cancel` (also done by ``with``). Errors on the stream surface as :class:`StoreError` from ``next``.
@@ -41,17 +41,22 @@ class Watch:
 
     _END = object()
 
-    def __init__(self, store: Store, key: bytes, range_end: bytes, start_revision: int) -> None:
+    def __init__(self, store: Store, ranges: list[tuple[bytes, bytes, bool]], start_revision: int) -> None:
+        """``ranges``: (key, range_end, no_put) for each part watched, all on this one stream."""
         self._queue: queue.Queue[Any] = queue.Queue()
         self._requests: queue.Queue[Any] = queue.Queue()
         self._cancelled = threading.Event()
         self._created = threading.Event()
+        self._to_create = len(ranges)
         self._create_error: StoreError | None = None
         self._answer_within = store.timeout
         self._last_response = time.monotonic()
         self._progress_asked: float | None = None
-        create = rpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
-        self._requests.put(rpc.WatchRequest(create_request=create))
+        for key, range_end, no_put in ranges:
+            create = rpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision,
+                                            filters=[rpc.WatchCreateRequest.NOPUT] if no_put else [])
+            self._requests.put(rpc.WatchRequest(create_request=create))
+        key = ranges[0][0]
         self._call = store._watch_stub.Watch(self._request_iter(), metadata=store._calls.metadata())
         self._thread = threading.Thread(target=self._pump, args=(key,), name=f"etcd-watch:{key[:40]!r}",
                                         daemon=True)
@@ -82,7 +87,9 @@ class Watch:
                     self._queue.put(err)
                     return
                 if resp.created and not resp.canceled:
-                    self._created.set()
+                    self._to_create -= 1
+                    if self._to_create == 0:
+                        self._created.set()
                 if resp.canceled:
                     reason = resp.cancel_reason
                     err = StorePermissionDenied(f"watch on {key!r}: {store_auth.EXPLAIN['permission']}") \

@@ -11,15 +11,28 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import Fence
 from stalwart.etcd.keys import ARRIVE, DONE, FAULT, JobKeys
 from stalwart.etcd.outage import Outage
-from stalwart.etcd.store import Compare, Delete, Get, KeyValue, Put, Store, StoreTimeout, StoreUnavailable, Watch
-from stalwart.restart.protocol import EpochView, parse_view, stale_iterations
+from stalwart.etcd.store import (
+    Compare,
+    Delete,
+    Get,
+    KeyValue,
+    LeaseNotFound,
+    Put,
+    Store,
+    StoreTimeout,
+    StoreUnavailable,
+    Watch,
+    WatchEvent,
+    WatchRange,
+)
+from stalwart.restart.protocol import EpochView, apply_changes, completes, parse_view, stale_iterations
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +93,20 @@ class Coordinator:
 
     # -- reading ----------------------------------------------------------------------------------------------
 
-    def view(self) -> EpochView:
-        kvs, revision = self._retry("read", lambda: self.store.get_prefix(self.base))
-        return self.parse(kvs, revision)
+    def view(self, parts: Sequence[WatchRange] | None = None) -> EpochView:
+        """The round's restart prefix as etcd holds it now; with ``parts`` (keys or prefixes relative to it),
+        only those, read at one revision (the rest of the view is empty; a part with ``no_put`` is not read)."""
+        if parts is None:
+            kvs, revision = self._retry("read", lambda: self.store.get_prefix(self.base))
+            return self.parse(kvs, revision)
+        # A part watched for its deletions only has nothing to read: what exists now is not its business.
+        reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts if not p.no_put]
+        res = self._retry("read", lambda: self.store.txn((), reads))
+        return self.parse([kv for got in res.responses for kv in got], res.revision)
+
+    def faults(self, iteration: int) -> EpochView:
+        """A view holding only the fault records of ``iteration``."""
+        return self.view([WatchRange(f"{FAULT}{iteration}/", prefix=True)])
 
     def parse(self, kvs: list[KeyValue], revision: int) -> EpochView:
         view, problems = parse_view(((kv.key[len(self.base):], kv.value, kv.mod_revision) for kv in kvs), revision)
@@ -123,15 +147,44 @@ class Coordinator:
         log.warning("slot %d: heartbeat lease lost; granting a new one", self.slot)
         self.start()
 
-    def arrive(self, iteration: int, rec: ArrivalRecord) -> None:
-        self.ensure_lease()
-        key = self.round_keys.arrival(iteration, self.slot)
-        self._retry("arrival", lambda: self.fence.put(key, rec.to_json_bytes(), lease=self.lease))
+    def arrive(self, iteration: int, rec: ArrivalRecord, read: Sequence[WatchRange] | None = ()) -> EpochView:
+        """Arrive at the barrier of ``iteration``: one write, bound to the heartbeat lease, and in the same
+        request a read of ``read`` (parts of the prefix, as :meth:`view` takes them; ``None``: the whole
+        prefix; by default nothing) whose view, as of the arrival, is returned: what a wait after it starts
+        from.
 
-    def mark_done(self, iteration: int) -> None:
-        rec = DoneRecord(slot=self.slot, iteration=iteration)
-        self._retry("completion", lambda: self.fence.put(self.round_keys.done(iteration, self.slot),
-                                                         rec.to_json_bytes()))
+        A lease etcd no longer has (this process was cut off past its TTL; the keepalive may not have noticed
+        yet) is re-granted when etcd refuses the arrival for it, so the common case costs no lease read."""
+        if not self.lease or self.lease in self.store.lost_leases():
+            self.ensure_lease()
+        key = self.round_keys.arrival(iteration, self.slot)
+        parts = list(read) if read is not None else [WatchRange("", prefix=True)]
+        reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts if not p.no_put]
+
+        def write() -> EpochView:
+            res = self.fence.txn((), [Put(key, rec.to_json_bytes(), self.lease), *reads])
+            return self.parse([kv for got in res.responses[1:] for kv in got], res.revision)
+
+        try:
+            return self._retry("arrival", write)
+        except LeaseNotFound:
+            log.warning("slot %d: heartbeat lease lost; granting a new one", self.slot)
+            self.start()
+            return self._retry("arrival", write)
+
+    def mark_done(self, seal: SealRecord) -> bool:
+        """Mark this process's function returned in the iteration of ``seal``, counting the marks in the same
+        request; the process whose mark is the last of the iteration's active processes also writes its END
+        record, the one key the others wait for (:func:`~.protocol.completes`). Returns whether it did."""
+        iteration = seal.iteration
+        rec = DoneRecord(slot=self.slot, iteration=iteration).to_json_bytes()
+        marks = Get(self.round_keys.of_iteration(DONE, iteration), prefix=True, count_only=True)
+        res = self._retry("completion", lambda: self.fence.txn(
+            (), [Put(self.round_keys.done(iteration, self.slot), rec), marks]))
+        if not completes(res.counts[1], seal):
+            return False
+        self._retry("completion end", lambda: self.fence.put(self.round_keys.end(iteration), rec))
+        return True
 
     def try_seal(self, seal: SealRecord) -> SealRecord:
         """Write ``seal`` unless one exists for its iteration; return the seal that holds (mine or theirs).
@@ -155,6 +208,7 @@ class Coordinator:
         for it in stale:
             ops += [Delete(keys.of_iteration(kind, it), prefix=True) for kind in (ARRIVE, FAULT, DONE)]
             ops.append(Delete(keys.seal(it)))
+            ops.append(Delete(keys.end(it)))
             ops.append(Delete(keys.torch_store_of(it), prefix=True))
         try:
             self.fence.txn((), ops)
@@ -163,19 +217,36 @@ class Coordinator:
 
     # -- waiting ----------------------------------------------------------------------------------------------
 
-    def _watch(self, sub: str, start: int) -> Watch:
-        return self._retry("watch", lambda: self.store.watch(self.base + sub, prefix=True, start_revision=start))
+    def _watch(self, parts: Sequence[WatchRange], start: int) -> Watch:
+        ranges = [WatchRange(self.base + p.key, prefix=p.prefix, no_put=p.no_put) for p in parts]
+        return self._retry("watch", lambda: self.store.watch_ranges(ranges, start_revision=start))
+
+    def _apply(self, view: EpochView, events: list[WatchEvent]) -> EpochView:
+        changes = [(ev.kv.key[len(self.base):], ev.kv.value if ev.type == "put" else None, ev.kv.mod_revision)
+                   for ev in events]
+        new, problems = apply_changes(view, changes, max(view.revision, events[-1].kv.mod_revision))
+        for key, why in problems.items():
+            log.warning("epoch %d: ignoring invalid record at %s%s: %s", self.epoch, self.base, key, why)
+        return new
 
     def wait_until(self, done: Callable[[EpochView], object], deadline: float | None,
-                   sub: str = "") -> tuple[EpochView, object]:
-        """Re-read the prefix whenever something under ``base + sub`` changes, until ``done(view)`` returns a
-        truthy value (returned with the view) or ``deadline`` (monotonic) passes (:class:`CoordinationTimeout`).
+                   parts: Sequence[WatchRange] | None = None, *, start: EpochView | None = None,
+                   notice: Callable[[list[WatchEvent]], None] | None = None) -> tuple[EpochView, object]:
+        """Read the prefix (or only ``parts`` of it, see :meth:`view`) once, unless ``start`` is that read
+        already (from :meth:`arrive`), then keep that view current from a watch on the same parts (events
+        applied, not re-read), until ``done(view)`` returns a truthy value (returned with the view) or
+        ``deadline`` (monotonic) passes (:class:`CoordinationTimeout`).
+
+        Narrow ``parts`` keep what etcd sends this process to what ``done`` looks at: a rank that waits for
+        one key is not sent every other rank's records. ``notice`` is shown each batch of events first (a
+        deletion of a key the view does not hold changes nothing in it).
         """
-        view = self.view()
+        watched = list(parts) if parts is not None else [WatchRange("", prefix=True)]
+        view = start if start is not None else self.view(parts)
         result = done(view)
         if result:
             return view, result
-        watch = self._watch(sub, view.revision + 1)
+        watch = self._watch(watched, view.revision + 1)
         try:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -183,27 +254,26 @@ class Coordinator:
                     raise CoordinationTimeout("deadline passed")
                 try:
                     ev = watch.next(timeout=min(left, _TICK) if left is not None else _TICK)
+                    batch = [] if ev is None else [ev]
+                    # Take what else arrived, and decide once for the lot.
+                    while ev is not None and (ev := watch.next(timeout=0)) is not None:
+                        batch.append(ev)
                 except (StoreUnavailable, StoreTimeout) as e:
-                    # The stream broke (etcd restarting): re-read and watch again from there.
+                    # The stream broke (etcd restarting): read again and watch again from there.
                     self.outage.failed(f"watch: {e}")
                     watch.cancel()
-                    view = self.view()
+                    view = self.view(parts)
                     result = done(view)
                     if result:
                         return view, result
-                    watch = self._watch(sub, view.revision + 1)
+                    watch = self._watch(watched, view.revision + 1)
                     continue
-                if ev is None:
-                    # Nothing changed in etcd; ``done`` may also look at the process's own state (a handover
-                    # to a newer round), so it is asked again on the last view.
-                    result = done(view)
-                    if result:
-                        return view, result
-                    continue
-                # Drain what else arrived before re-reading once.
-                while watch.next(timeout=0) is not None:
-                    pass
-                view = self.view()
+                # Without changes ``done`` is still asked: it may also look at the process's own state (a
+                # handover to a newer round).
+                if batch:
+                    if notice is not None:
+                        notice(batch)
+                    view = self._apply(view, batch)
                 result = done(view)
                 if result:
                     return view, result

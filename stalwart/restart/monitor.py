@@ -24,7 +24,7 @@ import time
 
 from stalwart.api.restart import FaultRecord, RankStatus, failure_info
 from stalwart.etcd.keys import ALIVE, FAULT
-from stalwart.etcd.store import StoreError, Watch, WatchEvent
+from stalwart.etcd.store import StoreError, Watch, WatchEvent, WatchRange
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
@@ -213,14 +213,18 @@ class Monitor:
             self._interrupt(f"fault in slot {rec.slot}: {rec.kind}")
 
     def _open_watch(self) -> Watch:
-        # One read, not the coordinator's retrying one: the thread must keep ticking during an outage.
-        kvs, revision = self.coord.store.get_prefix(self.coord.base)
+        # One read, not the coordinator's retrying one: the thread must keep ticking during an outage. Only the
+        # fault records and the heartbeats' deletions are this thread's business: it is not sent the barrier's
+        # arrivals and completion marks (with N ranks, N events for each of N monitors).
+        kvs, revision = self.coord.store.get_prefix(self.coord.base + FAULT)
         view = self.coord.parse(kvs, revision)
         for it in view.faults:
             first = view.first_fault(it)
             if first is not None:
                 self._on_fault(first)
-        return self.coord.store.watch(self.coord.base, prefix=True, start_revision=view.revision + 1)
+        return self.coord.store.watch_ranges(
+            [WatchRange(self.coord.base + FAULT, prefix=True),
+             WatchRange(self.coord.base + ALIVE, prefix=True, no_put=True)], start_revision=revision + 1)
 
     def _on_event(self, ev: WatchEvent) -> None:
         rel = ev.kv.key[len(self.coord.base):]

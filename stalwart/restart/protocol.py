@@ -22,11 +22,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from stalwart.api.exit_codes import ExitCode
-from stalwart.api.restart import DIRECT_KINDS, AliveRecord, ArrivalRecord, FaultKind, FaultRecord, SealRecord
-from stalwart.etcd.keys import ALIVE, ARRIVE, DONE, FAULT, SEAL
+from stalwart.api.restart import (
+    DIRECT_KINDS,
+    AliveRecord,
+    ArrivalRecord,
+    DoneRecord,
+    FaultKind,
+    FaultRecord,
+    SealRecord,
+)
+from stalwart.etcd.keys import ALIVE, ARRIVE, DONE, END, FAULT, SEAL
 from stalwart.restart.assignment import Candidate, RankAssignment, WorldTooSmall, initial_ranks
 
 __all__ = [
@@ -40,10 +48,14 @@ __all__ = [
     "Run",
     "Spare",
     "WaitEnd",
+    "apply_changes",
     "barrier_complete",
+    "barrier_sealer",
     "barrier_state",
     "better_cause",
     "budget_left",
+    "completes",
+    "completion_known",
     "fault_report",
     "iteration_end",
     "join",
@@ -75,6 +87,8 @@ class EpochView:
     seals: Mapping[int, SealRecord] = field(default_factory=dict)
     faults: Mapping[int, tuple[tuple[int, FaultRecord], ...]] = field(default_factory=dict)
     done: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    #: Iterations whose END record says every active process returned.
+    ended: frozenset[int] = frozenset()
 
     def first_fault(self, iteration: int) -> FaultRecord | None:
         faults = self.faults.get(iteration, ())
@@ -91,35 +105,92 @@ class EpochView:
         return [rec for _, rec in self.faults.get(iteration, ()) if rec.slot != slot]
 
 
+_Record = AliveRecord | ArrivalRecord | SealRecord | FaultRecord | DoneRecord | None
+
+
+def _parse_entry(key: str, value: bytes | None) -> tuple[str, tuple[int, ...], _Record] | None:
+    """The kind, the numbers in ``key`` (relative to the round's restart prefix) and the record of ``value``
+    (``None`` for a deletion, and for a DONE mark, which is its key); ``None`` for a key of no kind. Raises
+    ``ValueError`` for a record that cannot be read."""
+    kind, _, rest = key.partition("/")
+    parts = rest.split("/")
+    kind += "/"
+    model = {ALIVE: AliveRecord, ARRIVE: ArrivalRecord, SEAL: SealRecord, FAULT: FaultRecord, DONE: None,
+             END: DoneRecord}
+    width = {ALIVE: 1, SEAL: 1, ARRIVE: 2, FAULT: 2, DONE: 2, END: 1}
+    if kind not in model or len(parts) != width[kind]:
+        return None
+    numbers = tuple(int(p) for p in parts)
+    cls = model[kind]
+    return kind, numbers, (cls.from_json_bytes(value) if cls is not None and value is not None else None)
+
+
 def parse_view(entries: Iterable[tuple[str, bytes, int]], revision: int) -> tuple[EpochView, dict[str, str]]:
     """The view of ``entries`` (key relative to the round's restart prefix, value, mod_revision) read at
     ``revision``, and the records that could not be read (relative key -> why): those are left out."""
-    alive: dict[int, AliveRecord] = {}
-    arrivals: dict[int, dict[int, ArrivalRecord]] = {}
-    seals: dict[int, SealRecord] = {}
-    faults: dict[int, list[tuple[int, FaultRecord]]] = {}
-    done: dict[int, set[int]] = {}
+    return apply_changes(EpochView(), ((key, value, mod) for key, value, mod in entries), revision)
+
+
+def apply_changes(view: EpochView, changes: Iterable[tuple[str, bytes | None, int]],
+                  revision: int) -> tuple[EpochView, dict[str, str]]:
+    """``view`` after ``changes`` (key relative to the round's restart prefix, value or ``None`` for a
+    deletion, mod_revision), in the order etcd made them, as of ``revision``; and the records that could not be
+    read (left out, as :func:`parse_view` does). A watcher keeps its view current this way instead of reading
+    the prefix again after each change: the result equals :func:`parse_view` of what etcd then holds."""
+    alive = dict(view.alive)
+    arrivals = {it: dict(a) for it, a in view.arrivals.items()}
+    seals = dict(view.seals)
+    faults = {it: list(fs) for it, fs in view.faults.items()}
+    done = {it: set(slots) for it, slots in view.done.items()}
+    ended = set(view.ended)
     problems: dict[str, str] = {}
-    for key, value, mod_revision in entries:
-        kind, _, rest = key.partition("/")
-        parts = rest.split("/")
-        kind += "/"
+    for key, new_value, mod_revision in changes:
+        value = new_value
         try:
-            if kind == ALIVE and len(parts) == 1:
-                alive[int(parts[0])] = AliveRecord.from_json_bytes(value)
-            elif kind == ARRIVE and len(parts) == 2:
-                arrivals.setdefault(int(parts[0]), {})[int(parts[1])] = ArrivalRecord.from_json_bytes(value)
-            elif kind == SEAL and len(parts) == 1:
-                seals[int(parts[0])] = SealRecord.from_json_bytes(value)
-            elif kind == FAULT and len(parts) == 2:
-                faults.setdefault(int(parts[0]), []).append((mod_revision, FaultRecord.from_json_bytes(value)))
-            elif kind == DONE and len(parts) == 2:
-                done.setdefault(int(parts[0]), set()).add(int(parts[1]))
+            parsed = _parse_entry(key, value)
         except ValueError as e:
             problems[key] = str(e)
-    return EpochView(revision=revision, alive=alive, arrivals=arrivals, seals=seals,
-                     faults={it: tuple(sorted(fs, key=lambda f: f[0])) for it, fs in faults.items()},
-                     done={it: frozenset(slots) for it, slots in done.items()}), problems
+            try:  # an unreadable record is left out: it replaces what was there as a deletion would
+                parsed = _parse_entry(key, None)
+            except ValueError:
+                continue
+            value = None
+        if parsed is None:
+            continue
+        kind, numbers, rec = parsed
+        if kind == ALIVE:
+            _set(alive, numbers[0], rec if value is not None else None)
+        elif kind == SEAL:
+            _set(seals, numbers[0], rec if value is not None else None)
+        elif kind == END:
+            (ended.add if value is not None else ended.discard)(numbers[0])
+        elif kind == ARRIVE:
+            _set(arrivals.setdefault(numbers[0], {}), numbers[1], rec if value is not None else None)
+        elif kind == FAULT:
+            kept = [f for f in faults.get(numbers[0], []) if f[1].slot != numbers[1]]
+            if value is not None:
+                assert isinstance(rec, FaultRecord)
+                kept.append((mod_revision, rec))
+            faults[numbers[0]] = kept
+        else:
+            slots = done.setdefault(numbers[0], set())
+            if value is not None:
+                slots.add(numbers[1])
+            else:
+                slots.discard(numbers[1])
+    return EpochView(revision=revision, alive=alive,
+                     arrivals={it: a for it, a in arrivals.items() if a},
+                     seals=seals,
+                     faults={it: tuple(sorted(fs, key=lambda f: f[0])) for it, fs in faults.items() if fs},
+                     done={it: frozenset(slots) for it, slots in done.items() if slots},
+                     ended=frozenset(ended)), problems
+
+
+def _set(mapping: dict[int, Any], key: int, rec: object) -> None:
+    if rec is None:
+        mapping.pop(key, None)
+    else:
+        mapping[key] = rec
 
 
 # -- who this process is --------------------------------------------------------------------------------------
@@ -206,7 +277,7 @@ def join(view: EpochView, me: Participant) -> Join | WaitEnd | Finished | Exit:
                                        "the process of this slot was restarted"))
     if latest in view.faults:
         return Join(latest + 1)
-    if {int(s) for s in seal.ranks} <= view.done.get(latest, frozenset()):
+    if latest in view.ended or {int(s) for s in seal.ranks} <= view.done.get(latest, frozenset()):
         return Finished()
     return WaitEnd(latest, seal)
 
@@ -239,6 +310,21 @@ def barrier_complete(view: EpochView, iteration: int, slots: int) -> bool:
             took_part |= {int(s) for s in last_seal.ranks} | set(last_seal.inactive)
         expected -= {s for s in expected if s not in took_part and s not in view.alive}
     return expected <= set(view.arrivals.get(iteration, {}))
+
+
+def barrier_sealer(previous: SealRecord | None) -> int:
+    """The slot whose process watches the arrivals at the barrier after the iteration of ``previous`` (its
+    seal; ``None`` before the first) and seals it; the others watch only for the seal.
+
+    It is the lowest slot that took part in the previous iteration (slot 0 at the first barrier):
+    :func:`barrier_complete` waits for every such slot, so the barrier cannot complete without this one's
+    process there, watching. A process of it that dies is respawned and arrives again as the sealer; one that
+    never comes back leaves the barrier incomplete, and every process seals at its barrier timeout, as any
+    incomplete barrier ends.
+    """
+    if previous is None or previous.error:
+        return 0
+    return min([int(s) for s in previous.ranks] + list(previous.inactive), default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +420,8 @@ def iteration_end(view: EpochView, seal: SealRecord, me: Participant) -> tuple[O
     iteration = seal.iteration
     if view.faults.get(iteration):
         return "fault", None
+    if iteration in view.ended:
+        return "done", None
     active = {int(s) for s in seal.ranks}
     done = view.done.get(iteration, frozenset())
     if active <= done:
@@ -343,6 +431,22 @@ def iteration_end(view: EpochView, seal: SealRecord, me: Participant) -> tuple[O
         return "fault", Report(iteration, seal.ranks.get(str(me.slot)), "peer_lost",
                                f"the heartbeat lease of slot(s) {list(lost)} ended", lost)
     return None
+
+
+def completion_known(view: EpochView, iteration: int) -> Outcome | None:
+    """What a process that waits for ``iteration`` to end learns from its fault records and its END record
+    alone (it is not sent the completion marks and heartbeats of every process): ``"fault"``, ``"done"``, or
+    ``None`` while neither is written. A heartbeat's deletion meanwhile is judged on a full read, by
+    :func:`iteration_end`."""
+    if view.faults.get(iteration):
+        return "fault"
+    return "done" if iteration in view.ended else None
+
+
+def completes(marks: int, seal: SealRecord) -> bool:
+    """Whether ``marks`` completion marks of the iteration of ``seal`` (counted in the transaction that wrote
+    one of them) are every active process's: the process whose mark it was writes the END record."""
+    return bool(seal.ranks) and marks >= len(seal.ranks)
 
 
 def fault_report(iteration: int, rank: int, *, interrupted: bool, peer_fault: FaultRecord | None,

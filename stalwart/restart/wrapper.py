@@ -39,6 +39,8 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord, failure_info
 from stalwart.etcd.client import EtcdCredentials, connect
+from stalwart.etcd.keys import ALIVE, DONE, END, FAULT, SEAL
+from stalwart.etcd.store import WatchEvent, WatchRange
 from stalwart.restart import drill
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
@@ -63,8 +65,10 @@ from stalwart.restart.protocol import (
     Report,
     Spare,
     WaitEnd,
+    barrier_sealer,
     barrier_state,
     budget_left,
+    completion_known,
     fault_report,
     iteration_end,
     join,
@@ -142,6 +146,8 @@ class _Session:
         self.group_args: GroupArgs | None = None
         #: The cause of the last interrupted iteration (for the exit reason when the budget runs out).
         self.last_cause: FaultRecord | None = None
+        #: The seal of the last barrier this process passed (who took part: see ``barrier_sealer``).
+        self.last_seal: SealRecord | None = None
         self.rounds = rounds  # a handover to a later round interrupts the function; the checks then leave
         if rounds is not None:
             rounds.on_new = lambda h: self.monitor._interrupt(f"round {h.round} (epoch {h.epoch}) took over")
@@ -198,7 +204,10 @@ class _Session:
 
     def _first_iteration(self) -> int | _Finished:
         """Where a (re)started process joins (:func:`~.protocol.join`)."""
-        entry = join(self.coord.view(), self.me)
+        view = self.coord.view()
+        if view.seals:
+            self.last_seal = view.seals[max(view.seals)]
+        entry = join(view, self.me)
         if isinstance(entry, Exit):
             raise RestartExit(entry.code, entry.reason)
         if isinstance(entry, Finished):
@@ -223,10 +232,22 @@ class _Session:
             return False, str(e)
         return True, ""
 
+    def _previous_seal(self, iteration: int) -> SealRecord | None:
+        """The seal of ``iteration - 1``: the one this process passed, else (it joined later) etcd's."""
+        if iteration == 0:
+            return None
+        if self.last_seal is not None and self.last_seal.iteration == iteration - 1:
+            return self.last_seal
+        return self.coord.view([WatchRange(f"{SEAL}{iteration - 1}")]).seals.get(iteration - 1)
+
     def _barrier(self, iteration: int, healthy: bool) -> SealRecord:
-        self.coord.arrive(iteration, ArrivalRecord(slot=self.env.slot, node_id=self.env.node_id,
-                                                   spare=self.env.spare, healthy=healthy))
-        if not healthy:
+        # One process follows the arrivals and seals; the others wait for the seal's one key (read with the
+        # arrival, then watched). The sealer does its part even when it is unhealthy itself (it leaves after).
+        sealer = barrier_sealer(self._previous_seal(iteration)) == self.env.slot
+        parts = None if sealer else [WatchRange(f"{SEAL}{iteration}")]
+        start = self.coord.arrive(iteration, ArrivalRecord(slot=self.env.slot, node_id=self.env.node_id,
+                                                           spare=self.env.spare, healthy=healthy), parts)
+        if not healthy and not sealer:
             return unhealthy_seal(iteration, self.me)
         # Processes start at different speeds (imports, CUDA): the first barrier waits longer.
         wait = self.config.barrier_timeout if iteration else max(self.config.barrier_timeout,
@@ -234,30 +255,55 @@ class _Session:
 
         def ready(view: EpochView) -> object:
             self.check_round()
-            return barrier_state(view, iteration, self.env.slots)
+            return barrier_state(view, iteration, self.env.slots) if sealer else view.seals.get(iteration)
 
         timed_out = False
         try:
-            view, result = self.coord.wait_until(ready, time.monotonic() + wait)
+            view, result = self.coord.wait_until(ready, time.monotonic() + wait, parts, start=start)
         except CoordinationTimeout:
             view, timed_out = self.coord.view(), True
             result = view.seals.get(iteration)
-        if isinstance(result, SealRecord):
-            return result
-        if timed_out:
-            log.warning("iteration %d: barrier timed out; slots %s missing", iteration,
-                        missing_slots(view, iteration, self.env.slots))
-        return self.coord.try_seal(plan_seal(view, iteration, self.me, self.config.rank_assignment, timed_out))
+        if not isinstance(result, SealRecord):
+            if timed_out:
+                log.warning("iteration %d: barrier timed out; slots %s missing", iteration,
+                            missing_slots(view, iteration, self.env.slots))
+            result = self.coord.try_seal(plan_seal(view, iteration, self.me, self.config.rank_assignment,
+                                                   timed_out))
+        self.last_seal = result
+        return result if healthy else unhealthy_seal(iteration, self.me)
 
     def _wait_end(self, seal: SealRecord, deadline: float | None) -> str:
         """Wait until the iteration of ``seal`` ends (:func:`~.protocol.iteration_end`): ``"done"`` or
-        ``"fault"``, after reporting a peer it found lost."""
+        ``"fault"``, after reporting a peer it found lost.
+
+        The wait is sent the iteration's fault records, its END record and the heartbeats' deletions, not every
+        process's completion mark. A deletion of an active process's heartbeat is judged on a full read; so is
+        the start of a spare's wait (an active process's monitor reports a peer lost while it waits, a spare
+        has no such monitor)."""
+        it = seal.iteration
+        judge = [str(self.env.slot) not in seal.ranks]
+
+        def notice(events: list[WatchEvent]) -> None:
+            for ev in events:
+                rel = ev.kv.key[len(self.coord.base):]
+                if ev.type == "delete" and rel.startswith(ALIVE) and rel[len(ALIVE):] in seal.ranks:
+                    judge[0] = True
 
         def ended(view: EpochView) -> object:
             self.check_round()
-            return iteration_end(view, seal, self.me)
+            known = completion_known(view, it)
+            if known is not None:
+                return known, None
+            if not judge[0]:
+                return None
+            judge[0] = False
+            return iteration_end(self.coord.view([WatchRange(f"{FAULT}{it}/", prefix=True), WatchRange(f"{END}{it}"),
+                                                  WatchRange(f"{DONE}{it}/", prefix=True),
+                                                  WatchRange(ALIVE, prefix=True)]), seal, self.me)
 
-        _, ended_as = self.coord.wait_until(ended, deadline)
+        parts = [WatchRange(f"{FAULT}{it}/", prefix=True), WatchRange(f"{END}{it}"),
+                 WatchRange(ALIVE, prefix=True, no_put=True)]
+        _, ended_as = self.coord.wait_until(ended, deadline, parts, notice=notice)
         assert isinstance(ended_as, tuple)
         outcome, report = ended_as
         if report is not None:
@@ -294,7 +340,7 @@ class _Session:
         seen = self.monitor.fault_seen(iteration)
         if seen is not None and seen.slot != self.env.slot:
             return seen
-        others = self.coord.view().faults_of_others(iteration, self.env.slot)
+        others = self.coord.faults(iteration).faults_of_others(iteration, self.env.slot)
         return others[0] if others else None
 
     def _run_iteration(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -344,9 +390,9 @@ class _Session:
             fault = e
         if fault is None:
             try:
-                self.coord.mark_done(iteration)
-                seal = self.coord.view().seals.get(iteration) or SealRecord(
+                seal = self._previous_seal(iteration + 1) or SealRecord(  # the seal of this iteration
                     iteration=iteration, world_size=world_size, ranks={}, sealed_by=self.env.slot)
+                self.coord.mark_done(seal)
                 outcome = self._wait_end(seal, time.monotonic() + self.config.completion_timeout)
             except CoordinationTimeout:
                 self._report(Report(iteration, rank, "completion_timeout",
@@ -372,7 +418,7 @@ class _Session:
     def _take_cause(self, iteration: int) -> None:
         """Note the cause of the interrupted ``iteration`` (for the status and the exit reason); when it is a
         NonRetryable raised elsewhere, this process gives up too: no restart can help."""
-        cause = self.coord.view().cause(iteration)
+        cause = self.coord.faults(iteration).cause(iteration)
         if cause is None:
             return
         self.last_cause = cause

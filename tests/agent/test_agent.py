@@ -19,7 +19,7 @@ from restart_helpers import SCRIPT, expected_checksum, restart_records
 
 from stalwart.agent.processes import process_state
 from stalwart.api.exit_codes import ExitCode
-from stalwart.api.restart import ProgressRecord
+from stalwart.api.restart import ProgressRecord, SealRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
@@ -83,6 +83,29 @@ def test_killed_rank_is_respawned_and_rejoins_in_process(etcd: EtcdServer, tmp_p
     assert all(rec is not None and rec.state == "succeeded" and rec.step == 8 for rec in records)
     assert sorted(rec.process_restarts for rec in records if rec) == [0, 1]
     assert all(rec and rec.restarts_in_process >= 1 and rec.last_failure for rec in records)
+
+
+def test_a_killed_sealer_is_respawned_and_seals_the_next_barrier(etcd: EtcdServer, tmp_path: Path) -> None:
+    # Slot 0 is the one process that follows the arrivals at the next barrier (the lowest slot that took part);
+    # the other waits for the seal's key only. Slot 0's process is SIGKILLed mid-iteration: its respawn joins
+    # the next barrier as its sealer and seals it with the whole world, long before the barrier timeout
+    # would have let slot 1 seal alone.
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    agents = [start_agent(etcd, tmp_path, "--steps", "8", "--fault", "sigkill", "--fault-step", "4",
+                          "--fault-rank", "0", "--barrier-timeout", "120", keys=keys, pod=f"job-worker-{i}",
+                          nproc=1, nodes=2)[0] for i in range(2)]
+    errs = []
+    for agent in agents:
+        _, err = agent.communicate(timeout=TIMEOUT)
+        errs.append(err)
+        assert agent.returncode == 0, err[-3000:]
+    assert sum("respawning local rank 0" in e for e in errs) == 1  # the pod of rank 0 (slot 0), once
+    reference = expected_checksum(steps=8)
+    res = results(tmp_path)
+    assert sorted((r["rank"], r["world"]) for r in res) == [(0, 2), (1, 2)]
+    assert all(r["step"] == 8 and r["checksum"] == pytest.approx(reference, abs=1e-6) for r in res)
+    seal = SealRecord.model_validate(restart_records(etcd, keys, "seal")["1"])
+    assert (seal.sealed_by, seal.timed_out, seal.ranks) == (0, False, {"0": 0, "1": 1})
 
 
 def test_plain_script_gets_pod_local_restarts_like_torchrun(etcd: EtcdServer, tmp_path: Path) -> None:

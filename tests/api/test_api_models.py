@@ -33,6 +33,7 @@ from stalwart.api import (
     worker_pod_name,
 )
 from stalwart.api.naming import DNS1123_LABEL, MAX_LABEL_LENGTH, MAX_POD_INDEX
+from stalwart.api.restart import MAX_SEAL_SLOTS, SealRecord, rank_runs
 from stalwart.api.spec import MAX_REPLICAS, endpoint_problem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -214,3 +215,40 @@ def test_records_are_size_capped_both_ways() -> None:
         JobRecord.from_json_bytes(b" " * (MAX_RECORD_BYTES + 1))
     with pytest.raises(ValidationError):
         JobRecord.from_json_bytes(b"not json")
+
+
+@pytest.mark.parametrize(("ranks", "runs"), [
+    ({str(s): s for s in range(20_000)}, [[0, 20_000, 0]]),  # an unchanged world: one run at any size
+    ({"0": 0, "1": 1, "3": 2, "4": 3, "9": 4}, [[0, 2, 0], [3, 2, 2], [9, 1, 4]]),  # a spare in a lost slot's place
+    ({"2": 1, "1": 0, "0": 2}, [[0, 1, 2], [1, 2, 0]]),
+    ({}, []),
+])
+def test_a_seal_is_written_as_runs_and_read_back_whole(ranks: dict[str, int], runs: list[list[int]]) -> None:
+    seal = SealRecord(iteration=3, world_size=len(ranks), ranks=ranks, inactive=[7], sealed_by=1)
+    data = seal.to_json_bytes()
+    assert rank_runs(ranks) == runs and json.loads(data)["rankRuns"] == runs and "ranks" not in json.loads(data)
+    assert SealRecord.from_json_bytes(data) == seal
+    assert SealRecord.model_validate(seal.model_dump()) == seal
+    assert len(data) < 200 + 30 * len(runs)
+
+
+def test_a_seal_in_the_map_form_is_read_too() -> None:
+    seal = SealRecord.from_json_bytes(b'{"iteration":1,"worldSize":1,"ranks":{"3":0},"sealedBy":3}')
+    assert seal.ranks == {"3": 0}
+
+
+@pytest.mark.parametrize(("runs", "message"), [
+    ([[0, 0, 0]], "counts >= 1"),
+    ([[-1, 2, 0]], "slots and ranks >= 0"),
+    ([[0, 2, 0], [1, 1, 5]], "a slot is given twice"),
+    ([[0, 2]], "integer triples"),
+    ([[0, True, 0]], "integer triples"),
+    ("0-3", "integer triples"),
+    ([[0, MAX_SEAL_SLOTS + 1, 0]], f"more than {MAX_SEAL_SLOTS} slots"),
+])
+def test_bad_rank_runs_are_refused_by_name(runs: object, message: str) -> None:
+    doc = {"iteration": 1, "worldSize": 1, "rankRuns": runs, "sealedBy": 0}
+    with pytest.raises(ValidationError, match=f"rankRuns: .*{message}"):
+        SealRecord.from_json_bytes(json.dumps(doc))
+    with pytest.raises(ValidationError, match="either ranks or rankRuns"):
+        SealRecord.from_json_bytes(json.dumps({**doc, "rankRuns": [[0, 1, 0]], "ranks": {"0": 0}}))

@@ -103,6 +103,19 @@ def test_restart_barrier_releases_every_rank_once_into_one_seal() -> None:
     assert res["writes"] / N <= 2
     arrivals = [k for k in run.sim.mem.keys if k.startswith(run.ranks[0].coord.base + "arrive/1/")]
     assert len(arrivals) == N
+    # No N-squared fan-out: each rank's monitor is sent the fault, the one sealer (the lowest slot of the last
+    # seal) the arrivals, every other rank the seal at most once.
+    assert seal.sealed_by == 0 and [r.coord.slot for r in run.ranks if r.sealer] == [0]
+    assert res["watch_events"] <= N + (N - 1) + (N - 1)
+
+
+def test_the_completion_barrier_ends_every_rank_with_one_more_write() -> None:
+    run = RestartRun(N, COSTS)
+    res = run.complete(limit=600)
+    assert res["ended"] == N and res["seconds"] is not None
+    assert res["writes"] == N + 1  # a mark per rank, the END by the last
+    ends = [ev for ev in run.sim.mem.log if ev.kv.key == run.ranks[0].coord.round_keys.end(0)]
+    assert len(ends) == 1 and res["watch_events"] <= N - 1
 
 
 def test_the_anchor_pays_a_refused_write_per_node_ahead_of_it() -> None:

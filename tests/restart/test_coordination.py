@@ -5,13 +5,15 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import StaleEpoch
-from stalwart.etcd.keys import JobKeys
-from stalwart.etcd.store import Store
+from stalwart.etcd.keys import ARRIVE, END, SEAL, JobKeys
+from stalwart.etcd.store import Store, WatchRange
+from stalwart.local.etcd import EtcdServer
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
 
 pytestmark = pytest.mark.integration
@@ -88,3 +90,65 @@ def test_wait_until_wakes_on_a_write_and_times_out(store: Store, job: tuple[JobK
     assert isinstance(found, FaultRecord) and found.slot == 1
     with pytest.raises(CoordinationTimeout):
         c.wait_until(lambda v: 2 in v.faults, time.monotonic() + 0.3)
+
+
+def test_a_wait_on_parts_sees_only_them_and_keeps_its_view_from_the_watch(store: Store,
+                                                                        job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    c = Coordinator(store, keys, epoch, slot=0, node_id="n")
+    other = Coordinator(store, keys, epoch, slot=1, node_id="n", lease_ttl=5)
+    other.start()
+
+    def later(iteration: int) -> None:
+        other.arrive(iteration, ArrivalRecord(slot=1, node_id="n"))
+        other.report_fault(_fault(1, iteration))
+        other.try_seal(SealRecord(iteration=iteration, world_size=1, ranks={"1": 0}, sealed_by=1))
+
+    threading.Timer(0.3, later, args=(2,)).start()
+    view, found = c.wait_until(lambda v: v.seals.get(2), time.monotonic() + 60, [WatchRange(f"{SEAL}2")])
+    assert isinstance(found, SealRecord) and found.sealed_by == 1
+    assert view.arrivals == {} and view.alive == {} and view.faults == {}  # the rest was not sent
+    # The whole prefix, kept from the watch's events, is what a read then gives.
+    threading.Timer(0.3, later, args=(3,)).start()
+    full, _ = c.wait_until(lambda v: 3 in v.seals, time.monotonic() + 60)
+    assert replace(full, revision=0) == replace(c.view(), revision=0)
+    assert set(full.arrivals[3]) == {1} and set(full.alive) == {1} and full.first_fault(3) == c.faults(3).first_fault(3)
+    assert set(c.view([WatchRange(f"{ARRIVE}2/", prefix=True)]).arrivals) == {2}
+    other.stop()
+
+
+def test_an_arrival_refused_for_a_lost_lease_takes_a_new_one(store: Store, etcd: EtcdServer,
+                                                             job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    c = Coordinator(store, keys, epoch, slot=3, node_id="n", lease_ttl=30)
+    c.start()
+    old = c.lease
+    with Store([etcd.endpoint]) as other:  # the lease ends where this process's keepalive cannot see it
+        other.lease_revoke(old)
+    assert c.view().alive == {}
+    c.arrive(0, ArrivalRecord(slot=3, node_id="n"))  # etcd refuses the old lease; the arrival is made anyway
+    view = c.view()
+    assert c.lease != old and set(view.arrivals[0]) == {3} and set(view.alive) == {3}
+    assert store.get(c.round_keys.arrival(0, 3)).lease == c.lease  # type: ignore[union-attr]
+    c.stop()
+    assert c.view().arrivals == {}  # bound to the new lease
+
+
+def test_the_last_completion_mark_writes_the_end_record(store: Store, job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    coords = [Coordinator(store, keys, epoch, slot=s, node_id="n") for s in range(3)]
+    seal = SealRecord(iteration=2, world_size=3, ranks={"0": 0, "1": 1, "2": 2}, sealed_by=0)
+    waiter = coords[0].view([WatchRange(f"{END}2")])
+    assert [c.mark_done(seal) for c in coords[:2]] == [False, False] and 2 not in coords[0].view().ended
+    assert coords[2].mark_done(seal) is True  # the last mark: its writer writes END
+    assert coords[1].mark_done(seal) is True  # a mark written again (a retry) finds them all too: END again
+    view = coords[0].view()
+    assert 2 in view.ended and view.done[2] == frozenset({0, 1, 2})
+    # A waiter is sent the END record, not the marks.
+    done, _ = coords[0].wait_until(lambda v: 2 in v.ended, time.monotonic() + 30, [WatchRange(f"{END}2")],
+                                   start=waiter)
+    assert done.done == {} and done.ended == frozenset({2})
+    # The sealer of a later iteration removes it with the rest.
+    for it in (3, 4):
+        coords[0].try_seal(SealRecord(iteration=it, world_size=1, ranks={"0": 0}, sealed_by=0))
+    assert coords[0].view().ended == frozenset()

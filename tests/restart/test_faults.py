@@ -127,8 +127,10 @@ def test_twenty_restarts_leak_nothing(etcd: EtcdServer, tmp_path: Path, referenc
     # After the job: the restart prefix holds at most two iterations' keys, whatever the number of restarts.
     with Store([etcd.endpoint]) as s:
         kvs, _ = s.get_prefix(run.keys.restart, keys_only=True)
-    iterations = {int(kv.key.split("/")[-2]) for kv in kvs if "/seal/" not in kv.key and "/alive/" not in kv.key}
+    iterations = {int(kv.key.split("/")[-2]) for kv in kvs
+                  if not any(single in kv.key for single in ("/seal/", "/alive/", "/end/"))}
     assert iterations <= {19, 20}
+    assert {kv.key.rsplit("/", 1)[1] for kv in kvs if "/end/" in kv.key} == {"20"}  # the last mark's END
     assert not [kv for kv in kvs if "/alive/" in kv.key]
 
 

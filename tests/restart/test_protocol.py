@@ -5,6 +5,7 @@ is its cause and what a failure reports. No etcd, no clock, no threads."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
 
@@ -22,10 +23,14 @@ from stalwart.restart.protocol import (
     Run,
     Spare,
     WaitEnd,
+    apply_changes,
     barrier_complete,
+    barrier_sealer,
     barrier_state,
     better_cause,
     budget_left,
+    completes,
+    completion_known,
     fault_report,
     iteration_end,
     join,
@@ -135,9 +140,24 @@ RUNNING = seal(4, {0: 0, 1: 1})
                                                  (0,)))),
     (EpochView(alive=alive(1), faults={3: ((9, fault(0, "exception", 3)),)}), ("fault", Report(
         4, 1, "peer_lost", "the heartbeat lease of slot(s) [0] ended", (0,)))),  # a fault of another iteration
-], ids=["running", "one-returned", "all-returned", "returned-then-gone", "fault", "peer-lost", "older-fault"])
+    (EpochView(ended=frozenset({4})), ("done", None)),  # the END record: the marks and heartbeats need not be read
+    (EpochView(ended=frozenset({4}), faults={4: ((9, fault(0, "exception", 4)),)}), ("fault", None)),
+], ids=["running", "one-returned", "all-returned", "returned-then-gone", "fault", "peer-lost", "older-fault", "end",
+        "end-after-fault"])
 def test_when_an_iteration_ended(the_view: EpochView, expected: object) -> None:
     assert iteration_end(the_view, RUNNING, ME) == expected
+    # What a waiter that is sent only the faults and the END record knows agrees, where it knows anything.
+    known = completion_known(replace(the_view, alive={}, done={}), 4)
+    assert known is None or known == expected[0]  # type: ignore[index]
+    assert (known is None) == (not the_view.faults.get(4) and 4 not in the_view.ended)
+
+
+@pytest.mark.parametrize(("marks", "ranks", "last"), [
+    (1, {0: 0, 1: 1}, False), (2, {0: 0, 1: 1}, True), (3, {0: 0, 1: 1}, True),  # a mark written again: still
+    (1, {}, False),  # no seal known: no END, the waiters judge on a full read
+])
+def test_the_last_completion_mark_writes_the_end(marks: int, ranks: dict[int, int], last: bool) -> None:
+    assert completes(marks, seal(4, ranks)) == last
 
 
 @pytest.mark.parametrize(("the_view", "expected"), [
@@ -149,8 +169,10 @@ def test_when_an_iteration_ended(the_view: EpochView, expected: object) -> None:
                                                                   "the process of this slot was restarted"))),
     (EpochView(seals={2: seal(2, {0: 0, 1: 1})}, faults={2: ((5, fault(0, "exception", 2)),)}), Join(3)),
     (EpochView(seals={2: seal(2, {0: 0, 2: 1})}, done={2: frozenset({0, 2})}), Finished()),
+    (EpochView(seals={2: seal(2, {0: 0, 2: 1})}, ended=frozenset({2})), Finished()),
     (EpochView(seals={2: seal(2, {0: 0, 2: 1})}), WaitEnd(2, seal(2, {0: 0, 2: 1}))),  # a spare: wait
-], ids=["start", "first-barrier", "too-small", "next-barrier", "died-running", "after-fault", "finished", "spare"])
+], ids=["start", "first-barrier", "too-small", "next-barrier", "died-running", "after-fault", "finished", "ended",
+        "spare"])
 def test_where_a_process_joins(the_view: EpochView, expected: object) -> None:
     assert join(the_view, ME) == expected
 
@@ -222,6 +244,67 @@ def test_a_view_is_parsed_and_bad_records_left_out() -> None:
     assert [rev for rev, _ in v.faults[2]] == [8, 9] and v.done == {2: frozenset({1})}
     assert set(problems) == {"fault/2/2", "seal/x"}
     assert v.first_fault(2) == fault(0, "exception", 2)
+
+
+_A = AliveRecord(slot=1, node_id="n", pid=7).to_json_bytes()
+_START = {"alive/1": (_A, 3), "alive/2": (AliveRecord(slot=2, node_id="n", pid=8).to_json_bytes(), 4),
+          "arrive/1/1": (ArrivalRecord(slot=1, node_id="n").to_json_bytes(), 5),
+          "fault/0/1": (fault(1, "exception").to_json_bytes(), 6), "done/0/2": (b"{}", 7),
+          "seal/0": (seal(0, {1: 0, 2: 1}).to_json_bytes(), 2)}
+
+
+@pytest.mark.parametrize(("changes", "bad"), [
+    ([], set()),
+    ([("arrive/1/2", ArrivalRecord(slot=2, node_id="n").to_json_bytes(), 8)], set()),  # an arrival
+    ([("alive/2", None, 8), ("arrive/1/1", None, 8)], set()),  # a lease ended: its keys go in one revision
+    ([("fault/0/1", fault(1, "soft_timeout").to_json_bytes(), 8)], set()),  # overwritten: the new one counts
+    ([("fault/0/2", fault(2, "peer_lost").to_json_bytes(), 8), ("fault/0/1", None, 9)], set()),
+    ([("done/0/2", None, 8), ("done/0/1", b"{}", 9)], set()),
+    ([("seal/1", seal(1, {2: 0}).to_json_bytes(), 8), ("seal/0", None, 9)], set()),
+    ([("end/0", b'{"slot":2,"iteration":0}', 8), ("end/1", b"{}", 9)], {"end/1"}),
+    ([("arrive/1/1", b"not json", 8)], {"arrive/1/1"}),  # an unreadable record replaces the good one: left out
+    ([("other/1", b"{}", 8), ("seal/x", b"{}", 9)], {"seal/x"}),  # no kind, a bad number: ignored, said
+], ids=["none", "arrival", "lease-ended", "fault-overwritten", "fault-deleted", "done", "seal", "end", "bad",
+        "junk"])
+def test_changes_applied_to_a_view_equal_a_read_after_them(changes: list[tuple[str, bytes | None, int]],
+                                                           bad: set[str]) -> None:
+    before, _ = parse_view(((k, v, rev) for k, (v, rev) in _START.items()), 7)
+    state = dict(_START)
+    for key, value, rev in changes:
+        if value is None:
+            state.pop(key, None)
+        else:
+            state[key] = (value, rev)
+    revision = max([7] + [rev for _, _, rev in changes])
+    after, problems = apply_changes(before, changes, revision)
+    assert after == parse_view(((k, v, rev) for k, (v, rev) in state.items()), revision)[0]
+    assert set(problems) == bad
+    assert before == parse_view(((k, v, rev) for k, (v, rev) in _START.items()), 7)[0]  # not mutated
+
+
+@pytest.mark.parametrize(("previous", "sealer"), [
+    (None, 0),  # the first barrier: slot 0
+    (seal(3, {4: 0, 6: 1}, inactive=(2,)), 2),  # the lowest that took part, a spare included
+    (seal(3, {4: 0, 1: 1}), 1),
+    (seal(3, {}, error="too few"), 0),
+])
+def test_who_seals_a_barrier(previous: SealRecord | None, sealer: int) -> None:
+    assert barrier_sealer(previous) == sealer
+
+
+@pytest.mark.parametrize("alive_slots", [(), (0, 1, 2, 3), (1, 2, 3)])
+def test_the_barrier_waits_for_its_sealer(alive_slots: tuple[int, ...]) -> None:
+    """Whoever is alive, the barrier after ``previous`` is not complete without its sealer's arrival, so the
+    process that seals is there, watching, when it completes."""
+    previous = seal(0, {3: 0, 2: 1}, inactive=(1,))
+    sealer = barrier_sealer(previous)
+    others = tuple(s for s in range(4) if s != sealer)
+    v = EpochView(alive=alive(*alive_slots), arrivals={0: arrivals(1, 2, 3), 1: arrivals(*others)},
+                  seals={0: previous})
+    assert sealer == 1 and not barrier_complete(v, 1, 4)
+    done = EpochView(alive=alive(*alive_slots), arrivals={0: arrivals(1, 2, 3), 1: arrivals(0, 1, 2, 3)},
+                     seals={0: previous})
+    assert barrier_complete(done, 1, 4)
 
 
 @pytest.mark.parametrize(("faults", "cause"), [

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from restart_helpers import expected_checksum, restart_records, run_ranks
 
+from stalwart.api.restart import SealRecord
 from stalwart.local.etcd import EtcdServer
 
 pytestmark = pytest.mark.integration
@@ -23,7 +24,7 @@ def test_a_peer_that_never_arrives_is_sealed_out_at_the_barrier_deadline(etcd: E
     [survivor] = run.results
     assert (survivor["rank"], survivor["world"], survivor["step"], survivor["restarts"]) == (0, 1, 8, 1)
     seal = restart_records(etcd, run.keys, "seal")["1"]
-    assert seal["timedOut"] and seal["ranks"] == {"0": 0}
+    assert seal["timedOut"] and SealRecord.model_validate(seal).ranks == {"0": 0}
 
 
 def test_a_silent_watch_is_noticed_and_the_spare_still_arrives(etcd: EtcdServer, tmp_path: Path) -> None:
