@@ -107,7 +107,7 @@ class TrainState:
 
     model: nn.Module
     step: int
-    optimizer: torch.optim.Optimizer | None = None
+    optimizer: torch.optim.Optimizer
 
 
 # The state of this process, kept across in-process restarts of :func:`train`.
@@ -274,17 +274,13 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     if _state is None:
         model = build_model(opts.seed, opts.hidden)
         _state = TrainState(model, 0, make_optimizer(model, opts))
-    if _state.optimizer is None:
-        _state.optimizer = make_optimizer(_state.model, opts)
     optimizer = _state.optimizer
-    # With momentum the optimizer's state travels with the model (plain SGD has none to agree on).
-    moved = optimizer if opts.momentum else None
-    # The most advanced replica in memory wins. A newcomer asks its peers before it reads the checkpoint,
-    # which it needs only when no rank holds state in memory (the job's start, every process replaced): a
-    # warm spare taking a lost rank never reads it.
-    synced = sync_from_peers(_state.model, moved, step=None if fresh else _state.step)
+    # The most advanced replica in memory wins, the optimizer's state (momentum; plain SGD has none) with the
+    # model. A newcomer asks its peers before it reads the checkpoint, which it needs only when no rank holds
+    # state in memory (the job's start, every process replaced): a warm spare taking a lost rank never reads it.
+    synced = sync_from_peers(_state.model, optimizer, step=None if fresh else _state.step)
     if synced.step is None:
-        synced = sync_from_peers(_state.model, moved,
+        synced = sync_from_peers(_state.model, optimizer,
                                  step=load_checkpoint(opts.checkpoint_dir, _state.model, optimizer))
     _state.step, source = synced.step or 0, synced.source
     if fresh:

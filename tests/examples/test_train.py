@@ -80,7 +80,8 @@ def test_sync_from_peers_alone_keeps_the_state(tmp_path: Path) -> None:
     store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        state = train.TrainState(train.build_model(1), step=7)
+        model = train.build_model(1)
+        state = train.TrainState(model, step=7, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         before = [p.clone() for p in state.model.parameters()]
         synced = train.sync_from_peers(state.model, step=state.step)
         assert (synced.source, synced.step, synced.received) == (0, 7, False)
