@@ -11,7 +11,8 @@ import pytest
 from stalwart.agent.rank_env import parked_env, rank_env
 from stalwart.agent.rendezvous import RoundInfo
 from stalwart.agent.settings import PodSettings
-from stalwart.api import pod_env
+from stalwart.api import TrainingJob, pod_env
+from stalwart.api.job_record import JobRecord
 from stalwart.api.pod_env import PodEnvError, TorchrunEnvironment, read_env
 from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.spec import TrainingJobSpec
@@ -65,6 +66,15 @@ def test_what_the_agent_gives_a_rank_the_wrapper_and_rpc_read(tmp_path: Path) ->
                    master_port=1234, spare_ranks=False, restarts=2, job=None)
     rank = RankEnvironment.from_env(env)
     assert (rank.epoch, rank.slot, rank.slots, rank.target_world, rank.local_rank) == (42, 3, 4, 4, 1)
+    # minReplicas defaults to replicas: 2 nodes of 2 ranks; the job's record, when there is one, says it now.
+    assert rank.min_world == 4
+    job = TrainingJob.model_validate({"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
+                                     "metadata": {"name": "train", "namespace": "team", "uid": "uid-1"},
+                                     "spec": {**SPEC, "minReplicas": 1}})
+    record = JobRecord.from_job(job, ["train-worker-0", "train-worker-1"])
+    later = rank_env(s, info, 1, base_env={}, run_dir=tmp_path, master_port=1234, spare_ranks=False, restarts=0,
+                     job=record)
+    assert RankEnvironment.from_env(later).min_world == 2
     assert rank.keys == s.keys and env[pod_env.ETCD_SECRET_DIR] == ETCD_SECRET_DIR
     torchrun = read_env(TorchrunEnvironment, pod_env.TORCHRUN_VARIABLES, env)
     assert (torchrun.rank, torchrun.world_size, torchrun.group_rank, torchrun.master_addr, torchrun.master_port,
@@ -75,6 +85,14 @@ def test_what_the_agent_gives_a_rank_the_wrapper_and_rpc_read(tmp_path: Path) ->
     assert parked[pod_env.PARKED] == "true" and pod_env.EPOCH not in parked
     with pytest.raises(PodEnvError, match="STALWART_EPOCH: is required"):
         RankEnvironment.from_env(parked)
+
+
+def test_a_job_minimum_above_the_rounds_world_is_refused_by_name() -> None:
+    env = {pod_env.ETCD_ENDPOINTS: "etcd:2379", pod_env.JOB: "team/train", pod_env.JOB_UID: "uid-1",
+           pod_env.NODE_ID: "train-worker-0", pod_env.EPOCH: "5", pod_env.SLOT: "0", pod_env.SLOTS: "2",
+           pod_env.TARGET_WORLD: "2", pod_env.MIN_WORLD: "3"}
+    with pytest.raises(PodEnvError, match="STALWART_MIN_WORLD 3 exceeds STALWART_TARGET_WORLD 2"):
+        RankEnvironment.from_env(env)
 
 
 def test_every_bad_variable_is_named_at_once_with_what_was_expected() -> None:

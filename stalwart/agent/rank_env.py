@@ -60,8 +60,11 @@ def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapp
     if "OMP_NUM_THREADS" not in base_env and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a node must not oversubscribe it
     settings = {} if job is None else {k: getattr(job, v) for k, v in _JOB_SETTINGS.items()}
+    # The job's minimum as it is now (the record follows spec edits); a round never has fewer nodes.
+    min_world = min((job.min_nodes if job is not None else s.min_nodes) * nproc, m.world_size)
     renv = RankEnvironment(etcd_endpoints=s.etcd_endpoints, job=s.job, job_uid=s.job_uid, node_id=s.node_id,
                            epoch=info.epoch, slot=slot, slots=max(slots, slot + 1), target_world=m.world_size,
+                           min_world=min_world,
                            spare=member is None, status_file=str(status_file(run_dir, local_rank)),
                            local_rank=local_rank, **settings)
     env.update(renv.to_env())

@@ -43,14 +43,14 @@ from stalwart.agent.rendezvous import (
     RoundInfo,
 )
 from stalwart.agent.settings import PodSettings
-from stalwart.agent.supervision import supervise
+from stalwart.agent.supervision import fault_for, supervise
 from stalwart.api import pod_env
 from stalwart.api.base import positive_seconds
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
-from stalwart.api.restart import FaultKind, FaultRecord
+from stalwart.api.restart import FaultKind
 from stalwart.etcd.client import connect
 from stalwart.etcd.faults import record_fault
 from stalwart.etcd.store import StoreError
@@ -373,16 +373,19 @@ class Agent:
             self._record_fault(p, fault, reason)
 
     def _record_fault(self, p: RankProc, kind: FaultKind, reason: str) -> None:
-        """Record the fault of a wrapped rank process that cannot: in the iteration it was running (or arriving
-        at), so that its peers are interrupted now and the fault names it."""
+        """Record the fault of a wrapped rank process that cannot (:func:`~.supervision.fault_for`), so that its
+        peers are interrupted now and the fault names it."""
         p.status_read = 0.0  # its last word, not the one read up to status_interval ago
-        st = self.ranks.read_status(p)
-        info = self.info
-        if st is None or info is None or st.state not in ("running", "barrier"):
+        st, info = self.ranks.read_status(p), self.info
+        if info is None:
             return
-        rec = FaultRecord(slot=p.slot, rank=st.rank if st.state == "running" else None,
-                          node_id=self.settings.node_id, iteration=st.iteration, kind=kind, reason=reason[:2048],
-                          time=time.time())
+        rec = fault_for(st, epoch=info.epoch, slot=p.slot, node_id=self.settings.node_id, kind=kind, reason=reason,
+                        time=time.time())
+        if rec is None:
+            if st is not None and st.epoch != info.epoch:
+                log.info("%s: local rank %d was still in the round of epoch %s: no fault recorded in epoch %d",
+                         self._ctx, p.local_rank, st.epoch, info.epoch)
+            return
         try:
             record_fault(self.store, self.settings.keys, info.epoch, rec)
         except (StoreError, ValueError) as e:  # the peers then learn of it from their collectives or its lease

@@ -9,6 +9,11 @@ A wrapped process that shows no progress is killed (and then respawned like any 
 timeout, or past its soft timeout when it is stopped (SIGSTOP, state ``T``): a stopped process can neither
 make progress nor obey the interrupt its peers' restart sends, so waiting for the hard timeout only holds the
 job up. A process being traced (a debugger, state ``t``) is left alone.
+
+A wrapped process that cannot record its own fault (killed, or dead) has it recorded by the agent
+(:func:`fault_for`), in the iteration its status file names, and only when that iteration is of the agent's
+current round: a process still in a round that ended (handed over, it has not left the old round yet)
+names an iteration of that round, and the same number in the new round is a different iteration.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stalwart.api.exit_codes import Disposition, ExitCode, disposition
+from stalwart.api.restart import FaultKind, FaultRecord, RankStatus
 
-__all__ = ["ProcView", "RankAction", "supervise"]
+__all__ = ["ProcView", "RankAction", "fault_for", "supervise"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +97,14 @@ def supervise(procs: Sequence[ProcView], *, restarts_used: int, max_restarts: in
         else:
             return [RankAction("restart_all", (p.local_rank,), code, f"local rank {p.local_rank} exited {code}")]
     return actions or [RankAction("wait")]
+
+
+def fault_for(status: RankStatus | None, *, epoch: int, slot: int, node_id: str, kind: FaultKind,
+              reason: str, time: float) -> FaultRecord | None:
+    """The fault record the agent writes for a wrapped process it killed or found dead (its last ``status``),
+    in the round of ``epoch`` (the agent's current one), or ``None`` when there is nothing to record there:
+    the process was neither running nor at a barrier, or it was in another round (see the module docstring)."""
+    if status is None or status.epoch != epoch or status.state not in ("running", "barrier"):
+        return None
+    return FaultRecord(slot=slot, pid=status.pid, rank=status.rank if status.state == "running" else None,
+                       node_id=node_id, iteration=status.iteration, kind=kind, reason=reason[:2048], time=time)

@@ -72,6 +72,7 @@ EPOCH = "STALWART_EPOCH"
 SLOT = "STALWART_SLOT"
 SLOTS = "STALWART_SLOTS"
 TARGET_WORLD = "STALWART_TARGET_WORLD"
+MIN_WORLD = "STALWART_MIN_WORLD"
 STATUS_FILE = "STALWART_STATUS_FILE"
 MAX_RESTARTS = "STALWART_MAX_RESTARTS"
 SOFT_TIMEOUT = "STALWART_SOFT_TIMEOUT"
@@ -102,8 +103,8 @@ AGENT_VARIABLES = {
 }
 RANK_VARIABLES = {
     ETCD_ENDPOINTS: "etcd_endpoints", JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", EPOCH: "epoch",
-    SLOT: "slot", SLOTS: "slots", TARGET_WORLD: "target_world", SPARE: "spare", STATUS_FILE: "status_file",
-    LOCAL_RANK: "local_rank", MAX_RESTARTS: "max_restarts", SOFT_TIMEOUT: "soft_timeout",
+    SLOT: "slot", SLOTS: "slots", TARGET_WORLD: "target_world", MIN_WORLD: "min_world", SPARE: "spare",
+    STATUS_FILE: "status_file", LOCAL_RANK: "local_rank", MAX_RESTARTS: "max_restarts", SOFT_TIMEOUT: "soft_timeout",
     HARD_TIMEOUT: "hard_timeout", BARRIER_TIMEOUT: "barrier_timeout",
 }
 TORCHRUN_VARIABLES = {
@@ -325,6 +326,8 @@ class RankEnvironment(_Env):
     slot: int = Field(ge=0)
     slots: int = Field(ge=1)
     target_world: int = Field(ge=1)
+    #: The job's fewest ranks (``minReplicas`` x ``nprocPerNode``): no restart iteration runs with fewer.
+    min_world: int | None = Field(default=None, ge=1)
     spare: bool = False
     status_file: str | None = None
     local_rank: int = Field(default=0, ge=0)
@@ -339,6 +342,8 @@ class RankEnvironment(_Env):
             raise ValueError(f"{SLOT} {self.slot} must be below {SLOTS} {self.slots}")
         if self.target_world > self.slots:
             raise ValueError(f"{TARGET_WORLD} {self.target_world} exceeds {SLOTS} {self.slots}")
+        if self.min_world is not None and self.min_world > self.target_world:
+            raise ValueError(f"{MIN_WORLD} {self.min_world} exceeds {TARGET_WORLD} {self.target_world}")
         if self.soft_timeout is not None and self.hard_timeout is not None \
                 and self.hard_timeout <= self.soft_timeout:
             raise ValueError(f"{HARD_TIMEOUT} {self.hard_timeout:g} must exceed {SOFT_TIMEOUT} "

@@ -176,6 +176,9 @@ class FaultRecord(ApiModel):
     """A fault in one process during an iteration."""
 
     slot: int = Field(ge=0, description="Slot of the process that saw the fault.")
+    pid: int | None = Field(
+        default=None, ge=1, description=("That process's id. A record its agent wrote names the dead or killed "
+                                         "process, so that the one respawned in its slot takes it as a peer's."))
     rank: int | None = Field(default=None, description="Its rank in the iteration, when it had one.")
     node_id: str = Field(description="The node (pod) of the process.")
     iteration: int = Field(ge=0, description="The iteration that was interrupted.")
@@ -220,7 +223,9 @@ class RankStatus(ApiModel):
     pid: int = Field(ge=1, description="Process id.")
     state: Literal["starting", "barrier", "running", "inactive", "restarting", "done", "failed"] = Field(
         description="Where the process is.")
-    iteration: int = Field(default=0, ge=0, description="Current in-process restart iteration.")
+    epoch: int | None = Field(
+        default=None, ge=1, description="The round (its epoch) the process runs in; none while it is parked.")
+    iteration: int = Field(default=0, ge=0, description="Current in-process restart iteration (of that round).")
     rank: int | None = Field(default=None, description="Rank in the current iteration (none while inactive).")
     world_size: int | None = Field(default=None, description="World size of the current iteration.")
     step: int | None = Field(default=None, description="Last step the training function reported.")

@@ -16,6 +16,7 @@ least ``min_world_size``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -71,6 +72,13 @@ class RankAssignment:
             raise ValueError(f"RankAssignment.min_world_size: expected an int >= 1, got {self.min_world_size!r}")
         if not isinstance(self.divisible_by, int) or self.divisible_by < 1:
             raise ValueError(f"RankAssignment.divisible_by: expected an int >= 1, got {self.divisible_by!r}")
+
+    def at_least(self, min_world_size: int | None) -> RankAssignment:
+        """This policy with ``min_world_size`` raised to ``min_world_size`` (the job's minimum; ``None``: none):
+        a decorator may ask for a larger minimum than its job, never a smaller one."""
+        if min_world_size is None or min_world_size <= self.min_world_size:
+            return self
+        return dataclasses.replace(self, min_world_size=min_world_size)
 
     def assign(self, candidates: Sequence[Candidate], previous: Mapping[int, int],
                target_world: int) -> Assignment:

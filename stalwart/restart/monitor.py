@@ -28,7 +28,7 @@ from stalwart.etcd.store import StoreError, Watch, WatchEvent, WatchRange
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
-from stalwart.restart.protocol import Report, better_cause, lost_peer_report, stall_limit
+from stalwart.restart.protocol import Report, better_cause, lost_peer_report, of_another, stall_limit
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,9 @@ class Monitor:
         self._faults: dict[int, FaultRecord] = {}  # the first fault seen in each iteration
         self._causes: dict[int, FaultRecord] = {}  # the iteration's cause as known so far (see DIRECT_KINDS)
         self.last_progress = time.monotonic()
-        self.status = RankStatus(slot=coord.slot, pid=os.getpid(), state="starting", heartbeat=time.monotonic())
+        self.pid = os.getpid()
+        self.status = RankStatus(slot=coord.slot, pid=self.pid, state="starting", epoch=coord.epoch,
+                                 heartbeat=time.monotonic())
         self._status_dirty = True
         self._status_written = 0.0
         self._step: int | None = None
@@ -156,7 +158,7 @@ class Monitor:
             self._pinged = False
             self.last_progress = time.monotonic()
             seen = self._faults.get(iteration)
-        if seen is not None and seen.slot != self.coord.slot:
+        if seen is not None and of_another(seen, self.coord.slot, self.pid):
             self._interrupt(f"fault in slot {seen.slot}: {seen.kind}")
 
     def end(self) -> None:
@@ -209,7 +211,7 @@ class Monitor:
             current = self._iteration
         if better:
             self.update_status(last_failure=failure_info(rec))
-        if rec.iteration == current and rec.slot != self.coord.slot:
+        if rec.iteration == current and of_another(rec, self.coord.slot, self.pid):
             self._interrupt(f"fault in slot {rec.slot}: {rec.kind}")
 
     def _open_watch(self) -> Watch:
@@ -249,7 +251,7 @@ class Monitor:
 
     def _report_and_interrupt(self, report: Report) -> None:
         with contextlib.suppress(Exception):  # interrupting matters more than reporting
-            self.coord.report_fault(report.record(self.coord.slot, self.coord.node_id, time.time()))
+            self.coord.report_fault(report.record(self.coord.slot, self.coord.node_id, time.time(), pid=self.pid))
         self._interrupt(report.reason)
 
     def _run(self) -> None:

@@ -61,6 +61,7 @@ __all__ = [
     "join",
     "lost_peer_report",
     "missing_slots",
+    "of_another",
     "parse_view",
     "placement",
     "plan_seal",
@@ -100,9 +101,10 @@ class EpochView:
         faults = [rec for _, rec in self.faults.get(iteration, ())]
         return next((rec for rec in faults if rec.kind in DIRECT_KINDS), faults[0] if faults else None)
 
-    def faults_of_others(self, iteration: int, slot: int) -> list[FaultRecord]:
-        """The faults recorded in ``iteration`` by processes other than ``slot``, oldest first."""
-        return [rec for _, rec in self.faults.get(iteration, ()) if rec.slot != slot]
+    def faults_of_others(self, iteration: int, slot: int, pid: int | None = None) -> list[FaultRecord]:
+        """The faults recorded in ``iteration`` about processes other than this one (``slot``, ``pid``), oldest
+        first (see :func:`of_another`)."""
+        return [rec for _, rec in self.faults.get(iteration, ()) if of_another(rec, slot, pid)]
 
 
 _Record = AliveRecord | ArrivalRecord | SealRecord | FaultRecord | DoneRecord | None
@@ -196,6 +198,12 @@ def _set(mapping: dict[int, Any], key: int, rec: object) -> None:
 # -- who this process is --------------------------------------------------------------------------------------
 
 
+def of_another(rec: FaultRecord, slot: int, pid: int | None) -> bool:
+    """Whether ``rec`` is about a process other than this one (``slot``, ``pid``): another slot's, or its agent's
+    record of the process that held this slot before (killed or dead, this one was respawned in its place)."""
+    return rec.slot != slot or (pid is not None and rec.pid is not None and rec.pid != pid)
+
+
 @dataclass(frozen=True, slots=True)
 class Participant:
     """One rank process in its round: its ``slot`` of ``slots``, its node, whether it is a spare, and the
@@ -218,10 +226,10 @@ class Report:
     reason: str
     lost_slots: tuple[int, ...] = ()
 
-    def record(self, slot: int, node_id: str, time: float, *, exception: str | None = None,
+    def record(self, slot: int, node_id: str, time: float, *, pid: int | None = None, exception: str | None = None,
                message: str | None = None) -> FaultRecord:
-        """The record of this report by the process of ``slot`` on ``node_id``, at wall-clock ``time``."""
-        return FaultRecord(slot=slot, rank=self.rank, node_id=node_id, iteration=self.iteration,
+        """The record of this report by the process ``pid`` of ``slot`` on ``node_id``, at wall-clock ``time``."""
+        return FaultRecord(slot=slot, pid=pid, rank=self.rank, node_id=node_id, iteration=self.iteration,
                            kind=self.kind, reason=self.reason[:2048], time=time, lost_slots=list(self.lost_slots),
                            exception=None if exception is None else exception[:512],
                            message=None if message is None else message[:2048])

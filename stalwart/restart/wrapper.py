@@ -73,6 +73,7 @@ from stalwart.restart.protocol import (
     iteration_end,
     join,
     missing_slots,
+    of_another,
     placement,
     plan_seal,
     unhealthy_seal,
@@ -139,6 +140,8 @@ class _Session:
                                watch_main_thread=main, startup_timeout=config.barrier_timeout)
         self.monitor.update_status(soft_timeout=config.soft_timeout, hard_timeout=config.hard_timeout)
         drill.install(env.status_file, lambda: self.monitor.status.state == "running")
+        # The job's minimum holds whatever the decorator asked for (README: the world never shrinks below it).
+        self.assignment = config.rank_assignment.at_least(env.min_world)
         self.keep_peers = tuple((h, int(p)) for h, _, p in (e.rpartition(":") for e in env.etcd_endpoints))
         self.own_faults = 0
         self.last_ctx: IterationContext | None = None
@@ -267,7 +270,7 @@ class _Session:
             if timed_out:
                 log.warning("iteration %d: barrier timed out; slots %s missing", iteration,
                             missing_slots(view, iteration, self.env.slots))
-            result = self.coord.try_seal(plan_seal(view, iteration, self.me, self.config.rank_assignment,
+            result = self.coord.try_seal(plan_seal(view, iteration, self.me, self.assignment,
                                                    timed_out))
         self.last_seal = result
         return result if healthy else unhealthy_seal(iteration, self.me)
@@ -312,8 +315,8 @@ class _Session:
 
     def _report(self, report: Report, error: BaseException | None = None) -> None:
         self.coord.report_fault(report.record(
-            self.env.slot, self.env.node_id, time.time(), exception=None if error is None else exception_name(error),
-            message=None if error is None else str(error)))
+            self.env.slot, self.env.node_id, time.time(), pid=self.monitor.pid,
+            exception=None if error is None else exception_name(error), message=None if error is None else str(error)))
 
     @contextlib.contextmanager
     def _building(self, ctx: IterationContext) -> Iterator[None]:
@@ -338,9 +341,9 @@ class _Session:
         """A fault of another process in ``iteration`` recorded already: an error here now is most likely its
         consequence (a peer reports before it aborts, and its abort is what breaks our collectives)."""
         seen = self.monitor.fault_seen(iteration)
-        if seen is not None and seen.slot != self.env.slot:
+        if seen is not None and of_another(seen, self.env.slot, self.monitor.pid):
             return seen
-        others = self.coord.faults(iteration).faults_of_others(iteration, self.env.slot)
+        others = self.coord.faults(iteration).faults_of_others(iteration, self.env.slot, self.monitor.pid)
         return others[0] if others else None
 
     def _run_iteration(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from stalwart.agent.settings import PodSettings
-from stalwart.agent.supervision import ProcView, supervise
+from stalwart.agent.supervision import ProcView, fault_for, supervise
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.pod_env import PodEnvError
+from stalwart.api.restart import RankStatus
 
 
 def kinds(actions: list) -> list[str]:
@@ -102,3 +103,30 @@ def test_settings_errors_name_the_variable(change: dict, message: str) -> None:
     env = {k: v for k, v in {**POD_ENV, **change}.items() if v is not None}
     with pytest.raises(PodEnvError, match=message):
         PodSettings.from_env(env)
+
+
+def _status(state: str, epoch: int | None, iteration: int = 3, rank: int | None = 1) -> RankStatus:
+    return RankStatus.model_validate({"slot": 4, "pid": 321, "state": state, "epoch": epoch, "iteration": iteration,
+                                      "rank": rank, "heartbeat": 1.0})
+
+
+@pytest.mark.parametrize(("status", "recorded"), [
+    (None, None),                                        # no status: not a wrapped process's
+    (_status("running", 7), (3, 1)),                     # running in this round: that iteration, that rank
+    (_status("barrier", 7), (3, None)),                  # at a barrier: no rank yet
+    (_status("running", 6), None),                       # still in the ended round: its iteration is not ours
+    (_status("barrier", 6), None),
+    (_status("running", None), None),                    # parked: no round at all
+    (_status("inactive", 7, rank=None), None),           # a spare waiting: no iteration of its to fault
+    (_status("restarting", 7), None),                    # between iterations: the next barrier notices
+    (_status("done", 7), None),
+])
+def test_the_agent_records_a_fault_only_in_the_iteration_of_its_own_round(
+        status: RankStatus | None, recorded: tuple[int, int | None] | None) -> None:
+    rec = fault_for(status, epoch=7, slot=4, node_id="pod-a", kind="hard_timeout", reason="x" * 5000, time=9.0)
+    if recorded is None:
+        assert rec is None
+        return
+    assert rec is not None and (rec.iteration, rec.rank) == recorded
+    # It names the dead process, so that the one respawned in the slot takes it as a peer's fault.
+    assert (rec.slot, rec.pid, rec.node_id, rec.kind, len(rec.reason)) == (4, 321, "pod-a", "hard_timeout", 2048)

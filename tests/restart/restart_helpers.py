@@ -57,10 +57,12 @@ def rank_env(etcd: EtcdServer, keys: JobKeys, epoch: int, *, slot: int, slots: i
 
 
 def run_ranks(etcd: EtcdServer, tmp: Path, *args: str, slots: int = 2, target: int | None = None,
-              job: tuple[JobKeys, int] | None = None, until: list[int] | None = None) -> Run:
+              job: tuple[JobKeys, int] | None = None, until: list[int] | None = None,
+              extra_env: dict[str, str] | None = None) -> Run:
     """Run ``slots`` rank processes of the script (``target`` of them active at first) to the end, in
     ``job`` (keys and epoch, see :func:`new_job`) or a new one. With ``until``, wait for those slots only and
-    then kill the others (left hung by the test); their code is then -9."""
+    then kill the others (left hung by the test); their code is then -9. ``extra_env``: more variables for
+    every process (as its agent would set them)."""
     target = slots if target is None else target
     if job is None:
         with Store([etcd.endpoint]) as store:
@@ -71,6 +73,7 @@ def run_ranks(etcd: EtcdServer, tmp: Path, *args: str, slots: int = 2, target: i
     for slot in range(slots):
         cmd = [sys.executable, SCRIPT, "--mode", "wrapped", "--marker-dir", str(tmp), "--out", str(out), *args]
         env = rank_env(etcd, keys, epoch, slot=slot, slots=slots, target=target, work=tmp)
+        env.update(extra_env or {})
         procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
     errs = [""] * slots
 

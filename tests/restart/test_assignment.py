@@ -50,6 +50,20 @@ def test_min_world_size() -> None:
         RankAssignment(min_world_size=3).assign([Candidate(0), Candidate(1)], initial_ranks(4), 4)
 
 
+@pytest.mark.parametrize(("asked", "job", "effective"), [
+    (1, None, 1),  # no job minimum (a script run without an agent)
+    (1, 2, 2),     # the job's minimum holds over the decorator's default
+    (3, 2, 3),     # a decorator may ask for more than its job
+    (2, 2, 2),
+])
+def test_the_jobs_minimum_raises_the_policys(asked: int, job: int | None, effective: int) -> None:
+    policy = RankAssignment(mode="shift", min_world_size=asked, divisible_by=1)
+    raised = policy.at_least(job)
+    assert (raised.min_world_size, raised.mode) == (effective, "shift")
+    if effective == asked:
+        assert raised is policy
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mode": "random"}, "RankAssignment.mode"),
     ({"min_world_size": 0}, "RankAssignment.min_world_size"),

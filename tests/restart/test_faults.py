@@ -6,12 +6,16 @@ fault-free run: that, and the step count, is what each test asserts.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 from restart_helpers import expected_checksum, new_job, restart_records, run_ranks
 
+from stalwart.api import pod_env
 from stalwart.api.exit_codes import ExitCode
+from stalwart.api.restart import FaultRecord
+from stalwart.etcd.faults import record_fault
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
 
@@ -92,6 +96,33 @@ def test_too_few_ranks_left_exits_world_too_small(etcd: EtcdServer, tmp_path: Pa
     run = run_ranks(etcd, tmp_path, *STEPS, "--fault", "sigkill", "--fault-step", "2", "--barrier-timeout", "2",
                     "--min-world", "2")
     assert run.codes == [int(ExitCode.WORLD_TOO_SMALL), -9]
+
+
+def test_the_jobs_minimum_from_the_agent_holds_whatever_the_decorator_says(etcd: EtcdServer, tmp_path: Path) -> None:
+    # The script's decorator allows a world of 1; the job's minimum (minReplicas x nprocPerNode) is 2.
+    run = run_ranks(etcd, tmp_path, *STEPS, "--fault", "sigkill", "--fault-step", "2", "--barrier-timeout", "2",
+                    extra_env={pod_env.MIN_WORLD: "2"})
+    assert run.codes == [int(ExitCode.WORLD_TOO_SMALL), -9]
+    [seal] = [s for s in restart_records(etcd, run.keys, "seal").values() if s.get("error")]
+    assert "min_world_size is 2" in seal["error"]
+
+
+def test_the_agents_record_of_the_previous_process_interrupts_the_one_respawned_in_its_slot(
+        etcd: EtcdServer, tmp_path: Path, reference: float) -> None:
+    # Slot 1's previous process was killed at the barrier of iteration 0 and its agent recorded that: the process
+    # respawned in the slot must take the record as a peer's fault (its own slot, another process) and restart
+    # with slot 0, not run the faulted iteration alone while slot 0 waits at the next barrier.
+    with Store([etcd.endpoint]) as store:
+        keys, epoch = new_job(store)
+        assert record_fault(store, keys, epoch, FaultRecord(
+            slot=1, pid=1, node_id="node-0", iteration=0, kind="hard_timeout", reason="killed", time=time.time()))
+    run = run_ranks(etcd, tmp_path, *STEPS, "--barrier-timeout", "30", job=(keys, epoch))
+    assert_recovered(run.codes, run.results, reference)
+    assert sorted((r["rank"], r["world"], r["restarts"]) for r in run.results) == [(0, 2, 1), (1, 2, 1)]
+    # Interrupted by the record, as its peer was, it reported nothing of its own there (a report would replace
+    # the record): it was not left to fail on its own in the faulted iteration.
+    faults = restart_records(etcd, keys, "fault")
+    assert (faults["0/1"]["pid"], faults["0/1"]["kind"]) == (1, "hard_timeout"), faults
 
 
 def test_restart_budget_exhausted(etcd: EtcdServer, tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from stalwart.restart.protocol import (
     join,
     lost_peer_report,
     missing_slots,
+    of_another,
     parse_view,
     placement,
     plan_seal,
@@ -332,3 +333,17 @@ def test_the_cause_of_an_iteration(faults: list[tuple[int, FaultRecord]], cause:
 ])
 def test_stall_limit(soft: float, startup: float, pinged: bool, limit: float) -> None:
     assert stall_limit(soft, startup, pinged=pinged) == limit
+
+
+@pytest.mark.parametrize(("slot", "pid", "other"), [
+    (1, None, True),    # another slot's fault, whoever recorded it
+    (0, None, False),   # this slot's, by a process that did not say which (taken as this one's)
+    (0, 100, False),    # this process's own report
+    (0, 200, True),     # the agent's record of the process that held this slot before: a peer's fault
+])
+def test_whose_fault_a_record_is(slot: int, pid: int | None, other: bool) -> None:
+    rec = fault(slot, "hard_timeout").model_copy(update={"pid": pid})
+    assert of_another(rec, 0, 100) is other
+    assert [f.slot for f in EpochView(faults={0: ((5, rec),)}).faults_of_others(0, 0, 100)] == ([slot] if other else [])
+    # A process that does not know its pid goes by the slot alone.
+    assert of_another(rec, 0, None) is (slot != 0)

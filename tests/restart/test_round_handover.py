@@ -20,6 +20,7 @@ from pathlib import Path
 from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env
 
 from stalwart.agent.handover import handover_env, write_handover
+from stalwart.agent.supervision import fault_for
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
 from stalwart.api.restart import RankStatus
@@ -106,4 +107,74 @@ def test_survivor_continues_in_the_new_round_and_the_zombie_is_fenced(etcd: Etcd
     assert writers <= {"node-0", "node-spare"}, writers
     alive = [json.loads(kv.value) for kv in kvs if "/alive/" in kv.key]
     assert zombie.pid not in {a.get("pid") for a in alive}
+    store.close()
+
+
+def test_a_survivor_stuck_in_the_old_round_is_replaced_without_faulting_the_new_one(
+        etcd: EtcdServer, tmp_path: Path) -> None:
+    """The survivor cannot leave the ended round (stopped here; blocked in a collective the handover's abort did
+    not free, in a real failure), so its agent kills it at its hard timeout. Its status names an iteration of the
+    ended round: recorded in the new round, that fault would interrupt the new round's iteration of the same
+    number and leave the spare to train alone. The agent records nothing; the process respawned in the
+    survivor's slot and the promoted spare run the new round together."""
+    store = Store([etcd.endpoint])
+    keys, epoch1 = new_job(store)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, SCRIPT, "--mode", "wrapped", "--steps", str(STEPS), "--step-sleep", "0.1",
+           "--barrier-timeout", "60", "--out", str(out), "--marker-dir", str(tmp_path)]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for slot in (0, 1):
+            env = rank_env(etcd, keys, epoch1, slot=slot, slots=2, target=2, work=tmp_path)
+            env[HANDOVER_FILE_ENV] = str(tmp_path / f"handover-{slot}.json")
+            env["STALWART_NODE_ID"] = f"node-{slot}"
+            procs[f"slot{slot}"] = subprocess.Popen(cmd, env=env)
+        parked = {k: v for k, v in rank_env(etcd, keys, epoch1, slot=1, slots=2, target=2, work=tmp_path).items()
+                  if not k.startswith("STALWART_") or k in ("STALWART_ETCD_ENDPOINTS", "STALWART_JOB",
+                                                            "STALWART_JOB_UID")}
+        parked.update({PARKED_ENV: "true", HANDOVER_FILE_ENV: str(tmp_path / "handover-spare.json"),
+                       "STALWART_NODE_ID": "node-spare"})
+        procs["spare"] = subprocess.Popen(cmd, env=parked)
+        _wait("a few steps", lambda: (st := _status(tmp_path / "status-0.json")) is not None
+              and (st.step or 0) >= 5)
+        for name in ("slot1", "slot0"):  # the lost peer, and the survivor that will not leave its round
+            os.kill(procs[name].pid, signal.SIGSTOP)
+        epoch2 = store.put(keys.rendezvous + "manifest", b"{}")
+        envs = {}
+        for slot, path, status in ((0, "handover-0.json", "status-0.json"),
+                                   (1, "handover-spare.json", "status-spare.json")):
+            envs[slot] = rank_env(etcd, keys, epoch2, slot=slot, slots=2, target=2, work=tmp_path)
+            envs[slot]["STALWART_STATUS_FILE"] = str(tmp_path / status)
+            envs[slot]["STALWART_NODE_ID"] = "node-0" if slot == 0 else "node-spare"
+            write_handover(tmp_path / path, Handover(epoch=epoch2, round=2, env=handover_env(envs[slot])))
+        _wait("the spare at the new round's first barrier", lambda: (
+            st := _status(tmp_path / "status-spare.json")) is not None and st.epoch == epoch2
+              and st.state == "barrier")
+
+        # The agent's part at the hard timeout: the survivor's last status is of the ended round.
+        last = _status(tmp_path / "status-0.json")
+        assert last is not None and last.epoch == epoch1 and last.state == "running", last
+        assert fault_for(last, epoch=epoch2, slot=0, node_id="node-0", kind="hard_timeout", reason="hard timeout",
+                         time=time.time()) is None
+        survivor = procs.pop("slot0")
+        survivor.kill()
+        survivor.wait(timeout=30)
+        envs[0][HANDOVER_FILE_ENV] = str(tmp_path / "handover-0.json")
+        procs["respawned"] = subprocess.Popen(cmd, env=envs[0])
+
+        assert procs["respawned"].wait(timeout=180) == 0
+        assert procs["spare"].wait(timeout=60) == 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait(timeout=30)
+
+    finals = {r["rank"]: r for r in (json.loads(line) for line in out.read_text().splitlines()) if not r.get("leak")}
+    assert finals[0]["pid"] == procs["respawned"].pid and finals[1]["pid"] == procs["spare"].pid, finals
+    # One iteration of the new round, at full size, and no fault recorded in it.
+    assert all((r["world"], r["step"], r["restarts"]) == (2, STEPS, 0) for r in finals.values()), finals
+    kvs, _ = store.get_prefix(f"{keys.restart}{epoch2}/fault/")
+    assert kvs == [], [kv.key for kv in kvs]
     store.close()
