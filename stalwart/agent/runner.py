@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -31,7 +33,7 @@ from pathlib import Path
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, next_step, write_handover
-from stalwart.agent.processes import RankProc, RankProcesses
+from stalwart.agent.processes import RankProc, RankProcesses, process_state
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
 from stalwart.agent.rendezvous import (
@@ -50,7 +52,7 @@ from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
-from stalwart.api.restart import FaultKind
+from stalwart.api.restart import STACKS_SIGNAL, FaultKind
 from stalwart.etcd.client import connect
 from stalwart.etcd.faults import record_fault
 from stalwart.etcd.store import StoreError
@@ -59,6 +61,9 @@ from stalwart.net import free_port
 log = logging.getLogger(__name__)
 
 __all__ = ["Agent", "AgentTuning"]
+
+#: How long a hung rank process gets to write its stacks and end before it is killed (it takes milliseconds).
+STACKS_GRACE = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,9 +373,28 @@ class Agent:
                 log.warning("%s: local rank %d (pid %d) made no progress within its hard timeout: killing it",
                             self._ctx, local_rank, p.popen.pid)
             p.killed_hung = "stopped past the soft timeout" if fault == "stopped" else "hard timeout"
+            self._dump_stacks(p)
             with contextlib.suppress(ProcessLookupError):
                 p.popen.kill()
             self._record_fault(p, fault, reason)
+
+    def _dump_stacks(self, p: RankProc) -> None:
+        """Have a hung process write its threads' stacks to the log and end itself (:mod:`stalwart.restart.stacks`:
+        the signal's own action ends it right after the dump, so it takes no step in between); the caller kills
+        it anyway. A stopped process cannot act on a signal, and one whose status does not say it takes the
+        signal is not sent it."""
+        st = self.ranks.statuses.get(p.local_rank)
+        if st is None or not st.dumps_stacks or process_state(p.popen.pid) in ("T", "t"):
+            return
+        with contextlib.suppress(OSError):  # the action is to dump core too: not a core file per hung rank
+            resource.prlimit(p.popen.pid, resource.RLIMIT_CORE, (0, resource.prlimit(p.popen.pid,
+                                                                                     resource.RLIMIT_CORE)[1]))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.popen.pid, STACKS_SIGNAL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(timeout=STACKS_GRACE)  # faulthandler writes from its signal handler: milliseconds
+        log.warning("%s: local rank %d (pid %d): its threads' stacks are in the pod's log above", self._ctx,
+                    p.local_rank, p.popen.pid)
 
     def _record_fault(self, p: RankProc, kind: FaultKind, reason: str) -> None:
         """Record the fault of a wrapped rank process that cannot (:func:`~.supervision.fault_for`), so that its

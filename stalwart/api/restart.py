@@ -32,6 +32,7 @@ round the last iteration in which a step completed and the iterations respawned 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -43,6 +44,7 @@ __all__ = [
     "MAX_EXITS",
     "MAX_HISTORY",
     "MAX_SEAL_SLOTS",
+    "STACKS_SIGNAL",
     "AliveRecord",
     "ArrivalRecord",
     "DoneRecord",
@@ -216,6 +218,11 @@ class FailureInfo(ApiModel):
     time: float = Field(description="Wall-clock time (Unix seconds).")
 
 
+#: The signal an agent sends a rank process it is about to kill for a hang, when its status says it takes it:
+#: the process writes the stack of every thread to its stderr (the pod's log), so the log says where it hung.
+STACKS_SIGNAL = signal.SIGQUIT
+
+
 class RankStatus(ApiModel):
     """What one rank process tells its agent, through a file the agent reads (atomically replaced)."""
 
@@ -241,6 +248,8 @@ class RankStatus(ApiModel):
         default=None, description="Seconds without progress after which the agent kills the process.")
     heartbeat: float = Field(
         description="CLOCK_MONOTONIC time of the last sign of progress of the process's main thread.")
+    dumps_stacks: bool = Field(
+        default=False, description="The process writes its threads' stacks to stderr on STACKS_SIGNAL.")
 
 
 #: Most rank exits a progress record keeps (the newest).

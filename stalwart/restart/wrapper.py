@@ -41,7 +41,7 @@ from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord, failure
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.keys import ALIVE, DONE, END, FAULT, SEAL
 from stalwart.etcd.store import WatchEvent, WatchRange
-from stalwart.restart import drill
+from stalwart.restart import drill, stacks
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
 from stalwart.restart.environment import RankEnvironment
@@ -138,7 +138,8 @@ class _Session:
         self.monitor = Monitor(self.coord, self.interrupter, soft_timeout=config.soft_timeout,
                                interval=config.monitor_interval, status=StatusFile(env.status_file),
                                watch_main_thread=main, startup_timeout=config.barrier_timeout)
-        self.monitor.update_status(soft_timeout=config.soft_timeout, hard_timeout=config.hard_timeout)
+        self.monitor.update_status(soft_timeout=config.soft_timeout, hard_timeout=config.hard_timeout,
+                                   dumps_stacks=stacks.install())
         drill.install(env.status_file, lambda: self.monitor.status.state == "running")
         # The job's minimum holds whatever the decorator asked for (README: the world never shrinks below it).
         self.assignment = config.rank_assignment.at_least(env.min_world)

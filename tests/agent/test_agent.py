@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,6 +133,9 @@ def test_hang_beyond_the_soft_timeout_ends_with_the_hard_timeout_kill(etcd: Etcd
     _, err = agent.communicate(timeout=TIMEOUT)
     assert agent.returncode == 0, err[-3000:]
     assert "made no progress within its hard timeout" in err
+    # Before the kill, the hung process wrote where it was: its main thread in the script's pause().
+    dump = err[err.index("Current thread 0x"):]
+    assert re.search(r'File ".*restart_ddp\.py", line \d+ in inject', dump), err[-3000:]
     res = results(tmp_path)
     assert sorted(r["rank"] for r in res) == [0, 1]
     reference = expected_checksum(steps=8)

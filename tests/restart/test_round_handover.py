@@ -24,6 +24,7 @@ from stalwart.agent.supervision import fault_for
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
 from stalwart.api.restart import RankStatus
+from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
 
@@ -44,28 +45,36 @@ def _wait(what: str, check: object, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
+def _command(work: Path, *, barrier_timeout: float) -> tuple[Path, list[str]]:
+    out = work / "out.jsonl"
+    return out, [sys.executable, SCRIPT, "--mode", "wrapped", "--steps", str(STEPS), "--step-sleep", "0.1",
+                 "--barrier-timeout", str(barrier_timeout), "--out", str(out), "--marker-dir", str(work)]
+
+
+def _start_round_one(etcd: EtcdServer, keys: JobKeys, epoch: int, work: Path, cmd: list[str], *,
+                     procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Slots 0 and 1 running in the round of ``epoch``, and a spare started before its round, parked (no epoch,
+    no slot yet); returns once slot 0 took a few steps."""
+    for slot in (0, 1):
+        env = rank_env(etcd, keys, epoch, slot=slot, slots=2, target=2, work=work)
+        env[HANDOVER_FILE_ENV] = str(work / f"handover-{slot}.json")
+        env["STALWART_NODE_ID"] = f"node-{slot}"
+        procs[f"slot{slot}"] = subprocess.Popen(cmd, env=env)
+    parked = {k: v for k, v in rank_env(etcd, keys, epoch, slot=1, slots=2, target=2, work=work).items()
+              if not k.startswith("STALWART_") or k in ("STALWART_ETCD_ENDPOINTS", "STALWART_JOB", "STALWART_JOB_UID")}
+    parked.update({PARKED_ENV: "true", HANDOVER_FILE_ENV: str(work / "handover-spare.json"),
+                   "STALWART_NODE_ID": "node-spare"})
+    procs["spare"] = subprocess.Popen(cmd, env=parked)
+    _wait("a few steps", lambda: (st := _status(work / "status-0.json")) is not None and (st.step or 0) >= 5)
+
+
 def test_survivor_continues_in_the_new_round_and_the_zombie_is_fenced(etcd: EtcdServer, tmp_path: Path) -> None:
     store = Store([etcd.endpoint])
     keys, epoch1 = new_job(store)
-    out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, SCRIPT, "--mode", "wrapped", "--steps", str(STEPS), "--step-sleep", "0.1",
-           "--barrier-timeout", "15", "--out", str(out), "--marker-dir", str(tmp_path)]
+    out, cmd = _command(tmp_path, barrier_timeout=15)
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        for slot in (0, 1):
-            env = rank_env(etcd, keys, epoch1, slot=slot, slots=2, target=2, work=tmp_path)
-            env[HANDOVER_FILE_ENV] = str(tmp_path / f"handover-{slot}.json")
-            env["STALWART_NODE_ID"] = f"node-{slot}"
-            procs[f"slot{slot}"] = subprocess.Popen(cmd, env=env)
-        # The spare: started before its round, parked (no epoch, no slot yet).
-        parked = {k: v for k, v in rank_env(etcd, keys, epoch1, slot=1, slots=2, target=2, work=tmp_path).items()
-                  if not k.startswith("STALWART_") or k in ("STALWART_ETCD_ENDPOINTS", "STALWART_JOB",
-                                                            "STALWART_JOB_UID")}
-        parked.update({PARKED_ENV: "true", HANDOVER_FILE_ENV: str(tmp_path / "handover-spare.json"),
-                       "STALWART_NODE_ID": "node-spare"})
-        procs["spare"] = subprocess.Popen(cmd, env=parked)
-        _wait("a few steps", lambda: (st := _status(tmp_path / "status-0.json")) is not None
-              and (st.step or 0) >= 5)
+        _start_round_one(etcd, keys, epoch1, tmp_path, cmd, procs=procs)
 
         zombie = procs["slot1"]
         os.kill(zombie.pid, signal.SIGSTOP)
@@ -119,24 +128,10 @@ def test_a_survivor_stuck_in_the_old_round_is_replaced_without_faulting_the_new_
     survivor's slot and the promoted spare run the new round together."""
     store = Store([etcd.endpoint])
     keys, epoch1 = new_job(store)
-    out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, SCRIPT, "--mode", "wrapped", "--steps", str(STEPS), "--step-sleep", "0.1",
-           "--barrier-timeout", "60", "--out", str(out), "--marker-dir", str(tmp_path)]
+    out, cmd = _command(tmp_path, barrier_timeout=60)
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        for slot in (0, 1):
-            env = rank_env(etcd, keys, epoch1, slot=slot, slots=2, target=2, work=tmp_path)
-            env[HANDOVER_FILE_ENV] = str(tmp_path / f"handover-{slot}.json")
-            env["STALWART_NODE_ID"] = f"node-{slot}"
-            procs[f"slot{slot}"] = subprocess.Popen(cmd, env=env)
-        parked = {k: v for k, v in rank_env(etcd, keys, epoch1, slot=1, slots=2, target=2, work=tmp_path).items()
-                  if not k.startswith("STALWART_") or k in ("STALWART_ETCD_ENDPOINTS", "STALWART_JOB",
-                                                            "STALWART_JOB_UID")}
-        parked.update({PARKED_ENV: "true", HANDOVER_FILE_ENV: str(tmp_path / "handover-spare.json"),
-                       "STALWART_NODE_ID": "node-spare"})
-        procs["spare"] = subprocess.Popen(cmd, env=parked)
-        _wait("a few steps", lambda: (st := _status(tmp_path / "status-0.json")) is not None
-              and (st.step or 0) >= 5)
+        _start_round_one(etcd, keys, epoch1, tmp_path, cmd, procs=procs)
         for name in ("slot1", "slot0"):  # the lost peer, and the survivor that will not leave its round
             os.kill(procs[name].pid, signal.SIGSTOP)
         epoch2 = store.put(keys.rendezvous + "manifest", b"{}")
