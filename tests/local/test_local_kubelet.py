@@ -240,12 +240,16 @@ def test_pods_get_distinct_loopback_addresses(local_cluster: LocalCluster, k8s_n
 def test_readiness_and_liveness_probes(local_cluster: LocalCluster, k8s_namespace: str, tmp_path: Path) -> None:
     ns = k8s_namespace
     flag = tmp_path / "ready"
+    hits = tmp_path / "liveness-hits"
     script = ("import http.server, os\n"
               "class H(http.server.BaseHTTPRequestHandler):\n"
               "    def do_GET(self):\n"
+              f"        open({str(hits)!r}, 'a').write('.')\n"
               "        self.send_response(200 if self.path == '/ok' else 500); self.end_headers()\n"
               "    def log_message(self, *a): pass\n"
               "http.server.HTTPServer((os.environ['IP'], 8080), H).serve_forever()\n")
+    # A loaded machine may take seconds to start the server or to answer: the liveness probe allows for it, as
+    # a real pod's would (a server that answers must not be restarted).
     probes = f"""    env:
     - {{name: IP, valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}}}
     ports: [{{name: http, containerPort: 8080}}]
@@ -256,6 +260,8 @@ def test_readiness_and_liveness_probes(local_cluster: LocalCluster, k8s_namespac
     livenessProbe:
       httpGet: {{path: /ok, port: http}}
       periodSeconds: 1
+      timeoutSeconds: 10
+      initialDelaySeconds: 5
 """
     local_cluster.kubectl("apply", "-f", "-", input=pod_manifest("probed", ns, script, restart="Always",
                                                                  extra_container=probes))
@@ -270,8 +276,10 @@ def test_readiness_and_liveness_probes(local_cluster: LocalCluster, k8s_namespac
     wait_until(lambda: conditions().get("Ready") == "True", "the readiness probe to pass")
     flag.unlink()
     wait_until(lambda: conditions().get("Ready") == "False", "the readiness probe to fail again")
+    # The liveness probe ran (the server counted its requests) and passed: the container was never restarted.
+    wait_until(lambda: hits.exists() and len(hits.read_text()) >= 3, "three liveness probes")
     pod = get_json(local_cluster, "-n", ns, "pod", "probed")
-    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0  # the liveness probe passes
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
 
 
 def test_processes_a_container_leaves_behind_end_with_it(local_cluster: LocalCluster, k8s_namespace: str,

@@ -71,6 +71,19 @@ def manifest(store: Store, keys: JobKeys) -> Manifest | None:
     return None if kv is None else Manifest.from_json_bytes(kv.value)
 
 
+def wait_for_steps(cluster: LocalCluster, ns: str, pod: str, step: int) -> int:
+    """Wait until the rank of ``pod`` logged ``step`` (its log: the job's status lags behind under load, and a
+    fault meant for a training job must not come after it ended); returns the last step logged."""
+    last = [0]
+
+    def reached() -> bool:
+        last[0] = max((e["step"] for e in events(cluster, ns, pod) if e["event"] == "step"), default=0)
+        return last[0] >= step
+
+    wait_for(f"step {step} in the log of {pod}", reached, timeout=240)
+    return last[0]
+
+
 def events(cluster: LocalCluster, ns: str, pod: str) -> list[dict[str, Any]]:
     res = cluster.kubectl("logs", pod, "-n", ns, check=False)
     assert res.returncode == 0, f"kubectl logs {pod}: {res.stderr}"
@@ -115,17 +128,19 @@ def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, start_ope
                                   "--log-every", "1"],
                          restartPolicy={"inProcess": {"warmSpares": True}}))
     survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
-    wait_for("a few steps", lambda: (jobs.status(name).get("progress") or {}).get("step", 0) >= 20, timeout=240)
     try:
-        wait_for("the spare's parked processes", lambda: len(pod_pids(spare)) >= 2, timeout=120)
+        wait_for("the spare's parked processes", lambda: len(pod_pids(spare)) >= 2, timeout=240)
     except AssertionError as e:
         tail = local_cluster.kubectl("logs", spare, "-n", jobs.ns, check=False).stdout[-3000:]
         res = local_cluster.kubectl("get", "pods", "-n", jobs.ns, "-o", "wide", check=False)
         got = res.stdout + res.stderr
         raise AssertionError(f"{e}; pods:\n{got}\nthe spare's log ends: {tail}") from None
+    at = wait_for_steps(local_cluster, jobs.ns, survivor, 20)
     before = pod_pids(survivor)
     assert len(before) >= 2  # the agent and its rank
 
+    # The fault must land while the job trains: its schedule leaves it hundreds of steps.
+    assert at < STEPS - 100, f"the job reached step {at} of {STEPS} before the fault: too late to inject it"
     if fault == "force-delete":
         local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
     elif fault == "sigkill":
@@ -187,7 +202,7 @@ def test_without_a_spare_the_world_shrinks_and_grows_back_in_process(
                                   "--log-every", "1"],
                          restartPolicy={"inProcess": {"warmSpares": True}}))
     survivor, victim = f"{name}-worker-0", f"{name}-worker-1"
-    wait_for("a few steps", lambda: (jobs.status(name).get("progress") or {}).get("step", 0) >= 20, timeout=240)
+    wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
     nodes = [n["metadata"]["name"] for n in json.loads(local_cluster.kubectl("get", "nodes", "-o", "json").stdout)[
         "items"]]
     # No room for the replacement until the world has shrunk: the shrink is certain, not a race.
@@ -226,8 +241,8 @@ def test_losing_the_spare_itself_leaves_training_alone(start_operator: OperatorF
                                   "--log-every", "1"],
                          restartPolicy={"inProcess": {"warmSpares": True}}))
     spare = f"{name}-spare-0"
-    wait_for("a few steps", lambda: (jobs.status(name).get("progress") or {}).get("step", 0) >= 20, timeout=240)
-    wait_for("the spare's parked processes", lambda: len(pod_pids(spare)) >= 2, timeout=120)
+    wait_for("the spare's parked processes", lambda: len(pod_pids(spare)) >= 2, timeout=240)
+    wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
     local_cluster.kubectl("delete", "pod", spare, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
     wait_for("a new spare", lambda: any(p.metadata.name.startswith(f"{name}-spare-") and p.metadata.name != spare
                                         for p in jobs.live_pods(name)), timeout=120)
@@ -256,9 +271,9 @@ def test_a_second_worker_lost_while_the_job_recovers_from_the_first(
     keys = JobKeys(jobs.ns, created["metadata"]["uid"])
     workers = [f"{name}-worker-{i}" for i in range(3)]
     spares = [f"{name}-spare-{i}" for i in range(2)]
-    wait_for("a few steps", lambda: (jobs.status(name).get("progress") or {}).get("step", 0) >= 20, timeout=240)
     for spare in spares:
-        wait_for(f"the parked processes of {spare}", lambda spare=spare: rank_pids(spare), timeout=120)
+        wait_for(f"the parked processes of {spare}", lambda spare=spare: rank_pids(spare), timeout=240)
+    wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
     first = manifest(etcd_store, keys)
     assert first is not None and sorted(m.node_id for m in first.members) == workers
     # The spares' parked ranks are paused, so the new round cannot take a step before the second loss: the
@@ -318,8 +333,8 @@ def test_a_partitioned_node_with_warm_spares_recovers_in_process_and_its_zombie_
     created = jobs.create(body)
     keys = JobKeys(jobs.ns, created["metadata"]["uid"])
     survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
-    wait_for("a few steps", lambda: (jobs.status(name).get("progress") or {}).get("step", 0) >= 20, timeout=240)
-    wait_for("the spare's parked processes", lambda: rank_pids(spare), timeout=120)
+    wait_for("the spare's parked processes", lambda: rank_pids(spare), timeout=240)
+    wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
     node = next(p.spec.node_name for p in jobs.pods(name) if p.metadata.name == victim)
     assert [p.metadata.name for p in jobs.pods(name) if p.spec.node_name == node] == [victim]
     zombie = pod_pids(victim)
