@@ -77,7 +77,11 @@ def wait_for_steps(cluster: LocalCluster, ns: str, pod: str, step: int) -> int:
     last = [0]
 
     def reached() -> bool:
-        last[0] = max((e["step"] for e in events(cluster, ns, pod) if e["event"] == "step"), default=0)
+        res = cluster.kubectl("logs", pod, "-n", ns, check=False)
+        if res.returncode != 0:  # its container has not started yet
+            return False
+        steps = [json.loads(line) for line in res.stdout.splitlines() if line.startswith('{"event": "step"')]
+        last[0] = max((e["step"] for e in steps), default=0)
         return last[0] >= step
 
     wait_for(f"step {step} in the log of {pod}", reached, timeout=240)
