@@ -7,7 +7,8 @@ Contract, per pod:
 - It runs pods bound to a node that is up (the scheduler, :mod:`.scheduler`, binds them). Before starting one
   it checks that the pod fits the node's capacity (a pod bound by name past the scheduler may not): one that
   does not is Failed with reason ``OutOf<resource>``.
-- Each pod gets its own loopback address 127.0.x.y as ``status.podIP`` (Linux routes all of 127/8 to ``lo``),
+- Each pod gets its own loopback address 127.s.x.y as ``status.podIP`` (Linux routes all of 127/8 to ``lo``;
+  ``s`` is the cluster's own, picked at random: see :class:`.podruns.PodRuns`),
   and a directory ``<workdir>/pods/<namespace>_<name>_<uid>/`` that is the default working directory and holds
   the container logs (``<container>.log``, the previous instance's as ``<container>.previous.log``).
 - Environment: :mod:`.podenv`. The image is recorded and ignored; a container without ``command`` cannot run

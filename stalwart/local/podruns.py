@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
@@ -19,10 +20,16 @@ Key = tuple[str, str]
 class PodRuns:
     """See the module docstring. Every task it is given (:meth:`spawn`) is cancelled by :meth:`shutdown`."""
 
-    def __init__(self) -> None:
+    def __init__(self, subnet: int | None = None) -> None:
         self.by_key: dict[Key, PodRun] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_ip = 2
+        # The cluster's pod addresses, 127.<subnet>.x.y: its own /16 of the loopback network, as a real cluster
+        # has its own pod CIDR, so that two local clusters on one machine (a demo beside a test run) do not give
+        # two pods one address (a server of one would find its port taken by the other's).
+        if subnet is not None and not 1 <= subnet <= 254:
+            raise ValueError(f"subnet: expected 1 to 254 (the second octet of 127/8), got {subnet}")
+        self.subnet = subnet if subnet is not None else random.SystemRandom().randint(1, 254)
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -46,7 +53,7 @@ class PodRuns:
         task.add_done_callback(self._tasks.discard)
 
     def free_ip(self, previous: str | None = None) -> str:
-        """A loopback address 127.0.x.y for a pod: ``previous`` (the pod's, from before its node went down)
+        """A loopback address 127.<subnet>.x.y for a pod: ``previous`` (the pod's, from before its node went down)
         while no other pod holds it, else the next free one."""
         used = {r.ip for r in self.by_key.values()}
         if previous and previous not in used:
@@ -54,7 +61,7 @@ class PodRuns:
         while True:
             n = self._next_ip
             self._next_ip = 2 if self._next_ip >= 65000 else self._next_ip + 1
-            ip = f"127.0.{n // 256}.{n % 256}"
+            ip = f"127.{self.subnet}.{n // 256}.{n % 256}"
             if n % 256 in (0, 1, 255) or ip in used:
                 continue
             return ip

@@ -3,6 +3,7 @@ describe, logs, patch, replace with a stale resourceVersion, delete, get -w, exp
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -163,7 +164,7 @@ spec:
     state = done["status"]["containerStatuses"][0]["state"]["terminated"]
     assert state["exitCode"] == 3 and state["reason"] == "Error"
     ip = done["status"]["podIP"]
-    assert ip.startswith("127.0.") and ip != "127.0.0.1"
+    assert ipaddress.ip_address(ip) in ipaddress.ip_network("127.0.0.0/8") and not ip.startswith("127.0.0.")
     logs = local_cluster.kubectl("-n", k8s_namespace, "logs", "hello").stdout
     assert logs == f"hello from hello {ip}\n"
     described = local_cluster.kubectl("-n", k8s_namespace, "describe", "pod", "hello").stdout
