@@ -387,8 +387,8 @@ class Agent:
         if st is None or not st.dumps_stacks or process_state(p.popen.pid) in ("T", "t"):
             return
         with contextlib.suppress(OSError):  # the action is to dump core too: not a core file per hung rank
-            resource.prlimit(p.popen.pid, resource.RLIMIT_CORE, (0, resource.prlimit(p.popen.pid,
-                                                                                     resource.RLIMIT_CORE)[1]))
+            _, hard = resource.prlimit(p.popen.pid, resource.RLIMIT_CORE)
+            resource.prlimit(p.popen.pid, resource.RLIMIT_CORE, (0, hard))
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.popen.pid, STACKS_SIGNAL)
         with contextlib.suppress(subprocess.TimeoutExpired):
