@@ -89,6 +89,12 @@ class Interrupter:
         return self._requested
 
     @property
+    def outstanding(self) -> bool:
+        """Whether an interrupt was requested and the training function has not ended yet."""
+        with self._lock:
+            return self._requested is not None and self._in_user_code
+
+    @property
     def in_user_code(self) -> bool:
         """Whether the training function is running (between enter and leave)."""
         return self._in_user_code

@@ -289,6 +289,8 @@ class Monitor:
 
     def _tick(self) -> None:
         self.interrupter.nudge()
+        if self.interrupter.outstanding:
+            self._free_again()
         now = time.monotonic()
         if self._probe is not None:
             answered = self._probe.poll(now)
@@ -306,6 +308,15 @@ class Monitor:
             log.warning("slot %d iteration %d: %s", self.coord.slot, iteration, reason)
             self._report_and_interrupt(Report(iteration, ctx.rank, "soft_timeout", reason))
         self._flush_status()
+
+    def _free_again(self) -> None:
+        """Shut down the group's connections again while an interrupt has not ended the training function: a
+        connection opened after the first shutdown (the main thread was inside a C call that connects, to a
+        peer that is paused and never answers) would hold it until the collective timeout."""
+        with self._lock:
+            ctx = self._ctx if self._running else None
+        if ctx is not None:
+            free_blocked_peers(ctx)
 
     def _flush_status(self, force: bool = False) -> None:
         now = time.monotonic()
