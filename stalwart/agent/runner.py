@@ -142,6 +142,11 @@ class Agent:
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
+        # A launcher that ran the agent as a background job of a non-interactive shell (`agent &`, some CI
+        # runners) left SIGQUIT ignored, and the rank processes would inherit that: a hung rank could not be
+        # asked for its stacks. A container's first process starts with every signal at its default.
+        if signal.getsignal(STACKS_SIGNAL) is signal.SIG_IGN:
+            signal.signal(STACKS_SIGNAL, signal.SIG_DFL)
 
     # -- the loop -------------------------------------------------------------------------------------------
 
