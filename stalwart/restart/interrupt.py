@@ -90,9 +90,11 @@ class Interrupter:
 
     @property
     def outstanding(self) -> bool:
-        """Whether an interrupt was requested and the training function has not ended yet."""
+        """Whether an interrupt was delivered and the training function has not ended yet (it is blocked in
+        native code). One deferred by an atomic section or an import is not outstanding: that section runs
+        to its end untouched."""
         with self._lock:
-            return self._requested is not None and self._in_user_code
+            return self._delivered and self._in_user_code
 
     @property
     def in_user_code(self) -> bool:

@@ -310,9 +310,9 @@ class Monitor:
         self._flush_status()
 
     def _free_again(self) -> None:
-        """Shut down the group's connections again while an interrupt has not ended the training function: a
-        connection opened after the first shutdown (the main thread was inside a C call that connects, to a
-        peer that is paused and never answers) would hold it until the collective timeout."""
+        """Shut down the group's connections again while a delivered interrupt has not ended the training
+        function: a connection opened after the first shutdown (the main thread was inside a C call that
+        connects, to a peer that is paused and never answers) would hold it until the collective timeout."""
         with self._lock:
             ctx = self._ctx if self._running else None
         if ctx is not None:

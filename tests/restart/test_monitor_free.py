@@ -1,10 +1,14 @@
-"""The monitor keeps freeing the group's connections while an interrupt has not ended the training function."""
+"""The monitor keeps freeing the group's connections while a delivered interrupt has not ended the training
+function, and leaves an atomic section alone."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from restart_helpers import new_job
 
@@ -18,66 +22,96 @@ from stalwart.restart.policies import IterationContext
 from stalwart.restart.sockets import SocketSnapshot
 
 
-def test_a_connection_opened_after_the_interrupt_is_shut_down_on_the_next_tick(etcd: EtcdServer,
-                                                                               store: Store) -> None:
-    # The real case: the main thread is inside a C call that connects to a peer whose process is paused (the
-    # kernel accepts for it, nothing ever answers) when a new round takes over. The first shutdown finds no
-    # connection to that peer yet; the one opened just after would hold the thread until the collective
-    # timeout. Here the thread waits in C (a lock), and the connection is opened after the interrupt.
+@dataclass
+class Training:
+    """A thread that runs a 'training function' waiting in C (a lock) until released, under a real monitor."""
+
+    monitor: Monitor
+    release: threading.Event
+    outcome: list[BaseException | None] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def training_in_c(etcd: EtcdServer, store: Store, *, atomic: bool) -> Iterator[Training]:
     keys, epoch = new_job(store)
     coord = Coordinator(store, keys, epoch, slot=0, node_id="node-0", lease_ttl=5, retry_for=10.0)
     torch_store = EtcdTorchStore(store, keys, epoch, scope="0/", timeout=10.0)
     ctx = IterationContext(iteration=0, slot=0, rank=0, world_size=2, store=torch_store,
                            keep_peers=((etcd.host, etcd.client_port),))
-    listener = socket.create_server(("127.0.0.1", 0))
     ctx.group.sockets_before = SocketSnapshot()
-    in_c = threading.Event()
-    release = threading.Event()
-    outcome: list[BaseException | None] = []
-    made: list[Monitor] = []
+    in_c, release = threading.Event(), threading.Event()
+    made: list[Training] = []
 
-    def training() -> None:
+    def run() -> None:
         # The interrupter belongs to the thread that runs the training function.
         interrupter = Interrupter()
         monitor = Monitor(coord, interrupter, soft_timeout=60.0, interval=0.05, status=StatusFile(None),
                           watch_main_thread=False)
-        made.append(monitor)
+        training = Training(monitor, release)
+        made.append(training)
         monitor.start()
         interrupter.enter_user_code()
         monitor.begin(0, ctx)
         try:
-            in_c.set()
-            release.wait(30)  # blocked in C: a pending interrupt fires only once this returns
-            outcome.append(None)
+            with interrupter.atomic() if atomic else contextlib.nullcontext():
+                in_c.set()
+                release.wait(30)  # blocked in C: a pending interrupt fires only once this returns
+            training.outcome.append(None)
         except RestartInterrupt as e:
-            outcome.append(e)
+            training.outcome.append(e)
         finally:
             interrupter.leave_user_code()
             monitor.end()
 
-    t = threading.Thread(target=training)
+    t = threading.Thread(target=run)
     t.start()
-    client: socket.socket | None = None
     try:
         assert in_c.wait(30)
-        monitor = made[0]
-        monitor._interrupt("round 2 (epoch 9) took over")
-        assert monitor.interrupter.requested is not None and monitor.interrupter.in_user_code
-        client = socket.create_connection(listener.getsockname(), timeout=5)
-        server_side, _ = listener.accept()
-        with server_side:
-            server_side.settimeout(5)
-            started = time.monotonic()
-            assert server_side.recv(1) == b""  # end of stream: the new connection was shut down
-            assert time.monotonic() - started < 2.0
+        yield made[0]
     finally:
         release.set()
         t.join(30)
         for m in made:
-            m.stop()
-        if client is not None:
-            client.close()
-        listener.close()
+            m.monitor.stop()
         coord.stop()
     assert not t.is_alive()
-    assert len(outcome) == 1 and isinstance(outcome[0], RestartInterrupt)
+
+
+def _connect(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
+    client = socket.create_connection(listener.getsockname(), timeout=5)
+    server_side, _ = listener.accept()
+    server_side.settimeout(5)
+    return client, server_side
+
+
+def test_a_connection_opened_after_the_interrupt_is_shut_down_on_the_next_tick(etcd: EtcdServer,
+                                                                               store: Store) -> None:
+    # The real case: the main thread is inside a C call that connects to a peer whose process is paused (the
+    # kernel accepts for it, nothing ever answers) when a new round takes over. The first shutdown finds no
+    # connection to that peer yet; the one opened just after would hold the thread until the collective
+    # timeout. Here the thread waits in C, and the connection is opened after the interrupt.
+    with socket.create_server(("127.0.0.1", 0)) as listener, \
+            training_in_c(etcd, store, atomic=False) as training:
+        training.monitor._interrupt("round 2 (epoch 9) took over")
+        assert training.monitor.interrupter.requested is not None and training.monitor.interrupter.in_user_code
+        client, server_side = _connect(listener)
+        with client, server_side:
+            started = time.monotonic()
+            assert server_side.recv(1) == b""  # end of stream: the new connection was shut down
+            assert time.monotonic() - started < 2.0
+    assert len(training.outcome) == 1 and isinstance(training.outcome[0], RestartInterrupt)
+
+
+def test_an_atomic_section_keeps_the_connections_it_opens_until_it_ends(etcd: EtcdServer, store: Store) -> None:
+    # An interrupt requested during an atomic section (a checkpoint upload) waits for the section's end: a
+    # connection the section opens after the request is not shut down by the monitor's ticks.
+    with socket.create_server(("127.0.0.1", 0)) as listener, \
+            training_in_c(etcd, store, atomic=True) as training:
+        training.monitor._interrupt("fault in slot 1: exception")
+        client, server_side = _connect(listener)
+        with client, server_side:
+            time.sleep(0.5)  # ten monitor ticks
+            client.sendall(b"x")
+            assert server_side.recv(1) == b"x"
+            assert training.outcome == []
+    assert len(training.outcome) == 1 and isinstance(training.outcome[0], RestartInterrupt)
