@@ -34,9 +34,11 @@ def jobs(kube_api: Any, k8s_namespace: str) -> Jobs:
     return Jobs(kube_api, k8s_namespace)
 
 
-def pod_pids(pod: str) -> set[int]:
-    """The processes of ``pod`` on this machine (its agent and rank processes), found by their environment."""
-    needle = f"STALWART_NODE_ID={pod}".encode()
+def pod_pids(ns: str, pod: str) -> set[int]:
+    """The processes of pod ``pod`` in namespace ``ns`` on this machine (its agent and rank processes, its
+    earlier incarnations' too), found by their environment. The namespace matters: another test suite on this
+    machine runs pods of the same names, in its own namespaces, and its processes are not this test's to kill."""
+    node, job = f"STALWART_NODE_ID={pod}".encode(), f"STALWART_JOB={ns}/".encode()
     found = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -45,15 +47,15 @@ def pod_pids(pod: str) -> set[int]:
             env = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if needle in env:
+        if node in env and any(var.startswith(job) for var in env):
             found.add(int(entry.name))
     return found
 
 
-def rank_pids(pod: str) -> set[int]:
+def rank_pids(ns: str, pod: str) -> set[int]:
     """The rank processes of ``pod``: its processes running the example whose parent is one of the pod's too (the
     agent, whose own command line names the example after ``--``, is the pod's first process)."""
-    pids = pod_pids(pod)
+    pids = pod_pids(ns, pod)
     found = set()
     for pid in pids:
         try:
@@ -133,14 +135,14 @@ def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, start_ope
                          restartPolicy={"inProcess": {"warmSpares": True}}))
     survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
     try:
-        wait_for("the spare's parked processes", lambda: len(pod_pids(spare)) >= 2, timeout=240)
+        wait_for("the spare's parked processes", lambda: len(pod_pids(jobs.ns, spare)) >= 2, timeout=240)
     except AssertionError as e:
         tail = local_cluster.kubectl("logs", spare, "-n", jobs.ns, check=False).stdout[-3000:]
         res = local_cluster.kubectl("get", "pods", "-n", jobs.ns, "-o", "wide", check=False)
         got = res.stdout + res.stderr
         raise AssertionError(f"{e}; pods:\n{got}\nthe spare's log ends: {tail}") from None
     at = wait_for_steps(local_cluster, jobs.ns, survivor, 20)
-    before = pod_pids(survivor)
+    before = pod_pids(jobs.ns, survivor)
     assert len(before) >= 2  # the agent and its rank
 
     # The fault must land while the job trains: its schedule leaves it hundreds of steps.
@@ -148,7 +150,7 @@ def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, start_ope
     if fault == "force-delete":
         local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
     elif fault == "sigkill":
-        for pid in pod_pids(victim):
+        for pid in pod_pids(jobs.ns, victim):
             os.kill(pid, signal.SIGKILL)
     else:
         local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--wait=false")
@@ -245,7 +247,7 @@ def test_losing_the_spare_itself_leaves_training_alone(start_operator: OperatorF
                                   "--log-every", "1"],
                          restartPolicy={"inProcess": {"warmSpares": True}}))
     spare = f"{name}-spare-0"
-    wait_for("the spare's parked processes", lambda: len(pod_pids(spare)) >= 2, timeout=240)
+    wait_for("the spare's parked processes", lambda: len(pod_pids(jobs.ns, spare)) >= 2, timeout=240)
     wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
     local_cluster.kubectl("delete", "pod", spare, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
     wait_for("a new spare", lambda: any(p.metadata.name.startswith(f"{name}-spare-") and p.metadata.name != spare
@@ -276,13 +278,13 @@ def test_a_second_worker_lost_while_the_job_recovers_from_the_first(
     workers = [f"{name}-worker-{i}" for i in range(3)]
     spares = [f"{name}-spare-{i}" for i in range(2)]
     for spare in spares:
-        wait_for(f"the parked processes of {spare}", lambda spare=spare: rank_pids(spare), timeout=240)
+        wait_for(f"the parked processes of {spare}", lambda spare=spare: rank_pids(jobs.ns, spare), timeout=240)
     wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
     first = manifest(etcd_store, keys)
     assert first is not None and sorted(m.node_id for m in first.members) == workers
     # The spares' parked ranks are paused, so the new round cannot take a step before the second loss: the
     # second loss lands in the recovery from the first, for certain (the spares' agents still act).
-    paused = {pid for spare in spares for pid in rank_pids(spare)}
+    paused = {pid for spare in spares for pid in rank_pids(jobs.ns, spare)}
     for pid in paused:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -292,7 +294,7 @@ def test_a_second_worker_lost_while_the_job_recovers_from_the_first(
                           and m.round > first.round and m, timeout=120, interval=0.05)
         assert workers[2] not in {m.node_id for m in second.members} and workers[1] in {
             m.node_id for m in second.members}, second
-        for pid in pod_pids(workers[1]):  # the whole pod, while the new round waits for its first step
+        for pid in pod_pids(jobs.ns, workers[1]):  # the whole pod, while the new round waits for its first step
             os.kill(pid, signal.SIGKILL)
     finally:
         for pid in paused:
@@ -337,11 +339,11 @@ def test_a_partitioned_node_with_warm_spares_recovers_in_process_and_its_zombie_
     created = jobs.create(body)
     keys = JobKeys(jobs.ns, created["metadata"]["uid"])
     survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
-    wait_for("the spare's parked processes", lambda: rank_pids(spare), timeout=240)
+    wait_for("the spare's parked processes", lambda: rank_pids(jobs.ns, spare), timeout=240)
     wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
     node = next(p.spec.node_name for p in jobs.pods(name) if p.metadata.name == victim)
     assert [p.metadata.name for p in jobs.pods(name) if p.spec.node_name == node] == [victim]
-    zombie = pod_pids(victim)
+    zombie = pod_pids(jobs.ns, victim)
     assert len(zombie) >= 2  # its agent and its rank
 
     local_cluster.lose_node(node, partition=True)
