@@ -153,6 +153,7 @@ def leak_report(args: argparse.Namespace, rank: int, restarts: int) -> None:
             iterations.add(int(parts[2]))
     native_threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
     report = {"leak": True, "rank": rank, "iteration": restarts, "threads": threading.active_count(),
+              "thread_names": sorted(t.name for t in threading.enumerate()),
               "native_threads": native_threads, "fds": len(os.listdir("/proc/self/fd")), "etcd_keys": len(kvs),
               "iterations": sorted(iterations), "faults": {str(k): v for k, v in faults.items()},
               "children": _children()}
