@@ -28,6 +28,8 @@ from stalwart.rpc.streams import StreamTransport
 
 
 def _arena_files() -> set[str]:
+    """The arenas in /dev/shm. The directory is the machine's: another test suite running beside this one has
+    arenas there too, which come and go, so a test asks only that none it made is left (``now - before``)."""
     return {f for f in os.listdir(shm.SHM_DIR) if f.startswith("stalwart-rpc-")}
 
 
@@ -93,7 +95,7 @@ def test_writer_and_reader_share_frames_and_leave_no_file() -> None:
     try:
         reader = ArenaReader(Offer.decode(writer.offer.encode()))
         writer.unlink()  # as after the peer's accept: the mappings stay
-        assert _arena_files() == before
+        assert not _arena_files() - before
         payload = torch.arange(1000, dtype=torch.float32)
         blobs = Blobs()
         blobs.add_tensor(payload, "t")  # a view of the tensor's own memory, as the codec sends it
@@ -110,7 +112,7 @@ def test_writer_and_reader_share_frames_and_leave_no_file() -> None:
         reader.close()
     finally:
         writer.close()
-    assert _arena_files() == before
+    assert not _arena_files() - before
 
 
 def test_an_arena_with_another_cookie_or_none_at_all_is_refused() -> None:
@@ -163,10 +165,10 @@ def test_large_tensors_go_through_the_arena_both_ways_and_wrap_around_it() -> No
         futures = [a.rpc_async("w1", "t.echo", (torch.full((256 * 1024,), float(i)),)) for i in range(40)]
         for i, f in enumerate(futures):
             assert torch.equal(f.wait(60), torch.full((256 * 1024,), float(i)))
-        assert _arena_files() == before  # unlinked as soon as both sides had them mapped
+        assert not _arena_files() - before  # unlinked as soon as both sides had them mapped
     finally:
         shutdown_all(agents)
-    assert _arena_files() == before
+    assert not _arena_files() - before
 
 
 def test_budget_caps_what_a_process_holds() -> None:
@@ -200,6 +202,6 @@ def test_when_the_peer_cannot_map_the_arena_frames_go_inline(monkeypatch: pytest
         t = torch.randn(300_000)
         assert torch.equal(agents[0].rpc_sync("w1", "t.echo", (t,)), t)
         assert sum(tr.stats["arena_frames_out"] for tr in transports) == 0
-        wait_for(lambda: _arena_files() == before, what="refused arenas removed")
+        wait_for(lambda: not _arena_files() - before, what="refused arenas removed")
     finally:
         shutdown_all(agents)
