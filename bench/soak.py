@@ -418,7 +418,11 @@ class Soak:
             return problems
         reason, detected, extra = CULPRITS[kind]
         if kind == "rank-hang" and lf.get("detectedBy") == "Process":
-            detected, extra = "Process", {"signal": "SIGKILL"}  # thawed but stuck: killed at its hard timeout
+            # Thawed but stuck: killed at its hard timeout. The agent asks for its stacks first (SIGQUIT, on which
+            # the process dumps and ends), and kills it (SIGKILL) only if it has not ended a moment later.
+            detected, extra = "Process", {}
+            if lf.get("signal") not in ("SIGQUIT", "SIGKILL"):
+                problems.append(f"lastFailure signal {lf.get('signal')}, expected SIGQUIT or SIGKILL")
         want: JSON = {"reason": reason, "detectedBy": detected, "pod": target, **extra}
         if rank is not None:
             want["rank"] = rank
