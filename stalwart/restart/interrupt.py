@@ -89,14 +89,6 @@ class Interrupter:
         return self._requested
 
     @property
-    def outstanding(self) -> bool:
-        """Whether an interrupt was delivered and the training function has not ended yet (it is blocked in
-        native code). One deferred by an atomic section or an import is not outstanding: that section runs
-        to its end untouched."""
-        with self._lock:
-            return self._delivered and self._in_user_code
-
-    @property
     def in_user_code(self) -> bool:
         """Whether the training function is running (between enter and leave)."""
         return self._in_user_code
@@ -134,18 +126,23 @@ class Interrupter:
                 signal.pthread_kill(self._thread_id, _SIGNAL)
         return True
 
-    def nudge(self) -> None:
+    def nudge(self) -> bool:
         """Called on every monitor tick: deliver a deferred interrupt (the thread was importing), or signal
         the thread again while a delivered one has not ended the training function yet -- a signal that
-        lands just before the thread enters a blocking call is handled only after that call returns."""
+        lands just before the thread enters a blocking call is handled only after that call returns.
+
+        Returns whether a delivered interrupt has not ended the training function (the thread is blocked in
+        native code). One deferred by an atomic section or an import is not: that section runs to its end
+        untouched."""
         with self._lock:
             if not self._in_user_code or self._requested is None:
-                return
+                return False
             if not self._delivered:
                 self._try_deliver()
             elif self._use_signal:
                 with contextlib.suppress(OSError):
                     signal.pthread_kill(self._thread_id, _SIGNAL)
+            return self._delivered
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:

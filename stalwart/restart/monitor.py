@@ -288,8 +288,7 @@ class Monitor:
                 watch.cancel()
 
     def _tick(self) -> None:
-        self.interrupter.nudge()
-        if self.interrupter.outstanding:
+        if self.interrupter.nudge():
             self._free_again()
         now = time.monotonic()
         if self._probe is not None:

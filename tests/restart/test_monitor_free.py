@@ -27,7 +27,6 @@ class Training:
     """A thread that runs a 'training function' waiting in C (a lock) until released, under a real monitor."""
 
     monitor: Monitor
-    release: threading.Event
     outcome: list[BaseException | None] = field(default_factory=list)
 
 
@@ -47,7 +46,7 @@ def training_in_c(etcd: EtcdServer, store: Store, *, atomic: bool) -> Iterator[T
         interrupter = Interrupter()
         monitor = Monitor(coord, interrupter, soft_timeout=60.0, interval=0.05, status=StatusFile(None),
                           watch_main_thread=False)
-        training = Training(monitor, release)
+        training = Training(monitor)
         made.append(training)
         monitor.start()
         interrupter.enter_user_code()
