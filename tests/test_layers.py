@@ -16,6 +16,7 @@ PLACES = {
     "api": "everywhere: schemas, the pod contract, formats both sides agree on",
     "etcd": "everywhere etcd is used: the one etcd layer (store, key layout, fencing, torch Store)",
     "net": "everywhere: small network helpers that import nothing of ours",
+    "procfs": "everywhere: what the kernel says of a process (the agent and the local cluster ask it)",
     "operator": "the operator pod",
     "agent": "once per pod: rendezvous, supervision of the rank processes, progress, drills, handover",
     "restart": "each rank process: in-process restart",

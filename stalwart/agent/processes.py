@@ -18,10 +18,11 @@ from pathlib import Path
 
 from stalwart.agent.supervision import ProcView
 from stalwart.api.restart import RankStatus
+from stalwart.procfs import process_state
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankProc", "RankProcesses", "process_state"]
+__all__ = ["RankProc", "RankProcesses"]
 
 
 @dataclass(slots=True)
@@ -38,16 +39,6 @@ class RankProc:
     done_since: float | None = None  # when its status first said "done" (the function returned)
     killed_after_done: bool = False
     started: float = 0.0  # monotonic time it was started
-
-
-def process_state(pid: int) -> str:
-    """The state letter of ``/proc/PID/stat`` (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z``...), ``""``
-    when unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return ""
 
 
 @dataclass(slots=True)

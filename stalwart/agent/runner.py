@@ -33,7 +33,7 @@ from pathlib import Path
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, next_step, write_handover
-from stalwart.agent.processes import RankProc, RankProcesses, process_state
+from stalwart.agent.processes import RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
 from stalwart.agent.rendezvous import (
@@ -57,6 +57,7 @@ from stalwart.etcd.client import connect
 from stalwart.etcd.faults import record_fault
 from stalwart.etcd.store import StoreError
 from stalwart.net import free_port
+from stalwart.procfs import process_state
 
 log = logging.getLogger(__name__)
 

@@ -84,3 +84,6 @@ class KeepAlive:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            # One refresh may still be in flight (its deadline is at most ttl/3); the thread ends after it.
+            log.warning("lease keep-alive thread did not stop within 5s; it ends after its refresh in flight")

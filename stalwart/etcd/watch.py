@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from stalwart.etcd.store import Store
 
 __all__ = ["WATCH_IDLE_CHECK", "Watch"]
+
+log = logging.getLogger(__name__)
 
 #: A watch that has delivered nothing for this many seconds asks etcd for a progress report; one that does not
 #: answer within the store's timeout is silent (see :class:`Watch`).
@@ -154,6 +157,9 @@ class Watch:
         self._requests.put(None)
         self._call.cancel()
         self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            # A reader stuck in gRPC past the cancel: it is a daemon and ends with the channel, but say so.
+            log.warning("watch %s: its reader thread did not stop within 5s of the cancel", self._thread.name)
 
     def __enter__(self) -> Watch:
         return self

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+from stalwart.procfs import process_state
+
 # Environment markers: they let the kubelet find every process of a container, including those that left its
 # process group.
 POD_MARKER = "STALWART_LOCAL_POD_UID"
@@ -63,15 +65,9 @@ def signal_marked(name: str, value: str, sig: int) -> int:
     return n
 
 
-def process_state(pid: int) -> str:
-    """The kernel's state letter of a process (``R``, ``S``, ``T`` for stopped...); "" once it is gone (or a
-    zombie waiting to be reaped)."""
-    try:
-        text = (Path("/proc") / str(pid) / "status").read_text()
-    except OSError:
-        return ""
-    letter = next((line.split()[1] for line in text.splitlines() if line.startswith("State:")), "")
-    return "" if letter == "Z" else letter
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: no such process, or a zombie waiting to be reaped."""
+    return process_state(pid) in ("", "Z")
 
 
 def container_id(pod_uid: str, container: str) -> str:
@@ -93,7 +89,7 @@ def pause_pods(uids: list[str]) -> list[int]:
     # kill() only queues SIGSTOP: a process scheduled meanwhile may still act (write, answer) for a moment.
     # Return once each is stopped (or gone), so that "paused" means it can no longer do anything.
     deadline = time.monotonic() + _PAUSE_SETTLE
-    while any(process_state(pid) not in ("T", "t", "") for pid in paused) and time.monotonic() < deadline:
+    while any(process_state(pid) not in ("T", "t", "Z", "") for pid in paused) and time.monotonic() < deadline:
         time.sleep(0.01)
     return sorted(paused)
 

@@ -18,12 +18,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "restart"))
 from restart_helpers import SCRIPT, expected_checksum, restart_records
 
-from stalwart.agent.processes import process_state
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ProgressRecord, SealRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
+from stalwart.procfs import process_state
 
 pytestmark = pytest.mark.integration
 TIMEOUT = 240

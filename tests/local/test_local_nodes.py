@@ -14,7 +14,8 @@ from kubernetes import client as k8s
 from local_helpers import wait_until
 
 from stalwart.local.cluster import LocalCluster
-from stalwart.local.processes import process_state
+from stalwart.local.processes import ended
+from stalwart.procfs import process_state
 
 pytestmark = pytest.mark.integration
 UNREACHABLE = "node.kubernetes.io/unreachable"
@@ -80,7 +81,7 @@ def test_a_lost_node_turns_unknown_and_its_pods_stay_running_until_evicted(
     try:
         assert sorted(local_cluster.lose_node(victim)) == sorted(f"{ns}/{n}" for n in ("once", "quick", "stays"))
         # The node's processes are gone at once; the API learns of the loss only from the missing heartbeats.
-        assert all(process_state(pid) == "" for pid in pids.values())
+        assert all(ended(pid) for pid in pids.values())
         node = wait_until(lambda: unreachable(core, victim), "the node's Ready to turn Unknown", timeout=30)
         ready = condition(node, "Ready")
         assert (ready.reason, ready.message) == ("NodeStatusUnknown", "Kubelet stopped posting node status.")
@@ -171,7 +172,7 @@ def test_a_partitioned_node_pauses_its_processes_and_they_act_again_when_it_retu
     # pod the API no longer has as for the one being deleted; then the graceful one leaves the API.
     wait_until(lambda: (tmp_path / "zombie.term").exists() and (tmp_path / "graceful.term").exists(),
                "both processes to get SIGTERM after the resume", timeout=30)
-    wait_until(lambda: all(process_state(pid) == "" for pid in pids.values()), "both processes to end")
+    wait_until(lambda: all(ended(pid) for pid in pids.values()), "both processes to end")
     wait_until(lambda: gone(core, ns, "graceful"), "the graceful deletion to complete")
     wait_until(lambda: condition(core.read_node(victim), "Ready").status == "True", "the node to be Ready")
 

@@ -21,7 +21,8 @@ from stalwart.api.rendezvous import Manifest
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.cluster import LocalCluster
-from stalwart.local.processes import POD_MARKER, marked_pids, process_state
+from stalwart.local.processes import POD_MARKER, ended, marked_pids
+from stalwart.procfs import process_state
 
 pytestmark = pytest.mark.integration
 
@@ -106,12 +107,12 @@ def test_a_partitioned_node_is_fenced_and_replaced_long_before_eviction_and_its_
         seen = watch_zombie(etcd_store, keys, "part-worker-1", seconds=5.0)
         assert seen["epochs"] == {epoch}, seen  # no new round, no write into the current one from the zombie
         assert not seen["member"]
-        assert any(process_state(pid) for pid in zombie)  # it was alive all along
+        assert any(not ended(pid) for pid in zombie)  # it was alive all along
     finally:
         local_cluster.restore_node(node)
     # The returning kubelet stops the zombie: the job goes on in the same round, with the same replacements, and
     # keeps making progress.
-    wait_for("the zombie's processes to end", lambda: all(process_state(pid) == "" for pid in zombie), timeout=60)
+    wait_for("the zombie's processes to end", lambda: all(ended(pid) for pid in zombie), timeout=60)
     st = wait_for("training to go on", lambda: (s := jobs.status("part")).get("progress", {}).get(
         "step", 0) > step + 20 and s, timeout=120)
     assert st["phase"] == "Running" and st["round"] == round_ and st["worldSize"] == 2
