@@ -69,8 +69,7 @@ def validate(costs: Costs, n: int, endpoint: str) -> None:
     emit("validate-real-etcd", n, "rendezvous_seconds", real["seconds"], watch="one per process")
     emit("validate-real-etcd", n, "writes_per_node", real["writes_per_node"], source="etcd proposals")
     t0 = time.process_time()
-    run = RendezvousRun(n, costs, spare=False)
-    run.sim.watch_streams = 1
+    run = RendezvousRun(n, costs, spare=False, shared=True)
     res = run.first_round(LIMIT)
     emit("validate-sim", n, "rendezvous_seconds", res["seconds"], watch="one per process")
     emit("validate-sim", n, "writes_per_node", res["writes"] / n)

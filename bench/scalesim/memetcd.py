@@ -23,6 +23,7 @@ compares every answer, revision, watch event and the proposal count.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from stalwart.etcd.store import (
     Op,
     Put,
     StoreError,
+    Txn,
     TxnResult,
     WatchEvent,
     check_value_size,
@@ -128,7 +130,8 @@ class MemEtcd:
 
     def get_prefix(self, prefix: str, *, keys_only: bool = False,
                    timeout: float | None = None) -> tuple[list[KeyValue], int]:
-        return self._count_read(self._range(prefix, True)), self.revision_now
+        kvs = self._count_read(self._range(prefix, True))
+        return ([dataclasses.replace(kv, value=b"") for kv in kvs] if keys_only else kvs), self.revision_now
 
     def count_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
         self.counters.reads += 1
@@ -186,38 +189,47 @@ class MemEtcd:
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
             *, timeout: float | None = None) -> TxnResult:
-        for op in (*success, *failure):
+        nested = [op for op in (*success, *failure) if isinstance(op, Txn)]
+        flat = [*success, *failure, *(o for t in nested for o in (*t.success, *t.failure))]
+        for op in flat:
             if isinstance(op, Put):
                 check_value_size(op.key, op.value, self.value_limit)
-        if max(len(compare), len(success), len(failure)) > self.txn_ops_limit:
+        if max(len(compare), len(success), len(failure), *(len(t.compare) for t in nested)) > self.txn_ops_limit:
             raise StoreError("etcd txn failed: etcdserver: too many operations in txn request")
-        size = sum(len(op.key) + len(op.value) for op in success if isinstance(op, Put))
+        size = sum(len(op.key) + len(op.value) for op in flat if isinstance(op, Put))
         if size > self.request_limit:
             raise StoreError("etcd txn failed: etcdserver: request is too large")
-        for branch in (success, failure):
-            keys = [op.key for op in branch if not isinstance(op, Get)]
-            if len(keys) != len(set(keys)):
-                raise StoreError("etcd txn failed: etcdserver: duplicate key given in txn request")
-        writes = any(not isinstance(op, Get) for op in (*success, *failure))
+        writes = any(isinstance(op, (Put, Delete)) for op in flat)
+        # Every compare, the nested ones too, is judged on the store as it is before the transaction.
         ok = all(self._compare(c) for c in compare)
-        ops = success if ok else failure
+        path: list[tuple[Op, Sequence[Op]]] = []
+        for op in success if ok else failure:
+            if isinstance(op, Txn):
+                path.append((op, op.success if all(self._compare(c) for c in op.compare) else op.failure))
+            else:
+                path.append((op, ()))
+        for branch in (success, failure):
+            # etcd refuses a key written twice in a branch, a nested branch's writes counted with its parent's.
+            base = [op.key for op in branch if isinstance(op, (Put, Delete))]
+            subs = [[o.key for o in sub if isinstance(o, (Put, Delete))]
+                    for t in branch if isinstance(t, Txn) for sub in (t.success, t.failure)]
+            for keys in (base, *(base + sub for sub in subs)):
+                if len(keys) != len(set(keys)):
+                    raise StoreError("etcd txn failed: etcdserver: duplicate key given in txn request")
         rev = self.revision_now + 1
         changes: list[WatchEvent] = []
         reads: list[list[KeyValue]] = []
         counts: list[int] = []
-        for op in ops:
-            if isinstance(op, Put):
-                self._put(op.key, op.value, op.lease, rev, changes)
-                reads.append([])
-                counts.append(0)
-            elif isinstance(op, Delete):
-                self._delete(op.key, op.prefix, rev, changes)
+        for op, inner in path:
+            if isinstance(op, Txn):
+                for o in inner:
+                    self._apply(o, rev, changes)
                 reads.append([])
                 counts.append(0)
             else:
-                found = self._range(op.key, op.prefix)
-                counts.append(len(found))
-                reads.append([] if op.count_only else self._count_read(found))
+                found, read = self._apply(op, rev, changes)
+                reads.append(read)
+                counts.append(found)
         if writes:
             self.counters.proposals += 1
         else:
@@ -226,6 +238,18 @@ class MemEtcd:
             self.revision_now = rev
             self._changed(changes, rev)
         return TxnResult(ok, self.revision_now, reads, counts)
+
+    def _apply(self, op: Put | Delete | Get, rev: int, changes: list[WatchEvent]) -> tuple[int, list[KeyValue]]:
+        """One operation of a transaction at ``rev``: how many keys a read found, and what it returns."""
+        if isinstance(op, Put):
+            self._put(op.key, op.value, op.lease, rev, changes)
+            return 0, []
+        if isinstance(op, Delete):
+            self._delete(op.key, op.prefix, rev, changes)
+            return 0, []
+        found = self._range(op.key, op.prefix)
+        read = [] if op.count_only else self._count_read(found)
+        return len(found), [dataclasses.replace(kv, value=b"") for kv in read] if op.keys_only else read
 
     def put(self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None) -> int:
         return self.txn((), [Put(key, value, lease)]).revision

@@ -1,14 +1,16 @@
-"""N simulated agents through stalwart's real rendezvous: the driver, the pure protocol and the seal.
+"""N simulated agents through stalwart's real rendezvous: the driver, the pure protocol, the claim and the seal.
 
-Each agent is what one pod runs: its own :class:`~stalwart.agent.rendezvous.Rendezvous` (the real driver,
-without its thread: the simulator feeds it the events its prefix watch would bring) and its own
+Each process is what one pod runs: its own :class:`~stalwart.agent.rendezvous.Rendezvous` (the real driver,
+without its thread: the simulator feeds it the events its watch would bring) and its
 :class:`~stalwart.agent.rendezvous.driver.NodeHandle`, registered with the real ``_register`` (lease grant,
-create-if-absent transaction). The oldest node's driver plans and writes the manifest with the real
-``step``/``plan_round``/``_seal``. A node holds a round when the real ``_round_info`` (what ``join`` returns)
-gives it one.
+create-if-absent transaction). A process reads and watches what the real driver does (``Rendezvous.load``: a
+light view, or the whole prefix while one of its nodes holds the sealer's key), and reads again when that
+changes. The holder plans and writes the manifest with the real ``step``/``plan_round``/``_seal``. A node
+holds a round when the real ``_round_info`` (what ``join`` returns) gives it one. ``shared=True`` runs every
+node in one process with one driver and one watch, as ``bench/rendezvous.py`` does (the validation rows).
 
-Sharing, not shortcuts: every agent applies the same changes to the same view, and ``protocol.apply`` is
-pure, so the simulator computes each (view, batch) once and hands every agent the same immutable result.
+Sharing, not shortcuts: every process that is sent one manifest decodes the same bytes into the same immutable
+round, so the simulator decodes it once per epoch and hands every process that result.
 """
 
 from __future__ import annotations
@@ -17,129 +19,124 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from unittest import mock
 
-from bench.scalesim.sim import Costs, Sim, TimedStore
+from bench.scalesim.sim import Costs, Sim, Subscription, TimedStore
 from stalwart.agent.rendezvous import protocol
 from stalwart.agent.rendezvous.driver import NodeHandle, Rendezvous, _to_event
-from stalwart.agent.rendezvous.protocol import KeyEvent, KeyPut, Observed, Reloaded, SealFailed, Tick, View
+from stalwart.agent.rendezvous.protocol import ClaimFailed, KeyPut, Observed, SealedRound, SealFailed, Tick
 from stalwart.agent.rendezvous.settings import RendezvousSettings
 from stalwart.api.rendezvous import MANIFEST_PARTS, Manifest, NodeRecord, decode_manifest
-from stalwart.etcd.keys import MANIFEST, JobKeys
+from stalwart.etcd.keys import MANIFEST, NODES, JobKeys
+from stalwart.etcd.store import WatchEvent
 
 KEYS = JobKeys("scale", "sim0")
 PREFIX = KEYS.rendezvous
 
 
-class SharedViews:
-    """Views by log position and change batches by log range, so N agents share one ``apply`` per batch."""
+class SharedManifests:
+    """``protocol._sealed`` computed once per epoch: one manifest per revision, the same bytes for everyone."""
 
-    def __init__(self, sim: Sim) -> None:
-        self.sim = sim
-        self.views: dict[int, View] = {}
-        self.position: dict[int, int] = {}  # id(view) -> log position
-        self.batches: dict[tuple[int, int], tuple[KeyEvent, ...]] = {}
-        self.batch_range: dict[int, tuple[int, int]] = {}  # id(batch) -> (start, end)
-        self.applied = 0
+    def __init__(self) -> None:
+        self.rounds: dict[int, SealedRound] = {}
+        self.decoded = 0
 
-    def batch(self, start: int, end: int) -> tuple[KeyEvent, ...]:
-        b = self.batches.get((start, end))
-        if b is None:
-            b = tuple(_to_event(PREFIX, ev) for ev in self.sim.mem.log[start:end]
-                      if ev.kv.key.startswith(PREFIX))
-            self.batches[(start, end)] = b
-            self.batch_range[id(b)] = (start, end)
-        return b
+    def sealed(self, ev: KeyPut, parts: Any) -> SealedRound:
+        got = self.rounds.get(ev.mod_revision)
+        if got is None:
+            got = self._real(ev, parts)  # raises while parts are missing: nothing is kept then
+            self.rounds[ev.mod_revision] = got
+            self.decoded += 1
+        return got
 
-    def at(self, position: int, view: View) -> View:
-        """The shared view at ``position`` (``view`` itself when it is the first one seen there)."""
-        shared = self.views.setdefault(position, view)
-        self.position[id(shared)] = position
-        return shared
-
-    def apply(self, view: View, events: Any) -> View:
-        """``protocol.apply``, computed once per log position: a view is a function of the log up to it."""
-        rng = self.batch_range.get(id(events))
-        if rng is None or self.position.get(id(view)) != rng[0]:
-            return self._real_apply(view, events)
-        shared = self.views.get(rng[1])
-        if shared is None:
-            self.applied += 1
-            shared = self.at(rng[1], self._real_apply(view, events))
-        return shared
-
-    _real_apply = staticmethod(protocol.apply)
+    _real = staticmethod(protocol._sealed)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        with mock.patch.object(protocol, "apply", self.apply):
+        with mock.patch.object(protocol, "_sealed", self.sealed):
             yield
 
 
 @dataclass
-class Agent:
-    """One simulated pod: a driver, one node, and when it held each round (epoch -> simulated second)."""
+class Node:
+    """One node of a simulated process, and when it held each round (epoch -> simulated second)."""
 
-    sim: Sim
-    shared: SharedViews
-    rdzv: Rendezvous
+    proc: Proc
     handle: NodeHandle
-    cursor: int = 0
-    alive: bool = True
     last_epoch: int = 0
     held: dict[int, float] = field(default_factory=dict)
     roles: dict[int, str] = field(default_factory=dict)
-    _tick_at: float | None = None
-
-    def start(self) -> None:
-        """The driver's first read of the prefix; pods start together, so every read is sent at once."""
-        kvs, revision = self.rdzv.store.get_prefix(PREFIX)
-        self.cursor = len(self.sim.mem.log)
-        view = self.shared.views.get(self.cursor)
-        if view is None:
-            # As the driver's loop builds its first view from a read of the prefix.
-            view = protocol.apply(View(), [KeyPut(kv.key[len(PREFIX):], kv.value, kv.create_revision,
-                                                  kv.mod_revision, kv.lease) for kv in kvs])
-            view = self.shared.at(self.cursor, View(
-                revision=revision, nodes=view.nodes, sealed=view.sealed, request=view.request,
-                closed=view.closed, expected=view.expected, oldest=view.oldest, problems=view.problems))
-        self.rdzv._feed(Reloaded(view, self.sim.now))
-        self.sim.at(self.sim.now, self.register)
 
     def register(self) -> None:
         self.handle._register(math.inf)
+        self.proc.after()
+
+
+@dataclass
+class Proc:
+    """One simulated process: a driver, its watch (a subscription to the model's fan-out) and its nodes."""
+
+    sim: Sim
+    rdzv: Rendezvous
+    nodes: list[Node] = field(default_factory=list)
+    sub: Subscription | None = None
+    alive: bool = True
+    loads: int = 0
+    #: Puts of node keys this process was sent (a light view is sent none).
+    node_puts: int = 0
+    _tick_at: float | None = None
+
+    def start(self) -> None:
+        """The driver's first read; pods start together, so every read is sent at once."""
+        self.load()
+        for node in self.nodes:
+            self.sim.at(self.sim.now, node.register)
+
+    def load(self) -> None:
+        """What the driver's loop does when it (re)starts its watch: read, watch from the next revision."""
+        if self.sub is not None:
+            self.sim.unsubscribe(self.sub)
+        loaded, ranges = self.rdzv.load()
+        self.loads += 1
+        self.sub = self.sim.subscribe(ranges, loaded.view.revision + 1, self.deliver)
+        self.rdzv._feed(replace(loaded, now=self.sim.now))
         self.after()
 
-    def deliver(self, start: int, end: int, when: float) -> None:
-        if not self.alive or end <= self.cursor:
+    def deliver(self, events: list[WatchEvent], when: float) -> None:
+        if not self.alive:
             return
         self.sim.now = when
-        batch = self.shared.batch(self.cursor, end)
-        self.cursor = end
-        if batch:
-            self.rdzv._feed(Observed(batch, when))
+        self.node_puts += sum(1 for ev in events if ev.type == "put" and ev.kv.key.startswith(PREFIX + NODES))
+        self.rdzv._feed(Observed(tuple(_to_event(PREFIX, ev) for ev in events), when))
         self.after()
 
     def after(self) -> None:
-        """What the driver's thread and the node's ``join`` would do next."""
+        """What the driver's thread and the nodes' ``join`` would do next."""
         rdzv, now = self.rdzv, self.sim.now
         if rdzv._seal_retry_at is not None:
             rdzv._seal_retry_at = None
             self.sim.at(now + 0.35, lambda: self._feed_at(SealFailed))
+        if rdzv._claim_retry_at is not None:
+            rdzv._claim_retry_at = None
+            self.sim.at(now + 0.35, lambda: self._feed_at(ClaimFailed))
         if rdzv._wake_at is not None and self._tick_at != rdzv._wake_at:
             self._tick_at = rdzv._wake_at
             self.sim.at(rdzv._wake_at, lambda: self._feed_at(Tick))
+        if rdzv.wants_full() != rdzv.view().full:
+            self.load()
+            return
         view = rdzv.view()
-        if self.handle.create_revision is not None and view.revision >= self.handle.create_revision:
-            info = self.handle._round_info(view, self.last_epoch)
-            if info is not None:
-                self.last_epoch = info.epoch
-                self.held[info.epoch] = now
-                self.roles[info.epoch] = info.role
+        for node in self.nodes:
+            if node.handle._holds_own_entry(view):
+                info = node.handle._round_info(view, node.last_epoch)
+                if info is not None:
+                    node.last_epoch = info.epoch
+                    node.held[info.epoch] = now
+                    node.roles[info.epoch] = info.role
 
-    def _feed_at(self, kind: type[SealFailed] | type[Tick]) -> None:
+    def _feed_at(self, kind: type[SealFailed] | type[ClaimFailed] | type[Tick]) -> None:
         if self.alive:
             self.rdzv._feed(kind(self.sim.now))
             self.after()
@@ -162,27 +159,31 @@ class RendezvousRun:
     costs: Costs
     record_limit: int | None = None  # raise the record cap (a what-if); None: the project's own
     spare: bool = True  # a hot spare stands by (it replaces the lost node in lose_one)
+    shared: bool = False  # every node in one process, one driver and one watch (bench/rendezvous.py)
     sim: Sim = field(init=False)
-    agents: list[Agent] = field(init=False)
+    procs: list[Proc] = field(init=False)
+    agents: list[Node] = field(init=False)
     errors: _SealErrors = field(init=False)
 
     def __post_init__(self) -> None:
         self.sim = Sim(self.costs)
-        self.sim.watch_prefix = PREFIX
-        self.shared = SharedViews(self.sim)
+        self.shared_manifests = SharedManifests()
         store = TimedStore(self.sim)
         settings = RendezvousSettings(min_nodes=self.n, max_nodes=self.n, node_ttl=30, join_timeout=600)
+        self.procs = []
         self.agents = []
         for i in range(self.n + (1 if self.spare else 0)):
-            rdzv = Rendezvous(store, KEYS, settings)  # type: ignore[arg-type]
+            if not self.procs or not self.shared:
+                self.procs.append(Proc(self.sim, Rendezvous(store, KEYS, settings)))  # type: ignore[arg-type]
+            proc = self.procs[-1]
             rec = NodeRecord(node_id=f"trainjob-worker-{i}" if i < self.n else "trainjob-spare-0",
                              address=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", nproc=8,
                              spare=i == self.n)
-            handle = NodeHandle(rdzv, rec)
-            rdzv._handles[rec.node_id] = handle
-            agent = Agent(self.sim, self.shared, rdzv, handle)
-            self.agents.append(agent)
-            self.sim.watchers.append(agent.deliver)
+            handle = NodeHandle(proc.rdzv, rec)
+            proc.rdzv._handles[rec.node_id] = handle
+            node = Node(proc, handle)
+            proc.nodes.append(node)
+            self.agents.append(node)
         self.errors = _SealErrors()
 
     @contextmanager
@@ -190,7 +191,7 @@ class RendezvousRun:
         log = logging.getLogger("stalwart.agent.rendezvous.driver")
         log.addHandler(self.errors)
         try:
-            with self.shared.installed():
+            with self.shared_manifests.installed():
                 if self.record_limit is None:
                     yield
                 else:
@@ -216,8 +217,8 @@ class RendezvousRun:
         """Every agent starts at 0; run until every ordinary node holds round 1 or ``limit`` seconds."""
         ordinary = self.agents[:self.n]
         with self._patched():
-            for a in self.agents:
-                self.sim.at(0.0, a.start)
+            for p in self.procs:
+                self.sim.at(0.0, p.start)
             # A manifest over the record cap is refused before it is sent, at every retry alike: stop there.
             self.sim.run(limit, stop=lambda: all(a.held for a in self.agents) or any(
                 "limit is" in m for m in self.errors.messages))
@@ -239,8 +240,12 @@ class RendezvousRun:
         writes0 = self.sim.mem.counters.proposals
         start = max(self.sim.now, self.sim.server.busy_until) + 1.0
         self.sim.now = start
-        victim.alive = False
-        self.sim.watchers.remove(victim.deliver)
+        if not self.shared:
+            # The pod is gone with its process; in one shared process only its node goes.
+            victim.proc.alive = False
+            if victim.proc.sub is not None:
+                self.sim.unsubscribe(victim.proc.sub)
+        victim.proc.nodes.remove(victim)
         position = len(self.sim.mem.log)
         with self._patched():
             assert victim.handle.lease is not None

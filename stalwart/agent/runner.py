@@ -17,6 +17,7 @@ deadline: a stopped process is killed at once when the round ends (it cannot act
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -249,10 +250,10 @@ class Agent:
     def _maybe_grow(self, info: RoundInfo) -> None:
         """A shrunken world grows back, in process, once a node waits outside the round."""
         member = info.member
-        if self._grow_asked == info.epoch or not grow_due(
-                warm=self._warm(), group_rank=None if member is None else member.group_rank,
-                members=len(info.manifest.members), max_nodes=self.settings.max_nodes,
-                waiting=len(self.handle.waiting_nodes())):
+        due = functools.partial(grow_due, warm=self._warm(), group_rank=None if member is None else member.group_rank,
+                                members=len(info.manifest.members), max_nodes=self.settings.max_nodes)
+        # Counting the waiting nodes may cost a read of etcd: only once the rest says the world would grow.
+        if self._grow_asked == info.epoch or not due(waiting=1) or not due(waiting=self.handle.waiting_count()):
             return
         self._grow_asked = info.epoch
         log.info("%s: round %d has %d of %d nodes and a node waits: asking for a new round", self._ctx,

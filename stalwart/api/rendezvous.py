@@ -4,8 +4,11 @@ Key layout (``R`` = ``JobKeys(ns, uid).rendezvous``):
 
 ``R + "nodes/<nodeId>"`` -> :class:`NodeRecord`
     One key per node, bound to that node's lease (its heartbeat) and created only if absent
-    (``create_revision == 0``). Its ``create_revision`` orders the nodes: the oldest present node is the
-    round's sealer.
+    (``create_revision == 0``). Its ``create_revision`` orders the nodes (survivors first, then by age).
+``R + "sealer"`` -> :class:`SealerRecord`
+    The node that plans and writes the manifests, bound to that node's lease and created only if absent: the
+    first node to claim it holds it until its lease goes. Only the sealer's process watches every node key;
+    every other process watches the control keys and only the deletions of node keys.
 ``R + "manifest"`` -> :class:`Manifest`, or :class:`ManifestParts` when the manifest is larger than one record
     The sealed round, written by one writer in one transaction. Its ``mod_revision`` is the round's
     **epoch**: the fencing token every round-bound write compares.
@@ -48,6 +51,7 @@ __all__ = [
     "Member",
     "NodeRecord",
     "RerendezvousRequest",
+    "SealerRecord",
     "TorchRendezvousState",
     "check_node_id",
     "decode_manifest",
@@ -109,6 +113,11 @@ class Manifest(ApiModel):
     master_addr: str = Field(description="Address of group rank 0 (MASTER_ADDR).")
     master_port: int | None = Field(default=None, description="MASTER_PORT offered by group rank 0, if any.")
     sealed_by: str = Field(description="Id of the node that sealed the round.")
+    view_revision: int = Field(
+        default=0, ge=0,
+        description=("The etcd revision of the view the round was planned over. Every member's key existed "
+                     "then and no node key was created between it and the seal, so a member whose key is "
+                     "deleted after it is lost."))
     reason: str = Field(default="", max_length=1024,
                         description="Why this round started (first round, member lost, requested, ...).")
 
@@ -135,6 +144,17 @@ class Manifest(ApiModel):
             if m.node_id == node_id:
                 return m
         return None
+
+
+class SealerRecord(ApiModel):
+    """Who holds the sealer's key (its value; the key is bound to that node's lease)."""
+
+    node_id: str = Field(description="The node that plans and writes the manifests.")
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, v: str) -> str:
+        return check_node_id(v)
 
 
 class RerendezvousRequest(ApiModel):

@@ -14,12 +14,13 @@ ROOT = "/stalwart/v1/"
 
 # The rendezvous' keys, relative to ``JobKeys.rendezvous``: one key per node under NODES, the sealed round's
 # MANIFEST (its mod_revision is the round's epoch, the fencing token), a re-rendezvous REQUEST, the CLOSED
-# flag and the operator's EXPECTED nodes.
+# flag, the operator's EXPECTED nodes and the SEALER's claim.
 NODES = "nodes/"
 MANIFEST = "manifest"
 REQUEST = "request"
 CLOSED = "closed"
 EXPECTED = "expected"
+SEALER = "sealer"
 
 # In-process restart's keys, relative to one round's restart prefix (``RestartKeys.base``): a live process's
 # ALIVE key (bound to its lease), its ARRIVE at an iteration's barrier (bound to its lease), the iteration's

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pyetcd.etcdrpc import rpc_pb2 as rpc
 
-__all__ = ["Compare", "Delete", "Get", "KeyValue", "Op", "Put", "TxnResult", "WatchEvent", "as_bytes",
+__all__ = ["Compare", "Delete", "Get", "KeyValue", "Op", "Put", "Txn", "TxnResult", "WatchEvent", "as_bytes",
            "prefix_range_end"]
 
 
@@ -92,14 +92,27 @@ class Delete:
 @dataclass(frozen=True, slots=True)
 class Get:
     """Read ``key`` (or every key under it with ``prefix``); with ``count_only``, only how many there are (in
-    :attr:`TxnResult.counts`; its ``responses`` entry is then empty)."""
+    :attr:`TxnResult.counts`; its ``responses`` entry is then empty); with ``keys_only``, the keys and their
+    revisions without their values."""
 
     key: str
     prefix: bool = False
     count_only: bool = False
+    keys_only: bool = False
 
 
-Op = Put | Delete | Get
+@dataclass(frozen=True, slots=True)
+class Txn:
+    """A transaction inside a transaction's branch (etcd 3.3 and later). Its compares are judged, with the outer
+    ones, on the store as it was before the outer transaction; its writes share the outer revision and
+    proposal. Its reads are not returned (its entry in :attr:`TxnResult.responses` is empty)."""
+
+    compare: tuple[Compare, ...]
+    success: tuple[Put | Delete | Get, ...] = ()
+    failure: tuple[Put | Delete | Get, ...] = ()
+
+
+Op = Put | Delete | Get | Txn
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ from stalwart.etcd.records import (
     KeyValue,
     Op,
     Put,
+    Txn,
     TxnResult,
     WatchEvent,
     WatchRange,
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 # The adapter's public face: callers import the records and errors from here.
 __all__ = [
     "DEFAULT_TIMEOUT", "MAX_VALUE_BYTES", "Compare", "Delete", "Get", "KeyValue", "LeaseNotFound", "Op", "Put", "Store",
-    "StoreError", "StorePermissionDenied", "StoreSecurityError", "StoreTimeout", "StoreUnavailable", "TxnResult",
+    "StoreError", "StorePermissionDenied", "StoreSecurityError", "StoreTimeout", "StoreUnavailable", "Txn", "TxnResult",
     "ValueTooLarge", "Watch", "WatchCompacted", "WatchEvent", "WatchRange", "check_value_size", "prefix_range_end",
 ]
 
@@ -210,6 +211,10 @@ class Store:
 
     @staticmethod
     def _op(op: Op) -> Any:
+        if isinstance(op, Txn):
+            return rpc.RequestOp(request_txn=rpc.TxnRequest(compare=[c._to_pb() for c in op.compare],
+                                                            success=[Store._op(o) for o in op.success],
+                                                            failure=[Store._op(o) for o in op.failure]))
         if isinstance(op, Put):
             check_value_size(op.key, op.value)
             return rpc.RequestOp(request_put=rpc.PutRequest(key=as_bytes(op.key), value=op.value, lease=op.lease))
@@ -217,7 +222,8 @@ class Store:
         end = prefix_range_end(k) if op.prefix else b""
         if isinstance(op, Delete):
             return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=k, range_end=end))
-        return rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end, count_only=op.count_only))
+        return rpc.RequestOp(request_range=rpc.RangeRequest(key=k, range_end=end, count_only=op.count_only,
+                                                            keys_only=op.keys_only))
 
     def revision(self, *, timeout: float | None = None) -> int:
         """The store's current revision."""

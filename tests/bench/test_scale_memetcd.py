@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.rendezvous import proposals
 from bench.scalesim.memetcd import MemEtcd
-from stalwart.etcd.store import Compare, Delete, Get, KeyValue, Put, Store, StoreError, ValueTooLarge
+from stalwart.etcd.store import Compare, Delete, Get, KeyValue, Put, Store, StoreError, Txn, ValueTooLarge
 from stalwart.local.etcd import EtcdServer
 
 pytestmark = pytest.mark.integration
@@ -71,11 +71,20 @@ def script(s: Any, n: Normal) -> list[Any]:
     txn([Compare(P + "a", "value", "==", b"2"), Compare(P + "a", "version", "==", 2)], [Get(P + "a")])
     txn([Compare(P + "a", "lease", "==", 0), Compare(P + "n/1", "mod", ">", 0)], [Delete(P + "nothing")])
     txn([Compare(P + "a", "mod", "!=", 0)], [Put(P + "c", b"1"), Get(P + "c"), Delete(P + "d"), Get(P + "a")])
+    # A registration that claims the sealer's key only while nobody holds it: a nested transaction, one write.
+    for node in ("r1", "r2"):
+        txn([Compare(P + "reg/" + node, "create", "==", 0)],
+            [Get(P + "sealer"), Put(P + "reg/" + node, b"n", first),
+             Txn((Compare(P + "sealer", "create", "==", 0),), (Put(P + "sealer", node.encode(), first),))],
+            [Get(P + "reg/" + node)])
+    txn([], [Get(P + "reg/", prefix=True, keys_only=True), Get(P + "sealer")])
     with pytest.raises(StoreError, match="duplicate key"):
         s.txn([], [Put(P + "c", b"2"), Delete(P + "c")])
     # etcd's own limits on one transaction (defaults): 128 operations, 1.5 MiB of request; nothing is written.
     with pytest.raises(StoreError, match="too many operations in txn request"):
         s.txn([], [Put(P + f"many/{i}", b"1") for i in range(129)])
+    with pytest.raises(StoreError, match="duplicate key given in txn request"):
+        s.txn([], [Put(P + "dup", b"1"), Txn((), (Put(P + "dup", b"2"),))])
     with pytest.raises(StoreError, match="request is too large"):
         s.txn([], [Put(P + f"large/{i}", b"x" * (256 * 1024)) for i in range(6)])
     out.append(("get", n.kv(s.get(P + "b")), n.kv(s.get(P + "nope"))))

@@ -1,9 +1,10 @@
 """The thin etcd driver of the rendezvous: one watch and one thread per process and job, many nodes.
 
-:class:`Rendezvous` keeps the protocol state (:mod:`.protocol`) of one job up to date from a single prefix
-watch, feeds it to :func:`~.protocol.step`, and carries out the seal it asks for. A node's side is its
-:class:`~.node.NodeHandle`. A process that simulates many nodes shares one Store (one gRPC channel), one watch
-and one driver thread among all of them.
+:class:`Rendezvous` keeps the protocol state (:mod:`.protocol`) of one job up to date from a single watch,
+feeds it to :func:`~.protocol.step`, and carries out the claims and seals it asks for. Its view is full (the
+whole prefix) while one of its nodes holds the sealer's key and light otherwise (:mod:`.reading`); it reads
+again and watches anew when that changes. A node's side is its :class:`~.node.NodeHandle`. A process that
+simulates many nodes shares one Store (one gRPC channel), one watch and one driver thread among all of them.
 """
 
 from __future__ import annotations
@@ -13,35 +14,38 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 from stalwart.agent.rendezvous.errors import DuplicateNode
 from stalwart.agent.rendezvous.node import NodeHandle
 from stalwart.agent.rendezvous.protocol import (
+    Claim,
+    ClaimFailed,
     Event,
     KeyDeleted,
     KeyEvent,
     KeyPut,
     LocalNode,
+    NodeEntry,
     Observed,
     Reloaded,
     Seal,
+    SealerClaim,
     SealFailed,
     State,
     Tick,
     View,
     WakeAt,
-    apply,
     round_status,
     step,
 )
+from stalwart.agent.rendezvous.reading import full_ranges, full_view, light_ranges, light_read, light_view
 from stalwart.agent.rendezvous.rounds import Closed, RoundEnded, RoundEvent, RoundSealed
 from stalwart.agent.rendezvous.sealing import seal_txn
 from stalwart.agent.rendezvous.settings import RendezvousSettings
-from stalwart.api.rendezvous import ExpectedNodes, NodeRecord
-from stalwart.etcd.keys import EXPECTED, NODES, JobKeys
+from stalwart.api.rendezvous import ExpectedNodes, NodeRecord, SealerRecord
+from stalwart.etcd.keys import EXPECTED, NODES, SEALER, JobKeys
 from stalwart.etcd.outage import Outage
-from stalwart.etcd.store import Store, StoreError, WatchEvent
+from stalwart.etcd.store import Compare, Put, Store, StoreError, WatchEvent, WatchRange
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +71,14 @@ class Rendezvous:
         self.settings = settings
         self.prefix = keys.rendezvous
         self._lock = threading.Lock()
-        self._state = State()
+        # Nothing read yet: a light view, so that a registration before the first read keeps its entry.
+        self._state = State(view=View(full=False))
         self._loaded = threading.Event()
         self._handles: dict[str, NodeHandle] = {}
         self._listeners: list[Callable[[RoundEvent], None]] = []
         self._wake_at: float | None = None
         self._seal_retry_at: float | None = None
+        self._claim_retry_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: StoreError | None = None
@@ -137,30 +143,47 @@ class Rendezvous:
 
     # -- the driver thread ---------------------------------------------------------------------------------
 
-    def _set_local(self, node_id: str, present: bool) -> None:
+    def _set_local(self, node_id: str, present: bool, entry: NodeEntry | None = None,
+                   sealer: SealerClaim | None = None) -> None:
         if not present:
             with self._lock:
                 self._handles.pop(node_id, None)
-        self._feed(LocalNode(node_id, present, time.monotonic()))
+        self._feed(LocalNode(node_id, present, time.monotonic(), entry, sealer))
+
+    def wants_full(self) -> bool:
+        """Whether this process should hold a full view: one of its nodes holds the sealer's key."""
+        with self._lock:
+            view, local = self._state.view, self._state.local
+        return view.sealer is not None and view.sealer.node_id in local
+
+    def load(self) -> tuple[Reloaded, tuple[WatchRange, ...]]:
+        """Read the prefix for a full or a light view (:meth:`wants_full`): the event to feed and what to
+        watch from the revision after the view's."""
+        if self.wants_full():
+            kvs, revision = self.store.get_prefix(self.prefix)
+            return Reloaded(full_view(self.prefix, kvs, revision), time.monotonic()), full_ranges(self.prefix)
+        with self._lock:
+            local = self._state.local
+        res = self.store.txn(*light_read(self.prefix, local))
+        return Reloaded(light_view(self.prefix, res), time.monotonic(), local), light_ranges(self.prefix)
 
     def _run(self) -> None:
         backoff = 0.1
         while not self._stop.is_set():
             watch = None
             try:
-                kvs, revision = self.store.get_prefix(self.prefix)
-                view = apply(View(), [KeyPut(kv.key[len(self.prefix):], kv.value, kv.create_revision,
-                                             kv.mod_revision, kv.lease) for kv in kvs])
-                view = replace(view, revision=revision, memo={})
-                watch = self.store.watch(self.prefix, prefix=True, start_revision=revision + 1)
-                self._feed(Reloaded(view, time.monotonic()))
+                loaded, ranges = self.load()
+                view = loaded.view
+                watch = self.store.watch_ranges(ranges, start_revision=view.revision + 1)
+                self._feed(loaded)
                 self._loaded.set()
                 self.last_error = None
                 self._outage.ok()
                 backoff = 0.1
-                while not self._stop.is_set():
+                while not self._stop.is_set() and self.wants_full() == view.full:
                     now = time.monotonic()
-                    wake = min((t for t in (self._wake_at, self._seal_retry_at) if t is not None), default=None)
+                    retries = (self._seal_retry_at, self._claim_retry_at)
+                    wake = min((t for t in (self._wake_at, *retries) if t is not None), default=None)
                     timeout = 0.5 if wake is None else min(0.5, max(0.0, wake - now))
                     first = watch.next(timeout)
                     if first is None:
@@ -168,6 +191,9 @@ class Rendezvous:
                         if self._seal_retry_at is not None and now >= self._seal_retry_at:
                             self._seal_retry_at = None
                             self._feed(SealFailed(now))
+                        elif self._claim_retry_at is not None and now >= self._claim_retry_at:
+                            self._claim_retry_at = None
+                            self._feed(ClaimFailed(now))
                         else:
                             self._feed(Tick(now))
                         continue
@@ -203,7 +229,22 @@ class Rendezvous:
                 self._wake_at = action.deadline if self._wake_at is None else min(self._wake_at, action.deadline)
             elif isinstance(action, Seal):
                 self._seal(action)
+            elif isinstance(action, Claim):
+                self._claim(action)
         self._notify(old.view, new.view, event, listeners)
+
+    def _claim(self, claim: Claim) -> None:
+        key = self.prefix + SEALER
+        try:
+            res = self.store.txn([Compare(key, "create", "==", 0),
+                                  Compare(self.prefix + NODES + claim.node_id, "create", "==", claim.node_revision)],
+                                 [Put(key, SealerRecord(node_id=claim.node_id).to_json_bytes(), claim.lease)])
+        except StoreError as e:
+            log.warning("rendezvous %s: claiming the sealer's key for %s failed: %s", self.prefix, claim.node_id, e)
+            self._claim_retry_at = time.monotonic() + 0.2 + 0.3 * random.random()
+            return
+        if res.succeeded:
+            log.info("rendezvous %s: node %s is the sealer", self.prefix, claim.node_id)
 
     def _seal(self, seal: Seal) -> None:
         try:
@@ -227,7 +268,7 @@ class Rendezvous:
             return
         round_changed = (old.sealed is not new.sealed or old.request is not new.request
                          or old.closed != new.closed or isinstance(event, Reloaded))
-        if not round_changed and new.sealed is not None and old.nodes is not new.nodes:
+        if not round_changed and new.sealed is not None and (old.nodes is not new.nodes or old.gone is not new.gone):
             round_changed = round_status(old).live != round_status(new).live
         if round_changed:
             self._wake_handles(all_=True)

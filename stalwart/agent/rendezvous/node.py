@@ -20,13 +20,20 @@ from stalwart.agent.rendezvous.errors import (
     RendezvousError,
     RendezvousTimeout,
 )
-from stalwart.agent.rendezvous.protocol import View, role_of, round_status, waiting_nodes
+from stalwart.agent.rendezvous.protocol import (
+    NodeEntry,
+    SealerClaim,
+    View,
+    role_of,
+    round_status,
+    waiting_nodes,
+)
 from stalwart.agent.rendezvous.rounds import RoundEnd, RoundInfo
-from stalwart.api.rendezvous import ClosedRecord, NodeRecord, RerendezvousRequest
+from stalwart.api.rendezvous import ClosedRecord, NodeRecord, RerendezvousRequest, SealerRecord
 from stalwart.etcd.fence import Fence
-from stalwart.etcd.keys import CLOSED, NODES, REQUEST
+from stalwart.etcd.keys import CLOSED, NODES, REQUEST, SEALER
 from stalwart.etcd.outage import Backoff
-from stalwart.etcd.store import Compare, Get, Put, StoreError, StoreUnavailable
+from stalwart.etcd.store import Compare, Get, KeyValue, Op, Put, StoreError, StoreUnavailable, Txn
 
 if TYPE_CHECKING:
     from stalwart.agent.rendezvous.driver import Rendezvous
@@ -71,20 +78,19 @@ class NodeHandle:
             try:
                 if self.lease is None:
                     self.lease = store.lease_grant(settings.node_ttl)
-                res = store.txn([Compare(self.key, "create", "==", 0)], [Put(self.key, value, self.lease)],
+                res = store.txn([Compare(self.key, "create", "==", 0)], self._registration(value, self.lease),
                                 [Get(self.key)])
                 if res.succeeded:
-                    self.create_revision = res.revision
-                    self.rdzv._set_local(self.node_id, True)
+                    self._registered(res.revision, self.lease, self._sealer_found(res.responses[0], res.revision))
                     return
                 existing = res.responses[0]
                 if existing and existing[0].lease == self.lease:
                     # Our own earlier attempt landed although its answer was lost.
-                    self.create_revision = existing[0].create_revision
-                    self.rdzv._set_local(self.node_id, True)
+                    self._registered(existing[0].create_revision, self.lease)
                     return
                 holder = existing[0].lease if existing else 0
-                if not self._wait_key_released(holder, deadline):
+                created = existing[0].create_revision if existing else 0
+                if not self._wait_key_released(holder, created, deadline):
                     store.lease_revoke(self.lease)
                     self.lease = None
                     raise DuplicateNode(f"node id {self.node_id!r} is held by another live node (lease "
@@ -96,15 +102,43 @@ class NodeHandle:
                 self._pause(backoff * (0.5 + random.random()))
                 backoff = min(2.0, backoff * 2)
 
-    def _wait_key_released(self, holder: int, deadline: float) -> bool:
-        """Wait (on the watch) until the node key held under lease ``holder`` is gone: a restarted node's
-        previous incarnation keeps its key until its lease expires. ``False`` if the deadline comes first."""
+    def _registration(self, value: bytes, lease: int) -> list[Op]:
+        """The node key, and the sealer's key too while nobody holds it: a nested transaction, so the first
+        node to register claims it in the same write (its compares are judged on etcd before the write, so the
+        read of the key before it tells who holds it after)."""
+        sealer_key = self.rdzv.prefix + SEALER
+        claim = Put(sealer_key, SealerRecord(node_id=self.node_id).to_json_bytes(), lease)
+        return [Get(sealer_key), Put(self.key, value, lease),
+                Txn((Compare(sealer_key, "create", "==", 0),), (claim,))]
+
+    def _sealer_found(self, held: list[KeyValue], revision: int) -> SealerClaim | None:
+        """Who holds the sealer's key after a registration that read it as ``held`` before claiming it."""
+        if not held:
+            assert self.lease is not None
+            return SealerClaim(self.node_id, revision, self.lease)
+        try:
+            return SealerClaim(SealerRecord.from_json_bytes(held[0].value).node_id, held[0].create_revision,
+                               held[0].lease)
+        except ValueError:
+            return None  # a corrupt record: the watch's view reports it
+
+    def _registered(self, create_revision: int, lease: int, sealer: SealerClaim | None = None) -> None:
+        self.create_revision = create_revision
+        self.rdzv._set_local(self.node_id, True, NodeEntry(self.record, create_revision, lease), sealer)
+
+    def _wait_key_released(self, holder: int, created: int, deadline: float) -> bool:
+        """Wait (on the watch) until the node key held under lease ``holder`` since revision ``created`` is
+        gone: a restarted node's previous incarnation keeps its key until its lease expires. ``False`` if the
+        deadline comes first."""
         log.info("node %s: id still held by lease %x (a previous incarnation?); waiting for it to go",
                  self.node_id, holder)
         while True:
             self._wake.clear()
-            entry = self.rdzv.view().nodes.get(self.node_id)
-            if entry is None or entry.lease != holder:
+            view = self.rdzv.view()
+            # Every view is sent the deletion; a full one that read the prefix after it no longer holds the key.
+            entry = view.nodes.get(self.node_id)
+            if view.gone.get(self.node_id, 0) > created or (
+                    view.full and view.revision >= created and (entry is None or entry.lease != holder)):
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self.rdzv._stop.is_set():
@@ -116,10 +150,18 @@ class NodeHandle:
         """False once the view shows this node's key gone or re-created since we registered."""
         if self.create_revision is None:
             return False
-        if view.revision < self.create_revision:
-            return True  # the watch has not caught up with our own write yet
         e = view.nodes.get(self.node_id)
-        return e is not None and e.create_revision == self.create_revision
+        if e is not None and e.create_revision == self.create_revision:
+            return True
+        return view.revision < self.create_revision  # the watch has not caught up with our own write yet
+
+    def _holds_own_entry(self, view: View) -> bool:
+        """Whether ``view`` knows this node's key as registered (a light view learns it from the registration,
+        never from the watch)."""
+        if self.create_revision is None:
+            return False
+        e = view.nodes.get(self.node_id)
+        return view.revision >= self.create_revision or (e is not None and e.create_revision == self.create_revision)
 
     # -- the public contract -----------------------------------------------------------------------------
 
@@ -159,7 +201,7 @@ class NodeHandle:
                 continue
             self._wake.clear()
             view = self.rdzv.view()
-            if self.create_revision is not None and view.revision >= self.create_revision:
+            if self._holds_own_entry(view):
                 info = self._round_info(view, last_epoch)
                 if info is not None:
                     self.info = info
@@ -244,8 +286,20 @@ class NodeHandle:
         return None
 
     def waiting_nodes(self) -> list[str]:
-        """Ids of present nodes outside the current round (late arrivals a new round would take in)."""
+        """Ids of present nodes outside the current round (late arrivals a new round would take in), as far as
+        this process's view knows them: a light view knows only its own nodes (see :meth:`waiting_count`)."""
         return waiting_nodes(self.rdzv.view())
+
+    def waiting_count(self) -> int:
+        """How many present nodes are outside the current round. A light view does not hold the other nodes'
+        keys, so it asks etcd how many node keys there are (one count-only read) and subtracts the round's
+        members and spares that are still there."""
+        view = self.rdzv.view()
+        if view.full or view.sealed is None:
+            return len(waiting_nodes(view))
+        m, planned = view.sealed.manifest, view.sealed.manifest.view_revision
+        listed = sum(1 for n in (*(x.node_id for x in m.members), *m.spares) if view.gone.get(n, 0) <= planned)
+        return max(0, self.rdzv.store.count_prefix(self.rdzv.prefix + NODES) - listed)
 
     def fence(self) -> Fence:
         """A :class:`Fence` for writes bound to the round last returned by :meth:`join`."""

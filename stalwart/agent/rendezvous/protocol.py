@@ -6,14 +6,21 @@ carries out the actions it returns. The state is what one process knows of one j
 
 The rules:
 
-* A round is **live** while its manifest exists, every member's node key still exists with a
-  ``create_revision`` older than the manifest (the same incarnation of the node), and no re-rendezvous
-  request names its epoch. Otherwise the round has **ended** (or none was ever sealed): a new one is due.
+* A round is **live** while its manifest exists, no member's node key was deleted since the view the round was
+  planned over (``Manifest.view_revision``: every member's key existed then, and none was created between it
+  and the seal), and no re-rendezvous request names its epoch. Otherwise the round has **ended** (or none was
+  ever sealed): a new one is due.
 * Closing stops new rounds; a live round runs on.
-* The **sealer** is the present node with the oldest node key (lowest ``create_revision``). Only the sealer
-  writes a manifest, in one transaction; when it dies its key goes and the next oldest takes over. The
-  transaction also refuses a manifest planned over a view that misses a node already registered, so a node
-  left out of a round is always one that arrived after it.
+* The **sealer** is the node holding the ``sealer`` key, created only if absent under the node's lease: the
+  first present node to claim it (:class:`Claim`) holds it until its lease goes; then the others claim it
+  again. Only the sealer writes a manifest, in one transaction. The transaction also refuses a manifest
+  planned over a view that misses a node already registered, so a node left out of a round is always one
+  that arrived after it.
+* Only the sealer's process needs every node key (a **full** view, from a watch of the whole prefix). Every
+  other process has a **light** view: the control keys (manifest, request, closed, expected, sealer), the
+  deletions of node keys (etcd's NOPUT filter) and its own nodes' keys, which it learns when it registers.
+  So a node's registration is sent to one watcher instead of to every node, and a member's loss, which is a
+  deletion, still reaches everyone. The two views judge a round alike (table and interleaving tests).
 * A new round is sealed when ``max_nodes`` are present (for the first round, ``max_nodes`` ordinary
   nodes: hot spares do not count), or the expected set is present (and at least ``min_nodes``), or at least
   ``min_nodes`` are present and the last call has run out.
@@ -37,11 +44,12 @@ from stalwart.api.rendezvous import (
     Member,
     NodeRecord,
     RerendezvousRequest,
+    SealerRecord,
     decode_manifest,
 )
-from stalwart.etcd.keys import CLOSED, EXPECTED, MANIFEST, NODES, REQUEST
+from stalwart.etcd.keys import CLOSED, EXPECTED, MANIFEST, NODES, REQUEST, SEALER
 
-_M = TypeVar("_M", NodeRecord, Manifest, RerendezvousRequest, ExpectedNodes)
+_M = TypeVar("_M", NodeRecord, Manifest, RerendezvousRequest, ExpectedNodes, SealerRecord)
 
 
 
@@ -53,6 +61,15 @@ class NodeEntry:
     """A present node: its record and the revision its key was created at (its age; its incarnation)."""
 
     record: NodeRecord
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class SealerClaim:
+    """The ``sealer`` key: the node holding it, and the key's create_revision and lease."""
+
+    node_id: str
     create_revision: int
     lease: int
 
@@ -97,8 +114,11 @@ KeyEvent = KeyPut | KeyDeleted
 class View:
     """What one process knows of the rendezvous prefix, as of etcd revision ``revision``.
 
-    ``nodes`` must not be mutated: :func:`apply` returns a new View with a new dict when nodes change.
-    ``problems`` lists records that failed to parse (key -> message); they are ignored otherwise.
+    A **full** view (``full``) holds every node key; a light one only the keys of this process's nodes (see the
+    module's rules). Both hold every deletion of a node key since the last seal's view in ``gone`` (node id
+    -> revision of its latest deletion). ``nodes`` and ``gone`` must not be mutated: :func:`apply` returns a
+    new View with new mappings when they change. ``problems`` lists records that failed to parse (key ->
+    message); they are ignored otherwise.
     """
 
     revision: int = 0
@@ -107,7 +127,11 @@ class View:
     request: RerendezvousRequest | None = None
     closed: bool = False
     expected: frozenset[str] | None = None
-    oldest: str | None = None
+    sealer: SealerClaim | None = None
+    #: The revision of the last deletion of the sealer's key (0: none seen).
+    sealer_gone: int = 0
+    gone: Mapping[str, int] = field(default_factory=dict)
+    full: bool = True
     problems: Mapping[str, str] = field(default_factory=dict)
     #: The parts of a large manifest (relative key -> value, mod_revision); see :func:`decode_manifest`.
     parts: Mapping[str, tuple[bytes, int]] = field(default_factory=dict, repr=False)
@@ -118,12 +142,6 @@ class View:
     def epoch(self) -> int:
         """The epoch of the last sealed round, 0 when none."""
         return 0 if self.sealed is None else self.sealed.epoch
-
-
-def _oldest(nodes: Mapping[str, NodeEntry]) -> str | None:
-    if not nodes:
-        return None
-    return min(nodes.items(), key=lambda kv: kv[1].create_revision)[0]
 
 
 def parse_record(model: type[_M], key: str, value: bytes) -> _M:
@@ -138,8 +156,9 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
     """The view after ``events`` (in revision order). Corrupt records are recorded in ``problems`` and
     otherwise ignored, so one bad value cannot stop the rendezvous."""
     nodes: dict[str, NodeEntry] | None = None
+    gone: dict[str, int] | None = None
     sealed, request, closed, expected = view.sealed, view.request, view.closed, view.expected
-    oldest = view.oldest
+    sealer, sealer_gone = view.sealer, view.sealer_gone
     problems = dict(view.problems)
     revision = view.revision
     parts: dict[str, tuple[bytes, int]] | None = None
@@ -155,17 +174,17 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
                 if nodes is None:
                     nodes = dict(view.nodes)
                 if isinstance(ev, KeyDeleted):
-                    nodes.pop(node_id, None)
-                    if oldest == node_id:
-                        oldest = _oldest(nodes)
+                    if gone is None:
+                        gone = dict(view.gone)
+                    gone[node_id] = ev.mod_revision
+                    entry = nodes.get(node_id)
+                    if entry is not None and entry.create_revision < ev.mod_revision:
+                        del nodes[node_id]
                     continue
                 record = parse_record(NodeRecord, key, ev.value)
                 if record.node_id != node_id:
                     raise CorruptRecord(key, f"nodeId {record.node_id!r} does not match the key")
                 nodes[node_id] = NodeEntry(record, ev.create_revision, ev.lease)
-                current = nodes.get(oldest) if oldest is not None else None
-                if current is None or ev.create_revision < current.create_revision:
-                    oldest = node_id
             elif key.startswith(MANIFEST_PARTS):
                 if parts is None:
                     parts = dict(view.parts)
@@ -189,6 +208,15 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
             elif key == EXPECTED:
                 expected = None if isinstance(ev, KeyDeleted) else frozenset(
                     parse_record(ExpectedNodes, key, ev.value).node_ids)
+            elif key == SEALER:
+                # A claim learnt from a registration's answer may be newer than an event still on its way.
+                if isinstance(ev, KeyDeleted):
+                    sealer_gone = ev.mod_revision
+                    if sealer is not None and sealer.create_revision < ev.mod_revision:
+                        sealer = None
+                elif sealer is None or ev.create_revision >= sealer.create_revision:
+                    sealer = SealerClaim(parse_record(SealerRecord, key, ev.value).node_id, ev.create_revision,
+                                         ev.lease)
         except CorruptRecord as e:
             problems[key] = str(e)
     if pending is not None:
@@ -196,8 +224,13 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
             sealed = _sealed(pending, view.parts if parts is None else parts)
         except CorruptRecord as e:
             problems[MANIFEST] = str(e)
+    if sealed is not view.sealed and sealed is not None and (gone or view.gone):
+        # Deletions up to the new round's view are of incarnations it did not take: forget them.
+        planned = sealed.manifest.view_revision
+        gone = {n: r for n, r in (view.gone if gone is None else gone).items() if r > planned}
     return View(revision=revision, nodes=view.nodes if nodes is None else nodes, sealed=sealed,
-                request=request, closed=closed, expected=expected, oldest=oldest, problems=problems,
+                request=request, closed=closed, expected=expected, sealer=sealer, sealer_gone=sealer_gone,
+                gone=view.gone if gone is None else gone, full=view.full, problems=problems,
                 parts=view.parts if parts is None else parts)
 
 
@@ -235,9 +268,11 @@ def round_status(view: View) -> RoundStatus:
 def _round_status(view: View) -> RoundStatus:
     if view.sealed is None:
         return RoundStatus(False, "first round")
-    epoch = view.epoch
+    epoch, planned = view.epoch, view.sealed.manifest.view_revision
+    # A full view sees the members' keys themselves; a light one (and a full one) sees their deletions.
     lost = tuple(m.node_id for m in view.sealed.manifest.members
-                 if (e := view.nodes.get(m.node_id)) is None or e.create_revision > epoch)
+                 if view.gone.get(m.node_id, 0) > planned
+                 or (view.full and ((e := view.nodes.get(m.node_id)) is None or e.create_revision > epoch)))
     if lost:
         return RoundStatus(False, f"member{'s' if len(lost) > 1 else ''} lost: {', '.join(lost[:8])}"
                            + (f" and {len(lost) - 8} more" if len(lost) > 8 else ""), lost)
@@ -327,7 +362,7 @@ def plan_round(view: View, settings: RendezvousSettings, sealer: str, reason: st
     first = view.nodes[members[0].node_id].record
     return Manifest(round=(view.sealed.manifest.round + 1) if view.sealed else 1, members=members,
                     spares=spares, world_size=offset, master_addr=first.address, master_port=first.master_port,
-                    sealed_by=sealer, reason=reason)
+                    sealed_by=sealer, reason=reason, view_revision=view.revision)
 
 
 # -- the state machine ---------------------------------------------------------------------------------------
@@ -338,14 +373,16 @@ class State:
     """One process's protocol state for one job.
 
     ``local`` are the node ids this process runs (only a local sealer acts). ``last_call_deadline`` is the
-    sealer's deadline for stragglers (monotonic seconds of this process). ``sealing_at`` is the view revision
-    a seal was last attempted at, so one view gives at most one attempt.
+    sealer's deadline for stragglers (monotonic seconds of this process). ``sealing_at`` and ``claiming_at``
+    are the view revisions a seal and a claim of the sealer's key were last attempted at, so one view gives at
+    most one attempt of each.
     """
 
     view: View = field(default_factory=View)
     local: frozenset[str] = frozenset()
     last_call_deadline: float | None = None
     sealing_at: int | None = None
+    claiming_at: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,10 +395,14 @@ class Observed:
 
 @dataclass(frozen=True, slots=True)
 class Reloaded:
-    """The whole prefix was re-read (start, or after a broken watch) at time ``now``."""
+    """The prefix was read again (start, a broken watch, a change between a full and a light view) at ``now``.
+
+    ``covered`` are the local nodes whose keys a light read asked for (``None``: a full read, every key). A
+    node registered while the read was on its way is not in it, and keeps the entry its registration gave."""
 
     view: View
     now: float
+    covered: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,11 +414,15 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class LocalNode:
-    """This process started (``present``) or stopped running node ``node_id``."""
+    """This process started (``present``) or stopped running node ``node_id``. ``entry`` is its key as its
+    registration wrote it (a light view is never sent the puts of node keys, its own included), and ``sealer``
+    the holder of the sealer's key that the registration found or became (see :class:`Claim`)."""
 
     node_id: str
     present: bool
     now: float
+    entry: NodeEntry | None = None
+    sealer: SealerClaim | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,7 +432,14 @@ class SealFailed:
     now: float
 
 
-Event = Observed | Reloaded | Tick | LocalNode | SealFailed
+@dataclass(frozen=True, slots=True)
+class ClaimFailed:
+    """The claim of the sealer's key failed (etcd unreachable); try again at the next event."""
+
+    now: float
+
+
+Event = Observed | Reloaded | Tick | LocalNode | SealFailed | ClaimFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,13 +457,59 @@ class Seal:
 
 
 @dataclass(frozen=True, slots=True)
+class Claim:
+    """Create the sealer's key for ``node_id`` under its ``lease``, only if the key is absent and the node's
+    key still has ``node_revision``. Refused when another node holds it: the watch then brings the holder.
+    (A node's registration claims the key in its own transaction too; this is for when the holder has gone.)"""
+
+    node_id: str
+    node_revision: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
 class WakeAt:
     """Deliver a :class:`Tick` no later than ``deadline``."""
 
     deadline: float
 
 
-RendezvousAction = Seal | WakeAt
+RendezvousAction = Seal | Claim | WakeAt
+
+
+def _with_local(view: View, node_id: str, entry: NodeEntry | None) -> View:
+    """A light ``view`` holding ``entry`` for the local node (unless it holds that incarnation or a newer one).
+    A full view is sent the key's put: it waits for it, so that a seal is planned only over keys it was sent."""
+    if entry is None or view.full:
+        return view
+    held = view.nodes.get(node_id)
+    if held is not None and held.create_revision >= entry.create_revision:
+        return view
+    if view.gone.get(node_id, 0) > entry.create_revision:
+        return view  # deleted already: the watch was faster than the registration's answer
+    return replace(view, nodes={**view.nodes, node_id: entry}, memo={})
+
+
+def _with_sealer(view: View, claim: SealerClaim | None) -> View:
+    """``view`` knowing ``claim`` of the sealer's key, unless it knows a newer claim or the key's deletion."""
+    if claim is None or view.sealer_gone > claim.create_revision:
+        return view
+    if view.sealer is not None and view.sealer.create_revision >= claim.create_revision:
+        return view
+    return replace(view, sealer=claim, memo={})
+
+
+def _claim(state: State) -> Claim | None:
+    """A claim of the sealer's key when nobody holds it and a local node is present: the oldest local node's."""
+    view = state.view
+    if view.sealer is not None or view.closed or state.claiming_at == view.revision:
+        return None
+    present = [(view.nodes[n].create_revision, n) for n in state.local if n in view.nodes]
+    if not present:
+        return None
+    node_id = min(present)[1]
+    entry = view.nodes[node_id]
+    return Claim(node_id, entry.create_revision, entry.lease)
 
 
 def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[State, list[RendezvousAction]]:
@@ -419,17 +517,30 @@ def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[Stat
     if isinstance(event, Observed):
         state = replace(state, view=apply(state.view, event.events))
     elif isinstance(event, Reloaded):
-        state = replace(state, view=event.view, sealing_at=None)
+        view = event.view
+        if event.covered is not None:
+            for node_id in state.local - event.covered:
+                view = _with_local(view, node_id, state.view.nodes.get(node_id))
+        state = replace(state, view=view, sealing_at=None, claiming_at=None)
     elif isinstance(event, LocalNode):
         local = state.local | {event.node_id} if event.present else state.local - {event.node_id}
-        state = replace(state, local=local)
+        view = state.view
+        if event.present:
+            view = _with_sealer(_with_local(view, event.node_id, event.entry), event.sealer)
+        state = replace(state, local=local, view=view)
     elif isinstance(event, SealFailed):
         state = replace(state, sealing_at=None)
+    elif isinstance(event, ClaimFailed):
+        state = replace(state, claiming_at=None)
+    claim = _claim(state)
+    if claim is not None:
+        return replace(state, claiming_at=state.view.revision, last_call_deadline=None), [claim]
     now = event.now
     view = state.view
     status = round_status(view)
-    sealer = view.oldest
-    if status.live or view.closed or sealer is None or sealer not in state.local:
+    sealer = None if view.sealer is None else view.sealer.node_id
+    if (status.live or view.closed or sealer is None or sealer not in state.local or not view.full
+            or sealer not in view.nodes):
         return replace(state, last_call_deadline=None), []
     readiness = ready_to_seal(view, settings)
     if readiness == "no":
