@@ -43,7 +43,8 @@ from bench.scalesim.goodput import Assumptions, Design, designs, goodput, interp
 from bench.scalesim.rendezvous import PREFIX, RendezvousRun  # noqa: E402
 from bench.scalesim.restart import RestartRun  # noqa: E402
 from bench.scalesim.sim import Costs  # noqa: E402
-from stalwart.api.rendezvous import MAX_MANIFEST_BYTES, MAX_RECORD_BYTES  # noqa: E402
+from stalwart.api.base import MAX_RECORD_BYTES  # noqa: E402
+from stalwart.api.manifest import MAX_MANIFEST_BYTES  # noqa: E402
 from stalwart.local.etcd import EtcdServer  # noqa: E402
 
 ETCD_REQUEST_LIMIT = 1572864  # etcd's default --max-request-bytes

@@ -13,6 +13,7 @@ from stalwart.agent.rendezvous import RoundInfo
 from stalwart.agent.settings import PodSettings
 from stalwart.api import TrainingJob, pod_env
 from stalwart.api.job_record import JobRecord
+from stalwart.api.manifest import ManifestHeader
 from stalwart.api.pod_env import PodEnvError, TorchrunEnvironment, read_env
 from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.spec import TrainingJobSpec
@@ -60,7 +61,7 @@ def test_what_the_agent_gives_a_rank_the_wrapper_and_rpc_read(tmp_path: Path) ->
         Member(node_id="train-worker-0", address="10.0.0.6", group_rank=0, rank_offset=0, nproc=2),
         Member(node_id="train-worker-1", address="10.0.0.7", group_rank=1, rank_offset=2, nproc=2)],
         world_size=4, master_addr="10.0.0.6", master_port=29400, sealed_by="train-worker-0")
-    info = RoundInfo(node_id=s.node_id, epoch=42, role="member", manifest=manifest, node_revision=7,
+    info = RoundInfo(node_id=s.node_id, epoch=42, role="member", header=ManifestHeader.of(manifest), node_revision=7,
                      member=manifest.members[1])
     env = rank_env(s, info, 1, base_env={"PATH": "/bin", pod_env.POD_IP: s.pod_ip}, run_dir=tmp_path,
                    master_port=1234, spare_ranks=False, restarts=2, job=None)

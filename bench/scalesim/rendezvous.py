@@ -28,7 +28,8 @@ from stalwart.agent.rendezvous import protocol
 from stalwart.agent.rendezvous.driver import NodeHandle, Rendezvous, _to_event
 from stalwart.agent.rendezvous.protocol import ClaimFailed, KeyPut, Observed, SealedRound, SealFailed, Tick
 from stalwart.agent.rendezvous.settings import RendezvousSettings
-from stalwart.api.rendezvous import MANIFEST_PARTS, Manifest, NodeRecord, decode_manifest
+from stalwart.api.manifest import MANIFEST_PARTS, decode_manifest
+from stalwart.api.rendezvous import Manifest, NodeRecord
 from stalwart.etcd.keys import MANIFEST, NODES, JobKeys
 from stalwart.etcd.store import WatchEvent
 
@@ -37,17 +38,20 @@ PREFIX = KEYS.rendezvous
 
 
 class SharedManifests:
-    """``protocol._sealed`` computed once per epoch: one manifest per revision, the same bytes for everyone."""
+    """``protocol._sealed`` computed once per epoch and set of buckets held: one manifest per revision, and the
+    same header and buckets decode to the same round for every process."""
 
     def __init__(self) -> None:
-        self.rounds: dict[int, SealedRound] = {}
+        self.rounds: dict[tuple[int, bool, frozenset[tuple[str, int]]], SealedRound] = {}
         self.decoded = 0
 
-    def sealed(self, ev: KeyPut, parts: Any) -> SealedRound:
-        got = self.rounds.get(ev.mod_revision)
+    def sealed(self, ev: KeyPut, parts: Any, *, whole: bool) -> SealedRound:
+        key = (ev.mod_revision, whole, frozenset((k, hash(v)) for k, (v, _) in parts.items()) if not whole
+               else frozenset())
+        got = self.rounds.get(key)
         if got is None:
-            got = self._real(ev, parts)  # raises while parts are missing: nothing is kept then
-            self.rounds[ev.mod_revision] = got
+            got = self._real(ev, parts, whole=whole)  # raises while buckets are missing: nothing is kept then
+            self.rounds[key] = got
             self.decoded += 1
         return got
 
@@ -102,6 +106,7 @@ class Proc:
         self.loads += 1
         self.sub = self.sim.subscribe(ranges, loaded.view.revision + 1, self.deliver)
         self.rdzv._feed(replace(loaded, now=self.sim.now))
+        self.rdzv.read_buckets()
         self.after()
 
     def deliver(self, events: list[WatchEvent], when: float) -> None:
@@ -110,6 +115,7 @@ class Proc:
         self.sim.now = when
         self.node_puts += sum(1 for ev in events if ev.type == "put" and ev.kv.key.startswith(PREFIX + NODES))
         self.rdzv._feed(Observed(tuple(_to_event(PREFIX, ev) for ev in events), when))
+        self.rdzv.read_buckets()
         self.after()
 
     def after(self) -> None:

@@ -43,14 +43,14 @@ def _secrets(s: PodSettings) -> dict[str, str]:
 def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path,
              master_port: int, spare_ranks: bool, restarts: int, job: JobRecord | None) -> dict[str, str]:
     """The full environment of local rank ``local_rank`` in the round ``info``."""
-    m = info.manifest
+    m = info.header
     nproc = s.nproc_per_node
     member = info.member
     if member is not None:
         first, group_rank = member.rank_offset, member.group_rank
     else:
-        first, group_rank = m.world_size + m.spares.index(s.node_id) * nproc, len(m.members)
-    slots = m.world_size + (len(m.spares) * nproc if spare_ranks else 0)
+        first, group_rank = m.world_size + (info.spare_index or 0) * nproc, m.members
+    slots = m.world_size + (m.spares * nproc if spare_ranks else 0)
     slot = first + local_rank
     env = dict(base_env)
     env.update(TorchrunEnvironment(

@@ -251,13 +251,13 @@ class Agent:
         """A shrunken world grows back, in process, once a node waits outside the round."""
         member = info.member
         due = functools.partial(grow_due, warm=self._warm(), group_rank=None if member is None else member.group_rank,
-                                members=len(info.manifest.members), max_nodes=self.settings.max_nodes)
+                                members=info.header.members, max_nodes=self.settings.max_nodes)
         # Counting the waiting nodes may cost a read of etcd: only once the rest says the world would grow.
         if self._grow_asked == info.epoch or not due(waiting=1) or not due(waiting=self.handle.waiting_count()):
             return
         self._grow_asked = info.epoch
         log.info("%s: round %d has %d of %d nodes and a node waits: asking for a new round", self._ctx,
-                 info.round, len(info.manifest.members), self.settings.max_nodes)
+                 info.round, info.header.members, self.settings.max_nodes)
         with contextlib.suppress(Exception):
             self.handle.request_rerendezvous("growing the world back")
 

@@ -9,13 +9,13 @@ Key layout (``R`` = ``JobKeys(ns, uid).rendezvous``):
     The node that plans and writes the manifests, bound to that node's lease and created only if absent: the
     first node to claim it holds it until its lease goes. Only the sealer's process watches every node key;
     every other process watches the control keys and only the deletions of node keys.
-``R + "manifest"`` -> :class:`Manifest`, or :class:`ManifestParts` when the manifest is larger than one record
-    The sealed round, written by one writer in one transaction. Its ``mod_revision`` is the round's
-    **epoch**: the fencing token every round-bound write compares.
-``R + "manifest-parts/<index>"`` -> consecutive byte slices of a large manifest's JSON document
-    Written in the same transaction as the ``manifest`` key (before it), so they carry the same
-    ``mod_revision``; a reader takes only parts of the header's revision (:func:`decode_manifest`), so it sees
-    the whole manifest or none of it. Parts of an older, larger manifest may remain and are ignored.
+``R + "manifest"`` -> :class:`Manifest`, or a :class:`~stalwart.api.manifest.ManifestHeader` when the manifest
+    is larger than one record. The sealed round, written by one writer in one transaction. Its
+    ``mod_revision`` is the round's **epoch**: the fencing token every round-bound write compares.
+``R + "manifest-parts/<index>"`` -> :class:`~stalwart.api.manifest.ManifestBucket`
+    A large manifest's members and spares, in buckets by a hash of their node ids, written in the seal's
+    transaction; the header holds each bucket's digest, so a reader takes only buckets of its own round. A
+    node reads only its own bucket (:mod:`stalwart.api.manifest`). Buckets of an older manifest may remain.
 ``R + "request"`` -> :class:`RerendezvousRequest`
     A participant's request to end the round of ``epoch`` (written fenced by that epoch).
 ``R + "closed"`` -> :class:`ClosedRecord`
@@ -24,17 +24,14 @@ Key layout (``R`` = ``JobKeys(ns, uid).rendezvous``):
     Optional, written by the operator: the node ids it expects, so a round seals as soon as they are all
     present instead of waiting for the last call.
 
-Every value but a manifest part is a JSON document of one of these models, size-capped by
-:data:`MAX_RECORD_BYTES`. The manifest of a 1024-node round is about 100 KiB and fits in one record; past about
-2,200 nodes it is split into parts (:func:`encode_manifest`), up to :data:`MAX_MANIFEST_BYTES` in all.
+Every value is a JSON document of one of these models, size-capped by :data:`MAX_RECORD_BYTES`. The manifest of
+a 1024-node round is about 100 KiB and fits in one record; past about 2,200 nodes it is written in buckets
+(:func:`~stalwart.api.manifest.encode_manifest`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-from collections.abc import Mapping
 from typing import Self
 
 from pydantic import Field, field_validator, model_validator
@@ -42,21 +39,16 @@ from pydantic import Field, field_validator, model_validator
 from stalwart.api.base import MAX_RECORD_BYTES, ApiModel
 
 __all__ = [
-    "MAX_MANIFEST_BYTES",
     "MAX_RECORD_BYTES",
     "ClosedRecord",
     "ExpectedNodes",
     "Manifest",
-    "ManifestParts",
     "Member",
     "NodeRecord",
     "RerendezvousRequest",
     "SealerRecord",
     "TorchRendezvousState",
     "check_node_id",
-    "decode_manifest",
-    "encode_manifest",
-    "manifest_part_key",
 ]
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -163,6 +155,8 @@ class RerendezvousRequest(ApiModel):
     epoch: int = Field(ge=1, description="The epoch of the round to end; a request for an older round is void.")
     node_id: str = Field(description="The node that asked.")
     reason: str = Field(default="", max_length=1024, description="Why, for logs and status.")
+    lost: list[str] = Field(default_factory=list, max_length=1024,
+                            description="Members whose keys went, when that is why (written by the sealer).")
 
 
 class ClosedRecord(ApiModel):
@@ -196,73 +190,3 @@ class TorchRendezvousState(ApiModel):
     mac: str = Field(default="", max_length=64,
                      description=("HMAC-SHA256 (hex) of the key, the format and the state with the run's secret: "
                                   "torch unpickles the state, so one that fails the check is refused."))
-
-
-#: The key of the parts of a large manifest, relative to the rendezvous prefix (see the module's key layout).
-MANIFEST_PARTS = "manifest-parts/"
-#: The most bytes of manifest JSON a round may have. Its parts and header are one etcd transaction, which
-#: must stay under etcd's default request limit (``--max-request-bytes``, 1.5 MiB) with room for the keys and
-#: the seal's compares: 5 parts of one record each, about 12,000 members with 100-byte entries.
-MAX_MANIFEST_BYTES = 5 * MAX_RECORD_BYTES
-
-
-def manifest_part_key(index: int) -> str:
-    """The key of part ``index`` of a large manifest, relative to the rendezvous prefix."""
-    return f"{MANIFEST_PARTS}{index:04d}"
-
-
-class ManifestParts(ApiModel):
-    """The ``manifest`` key's value when the manifest is larger than one record: how to assemble it."""
-
-    parts: int = Field(ge=2, le=MAX_MANIFEST_BYTES // 1024,
-                       description="How many parts (keys manifest-parts/0000 ...) hold the manifest's JSON.")
-    size: int = Field(ge=1, le=MAX_MANIFEST_BYTES, description="Bytes of the whole JSON document.")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the whole JSON document, hex.")
-
-
-def encode_manifest(manifest: Manifest, part_bytes: int = MAX_RECORD_BYTES) -> tuple[bytes, list[bytes]]:
-    """The ``manifest`` key's value and the parts to write before it, in the same transaction.
-
-    A manifest of at most ``part_bytes`` is its own JSON document with no parts (as every manifest was before
-    parts existed). A larger one is split into slices of ``part_bytes``, and the ``manifest`` key holds a
-    :class:`ManifestParts` header. Raises ``ValueError`` above :data:`MAX_MANIFEST_BYTES`.
-    """
-    if not 1024 <= part_bytes <= MAX_RECORD_BYTES:
-        raise ValueError(f"part_bytes: expected 1024 to {MAX_RECORD_BYTES}, got {part_bytes}")
-    data = manifest.model_dump_json(by_alias=True, exclude_none=True).encode()
-    if len(data) <= part_bytes:
-        return data, []
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ValueError(f"Manifest is {len(data)} bytes as JSON ({len(manifest.members)} members); the limit "
-                         f"is {MAX_MANIFEST_BYTES}")
-    parts = [data[i:i + part_bytes] for i in range(0, len(data), part_bytes)]
-    header = ManifestParts(parts=len(parts), size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    return header.to_json_bytes(), parts
-
-
-def decode_manifest(value: bytes, epoch: int, parts: Mapping[str, tuple[bytes, int]]) -> Manifest:
-    """The manifest held by the ``manifest`` key's ``value`` written at revision ``epoch``.
-
-    ``parts`` maps part keys (relative, as :func:`manifest_part_key`) to ``(value, mod_revision)``; only parts
-    written in the header's own transaction (``mod_revision == epoch``) are taken, so a reader gets the whole
-    manifest or a ``ValueError``, never a mix of two rounds. Raises ``ValueError`` naming what is wrong.
-    """
-    if len(value) > MAX_RECORD_BYTES:
-        raise ValueError(f"manifest document is {len(value)} bytes; the limit is {MAX_RECORD_BYTES}")
-    doc = json.loads(value)
-    if not (isinstance(doc, dict) and "parts" in doc):
-        return Manifest.model_validate(doc)
-    header = ManifestParts.model_validate(doc)
-    chunks: list[bytes] = []
-    for i in range(header.parts):
-        part = parts.get(manifest_part_key(i))
-        if part is None or part[1] != epoch:
-            found = "missing" if part is None else f"written at revision {part[1]}"
-            raise ValueError(f"{manifest_part_key(i)}: part {i + 1} of {header.parts} of the manifest of epoch "
-                             f"{epoch} is {found}")
-        chunks.append(part[0])
-    data = b"".join(chunks)
-    if len(data) != header.size or hashlib.sha256(data).hexdigest() != header.sha256:
-        raise ValueError(f"manifest parts of epoch {epoch}: {len(data)} bytes that do not match the header's "
-                         f"size {header.size} and sha256")
-    return Manifest.model_validate_json(data)

@@ -24,7 +24,8 @@ from pydantic import ValidationError
 from stalwart.api import naming
 from stalwart.api.base import positive_seconds
 from stalwart.api.drill import AGENT_KINDS, DrillRequest, DrillResult
-from stalwart.api.rendezvous import Manifest, decode_manifest
+from stalwart.api.manifest import decode_manifest
+from stalwart.api.rendezvous import Manifest
 from stalwart.api.restart import ProgressRecord
 from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
 from stalwart.drill.core import (

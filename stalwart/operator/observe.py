@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from stalwart.api import naming
 from stalwart.api.base import RuleViolation
 from stalwart.api.job_record import JobRecord
-from stalwart.api.rendezvous import MANIFEST_PARTS, ExpectedNodes, Manifest, decode_manifest
+from stalwart.api.manifest import MANIFEST_PARTS, decode_manifest
+from stalwart.api.rendezvous import ExpectedNodes, Manifest
 from stalwart.api.restart import FaultRecord, ProgressRecord
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus

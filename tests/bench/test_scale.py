@@ -23,7 +23,8 @@ from bench.scalesim.restart import RestartRun
 from bench.scalesim.sim import Costs
 from stalwart.agent.rendezvous import protocol
 from stalwart.agent.rendezvous.driver import _to_event
-from stalwart.api.rendezvous import MANIFEST_PARTS, MAX_RECORD_BYTES
+from stalwart.api.base import MAX_RECORD_BYTES
+from stalwart.api.manifest import MANIFEST_PARTS
 from stalwart.etcd.keys import MANIFEST
 
 COSTS = Costs(rtt=0.0005, write=0.0003, read=0.002, read_byte=1e-8, event=3e-5, event_byte=5e-9)

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from opbuild import JOB, NOW, etcd, job, observe, progress, spec, status
 
-from stalwart.api.rendezvous import ExpectedNodes, Manifest, Member, encode_manifest, manifest_part_key
+from stalwart.api.manifest import encode_manifest, manifest_part_key
+from stalwart.api.rendezvous import ExpectedNodes, Manifest, Member
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import Phase, Position
 from stalwart.etcd.keys import JobKeys
@@ -93,22 +94,24 @@ def test_etcd_view_parses_records_and_skips_corrupt_ones() -> None:
     assert view.expected == ("a",) and view.closed and len(view.progress) == 1 and view.record is None
 
 
-def test_etcd_view_assembles_a_manifest_in_parts_and_skips_one_whose_parts_are_of_another_round() -> None:
+def test_etcd_view_assembles_a_manifest_in_buckets_and_skips_one_whose_buckets_are_of_another_round() -> None:
     keys = JobKeys("ns", "uid-1")
     members = [Member(node_id=f"w-{i}", address=f"10.0.{i // 256}.{i % 256}", group_rank=i, rank_offset=i,
                       nproc=1) for i in range(40)]
     manifest = Manifest(round=1, members=members, world_size=40, master_addr="10.0.0.0", sealed_by="w-0")
     header, parts = encode_manifest(manifest, part_bytes=1024)
 
-    def kvs(part_revision: int) -> list[KeyValue]:
+    other_members = [m.model_copy(update={"address": "10.9.9.9"}) for m in members]
+    _, other = encode_manifest(manifest.model_copy(update={"members": other_members}), part_bytes=1024)
+
+    def kvs(buckets: list[bytes]) -> list[KeyValue]:
         return [KeyValue(keys.rendezvous + "manifest", header, 1, 42, 1, 0),
-                *(KeyValue(keys.rendezvous + manifest_part_key(i), p, 1, part_revision, 1, 0)
-                  for i, p in enumerate(parts))]
+                *(KeyValue(keys.rendezvous + manifest_part_key(i), p, 1, 42, 1, 0) for i, p in enumerate(buckets))]
 
     assert len(parts) > 1
-    view = etcd_view(keys, kvs(42))
+    view = etcd_view(keys, kvs(parts))
     assert view.manifest == manifest and view.epoch == 42
-    stale = etcd_view(keys, kvs(41))
+    stale = etcd_view(keys, kvs([parts[0], *other[1:]]))  # buckets of another round's manifest
     assert stale.manifest is None and stale.epoch == 0
 
 

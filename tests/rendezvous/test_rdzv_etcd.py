@@ -113,7 +113,7 @@ def test_lease_expiry_removes_a_dead_node_and_starts_a_new_round(make_rdzv, etcd
     while not events.empty():
         seen.append(events.get())
     assert any(isinstance(e, RoundEnded) and e.lost == ("c",) for e in seen)
-    assert [e.manifest.round for e in seen if isinstance(e, RoundSealed)][-1] == 2
+    assert [e.header.round for e in seen if isinstance(e, RoundSealed)][-1] == 2
 
 
 def test_leave_ends_the_round_for_the_others(make_rdzv) -> None:

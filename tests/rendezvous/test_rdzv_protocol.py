@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from stalwart.agent.rendezvous.protocol import (
     Claim,
     ClaimFailed,
+    EndRound,
     KeyDeleted,
     KeyPut,
     LocalNode,
@@ -33,6 +34,7 @@ from stalwart.agent.rendezvous.protocol import (
 )
 from stalwart.agent.rendezvous.reading import light_view
 from stalwart.agent.rendezvous.settings import RendezvousSettings
+from stalwart.api.manifest import encode_manifest, manifest_part_key
 from stalwart.api.rendezvous import (
     ExpectedNodes,
     Manifest,
@@ -502,3 +504,39 @@ def test_processes_agree_on_rounds_whatever_the_interleaving(
     assert all(p.view.epoch == full.epoch for p in procs)
     # Light or full, every process judges the round as etcd's state does.
     assert all(round_status(p.view).live == round_status(full).live for p in procs)
+
+
+def _bucketed(etcd: Etcd, seal: Seal) -> list[KeyPut]:
+    """The seal of ``seal`` as a large manifest: buckets and header at one revision."""
+    value, parts = encode_manifest(seal.manifest, part_bytes=1024)
+    etcd.revision += 1
+    return [*(KeyPut(manifest_part_key(i), p, etcd.revision, etcd.revision) for i, p in enumerate(parts)),
+            KeyPut("manifest", value, etcd.revision, etcd.revision)]
+
+
+@pytest.mark.parametrize(("spare", "bucketed", "ends"), [
+    (False, True, True),  # no one to take the lost ranks: the last call runs, the light views are told now
+    (True, True, False),  # a spare is there: the seal follows at once and tells everyone
+    (False, False, False),  # a manifest of one record: every view knows every member, no one needs telling
+])
+def test_the_sealer_ends_a_large_round_for_the_light_views_when_no_seal_follows(
+        spare: bool, bucketed: bool, ends: bool) -> None:
+    s = RendezvousSettings(min_nodes=2, max_nodes=12, last_call_timeout=5)
+    etcd = Etcd()
+    nodes = tuple(etcd.node(f"node-{i:02d}") for i in range(12))
+    st0, acts = run(State(local=frozenset({"node-00"})), Observed((*nodes, etcd.sealer("node-00")), 0.0), s)
+    [seal] = seals(acts)
+    sealed = _bucketed(etcd, seal) if bucketed else [etcd.seal(seal)]
+    st1, acts = run(st0, Observed(tuple(sealed), 0.1), s)
+    assert acts == [] and round_status(st1.view).live and st1.view.sealed.bucketed == bucketed  # type: ignore[union-attr]
+    lost = (etcd.delete("nodes/node-07"), *((etcd.node("spare-0", spare=True),) if spare else ()))
+    st2, acts = run(st1, Observed(lost, 0.2), s)
+    ending = [a for a in acts if isinstance(a, EndRound)]
+    if ends:
+        assert ending == [EndRound(st1.view.epoch, "node-00", "member lost: node-07", ("node-07",))]
+        assert acts[-1] == WakeAt(5.2)
+        _, again = run(st2, Tick(1.0), s)
+        assert not any(isinstance(a, EndRound) for a in again)  # once per round
+    else:
+        assert ending == []
+        assert len(seals(acts)) == (1 if spare else 0)

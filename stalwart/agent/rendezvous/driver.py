@@ -20,6 +20,7 @@ from stalwart.agent.rendezvous.node import NodeHandle
 from stalwart.agent.rendezvous.protocol import (
     Claim,
     ClaimFailed,
+    EndRound,
     Event,
     KeyDeleted,
     KeyEvent,
@@ -38,14 +39,21 @@ from stalwart.agent.rendezvous.protocol import (
     round_status,
     step,
 )
-from stalwart.agent.rendezvous.reading import full_ranges, full_view, light_ranges, light_read, light_view
+from stalwart.agent.rendezvous.reading import (
+    buckets_to_read,
+    full_ranges,
+    full_view,
+    light_ranges,
+    light_read,
+    light_view,
+)
 from stalwart.agent.rendezvous.rounds import Closed, RoundEnded, RoundEvent, RoundSealed
 from stalwart.agent.rendezvous.sealing import seal_txn
 from stalwart.agent.rendezvous.settings import RendezvousSettings
-from stalwart.api.rendezvous import ExpectedNodes, NodeRecord, SealerRecord
-from stalwart.etcd.keys import EXPECTED, NODES, SEALER, JobKeys
+from stalwart.api.rendezvous import ExpectedNodes, NodeRecord, RerendezvousRequest, SealerRecord
+from stalwart.etcd.keys import EXPECTED, MANIFEST, NODES, REQUEST, SEALER, JobKeys
 from stalwart.etcd.outage import Outage
-from stalwart.etcd.store import Compare, Put, Store, StoreError, WatchEvent, WatchRange
+from stalwart.etcd.store import Compare, Get, Put, Store, StoreError, WatchEvent, WatchRange
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +184,7 @@ class Rendezvous:
                 view = loaded.view
                 watch = self.store.watch_ranges(ranges, start_revision=view.revision + 1)
                 self._feed(loaded)
+                self.read_buckets()
                 self._loaded.set()
                 self.last_error = None
                 self._outage.ok()
@@ -201,6 +210,7 @@ class Rendezvous:
                     while len(batch) < 4096 and (more := watch.next(0)) is not None:
                         batch.append(_to_event(self.prefix, more))
                     self._feed(Observed(tuple(batch), time.monotonic()))
+                    self.read_buckets()
             except StoreError as e:
                 if self._stop.is_set():
                     break
@@ -231,7 +241,32 @@ class Rendezvous:
                 self._seal(action)
             elif isinstance(action, Claim):
                 self._claim(action)
+            elif isinstance(action, EndRound):
+                self._end_round(action)
         self._notify(old.view, new.view, event, listeners)
+
+    def read_buckets(self) -> None:
+        """Read the buckets of a large manifest that this light view needs (its own nodes'), in one request."""
+        with self._lock:
+            view, local = self._state.view, self._state.local
+        keys = buckets_to_read(view, local)
+        if not keys:
+            return
+        res = self.store.txn([], [Get(self.prefix + key) for key in keys])
+        events = tuple(KeyPut(kv.key[len(self.prefix):], kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+                       for read in res.responses for kv in read)
+        if events:
+            self._feed(Observed(events, time.monotonic()))
+
+    def _end_round(self, end: EndRound) -> None:
+        request = RerendezvousRequest(epoch=end.epoch, node_id=end.node_id, reason=end.reason[:1024],
+                                      lost=list(end.lost[:1024]))
+        try:
+            self.store.txn([Compare(self.prefix + MANIFEST, "mod", "==", end.epoch)],
+                           [Put(self.prefix + REQUEST, request.to_json_bytes())])
+        except StoreError as e:
+            log.warning("rendezvous %s: ending the round of epoch %d failed: %s", self.prefix, end.epoch, e)
+            self._seal_retry_at = time.monotonic() + 0.2 + 0.3 * random.random()
 
     def _claim(self, claim: Claim) -> None:
         key = self.prefix + SEALER
@@ -287,7 +322,7 @@ class Rendezvous:
             events.append(RoundEnded(old.epoch, now.reason if not now.live else "a new round was sealed",
                                      now.lost))
         if new.sealed is not None and new.epoch != old.epoch:
-            events.append(RoundSealed(new.epoch, new.sealed.manifest))
+            events.append(RoundSealed(new.epoch, new.sealed.header, new.sealed.manifest))
         if new.closed and not old.closed:
             events.append(Closed())
         for rev in events:

@@ -243,8 +243,11 @@ class NodeHandle:
         role = role_of(view, self.node_id)
         if role is None or self.create_revision is None:
             return None  # our key went meanwhile: the caller's loop registers again
-        return RoundInfo(self.node_id, sealed.epoch, role, sealed.manifest, self.create_revision,
-                         sealed.members.get(self.node_id) if role == "member" else None)
+        if self.create_revision < sealed.epoch and not sealed.knows(self.node_id):
+            return None  # a large round whose bucket with this node was not read yet
+        return RoundInfo(self.node_id, sealed.epoch, role, sealed.header, self.create_revision,
+                         sealed.members.get(self.node_id) if role == "member" else None,
+                         sealed.spares.get(self.node_id) if role == "spare" else None, sealed.manifest)
 
     def wait_round_end(self, timeout: float) -> RoundEnd | None:
         """Block until the round last returned by :meth:`join` is over for this node; ``None`` if
@@ -274,9 +277,9 @@ class NodeHandle:
         if not self._own_entry_ok(view) or (self.lease is not None and self.lease in self.rdzv.store.lost_leases()):
             return RoundEnd(info.epoch, f"node {self.node_id}'s key is gone", (self.node_id,), view.closed, True)
         if view.epoch != info.epoch:
-            why = f"round {view.sealed.manifest.round} was sealed" if view.sealed else "the manifest was deleted"
-            if view.sealed is not None and view.sealed.manifest.reason:
-                why += f" ({view.sealed.manifest.reason})"
+            why = f"round {view.sealed.header.round} was sealed" if view.sealed else "the manifest was deleted"
+            if view.sealed is not None and view.sealed.header.reason:
+                why += f" ({view.sealed.header.reason})"
             return RoundEnd(info.epoch, why, (), view.closed)
         status = round_status(view)
         if not status.live:
@@ -293,12 +296,14 @@ class NodeHandle:
     def waiting_count(self) -> int:
         """How many present nodes are outside the current round. A light view does not hold the other nodes'
         keys, so it asks etcd how many node keys there are (one count-only read) and subtracts the round's
-        members and spares that are still there."""
+        members and spares that are still there. (Of a large round it knows only its own buckets: a node gone
+        from another bucket still counts as there, so the count may be short, never long.)"""
         view = self.rdzv.view()
         if view.full or view.sealed is None:
             return len(waiting_nodes(view))
-        m, planned = view.sealed.manifest, view.sealed.manifest.view_revision
-        listed = sum(1 for n in (*(x.node_id for x in m.members), *m.spares) if view.gone.get(n, 0) <= planned)
+        sealed, planned = view.sealed, view.sealed.header.view_revision
+        listed = sealed.header.members + sealed.header.spares - sum(
+            1 for n in (*sealed.members, *sealed.spares) if view.gone.get(n, 0) > planned)
         return max(0, self.rdzv.store.count_prefix(self.rdzv.prefix + NODES) - listed)
 
     def fence(self) -> Fence:

@@ -37,15 +37,14 @@ from typing import Literal, TypeVar
 
 from stalwart.agent.rendezvous.errors import CorruptRecord
 from stalwart.agent.rendezvous.settings import RendezvousSettings
+from stalwart.api.manifest import MANIFEST_PARTS, ManifestHeader, RoundPart, decode_round
 from stalwart.api.rendezvous import (
-    MANIFEST_PARTS,
     ExpectedNodes,
     Manifest,
     Member,
     NodeRecord,
     RerendezvousRequest,
     SealerRecord,
-    decode_manifest,
 )
 from stalwart.etcd.keys import CLOSED, EXPECTED, MANIFEST, NODES, REQUEST, SEALER
 
@@ -76,16 +75,42 @@ class SealerClaim:
 
 @dataclass(frozen=True, slots=True)
 class SealedRound:
-    """A manifest and its epoch (the manifest key's mod_revision), with its members indexed by node id."""
+    """A sealed round and its epoch (the manifest key's mod_revision): its header, and its members (by node id,
+    in group rank order when whole) and spares (node id -> index) as far as this view holds them. A full view
+    and any view of a manifest that fits one record hold it whole (``manifest``); a light view of a large one
+    holds the buckets of its own nodes (``knows``)."""
 
-    manifest: Manifest
+    part: RoundPart
     epoch: int
-    members: Mapping[str, Member] = field(default_factory=dict, compare=False, repr=False)
-    spares: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    #: The manifest key's value, to read the round again when more of its buckets arrive.
+    value: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def header(self) -> ManifestHeader:
+        return self.part.header
+
+    @property
+    def manifest(self) -> Manifest | None:
+        return self.part.manifest
+
+    @property
+    def members(self) -> Mapping[str, Member]:
+        return self.part.members
+
+    @property
+    def spares(self) -> Mapping[str, int]:
+        return self.part.spares
+
+    @property
+    def bucketed(self) -> bool:
+        return bool(self.part.header.buckets)
+
+    def knows(self, node_id: str) -> bool:
+        return self.part.knows(node_id)
 
     @classmethod
     def of(cls, manifest: Manifest, epoch: int) -> SealedRound:
-        return cls(manifest, epoch, {m.node_id: m for m in manifest.members}, frozenset(manifest.spares))
+        return cls(decode_round(manifest.to_json_bytes(), {}), epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +187,8 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
     problems = dict(view.problems)
     revision = view.revision
     parts: dict[str, tuple[bytes, int]] | None = None
-    # A manifest header whose parts were not all seen yet: a full read lists "manifest" before its parts.
-    pending: KeyPut | None = None
+    # The manifest is read once the batch is applied: a read lists "manifest" before its buckets.
+    manifest: KeyPut | None = None
     for ev in events:
         revision = max(revision, ev.mod_revision)
         key = ev.key
@@ -193,14 +218,11 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
                 else:
                     parts[key] = (ev.value, ev.mod_revision)
             elif key == MANIFEST:
-                pending = None
+                manifest = None
                 if isinstance(ev, KeyDeleted):
                     sealed = None
                 else:
-                    try:
-                        sealed = _sealed(ev, view.parts if parts is None else parts)
-                    except CorruptRecord:
-                        pending = ev  # its parts may come later in this batch (a full read's key order)
+                    manifest = ev
             elif key == REQUEST:
                 request = None if isinstance(ev, KeyDeleted) else parse_record(RerendezvousRequest, key, ev.value)
             elif key == CLOSED:
@@ -219,14 +241,17 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
                                          ev.lease)
         except CorruptRecord as e:
             problems[key] = str(e)
-    if pending is not None:
+    if manifest is None and parts is not None and sealed is not None and sealed.bucketed:
+        # More buckets of the round held: read it again (a light view's own buckets come after its header).
+        manifest = KeyPut(MANIFEST, sealed.value, 0, sealed.epoch)
+    if manifest is not None:
         try:
-            sealed = _sealed(pending, view.parts if parts is None else parts)
+            sealed = _sealed(manifest, view.parts if parts is None else parts, whole=view.full)
         except CorruptRecord as e:
             problems[MANIFEST] = str(e)
     if sealed is not view.sealed and sealed is not None and (gone or view.gone):
         # Deletions up to the new round's view are of incarnations it did not take: forget them.
-        planned = sealed.manifest.view_revision
+        planned = sealed.header.view_revision
         gone = {n: r for n, r in (view.gone if gone is None else gone).items() if r > planned}
     return View(revision=revision, nodes=view.nodes if nodes is None else nodes, sealed=sealed,
                 request=request, closed=closed, expected=expected, sealer=sealer, sealer_gone=sealer_gone,
@@ -234,10 +259,11 @@ def apply(view: View, events: Sequence[KeyEvent]) -> View:
                 parts=view.parts if parts is None else parts)
 
 
-def _sealed(ev: KeyPut, parts: Mapping[str, tuple[bytes, int]]) -> SealedRound:
-    """The round a put of the manifest key seals; raises :class:`CorruptRecord` if it cannot be read whole."""
+def _sealed(ev: KeyPut, parts: Mapping[str, tuple[bytes, int]], *, whole: bool) -> SealedRound:
+    """The round a put of the manifest key seals, whole or as far as ``parts`` hold its buckets; raises
+    :class:`CorruptRecord` if it cannot be read (whole, for a full view)."""
     try:
-        return SealedRound.of(decode_manifest(ev.value, ev.mod_revision, parts), ev.mod_revision)
+        return SealedRound(decode_round(ev.value, parts, whole=whole), ev.mod_revision, ev.value)
     except ValueError as e:
         raise CorruptRecord(MANIFEST, f"not a valid Manifest: {e}") from None
 
@@ -268,9 +294,13 @@ def round_status(view: View) -> RoundStatus:
 def _round_status(view: View) -> RoundStatus:
     if view.sealed is None:
         return RoundStatus(False, "first round")
-    epoch, planned = view.epoch, view.sealed.manifest.view_revision
-    # A full view sees the members' keys themselves; a light one (and a full one) sees their deletions.
-    lost = tuple(m.node_id for m in view.sealed.manifest.members
+    epoch, planned = view.epoch, view.sealed.header.view_revision
+    # A full view sees the members' keys themselves; every view sees the deletions of the members it knows (a
+    # light view of a large manifest knows its own buckets: the sealer ends the round for it, see EndRound).
+    sealed = view.sealed
+    members = sealed.manifest.members if sealed.manifest is not None else sorted(
+        sealed.members.values(), key=lambda m: m.group_rank)
+    lost = tuple(m.node_id for m in members
                  if view.gone.get(m.node_id, 0) > planned
                  or (view.full and ((e := view.nodes.get(m.node_id)) is None or e.create_revision > epoch)))
     if lost:
@@ -278,7 +308,8 @@ def _round_status(view: View) -> RoundStatus:
                            + (f" and {len(lost) - 8} more" if len(lost) > 8 else ""), lost)
     if view.request is not None and view.request.epoch == epoch:
         r = view.request
-        return RoundStatus(False, f"re-rendezvous requested by {r.node_id}" + (f": {r.reason}" if r.reason else ""))
+        return RoundStatus(False, f"re-rendezvous requested by {r.node_id}" + (f": {r.reason}" if r.reason else ""),
+                           tuple(r.lost))
     return RoundStatus(True, "")
 
 
@@ -287,7 +318,8 @@ Role = Literal["member", "spare", "waiting"]
 
 def role_of(view: View, node_id: str) -> Role | None:
     """This node's place in the last sealed round: member, spare, waiting (present but not in it), or
-    ``None`` when its key is not present."""
+    ``None`` when its key is not present. A light view of a large manifest must hold the node's bucket
+    (``view.sealed.knows``) for the answer to mean anything, unless the node arrived after the seal."""
     entry = view.nodes.get(node_id)
     if entry is None:
         return None
@@ -303,8 +335,7 @@ def waiting_nodes(view: View) -> list[str]:
     """Present nodes that are neither members nor spares of the last sealed round (late arrivals)."""
     if view.sealed is None:
         return sorted(view.nodes)
-    m = view.sealed.manifest
-    listed = {x.node_id for x in m.members} | set(m.spares)
+    listed = set(view.sealed.members) | set(view.sealed.spares)
     return sorted(n for n, e in view.nodes.items() if n not in listed or e.create_revision > view.sealed.epoch)
 
 
@@ -333,7 +364,7 @@ def plan_round(view: View, settings: RendezvousSettings, sealer: str, reason: st
     prev: dict[str, int] = {}
     if view.sealed is not None:
         epoch = view.sealed.epoch
-        prev = {m.node_id: m.group_rank for m in view.sealed.manifest.members
+        prev = {m.node_id: m.group_rank for m in view.sealed.members.values()
                 if (e := view.nodes.get(m.node_id)) is not None and e.create_revision < epoch}
     survivors = sorted(prev, key=lambda n: prev[n])
     others = sorted((n for n in view.nodes if n not in prev),
@@ -360,7 +391,7 @@ def plan_round(view: View, settings: RendezvousSettings, sealer: str, reason: st
                               nproc=rec.nproc, rpc_port=rec.rpc_port))
         offset += rec.nproc
     first = view.nodes[members[0].node_id].record
-    return Manifest(round=(view.sealed.manifest.round + 1) if view.sealed else 1, members=members,
+    return Manifest(round=(view.sealed.header.round + 1) if view.sealed else 1, members=members,
                     spares=spares, world_size=offset, master_addr=first.address, master_port=first.master_port,
                     sealed_by=sealer, reason=reason, view_revision=view.revision)
 
@@ -383,6 +414,8 @@ class State:
     last_call_deadline: float | None = None
     sealing_at: int | None = None
     claiming_at: int | None = None
+    #: The epoch whose end was last written for the light views (see :class:`EndRound`).
+    ending: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,7 +507,20 @@ class WakeAt:
     deadline: float
 
 
-RendezvousAction = Seal | Claim | WakeAt
+@dataclass(frozen=True, slots=True)
+class EndRound:
+    """Write a re-rendezvous request for ``epoch`` from the sealer ``node_id``, naming the ``lost`` members,
+    only if the manifest is still that epoch's. The light views of a large round hold only their own buckets,
+    so most cannot tell that a deleted key was a member's; the sealer tells them. It is not written when a
+    seal follows at once: the new manifest tells them as well."""
+
+    epoch: int
+    node_id: str
+    reason: str
+    lost: tuple[str, ...]
+
+
+RendezvousAction = Seal | Claim | EndRound | WakeAt
 
 
 def _with_local(view: View, node_id: str, entry: NodeEntry | None) -> View:
@@ -529,7 +575,7 @@ def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[Stat
             view = _with_sealer(_with_local(view, event.node_id, event.entry), event.sealer)
         state = replace(state, local=local, view=view)
     elif isinstance(event, SealFailed):
-        state = replace(state, sealing_at=None)
+        state = replace(state, sealing_at=None, ending=None)
     elif isinstance(event, ClaimFailed):
         state = replace(state, claiming_at=None)
     claim = _claim(state)
@@ -543,15 +589,20 @@ def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[Stat
             or sealer not in view.nodes):
         return replace(state, last_call_deadline=None), []
     readiness = ready_to_seal(view, settings)
+    ending: list[RendezvousAction] = []
+    if (readiness != "now" and status.lost and view.sealed is not None and view.sealed.bucketed
+            and state.ending != view.epoch and not (view.request is not None and view.request.epoch == view.epoch)):
+        ending = [EndRound(view.epoch, sealer, status.reason, status.lost)]
+        state = replace(state, ending=view.epoch)
     if readiness == "no":
-        return replace(state, last_call_deadline=None), []
+        return replace(state, last_call_deadline=None), ending
     if readiness == "last-call":
         deadline = state.last_call_deadline
         if deadline is None:
             deadline = now + settings.last_call_timeout
             state = replace(state, last_call_deadline=deadline)
         if now < deadline:
-            return state, [WakeAt(deadline)]
+            return state, [*ending, WakeAt(deadline)]
     if state.sealing_at == view.revision:
         return state, []
     manifest = plan_round(view, settings, sealer, status.reason)

@@ -1,9 +1,10 @@
 """What one process reads of a job's rendezvous prefix when its watch (re)starts, and what it then watches.
 
 Pure: the driver sends the reads and opens the watch. A **full** view (the sealer's process) reads and watches
-the whole prefix. A **light** view (every other process) reads the control keys, the manifest's parts and its
-own nodes' keys, and watches the control keys and only the deletions of node keys; when a round is sealed it
-also reads which node keys exist (keys only, no values), so that a member lost before the read counts as lost.
+the whole prefix. A **light** view (every other process) reads the control keys and its own nodes' keys, and
+watches the control keys and only the deletions of node keys; when a round is sealed it also reads which node
+keys exist (keys only, no values), so that a member lost before the read counts as lost. Of a large manifest
+(:mod:`stalwart.api.manifest`) it reads only the buckets of its own nodes (:func:`buckets_to_read`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from stalwart.agent.rendezvous.protocol import KeyPut, View, apply
-from stalwart.api.rendezvous import MANIFEST_PARTS
+from stalwart.api.manifest import bucket_of, manifest_part_key
 from stalwart.etcd.keys import CLOSED, EXPECTED, MANIFEST, NODES, REQUEST, SEALER
 from stalwart.etcd.store import Compare, Get, KeyValue, TxnResult, WatchRange
 
-__all__ = ["full_ranges", "full_view", "light_ranges", "light_read", "light_view"]
+__all__ = ["buckets_to_read", "full_ranges", "full_view", "light_ranges", "light_read", "light_view"]
 
 #: The keys a light view reads and watches (relative to the prefix) besides the manifest's parts.
 _CONTROL = (MANIFEST, REQUEST, CLOSED, EXPECTED, SEALER)
@@ -31,8 +32,7 @@ def full_ranges(prefix: str) -> tuple[WatchRange, ...]:
 
 
 def light_ranges(prefix: str) -> tuple[WatchRange, ...]:
-    return (*(WatchRange(prefix + key) for key in _CONTROL), WatchRange(prefix + MANIFEST_PARTS, prefix=True),
-            WatchRange(prefix + NODES, prefix=True, no_put=True))
+    return (*(WatchRange(prefix + key) for key in _CONTROL), WatchRange(prefix + NODES, prefix=True, no_put=True))
 
 
 def full_view(prefix: str, kvs: Sequence[KeyValue], revision: int) -> View:
@@ -41,10 +41,9 @@ def full_view(prefix: str, kvs: Sequence[KeyValue], revision: int) -> View:
 
 
 def light_read(prefix: str, local: Iterable[str]) -> tuple[list[Compare], list[Get], list[Get]]:
-    """The transaction of a light read: the control keys, the manifest's parts and the keys of the ``local``
-    nodes; and, only when a manifest exists, every node key without its value (its last read, one per node)."""
-    reads = [*(Get(prefix + key) for key in _CONTROL), Get(prefix + MANIFEST_PARTS, prefix=True),
-             *(Get(prefix + NODES + node_id) for node_id in sorted(local))]
+    """The transaction of a light read: the control keys and the keys of the ``local`` nodes; and, only when a
+    manifest exists, every node key without its value (its last read, one per node)."""
+    reads = [*(Get(prefix + key) for key in _CONTROL), *(Get(prefix + NODES + node_id) for node_id in sorted(local))]
     return [Compare(prefix + MANIFEST, "create", "==", 0)], reads, [*reads, Get(prefix + NODES, prefix=True,
                                                                                 keys_only=True)]
 
@@ -64,6 +63,17 @@ def light_view(prefix: str, result: TxnResult) -> View:
     if keys is None or sealed is None:
         return view
     present = {kv.key[len(prefix + NODES):]: kv.create_revision for kv in keys}
-    lost = {m.node_id: result.revision for m in sealed.manifest.members
-            if present.get(m.node_id, sealed.epoch + 1) > sealed.epoch}
+    lost = {node_id: result.revision for node_id in sealed.members
+            if present.get(node_id, sealed.epoch + 1) > sealed.epoch}
     return replace(view, gone=lost) if lost else view
+
+
+def buckets_to_read(view: View, local: Iterable[str]) -> list[str]:
+    """The buckets of a large manifest (keys relative to the prefix) that a light ``view`` needs and does not
+    hold: those of its ``local`` nodes (a bucket held from an earlier round counts while its digest is the
+    header's)."""
+    sealed = view.sealed
+    if view.full or sealed is None or not sealed.bucketed:
+        return []
+    count = len(sealed.header.buckets)
+    return sorted({manifest_part_key(bucket_of(n, count)) for n in local if not sealed.knows(n)})

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stalwart.agent.rendezvous.protocol import Role
+from stalwart.api.manifest import ManifestHeader
 from stalwart.api.rendezvous import Manifest, Member
 
 __all__ = ["Closed", "RoundEnd", "RoundEnded", "RoundEvent", "RoundInfo", "RoundSealed"]
@@ -17,24 +18,29 @@ class RoundInfo:
 
     ``role`` is ``"member"`` (it runs ranks), ``"spare"`` (present beyond ``max_nodes``; waits for a later
     round) or ``"waiting"`` (it arrived after the round was sealed; it is in the next one).
-    ``node_revision`` is the ``create_revision`` of the node's key, used to fence its writes.
+    ``node_revision`` is the ``create_revision`` of the node's key, used to fence its writes. ``header`` is
+    the round without its member list; ``manifest`` the whole round when this process holds it (a large
+    round's manifest is read only by the sealer: every other node reads its own bucket).
     """
 
     node_id: str
     epoch: int
     role: Role
-    manifest: Manifest
+    header: ManifestHeader
     node_revision: int
     #: This node's member entry, ``None`` unless ``role == "member"``.
     member: Member | None = None
+    #: This node's place among the spares, ``None`` unless ``role == "spare"``.
+    spare_index: int | None = None
+    manifest: Manifest | None = None
 
     @property
     def round(self) -> int:
-        return self.manifest.round
+        return self.header.round
 
     @property
     def world_size(self) -> int:
-        return self.manifest.world_size
+        return self.header.world_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +59,11 @@ class RoundEnd:
 
 @dataclass(frozen=True, slots=True)
 class RoundSealed:
-    """Listener event: a new round was sealed."""
+    """Listener event: a new round was sealed (``manifest``: the whole round, when this process holds it)."""
 
     epoch: int
-    manifest: Manifest
+    header: ManifestHeader
+    manifest: Manifest | None
 
 
 @dataclass(frozen=True, slots=True)

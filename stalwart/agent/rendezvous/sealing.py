@@ -7,7 +7,7 @@ driver sends as one etcd transaction.
 from __future__ import annotations
 
 from stalwart.agent.rendezvous.protocol import Seal
-from stalwart.api.rendezvous import encode_manifest, manifest_part_key
+from stalwart.api.manifest import encode_manifest, manifest_part_key
 from stalwart.etcd.keys import CLOSED, MANIFEST, NODES
 from stalwart.etcd.store import Compare, Put
 
@@ -17,10 +17,11 @@ def seal_txn(prefix: str, seal: Seal) -> tuple[list[Compare], list[Put]]:
 
     The compares fence the seal: the manifest is still the one of ``seal.over_epoch``, the rendezvous is not
     closed, the sealer's node key is the incarnation that planned the round, and no node key was created
-    after the view the round was planned over. A manifest larger than one record is written as parts followed
-    by its header (the ``manifest`` key) in this same transaction: all of them get the transaction's revision,
-    the round's epoch, and a reader takes only parts of the header's revision, so it sees all or nothing.
-    Raises ``ValueError`` when the manifest exceeds :data:`~stalwart.api.rendezvous.MAX_MANIFEST_BYTES`.
+    after the view the round was planned over. A manifest larger than one record is written as buckets and
+    their header (the ``manifest`` key, :mod:`stalwart.api.manifest`) in this same transaction: all of them get
+    the transaction's revision, the round's epoch, and a reader takes only buckets whose digest is the
+    header's. Raises ``ValueError`` when the manifest exceeds
+    :data:`~stalwart.api.manifest.MAX_MANIFEST_BYTES`.
     """
     key = prefix + MANIFEST
     header, parts = encode_manifest(seal.manifest)
