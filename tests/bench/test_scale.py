@@ -78,9 +78,10 @@ def test_a_manifest_over_the_record_cap_is_refused_and_reported() -> None:
     assert PREFIX + MANIFEST not in run.sim.mem.keys
 
 
-def test_a_round_whose_manifest_exceeds_one_record_is_sealed_in_parts() -> None:
-    """2,600 nodes: the manifest is over the 256 KiB record cap (such a job never formed: the seal was refused
-    before it was sent, at every retry). Now it is sealed in parts, in one transaction, for one write."""
+def test_a_round_whose_manifest_exceeds_one_record_is_sealed_in_buckets_each_node_reading_its_own() -> None:
+    """2,600 nodes: the manifest is over the 256 KiB record cap (such a job once never formed: the seal was
+    refused before it was sent). It is sealed as a header and buckets in one transaction, for one write; every
+    node but the sealer is sent the header and reads one bucket, not the manifest."""
     n = 2600
     run = RendezvousRun(n, COSTS)
     first = run.first_round(limit=600)
@@ -88,10 +89,13 @@ def test_a_round_whose_manifest_exceeds_one_record_is_sealed_in_parts() -> None:
     assert first["manifest_bytes"] > MAX_RECORD_BYTES
     (epoch, m), = run.manifests()
     assert len(m.members) == n and m.spares == ["trainjob-spare-0"] and m.world_size == 8 * n
-    parts, _ = run.sim.mem.get_prefix(PREFIX + MANIFEST_PARTS)
-    assert len(parts) == 2 and {kv.mod_revision for kv in parts} == {epoch}
-    assert first["writes"] == 2 * (n + 1) + 1  # the parts and the header are one proposal
+    buckets, _ = run.sim.mem.get_prefix(PREFIX + MANIFEST_PARTS)
+    assert len(buckets) == 33 and {kv.mod_revision for kv in buckets} == {epoch}
+    assert first["writes"] == 2 * (n + 1) + 1  # the buckets and the header are one proposal
     assert all(list(a.held) == [epoch] for a in run.agents)
+    light = [p for p in run.procs if not p.rdzv.view().full]
+    assert len(light) == n and all(len(p.rdzv.view().parts) == 1 for p in light)
+    assert first["watch_bytes"] < 2 * first["manifest_bytes"] + n * 4096  # the header to each, not the list
 
 
 def test_restart_barrier_releases_every_rank_once_into_one_seal() -> None:
