@@ -24,7 +24,7 @@ from typing import Any
 from unittest import mock
 
 from bench.scalesim.sim import Costs, Sim, Subscription, TimedStore
-from stalwart.agent.rendezvous import protocol
+from stalwart.agent.rendezvous import view as views
 from stalwart.agent.rendezvous.driver import NodeHandle, Rendezvous, _to_event
 from stalwart.agent.rendezvous.protocol import ClaimFailed, KeyPut, Observed, SealedRound, SealFailed, Tick
 from stalwart.agent.rendezvous.settings import RendezvousSettings
@@ -38,7 +38,7 @@ PREFIX = KEYS.rendezvous
 
 
 class SharedManifests:
-    """``protocol._sealed`` computed once per epoch and set of buckets held: one manifest per revision, and the
+    """``view._sealed`` computed once per epoch and set of buckets held: one manifest per revision, and the
     same header and buckets decode to the same round for every process."""
 
     def __init__(self) -> None:
@@ -55,11 +55,11 @@ class SharedManifests:
             self.decoded += 1
         return got
 
-    _real = staticmethod(protocol._sealed)
+    _real = staticmethod(views._sealed)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        with mock.patch.object(protocol, "_sealed", self.sealed):
+        with mock.patch.object(views, "_sealed", self.sealed):
             yield
 
 
