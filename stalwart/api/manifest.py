@@ -1,6 +1,6 @@
 """A large manifest in etcd: a header in the ``manifest`` key and the member list in buckets.
 
-A round of a few thousand nodes has a manifest of several hundred KiB. Sending it whole to every node costs
+A round of a thousand nodes has a manifest of 100 KiB, of ten thousand 1 MiB. Sending it whole to every node costs
 N times its size on every round (10 GB at 10,000 nodes), and a node needs only its own place in it. So a
 manifest larger than one record is written, in the seal's one transaction, as:
 
@@ -11,8 +11,8 @@ manifest larger than one record is written, in the seal's one transaction, as:
 
 Every node is sent the header and reads only its own bucket; a bucket whose digest did not change since the
 node's last round need not be read again. A reader takes a bucket only when its digest is the header's, so it
-never mixes two rounds. A manifest that fits one record stays one :class:`~stalwart.api.rendezvous.Manifest`
-document, as every manifest was before.
+never mixes two rounds. A smaller manifest stays one :class:`~stalwart.api.rendezvous.Manifest` document, as
+every manifest was before.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = [
     "MANIFEST_PARTS",
     "MAX_BUCKETS",
     "MAX_MANIFEST_BYTES",
+    "WHOLE_MANIFEST_BYTES",
     "ManifestBucket",
     "ManifestHeader",
     "RoundPart",
@@ -53,6 +54,9 @@ MANIFEST_PARTS = "manifest-parts/"
 MAX_BUCKETS = 120
 #: About how many bytes of the member list go in one bucket: what one node reads to learn its place.
 BUCKET_BYTES = 8 * 1024
+#: The largest manifest kept as one document (about 300 members). Every node is sent it on every round, so
+#: past this a header and one bucket per node cost less (at 1,000 nodes: 9 KB instead of 100 KB per node).
+WHOLE_MANIFEST_BYTES = 32 * 1024
 #: The most bytes of member list a round may have: one transaction must stay under etcd's default request limit
 #: (``--max-request-bytes``, 1.5 MiB) with room for the keys and the compares; about 12,000 members of 100 bytes.
 MAX_MANIFEST_BYTES = 5 * MAX_RECORD_BYTES
@@ -111,7 +115,7 @@ class ManifestHeader(ApiModel):
                    spares=len(m.spares), buckets=buckets or [])
 
 
-def encode_manifest(manifest: Manifest, part_bytes: int = MAX_RECORD_BYTES) -> tuple[bytes, list[bytes]]:
+def encode_manifest(manifest: Manifest, part_bytes: int = WHOLE_MANIFEST_BYTES) -> tuple[bytes, list[bytes]]:
     """The ``manifest`` key's value and the buckets to write with it, in the same transaction.
 
     A manifest of at most ``part_bytes`` is its own JSON document with no buckets. A larger one is a

@@ -10,7 +10,7 @@ Key layout (``R`` = ``JobKeys(ns, uid).rendezvous``):
     first node to claim it holds it until its lease goes. Only the sealer's process watches every node key;
     every other process watches the control keys and only the deletions of node keys.
 ``R + "manifest"`` -> :class:`Manifest`, or a :class:`~stalwart.api.manifest.ManifestHeader` when the manifest
-    is larger than one record. The sealed round, written by one writer in one transaction. Its
+    is larger than 32 KiB (about 300 members). The sealed round, written by one writer in one transaction. Its
     ``mod_revision`` is the round's **epoch**: the fencing token every round-bound write compares.
 ``R + "manifest-parts/<index>"`` -> :class:`~stalwart.api.manifest.ManifestBucket`
     A large manifest's members and spares, in buckets by a hash of their node ids, written in the seal's
@@ -25,7 +25,7 @@ Key layout (``R`` = ``JobKeys(ns, uid).rendezvous``):
     present instead of waiting for the last call.
 
 Every value is a JSON document of one of these models, size-capped by :data:`MAX_RECORD_BYTES`. The manifest of
-a 1024-node round is about 100 KiB and fits in one record; past about 2,200 nodes it is written in buckets
+a 1024-node round is about 100 KiB; past about 300 nodes it is written in buckets
 (:func:`~stalwart.api.manifest.encode_manifest`).
 """
 

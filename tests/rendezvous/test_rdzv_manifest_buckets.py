@@ -16,6 +16,7 @@ from stalwart.api.base import MAX_RECORD_BYTES
 from stalwart.api.manifest import (
     MAX_BUCKETS,
     MAX_MANIFEST_BYTES,
+    WHOLE_MANIFEST_BYTES,
     ManifestHeader,
     bucket_of,
     decode_manifest,
@@ -52,8 +53,9 @@ def written(parts: list[bytes], revision: int) -> Parts:
 
 
 @pytest.mark.parametrize(("m", "part_bytes", "buckets"), [
-    (SMALL, MAX_RECORD_BYTES, 0),  # fits one record: the manifest itself, as before buckets existed
-    (LARGE, MAX_RECORD_BYTES, 38),  # ~300 KB: buckets of about 8 KiB
+    (SMALL, WHOLE_MANIFEST_BYTES, 0),  # 4 KB: the manifest itself, as before buckets existed
+    (manifest(400), WHOLE_MANIFEST_BYTES, 5),  # 40 KB: buckets of about 8 KiB
+    (LARGE, MAX_RECORD_BYTES, 38),  # ~300 KB
     (SMALL, 1024, 4),  # any record size works alike
 ])
 def test_encode_then_decode_gives_the_same_manifest(m: Manifest, part_bytes: int, buckets: int) -> None:

@@ -17,7 +17,7 @@ def seal_txn(prefix: str, seal: Seal) -> tuple[list[Compare], list[Put]]:
 
     The compares fence the seal: the manifest is still the one of ``seal.over_epoch``, the rendezvous is not
     closed, the sealer's node key is the incarnation that planned the round, and no node key was created
-    after the view the round was planned over. A manifest larger than one record is written as buckets and
+    after the view the round was planned over. A manifest larger than 32 KiB is written as buckets and
     their header (the ``manifest`` key, :mod:`stalwart.api.manifest`) in this same transaction: all of them get
     the transaction's revision, the round's epoch, and a reader takes only buckets whose digest is the
     header's. Raises ``ValueError`` when the manifest exceeds

@@ -51,7 +51,7 @@ class SealerClaim:
 class SealedRound:
     """A sealed round and its epoch (the manifest key's mod_revision): its header, and its members (by node id,
     in group rank order when whole) and spares (node id -> index) as far as this view holds them. A full view
-    and any view of a manifest that fits one record hold it whole (``manifest``); a light view of a large one
+    and any view of a small manifest (one document) hold it whole (``manifest``); a light view of a large one
     holds the buckets of its own nodes (``knows``)."""
 
     part: RoundPart
