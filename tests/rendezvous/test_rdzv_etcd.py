@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -114,6 +115,32 @@ def test_lease_expiry_removes_a_dead_node_and_starts_a_new_round(make_rdzv, etcd
         seen.append(events.get())
     assert any(isinstance(e, RoundEnded) and e.lost == ("c",) for e in seen)
     assert [e.header.round for e in seen if isinstance(e, RoundSealed)][-1] == 2
+
+
+def test_when_the_sealers_node_goes_a_light_process_claims_the_key_and_seals_the_next_round(
+        make_rdzv, etcd: EtcdServer) -> None:
+    settings = RendezvousSettings(min_nodes=2, max_nodes=3, last_call_timeout=0.3, node_ttl=30)
+    doomed_store = Store([etcd.endpoint])
+    doomed_rdzv = make_rdzv(replace(settings, node_ttl=2), on=doomed_store)
+    sealer = doomed_rdzv.node(record("s"))
+    assert doomed_rdzv.wait_loaded(10)
+    sealer._register(time.monotonic() + 10)  # the first to register claims the sealer's key with its node key
+    r = make_rdzv(settings)
+    a, b = r.node(record("a")), r.node(record("b"))
+    first = infos(join_all([sealer, a, b]))
+    assert first["a"].header.sealed_by == "s" and first["a"].world_size == 3
+    assert doomed_rdzv.view().full and not r.view().full  # only the sealer's process watches every node
+    assert set(r.view().nodes) == {"a", "b"}  # a light view holds its own nodes' keys only
+    # The sealer's process dies: its lease expires, its node key and the sealer's key with it.
+    doomed_rdzv.shutdown()
+    doomed_store.close()
+    end = a.wait_round_end(ROUND_END_WAIT)
+    assert end is not None and end.lost == ("s",)
+    second = infos(join_all([a, b]))
+    view = r.view()
+    assert view.full and view.sealer is not None and view.sealer.node_id in ("a", "b")
+    assert second["a"].round == 2 and second["a"].world_size == 2
+    assert second["a"].header.sealed_by == view.sealer.node_id
 
 
 def test_leave_ends_the_round_for_the_others(make_rdzv) -> None:
