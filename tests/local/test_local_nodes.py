@@ -150,8 +150,12 @@ def test_a_partitioned_node_pauses_its_processes_and_they_act_again_when_it_retu
         core.create_namespaced_pod(ns, body)
     pids = {name: pid_of(wait_until(lambda name=name: running(core, ns, name), name))
             for name in ("zombie", "graceful")}
+    # Both must tick before the partition: a process paused before it set its SIGTERM handler would die of the
+    # kubelet's SIGTERM after the resume (exit 143) instead of noting it.
+    for name in ("zombie", "graceful"):
+        wait_until(lambda name=name: (tmp_path / name).exists() and int((tmp_path / name).read_text() or 0) > 0,
+                   f"{name} to tick")
     ticks = tmp_path / "zombie"
-    wait_until(lambda: ticks.exists() and int(ticks.read_text() or 0) > 0, "the zombie to tick")
     try:
         local_cluster.lose_node(victim, partition=True)
         assert {process_state(pid) for pid in pids.values()} == {"T"}  # paused, not killed
