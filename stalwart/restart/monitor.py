@@ -250,8 +250,11 @@ class Monitor:
             self._report_and_interrupt(report)
 
     def _report_and_interrupt(self, report: Report) -> None:
-        with contextlib.suppress(Exception):  # interrupting matters more than reporting
+        try:
             self.coord.report_fault(report.record(self.coord.slot, self.coord.node_id, time.time(), pid=self.pid))
+        except Exception as e:  # interrupting matters more than reporting, but a lost report must be seen
+            log.warning("slot %d iteration %d: the %s fault was not recorded (%s: %s); interrupting anyway",
+                        self.coord.slot, report.iteration, report.kind, type(e).__name__, e)
         self._interrupt(report.reason)
 
     def _run(self) -> None:
