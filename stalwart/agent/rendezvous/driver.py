@@ -43,6 +43,7 @@ from stalwart.agent.rendezvous.reading import (
     buckets_to_read,
     full_ranges,
     full_view,
+    key_puts,
     light_ranges,
     light_read,
     light_view,
@@ -51,7 +52,8 @@ from stalwart.agent.rendezvous.rounds import Closed, RoundEnded, RoundEvent, Rou
 from stalwart.agent.rendezvous.sealing import seal_txn
 from stalwart.agent.rendezvous.settings import RendezvousSettings
 from stalwart.api.rendezvous import ExpectedNodes, NodeRecord, RerendezvousRequest, SealerRecord
-from stalwart.etcd.keys import EXPECTED, MANIFEST, NODES, REQUEST, SEALER, JobKeys
+from stalwart.etcd.fence import Fence, StaleEpoch
+from stalwart.etcd.keys import EXPECTED, NODES, REQUEST, SEALER, JobKeys
 from stalwart.etcd.outage import Outage
 from stalwart.etcd.store import Compare, Get, Put, Store, StoreError, WatchEvent, WatchRange
 
@@ -253,17 +255,20 @@ class Rendezvous:
         if not keys:
             return
         res = self.store.txn([], [Get(self.prefix + key) for key in keys])
-        events = tuple(KeyPut(kv.key[len(self.prefix):], kv.value, kv.create_revision, kv.mod_revision, kv.lease)
-                       for read in res.responses for kv in read)
+        events = key_puts(self.prefix, (kv for read in res.responses for kv in read))
         if events:
-            self._feed(Observed(events, time.monotonic()))
+            self._feed(Observed(tuple(events), time.monotonic()))
 
     def _end_round(self, end: EndRound) -> None:
         request = RerendezvousRequest(epoch=end.epoch, node_id=end.node_id, reason=end.reason[:1024],
                                       lost=list(end.lost[:1024]))
+        with self._lock:
+            entry = self._state.view.nodes.get(end.node_id)
+        holder = None if entry is None else (end.node_id, entry.create_revision)
         try:
-            self.store.txn([Compare(self.prefix + MANIFEST, "mod", "==", end.epoch)],
-                           [Put(self.prefix + REQUEST, request.to_json_bytes())])
+            Fence(self.store, self.keys, end.epoch, holder=holder).put(self.prefix + REQUEST, request.to_json_bytes())
+        except StaleEpoch:
+            pass  # the round is over already (a newer one was sealed, or this sealer's key is gone)
         except StoreError as e:
             log.warning("rendezvous %s: ending the round of epoch %d failed: %s", self.prefix, end.epoch, e)
             self._seal_retry_at = time.monotonic() + 0.2 + 0.3 * random.random()

@@ -17,13 +17,14 @@ from stalwart.api.manifest import bucket_of, manifest_part_key
 from stalwart.etcd.keys import CLOSED, EXPECTED, MANIFEST, NODES, REQUEST, SEALER
 from stalwart.etcd.store import Compare, Get, KeyValue, TxnResult, WatchRange
 
-__all__ = ["buckets_to_read", "full_ranges", "full_view", "light_ranges", "light_read", "light_view"]
+__all__ = ["buckets_to_read", "full_ranges", "full_view", "key_puts", "light_ranges", "light_read", "light_view"]
 
 #: The keys a light view reads and watches (relative to the prefix) besides the manifest's parts.
 _CONTROL = (MANIFEST, REQUEST, CLOSED, EXPECTED, SEALER)
 
 
-def _puts(prefix: str, kvs: Iterable[KeyValue]) -> list[KeyPut]:
+def key_puts(prefix: str, kvs: Iterable[KeyValue]) -> list[KeyPut]:
+    """The keys read under ``prefix`` as the protocol's puts (keys relative to the prefix)."""
     return [KeyPut(kv.key[len(prefix):], kv.value, kv.create_revision, kv.mod_revision, kv.lease) for kv in kvs]
 
 
@@ -37,7 +38,7 @@ def light_ranges(prefix: str) -> tuple[WatchRange, ...]:
 
 def full_view(prefix: str, kvs: Sequence[KeyValue], revision: int) -> View:
     """The full view of a read of the whole prefix at ``revision``."""
-    return replace(apply(View(), _puts(prefix, kvs)), revision=revision, memo={})
+    return replace(apply(View(), key_puts(prefix, kvs)), revision=revision, memo={})
 
 
 def light_read(prefix: str, local: Iterable[str]) -> tuple[list[Compare], list[Get], list[Get]]:
@@ -57,7 +58,7 @@ def light_view(prefix: str, result: TxnResult) -> View:
     else:
         records, keys = reads[:-1], reads[-1]
     # The manifest's header first and its parts after it, as a read of the prefix lists them.
-    view = replace(apply(View(full=False), _puts(prefix, (kv for r in records for kv in r))),
+    view = replace(apply(View(full=False), key_puts(prefix, (kv for r in records for kv in r))),
                    revision=result.revision, memo={})
     sealed = view.sealed
     if keys is None or sealed is None:
