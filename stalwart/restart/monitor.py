@@ -196,8 +196,12 @@ class Monitor:
             running = self._running
         if not running or ctx is None:
             return
+        # The request first: freeing the connections fails this process's own collective at once, and the
+        # training thread must then find the interrupt requested, or it takes that failure for a fault of its
+        # own and records it over this process's report (a hang then reads as an exception).
+        delivered = self.interrupter.request(reason)
         free_blocked_peers(ctx)
-        if self.interrupter.request(reason):
+        if delivered:
             log.info("slot %d iteration %d: interrupting: %s", self.coord.slot, ctx.iteration, reason)
 
     def _on_fault(self, rec: FaultRecord) -> None:

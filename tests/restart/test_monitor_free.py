@@ -10,11 +10,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import pytest
 from restart_helpers import new_job
 
 from stalwart.etcd.store import Store
 from stalwart.etcd.torch_store import EtcdTorchStore
 from stalwart.local.etcd import EtcdServer
+from stalwart.restart import monitor as monitor_module
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter, RestartInterrupt
 from stalwart.restart.monitor import Monitor, StatusFile
@@ -113,4 +115,23 @@ def test_an_atomic_section_keeps_the_connections_it_opens_until_it_ends(etcd: Et
             client.sendall(b"x")
             assert server_side.recv(1) == b"x"
             assert training.outcome == []
+    assert len(training.outcome) == 1 and isinstance(training.outcome[0], RestartInterrupt)
+
+
+def test_the_interrupt_is_requested_before_the_connections_are_freed(etcd: EtcdServer, store: Store,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Freeing the group's connections fails this process's own collective at once. The training thread then
+    # asks whether an interrupt was requested: had the monitor not asked yet, the thread would take the failure
+    # for its own fault and record an "exception" over the monitor's report (a hang would read as an exception).
+    seen: list[str | None] = []
+    free = monitor_module.free_blocked_peers
+
+    def observed(ctx: IterationContext) -> int:
+        seen.append(training.monitor.interrupter.requested)
+        return free(ctx)
+
+    monkeypatch.setattr(monitor_module, "free_blocked_peers", observed)
+    with training_in_c(etcd, store, atomic=False) as training:
+        training.monitor._interrupt("no progress for 3s")
+        assert seen and seen[0] == "no progress for 3s"
     assert len(training.outcome) == 1 and isinstance(training.outcome[0], RestartInterrupt)
