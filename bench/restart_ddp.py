@@ -162,17 +162,14 @@ def leak_report(args: argparse.Namespace, rank: int, restarts: int) -> None:
 
 
 def _children() -> int:
+    from stalwart.procfs import stat_fields
+
     me = str(os.getpid())
     n = 0
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[1] == me:
-                    n += 1
-        except OSError:
-            continue
+        fields = stat_fields(int(pid)) if pid.isdigit() else []
+        if fields[1:2] == [me]:  # field 4: the parent's pid
+            n += 1
     return n
 
 

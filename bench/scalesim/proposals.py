@@ -26,6 +26,7 @@ from pyetcd.etcdrpc import rpc_pb2 as rpc
 from pyetcd.etcdrpc import rpc_pb2_grpc as rpc_grpc
 
 from stalwart.local.etcd import EtcdServer
+from stalwart.procfs import stat_fields
 
 # An arrival record's size (slot, pid, health), so that the bytes per put are an arrival's.
 VALUE = b'{"slot":1,"pid":12345,"node":"node-00001","healthy":true,"step":1200}'
@@ -33,9 +34,10 @@ SHAPES = ((16, 1), (64, 1), (256, 1), (1024, 1), (128, 8), (1024, 8))
 
 
 def cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    """User and system CPU seconds of process ``pid`` so far (``proc(5)``'s fields 14 and 15)."""
+    fields = stat_fields(pid)
+    if not fields:
+        raise RuntimeError(f"no process {pid}")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
