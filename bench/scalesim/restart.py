@@ -17,17 +17,27 @@ wrapper (``stalwart/restart/wrapper.py``) does it:
    rank reads the seal's key with its arrival and, while it is absent, watches that key only; a rank is
    **released** when it holds the seal.
 
+With the pods' relays (``relay``, the default; ``ranks_per_node`` ranks a pod, 8 by default), the cause's
+read and every arrival (with its read of the seal's key; the sealer reads the prefix itself after it) go
+through the pod's agent (:mod:`stalwart.agent.relay`): the real ``due`` decides when a pod's
+requests are sent and the real ``execute`` sends them as one fenced transaction through the simulated store;
+the hop between a rank and its agent (a Unix socket) costs ``hop`` seconds each way. Without
+(``relay=False``), every rank makes both requests itself.
+
 Every rank's read of the same keys at one revision returns the same bytes, so the simulator parses them once
 (with the real ``Coordinator.parse``) and charges every rank's read to the model server.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 from unittest import mock
 
 from bench.scalesim.sim import Costs, Sim, Subscription, TimedStore
+from stalwart.agent.relay import Step, Waiting, due, execute
+from stalwart.api.relay import RelayAnswer, RelayRequest
 from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.etcd.keys import ALIVE, END, FAULT, MANIFEST, SEAL, JobKeys
@@ -97,12 +107,52 @@ class _Applied:
         return new
 
 
+class NodeRelay:
+    """One pod's agent relay: requests reach it ``hop`` seconds after a rank sends them, the real :func:`due`
+    decides when they go, the real :func:`execute` sends them (one at a time: the relay has one thread), and
+    each answer reaches its rank ``hop`` seconds after the transaction's."""
+
+    def __init__(self, sim: Sim, store: TimedStore, clients: frozenset[int], *, linger: float, hop: float) -> None:
+        self.sim, self.store, self.clients, self.linger, self.hop = sim, store, clients, linger, hop
+        self.waiting: list[Waiting] = []
+        self.then: dict[int, Callable[[RelayAnswer], None]] = {}
+        self.served: dict[Step, frozenset[int]] = {}
+        self.busy_until = 0.0
+        self.transactions = 0
+
+    def submit(self, client: int, request: RelayRequest, then: Callable[[RelayAnswer], None]) -> None:
+        self.sim.at(self.sim.now + self.hop, lambda: self._received(Waiting(client, request, self.sim.now), then))
+
+    def _received(self, waiting: Waiting, then: Callable[[RelayAnswer], None]) -> None:
+        self.waiting.append(waiting)
+        self.then[waiting.client] = then
+        self.sim.at(waiting.since + self.linger + 1e-9, self._consider)  # past the linger, rounding aside
+        self._consider()
+
+    def _consider(self) -> None:
+        if self.sim.now < self.busy_until:
+            self.sim.at(self.busy_until, self._consider)
+            return
+        if not due(self.waiting, self.clients, self.served, self.sim.now, self.linger):
+            return
+        batch, self.waiting = self.waiting, []
+        self.transactions += 1
+        answers = execute(self.store, KEYS, [w.request for w in batch])  # type: ignore[arg-type]
+        self.busy_until = self.sim.now
+        for w, answer in zip(batch, answers, strict=True):
+            assert answer.ok, answer.reason
+            self.served[w.step] = self.served.get(w.step, frozenset()) | {w.client}
+            then = self.then.pop(w.client)
+            self.sim.at(self.sim.now + self.hop, lambda t=then, a=answer: t(a))  # type: ignore[misc]
+
+
 @dataclass
 class Rank:
     sim: Sim
     coord: Coordinator
     slots: int
     applied: _Applied
+    relay: NodeRelay | None = None
     sealer: bool = False
     state: str = "running"  # running -> aborting -> waiting -> released
     view: EpochView | None = None
@@ -119,14 +169,33 @@ class Rank:
             self.sim.at(when + abort, self.take_cause)
 
     def take_cause(self) -> None:
-        self.coord.faults(0).cause(0)
-        self.sim.at(self.sim.now, self.arrive)
+        if self.relay is None:
+            self.coord.faults(0).cause(0)
+            self.sim.at(self.sim.now, self.arrive)
+            return
+
+        def answered(answer: RelayAnswer) -> None:
+            self.coord.answered(answer).cause(0)
+            self.arrive()
+        self.relay.submit(self.coord.slot, self.coord.faults_request(0), answered)
 
     def arrive(self) -> None:
-        """The arrival, with the read of what this rank's wait looks at, in one request; then
+        """The arrival, with the read of what this rank's wait looks at, in one request (the pod's relay's; the
+        sealer reads the whole prefix after it, itself: as ``Coordinator.arrive`` does); then
         ``Coordinator.wait_until`` from that view: a watch on the same parts from the next revision."""
         parts = None if self.sealer else (WatchRange(f"{SEAL}1"),)
-        self.view = self.coord.arrive(1, ArrivalRecord(slot=self.coord.slot, node_id=self.coord.node_id), parts)
+        rec = ArrivalRecord(slot=self.coord.slot, node_id=self.coord.node_id)
+        if self.relay is None:
+            self.arrived(self.coord.arrive(1, rec, parts), parts)
+            return
+
+        def answered(answer: RelayAnswer) -> None:
+            # The sealer reads the whole prefix itself after its arrival, as ``Coordinator.arrive`` does.
+            self.arrived(self.coord.answered(answer) if parts is not None else self.coord.view(), parts)
+        self.relay.submit(self.coord.slot, self.coord.arrival_request(1, rec, parts or ()), answered)
+
+    def arrived(self, view: EpochView, parts: tuple[WatchRange, ...] | None) -> None:
+        self.view = view
         self.state = "waiting"
         if self.check():
             return
@@ -171,6 +240,11 @@ class RestartRun:
     n: int
     costs: Costs
     abort: float = 0.0
+    ranks_per_node: int = 8
+    #: The pods' agents relay their ranks' barrier requests (the default, as the agent does).
+    relay: bool = True
+    linger: float = 0.005
+    hop: float = 0.0001
     sim: Sim = field(init=False)
     ranks: list[Rank] = field(init=False)
     seal0: SealRecord | None = field(init=False, default=None)
@@ -185,8 +259,12 @@ class RestartRun:
                             world_size=self.n, master_addr="10.0.0.1", sealed_by="trainjob-worker-0")
         epoch = self.sim.mem.put(KEYS.rendezvous + MANIFEST, manifest.to_json_bytes())
         applied = _Applied()
+        per = self.ranks_per_node
+        self.relays = [NodeRelay(self.sim, self.store, frozenset(range(k, min(k + per, self.n))), linger=self.linger,
+                                 hop=self.hop) for k in range(0, self.n, per)] if self.relay else []
         self.ranks = [Rank(self.sim, Coordinator(self.store, KEYS, epoch, slot=i,  # type: ignore[arg-type]
-                                                 node_id=f"trainjob-worker-{i // 8}"), self.n, applied)
+                                                 node_id=f"trainjob-worker-{i // per}"), self.n, applied,
+                           self.relays[i // per] if self.relay else None)
                       for i in range(self.n)]
 
     def _patched(self) -> Any:
@@ -236,6 +314,7 @@ class RestartRun:
         seals = [ev for ev in sim.mem.log if ev.type == "put" and ev.kv.key == self.ranks[0].coord.round_keys.seal(1)]
         return {"seconds": max(released) - fault_at if len(released) == self.n else None,
                 "released": len(released), "seals": len(seals),
+                "relay_transactions": sum(r.transactions for r in self.relays),
                 "writes": sim.mem.counters.proposals - writes0, "reads": sim.mem.counters.reads - reads0,
                 "watch_events": sim.events_sent, "watch_bytes": sim.event_bytes_sent,
                 "peak_requests_per_second": sim.server.peak_rate()}

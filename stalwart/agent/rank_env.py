@@ -41,8 +41,10 @@ def _secrets(s: PodSettings) -> dict[str, str]:
 
 
 def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path,
-             master_port: int, spare_ranks: bool, restarts: int, job: JobRecord | None) -> dict[str, str]:
-    """The full environment of local rank ``local_rank`` in the round ``info``."""
+             master_port: int, spare_ranks: bool, restarts: int, job: JobRecord | None,
+             relay_socket: Path | None = None) -> dict[str, str]:
+    """The full environment of local rank ``local_rank`` in the round ``info`` (``relay_socket``: where the
+    agent's barrier relay listens, if it does)."""
     m = info.header
     nproc = s.nproc_per_node
     member = info.member
@@ -66,7 +68,8 @@ def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapp
                            epoch=info.epoch, slot=slot, slots=max(slots, slot + 1), target_world=m.world_size,
                            min_world=min_world,
                            spare=member is None, status_file=str(status_file(run_dir, local_rank)),
-                           local_rank=local_rank, **settings)
+                           local_rank=local_rank, relay_socket=str(relay_socket) if relay_socket else None,
+                           **settings)
     env.update(renv.to_env())
     env[pod_env.HANDOVER_FILE] = str(handover_file(run_dir, local_rank))
     env.update(_secrets(s))

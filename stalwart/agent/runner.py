@@ -37,6 +37,7 @@ from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, n
 from stalwart.agent.processes import RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
+from stalwart.agent.relay import BarrierRelay, socket_path
 from stalwart.agent.rendezvous import (
     NodeHandle,
     Rendezvous,
@@ -127,6 +128,8 @@ class Agent:
         self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
                                          interval=self.options.progress_interval, context=self._ctx)
         self.drill = DrillListener(self.store, settings, self._drill_targets, context=self._ctx)
+        self.relay = BarrierRelay(self.store, settings.keys, socket_path(self.run_dir), context=self._ctx)
+        self.relay_socket: Path | None = None
 
     # -- signals ------------------------------------------------------------------------------------------
 
@@ -154,11 +157,13 @@ class Agent:
 
     def run(self) -> int:
         self.drill.start()
+        self.relay_socket = self.relay.path if self.relay.start() else None
         try:
             return self._run()
         finally:
             self.drill.stop()
             self.ranks.stop_all(grace=self.options.term_grace)
+            self.relay.stop()  # after the ranks: one still at a barrier while it stops is answered
             with contextlib.suppress(Exception):
                 self.handle.leave()
             self.rdzv.shutdown()
@@ -315,7 +320,7 @@ class Agent:
     def _rank_env(self, info: RoundInfo, local_rank: int) -> dict[str, str]:
         return rank_env(self.settings, info, local_rank, base_env=self.base_env, run_dir=self.run_dir,
                         master_port=self.master_port, spare_ranks=self.options.spare_ranks,
-                        restarts=self.process_restarts, job=self.job)
+                        restarts=self.process_restarts, job=self.job, relay_socket=self.relay_socket)
 
     def _launch_all(self, info: RoundInfo) -> None:
         self.ranks.procs = {}

@@ -78,6 +78,8 @@ MAX_RESTARTS = "STALWART_MAX_RESTARTS"
 SOFT_TIMEOUT = "STALWART_SOFT_TIMEOUT"
 HARD_TIMEOUT = "STALWART_HARD_TIMEOUT"
 BARRIER_TIMEOUT = "STALWART_BARRIER_TIMEOUT"
+#: The agent's barrier relay (:mod:`stalwart.api.relay`): a Unix socket in its private run directory.
+RELAY_SOCKET = "STALWART_RELAY_SOCKET"
 #: The variable naming a rank process's handover file (:mod:`stalwart.api.handover`).
 HANDOVER_FILE = "STALWART_HANDOVER_FILE"
 #: ``true`` for a warm spare's process that has no round yet.
@@ -105,7 +107,7 @@ RANK_VARIABLES = {
     ETCD_ENDPOINTS: "etcd_endpoints", JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", EPOCH: "epoch",
     SLOT: "slot", SLOTS: "slots", TARGET_WORLD: "target_world", MIN_WORLD: "min_world", SPARE: "spare",
     STATUS_FILE: "status_file", LOCAL_RANK: "local_rank", MAX_RESTARTS: "max_restarts", SOFT_TIMEOUT: "soft_timeout",
-    HARD_TIMEOUT: "hard_timeout", BARRIER_TIMEOUT: "barrier_timeout",
+    HARD_TIMEOUT: "hard_timeout", BARRIER_TIMEOUT: "barrier_timeout", RELAY_SOCKET: "relay_socket",
 }
 TORCHRUN_VARIABLES = {
     RANK: "rank", LOCAL_RANK: "local_rank", WORLD_SIZE: "world_size", LOCAL_WORLD_SIZE: "local_world_size",
@@ -335,6 +337,8 @@ class RankEnvironment(_Env):
     soft_timeout: _Seconds = None
     hard_timeout: _Seconds = None
     barrier_timeout: _Seconds = None
+    #: Where the pod's agent relays the ranks' barrier requests to etcd together; none: each rank goes itself.
+    relay_socket: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RankEnvironment:

@@ -7,13 +7,15 @@ module only does I/O; what to write and when a wait is over are :mod:`stalwart.r
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypeVar
 
+from stalwart.api.relay import RelayAnswer, RelayRange, RelayRequest
 from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import Fence
 from stalwart.etcd.keys import ARRIVE, DONE, FAULT, JobKeys
@@ -36,7 +38,7 @@ from stalwart.restart.protocol import EpochView, apply_changes, completes, parse
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinationTimeout", "Coordinator"]
+__all__ = ["CoordinationTimeout", "Coordinator", "Relay"]
 
 
 class CoordinationTimeout(Exception):
@@ -49,6 +51,13 @@ T = TypeVar("T")
 _TICK = 0.2
 
 
+class Relay(Protocol):
+    """Who sends a barrier request to etcd together with the pod's other ranks' (the agent's relay,
+    :class:`stalwart.restart.relay.RelayClient`): its answer, or ``None`` when this process must go itself."""
+
+    def ask(self, request: RelayRequest) -> RelayAnswer | None: ...
+
+
 class Coordinator:
     """One rank process's view of its epoch's restart prefix. Thread-safe (etcd calls only).
 
@@ -57,10 +66,14 @@ class Coordinator:
     unreachable (``StoreUnavailable``, ``StoreTimeout``) is retried with jittered exponential backoff for up
     to ``retry_for`` seconds, then the error is raised: every call here may be repeated safely (puts of
     the same value; the seal is create-if-absent and reads back whichever seal won).
+
+    With a ``relay``, the barrier's two requests per rank (the read of the cause, the arrival with the read
+    its wait starts from) go to etcd in one transaction with the pod's other ranks' (:mod:`stalwart.api.relay`);
+    whatever the relay does not answer, this process asks etcd itself.
     """
 
     def __init__(self, store: Store, keys: JobKeys, epoch: int, *, slot: int, node_id: str,
-                 lease_ttl: int = 10, retry_for: float = 30.0) -> None:
+                 lease_ttl: int = 10, retry_for: float = 30.0, relay: Relay | None = None) -> None:
         self.store = store
         self.keys = keys
         self.epoch = epoch
@@ -72,6 +85,7 @@ class Coordinator:
         self.base = self.round_keys.base
         self.lease = 0
         self.retry_for = retry_for
+        self.relay = relay
         # One log line when etcd becomes unreachable and one when it is back, however many calls retry meanwhile.
         self.outage = Outage("etcd", logger=log, context=f"slot {slot} epoch {epoch}")
 
@@ -104,12 +118,43 @@ class Coordinator:
         res = self._retry("read", lambda: self.store.txn((), reads))
         return self.parse([kv for got in res.responses for kv in got], res.revision)
 
-    def faults(self, iteration: int) -> EpochView:
-        """A view holding only the fault records of ``iteration``."""
-        return self.view([WatchRange(f"{FAULT}{iteration}/", prefix=True)])
+    def faults(self, iteration: int, *, pod: bool = False) -> EpochView:
+        """A view holding only the fault records of ``iteration``. With ``pod``, read through the relay together
+        with the pod's other ranks, when there is one: for a read every rank makes at the same moment (the
+        cause, at the barrier), not for one a rank makes alone (the relay would wait for the others first)."""
+        relayed = self._relayed(self.faults_request(iteration)) if pod else None
+        return relayed if relayed is not None else self.view([WatchRange(f"{FAULT}{iteration}/", prefix=True)])
+
+    def faults_request(self, iteration: int) -> RelayRequest:
+        """What :meth:`faults` asks the relay."""
+        return RelayRequest(epoch=self.epoch, iteration=iteration,
+                            reads=[RelayRange(key=f"{FAULT}{iteration}/", prefix=True)])
+
+    def arrival_request(self, iteration: int, rec: ArrivalRecord, read: Sequence[WatchRange]) -> RelayRequest:
+        """What :meth:`arrive` asks the relay: the arrival, bound to this process's lease, and ``read``."""
+        return RelayRequest(epoch=self.epoch, iteration=iteration, arrival=rec, lease=self.lease,
+                            reads=[RelayRange(key=p.key, prefix=p.prefix) for p in read if not p.no_put])
+
+    def answered(self, answer: RelayAnswer) -> EpochView:
+        """The view the relay's ``answer`` holds: what its reads returned, at the transaction's revision."""
+        return self._parse(((v.key, base64.b64decode(v.value, validate=True), v.mod_revision)
+                            for got in answer.values for v in got), answer.revision)
+
+    def _relayed(self, request: RelayRequest) -> EpochView | None:
+        answer = self.relay.ask(request) if self.relay is not None else None
+        if answer is None:
+            return None
+        try:
+            return self.answered(answer)
+        except ValueError as e:  # not base64: the request is made again, alone
+            log.warning("slot %d: unreadable answer from the barrier relay: %s", self.slot, e)
+            return None
 
     def parse(self, kvs: list[KeyValue], revision: int) -> EpochView:
-        view, problems = parse_view(((kv.key[len(self.base):], kv.value, kv.mod_revision) for kv in kvs), revision)
+        return self._parse(((kv.key[len(self.base):], kv.value, kv.mod_revision) for kv in kvs), revision)
+
+    def _parse(self, items: Iterable[tuple[str, bytes, int]], revision: int) -> EpochView:
+        view, problems = parse_view(items, revision)
         for key, why in problems.items():
             log.warning("epoch %d: ignoring invalid record at %s%s: %s", self.epoch, self.base, key, why)
         return view
@@ -154,9 +199,17 @@ class Coordinator:
         from.
 
         A lease etcd no longer has (this process was cut off past its TTL; the keepalive may not have noticed
-        yet) is re-granted when etcd refuses the arrival for it, so the common case costs no lease read."""
+        yet) is re-granted when etcd refuses the arrival for it, so the common case costs no lease read.
+
+        With a relay the arrival goes through it, and a narrow ``read`` with it. The whole prefix (the sealer's
+        read) is read afterwards, directly: it is large and one process's alone. The sealer's arrival still goes
+        through the relay, or the pod's other ranks would wait for it there until the relay's linger ends."""
         if not self.lease or self.lease in self.store.lost_leases():
             self.ensure_lease()
+        if self.relay is not None:
+            relayed = self._relayed(self.arrival_request(iteration, rec, read or ()))
+            if relayed is not None:
+                return relayed if read is not None else self.view()
         key = self.round_keys.arrival(iteration, self.slot)
         parts = list(read) if read is not None else [WatchRange("", prefix=True)]
         reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts if not p.no_put]

@@ -79,6 +79,7 @@ from stalwart.restart.protocol import (
     unhealthy_seal,
     verdict,
 )
+from stalwart.restart.relay import RelayClient
 from stalwart.restart.rounds import run_rounds
 from stalwart.restart.user_group import InitStandIn
 
@@ -131,8 +132,10 @@ class _Session:
         self.me = Participant(slot=env.slot, node_id=env.node_id, slots=env.slots, target_world=env.target_world,
                               spare=env.spare)
         self.store = connect(env.etcd_endpoints, EtcdCredentials.from_env(), timeout=config.etcd_timeout)
+        self.relay = RelayClient(env.relay_socket, context=f"slot {env.slot}") if env.relay_socket else None
         self.coord = Coordinator(self.store, env.keys, env.epoch, slot=env.slot, node_id=env.node_id,
-                                 lease_ttl=config.heartbeat_ttl, retry_for=config.coordination_timeout)
+                                 lease_ttl=config.heartbeat_ttl, retry_for=config.coordination_timeout,
+                                 relay=self.relay)
         self.interrupter = Interrupter()
         main = threading.current_thread() is threading.main_thread()
         self.monitor = Monitor(self.coord, self.interrupter, soft_timeout=config.soft_timeout,
@@ -165,6 +168,8 @@ class _Session:
     def close(self) -> None:
         self.monitor.stop()
         self.coord.stop()
+        if self.relay is not None:
+            self.relay.close()
         self.store.close()
         self.interrupter.close()
 
@@ -422,7 +427,7 @@ class _Session:
     def _take_cause(self, iteration: int) -> None:
         """Note the cause of the interrupted ``iteration`` (for the status and the exit reason); when it is a
         NonRetryable raised elsewhere, this process gives up too: no restart can help."""
-        cause = self.coord.faults(iteration).cause(iteration)
+        cause = self.coord.faults(iteration, pod=True).cause(iteration)
         if cause is None:
             return
         self.last_cause = cause

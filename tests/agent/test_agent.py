@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "restart"))
-from restart_helpers import SCRIPT, expected_checksum, restart_records
+from restart_helpers import SCRIPT, expected_checksum, restart_history, restart_records
 
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ProgressRecord, SealRecord
@@ -87,6 +87,28 @@ def test_killed_rank_is_respawned_and_rejoins_in_process(etcd: EtcdServer, tmp_p
     assert all(rec is not None and rec.state == "succeeded" and rec.step == 8 for rec in records)
     assert sorted(rec.process_restarts for rec in records if rec) == [0, 1]
     assert all(rec and rec.restarts_in_process >= 1 and rec.last_failure for rec in records)
+
+
+def test_the_ranks_of_a_pod_arrive_at_the_restart_barrier_through_its_agent(etcd: EtcdServer,
+                                                                           tmp_path: Path) -> None:
+    # One pod of three ranks; rank 2 raises at step 3. The three hand their arrival at the next barrier to
+    # the agent's relay, which writes them in one transaction: their keys carry one revision. Without the
+    # relay each rank writes its own.
+    agent, keys = start_agent(etcd, tmp_path, "--steps", "6", "--fault", "exception", "--fault-rank", "2",
+                              "--fault-step", "3", nproc=3)
+    _, err = agent.communicate(timeout=TIMEOUT)
+    assert agent.returncode == 0, err[-3000:]
+    res = results(tmp_path)
+    assert sorted(r["rank"] for r in res) == [0, 1, 2]
+    reference = expected_checksum(steps=6, ranks=3)
+    assert all(r["step"] == 6 and r["restarts"] == 1 and r["checksum"] == pytest.approx(reference, abs=1e-6)
+               for r in res)
+    arrivals = restart_history(etcd, keys, "arrive")
+    assert set(arrivals) >= {"1/0", "1/1", "1/2"}, sorted(arrivals)
+    assert arrivals["1/0"][0] == arrivals["1/1"][0] == arrivals["1/2"][0], arrivals
+    used = re.search(r"barrier relay: (\d+) requests from the ranks in (\d+) etcd transactions", err)
+    assert used is not None, err[-3000:]
+    assert int(used[1]) > int(used[2]) >= 1
 
 
 def test_a_killed_sealer_is_respawned_and_seals_the_next_barrier(etcd: EtcdServer, tmp_path: Path) -> None:

@@ -132,12 +132,17 @@ def restart_records(etcd: EtcdServer, keys: JobKeys, kind: str) -> dict[str, dic
     (``"0/1"``: iteration 0, slot 1 for a fault; ``"1"`` for a seal): every one ever written, read from etcd's
     history (the sealer deletes the keys of old iterations, and under load a run may take more restarts than
     the test injected), the last value of each key."""
-    out: dict[str, dict[str, Any]] = {}
+    return {key: value for key, (_, value) in restart_history(etcd, keys, kind).items()}
 
-    def keep(key: str, value: bytes) -> None:
+
+def restart_history(etcd: EtcdServer, keys: JobKeys, kind: str) -> dict[str, tuple[int, dict[str, Any]]]:
+    """As :func:`restart_records`, with the revision of each key's last write."""
+    out: dict[str, tuple[int, dict[str, Any]]] = {}
+
+    def keep(key: str, value: bytes, revision: int) -> None:
         rel = key[len(keys.restart):].split("/", 1)[1]  # drop the epoch
         if rel.startswith(kind + "/"):
-            out[rel[len(kind) + 1:]] = json.loads(value)
+            out[rel[len(kind) + 1:]] = revision, json.loads(value)
 
     with Store([etcd.endpoint]) as s:
         kvs, revision = s.get_prefix(keys.restart)
@@ -145,10 +150,10 @@ def restart_records(etcd: EtcdServer, keys: JobKeys, kind: str) -> dict[str, dic
             with s.watch(keys.restart, prefix=True, start_revision=max(1, revision - 90_000)) as w:
                 while (ev := w.next(timeout=0.5)) is not None and ev.kv.mod_revision <= revision:
                     if ev.type == "put":
-                        keep(ev.kv.key, ev.kv.value)
+                        keep(ev.kv.key, ev.kv.value, ev.kv.mod_revision)
                     if ev.kv.mod_revision == revision:
                         break
         except StoreError:  # compacted: what is still there
             for kv in kvs:
-                keep(kv.key, kv.value)
+                keep(kv.key, kv.value, kv.mod_revision)
     return out

@@ -1,0 +1,299 @@
+"""The barrier relay: the agent sends its ranks' barrier requests to etcd together (:mod:`stalwart.api.relay`).
+
+Three parts, as everywhere in the agent:
+
+* :func:`due` decides when the requests waiting are sent: as soon as every rank of the pod that is connected
+  and has not yet taken that step of that barrier has asked, or ``linger`` seconds after the oldest one
+  arrived, whichever is first. Ranks of one pod are interrupted by the same watch event, so they ask within
+  a millisecond of each other, and a rank that comes late (it was slow to abort) finds the others already
+  served and is sent at once.
+* :func:`execute` sends one batch: per epoch, one transaction fenced by it, with every arrival a put bound to
+  its own rank's lease and every distinct read once, then answers each request with its reads. A
+  transaction etcd refuses (a lease gone, a newer round, etcd unreachable) is answered ``ok: false`` to all of
+  its requests, and each rank makes its request itself, as it would without a relay: the relay never decides
+  anything a rank would decide differently.
+* :class:`BarrierRelay` is the thin shell: a Unix socket in the agent's private run directory, one thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from stalwart.api.relay import MAX_FRAME_BYTES, RelayAnswer, RelayRequest, RelayValue
+from stalwart.etcd.fence import Fence
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Get, Put, Store
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BarrierRelay", "Step", "Waiting", "due", "execute", "linger_left", "socket_path"]
+
+#: A step of one barrier: (``"arrive"`` or ``"read"``, epoch, iteration).
+Step = tuple[str, int, int]
+
+#: The most requests in one transaction: with at most MAX_READS reads each and the fence's guards, well
+#: within etcd's default limit of 128 operations in a transaction (``--max-txn-ops``).
+MAX_BATCH = 16
+
+#: The longest Unix socket path the kernel takes (``sun_path`` is 108 bytes with its terminating zero).
+_MAX_SOCKET_PATH = 107
+
+
+def socket_path(run_dir: Path) -> Path:
+    return run_dir / "relay.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A request received from the rank on connection ``client`` at ``since`` (monotonic), not sent yet."""
+
+    client: int
+    request: RelayRequest
+    since: float
+
+    @property
+    def step(self) -> Step:
+        return self.request.op, self.request.epoch, self.request.iteration
+
+
+def due(waiting: Sequence[Waiting], connected: frozenset[int], served: Mapping[Step, frozenset[int]],
+        now: float, linger: float) -> bool:
+    """Whether to send ``waiting`` now: every connected rank that has not taken a waiting step yet has asked
+    (for that step or another), or the oldest request has waited ``linger`` seconds."""
+    if not waiting:
+        return False
+    if now - min(w.since for w in waiting) >= linger:
+        return True
+    asked = frozenset(w.client for w in waiting)
+    return all(connected - served.get(step, frozenset()) <= asked for step in {w.step for w in waiting})
+
+
+def linger_left(waiting: Sequence[Waiting], now: float, linger: float) -> float | None:
+    """Seconds until :func:`due` holds by the linger alone; ``None`` when nothing waits."""
+    if not waiting:
+        return None
+    return max(0.0, min(w.since for w in waiting) + linger - now)
+
+
+def execute(store: Store, keys: JobKeys, requests: Sequence[RelayRequest], *,
+            timeout: float | None = None) -> list[RelayAnswer]:
+    """Send ``requests`` as one fenced transaction per epoch (per :data:`MAX_BATCH` of them) and answer each,
+    in order. Never raises for what etcd answers: a refused transaction is an ``ok: false`` answer to each of
+    its requests."""
+    answers: list[RelayAnswer | None] = [None] * len(requests)
+    for epoch in sorted({r.epoch for r in requests}):
+        mine = [i for i, r in enumerate(requests) if r.epoch == epoch]
+        for first in range(0, len(mine), MAX_BATCH):
+            part = mine[first:first + MAX_BATCH]
+            for i, answer in zip(part, _execute_epoch(store, keys, epoch, [requests[i] for i in part], timeout),
+                                 strict=True):
+                answers[i] = answer
+    return [a for a in answers if a is not None]
+
+
+def _execute_epoch(store: Store, keys: JobKeys, epoch: int, requests: Sequence[RelayRequest],
+                   timeout: float | None) -> list[RelayAnswer]:
+    round_keys = keys.restart_round(epoch)
+    base = round_keys.base
+    puts: dict[str, Put] = {}
+    for r in requests:
+        if r.arrival is not None:
+            key = round_keys.arrival(r.iteration, r.arrival.slot)
+            puts[key] = Put(key, r.arrival.to_json_bytes(), r.lease)
+    ranges: dict[tuple[str, bool], int] = {}
+    for r in requests:
+        for part in r.reads:
+            ranges.setdefault((part.key, part.prefix), len(ranges))
+    gets = [Get(base + key, prefix=prefix) for key, prefix in ranges]
+    try:
+        res = Fence(store, keys, epoch).txn((), [*puts.values(), *gets], timeout=timeout)
+    except Exception as e:  # a lease gone, a newer round, etcd away: each rank finds out itself, alone
+        return [RelayAnswer(ok=False, reason=_why(e)) for _ in requests]
+    got = res.responses[len(puts):]
+    values = [[RelayValue(key=kv.key[len(base):], value=base64.b64encode(kv.value).decode(),
+                          mod_revision=kv.mod_revision) for kv in response] for response in got]
+    return [RelayAnswer(ok=True, revision=res.revision,
+                        values=[values[ranges[(p.key, p.prefix)]] for p in r.reads]) for r in requests]
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2048]
+
+
+class _Client:
+    """One rank's connection: what it sent that is not a whole line yet."""
+
+    def __init__(self, conn: socket.socket, ident: int) -> None:
+        self.conn = conn
+        self.ident = ident
+        self.buffer = b""
+
+
+class BarrierRelay:
+    """Serves ``RelayRequest`` lines on a Unix socket at ``path`` from one thread until :meth:`stop`.
+
+    ``linger`` bounds how long a request waits for the pod's other ranks; ``answer_within`` bounds each
+    transaction (a rank's client gives up a little later and goes itself)."""
+
+    def __init__(self, store: Store, keys: JobKeys, path: Path, *, linger: float = 0.005,
+                 answer_within: float = 2.0, context: str = "") -> None:
+        if linger < 0:
+            raise ValueError(f"linger: expected seconds >= 0, got {linger}")
+        if answer_within <= 0:
+            raise ValueError(f"answer_within: expected seconds > 0, got {answer_within}")
+        self.store = store
+        self.keys = keys
+        self.path = path
+        self.linger = linger
+        self.answer_within = answer_within
+        self.context = context
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        self._clients: dict[int, _Client] = {}
+        self._waiting: list[Waiting] = []
+        self._served: dict[Step, frozenset[int]] = {}
+        self._next = 0
+        #: Requests and etcd transactions so far (the relay's whole point is that the second is smaller).
+        self.requests = 0
+        self.transactions = 0
+
+    def start(self) -> bool:
+        """Listen and serve; ``False`` (and a log line) when the socket cannot be made: ranks then go alone."""
+        if len(os.fsencode(self.path)) > _MAX_SOCKET_PATH:
+            log.warning("%s: barrier relay off: socket path %s is longer than %d bytes", self.context, self.path,
+                        _MAX_SOCKET_PATH)
+            return False
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            listener.bind(str(self.path))
+            os.chmod(self.path, 0o600)  # the run directory is private too; this says so on the socket itself
+            listener.listen(64)
+        except OSError as e:
+            listener.close()
+            log.warning("%s: barrier relay off: %s", self.context, e)
+            return False
+        listener.setblocking(False)
+        self._listener = listener
+        self._thread = threading.Thread(target=self._serve, name="stalwart-relay", daemon=True)
+        self._thread.start()
+        return True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("%s: barrier relay thread did not stop within %.1f s", self.context, timeout)
+            self._thread = None
+            log.info("%s: barrier relay: %d requests from the ranks in %d etcd transactions", self.context,
+                     self.requests, self.transactions)
+
+    # -- the thread -------------------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        assert self._listener is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, None)
+        try:
+            while not self._stop.is_set():
+                left = linger_left(self._waiting, time.monotonic(), self.linger)
+                for key, _ in sel.select(timeout=0.2 if left is None else min(left, 0.2)):
+                    if key.data is None:
+                        self._accept(sel)
+                    else:
+                        self._read(sel, key.data)
+                connected = frozenset(self._clients)
+                if due(self._waiting, connected, self._served, time.monotonic(), self.linger):
+                    self._flush(sel)
+        finally:
+            for client in list(self._clients.values()):
+                self._drop(sel, client)
+            sel.close()
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        assert self._listener is not None
+        with contextlib.suppress(BlockingIOError):
+            conn, _ = self._listener.accept()
+            conn.setblocking(False)
+            self._next += 1
+            client = _Client(conn, self._next)
+            self._clients[client.ident] = client
+            sel.register(conn, selectors.EVENT_READ, client)
+
+    def _read(self, sel: selectors.BaseSelector, client: _Client) -> None:
+        try:
+            data = client.conn.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sel, client)
+            return
+        client.buffer += data
+        while b"\n" in client.buffer:
+            line, client.buffer = client.buffer.split(b"\n", 1)
+            self._received(sel, client, line)
+        if len(client.buffer) > MAX_FRAME_BYTES:
+            self._answer(sel, client, RelayAnswer(ok=False, reason=f"request longer than {MAX_FRAME_BYTES} bytes"))
+            self._drop(sel, client)
+
+    def _received(self, sel: selectors.BaseSelector, client: _Client, line: bytes) -> None:
+        try:
+            request = RelayRequest.model_validate_json(line)
+        except ValidationError as e:
+            # The rank's own fallback covers it; the log says which field was wrong.
+            log.warning("%s: barrier relay: invalid request: %s", self.context, e)
+            self._answer(sel, client, RelayAnswer(ok=False, reason=f"invalid request: {e}"[:2048]))
+            return
+        self.requests += 1
+        self._waiting.append(Waiting(client.ident, request, time.monotonic()))
+
+    def _flush(self, sel: selectors.BaseSelector) -> None:
+        batch, self._waiting = self._waiting, []
+        self.transactions += len({w.request.epoch for w in batch})
+        answers = execute(self.store, self.keys, [w.request for w in batch], timeout=self.answer_within)
+        for w, answer in zip(batch, answers, strict=True):
+            self._served[w.step] = self._served.get(w.step, frozenset()) | {w.client}
+            client = self._clients.get(w.client)
+            if client is not None:
+                self._answer(sel, client, answer)
+        while len(self._served) > 16:  # only the last barriers' steps matter
+            del self._served[next(iter(self._served))]
+
+    def _answer(self, sel: selectors.BaseSelector, client: _Client, answer: RelayAnswer) -> None:
+        data = answer.model_dump_json(by_alias=True).encode() + b"\n"
+        try:
+            client.conn.setblocking(True)
+            client.conn.settimeout(self.answer_within)
+            client.conn.sendall(data)
+            client.conn.setblocking(False)
+        except OSError as e:
+            log.warning("%s: barrier relay: could not answer a rank: %s", self.context, e)
+            self._drop(sel, client)
+
+    def _drop(self, sel: selectors.BaseSelector, client: _Client) -> None:
+        self._clients.pop(client.ident, None)
+        self._waiting = [w for w in self._waiting if w.client != client.ident]
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(client.conn)
+        client.conn.close()
+

@@ -1,0 +1,84 @@
+"""The barrier relay's wire format: what a rank process asks its pod's agent, and the answer.
+
+At a restart barrier every rank of the world reads the interrupted iteration's fault records (the cause) and
+then writes its arrival. At 10,000 ranks that is 20,000 etcd requests, each of them a raft proposal or a
+linearizable read, and etcd serves them one after another (docs/scale.md). The ranks of one pod ask their
+agent instead: it sends what its ranks asked for together as one fenced transaction (every arrival a put bound
+to its own rank's lease; the reads once) and answers each rank with what it asked for. So the number of etcd
+requests a barrier costs grows with the nodes, not the ranks. A rank whose agent does not answer in time, or
+answers that it could not do it, makes the same request itself: the relay only ever saves requests.
+
+One request or answer is one line of JSON on the agent's Unix socket (in its private run directory). Nothing
+on this socket is ever unpickled. Keys are relative to the round's restart prefix (``RestartKeys.base``): a
+rank names what to read, never where to write; the agent derives the arrival's key from the record.
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import Field, model_validator
+
+from stalwart.api.base import ApiModel
+from stalwart.api.restart import ArrivalRecord
+
+__all__ = ["MAX_FRAME_BYTES", "MAX_READS", "RelayAnswer", "RelayRange", "RelayRequest", "RelayValue"]
+
+#: The largest line either side sends (an answer holds what its reads returned: a few records, in practice).
+MAX_FRAME_BYTES = 8 << 20
+#: The most ranges one request may read.
+MAX_READS = 4
+
+
+class RelayRange(ApiModel):
+    """A key, or every key under a prefix, relative to the round's restart prefix."""
+
+    key: str = Field(max_length=256, description="Relative to the round's restart prefix.")
+    prefix: bool = Field(default=False, description="Read every key that starts with ``key``.")
+
+    @model_validator(mode="after")
+    def _relative(self) -> Self:
+        if self.key.startswith("/") or ".." in self.key.split("/"):
+            raise ValueError(f"key: expected a key relative to the round's restart prefix, got {self.key!r}")
+        return self
+
+
+class RelayRequest(ApiModel):
+    """A rank's arrival at the barrier of ``iteration`` (with the reads its wait starts from), or a read only."""
+
+    epoch: int = Field(ge=1, description="The round the rank belongs to: the transaction is fenced by it.")
+    iteration: int = Field(ge=0, description="The barrier's iteration (of the arrival), or what the read is about.")
+    arrival: ArrivalRecord | None = Field(default=None, description="The arrival to write; none: a read only.")
+    lease: int = Field(default=0, ge=0, description="The rank's heartbeat lease, which the arrival is bound to.")
+    reads: list[RelayRange] = Field(default_factory=list, max_length=MAX_READS)
+
+    @model_validator(mode="after")
+    def _complete(self) -> Self:
+        if self.arrival is not None and self.lease < 1:
+            raise ValueError("lease: an arrival must be bound to the rank's heartbeat lease (>= 1)")
+        if self.arrival is None and not self.reads:
+            raise ValueError("reads: a request without an arrival must read something")
+        return self
+
+    @property
+    def op(self) -> str:
+        """What kind of step this is at its barrier: ranks on one node take the same steps together."""
+        return "arrive" if self.arrival is not None else "read"
+
+
+class RelayValue(ApiModel):
+    """One key as etcd returned it."""
+
+    key: str = Field(description="Relative to the round's restart prefix.")
+    value: str = Field(description="The stored bytes, base64.")
+    mod_revision: int = Field(ge=0)
+
+
+class RelayAnswer(ApiModel):
+    """The answer to one :class:`RelayRequest`: the revision of the transaction and, per read in the order
+    asked, the keys it returned; or ``ok`` false and why (the rank then makes the request itself)."""
+
+    ok: bool
+    revision: int = Field(default=0, ge=0)
+    values: list[list[RelayValue]] = Field(default_factory=list)
+    reason: str = Field(default="", max_length=2048)

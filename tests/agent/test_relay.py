@@ -1,0 +1,265 @@
+"""The barrier relay: when a batch goes (a table), what one fenced transaction writes and answers (real etcd),
+and that a rank whose relay fails in any way makes its request itself."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stalwart.agent.relay import BarrierRelay, Step, Waiting, due, execute, linger_left
+from stalwart.api.relay import RelayRange, RelayRequest
+from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
+from stalwart.etcd.fence import StaleEpoch
+from stalwart.etcd.keys import FAULT, SEAL, JobKeys
+from stalwart.etcd.store import Store, WatchRange
+from stalwart.restart.coordination import Coordinator
+from stalwart.restart.relay import RelayClient
+
+
+def _read(epoch: int = 5, iteration: int = 1) -> RelayRequest:
+    return RelayRequest(epoch=epoch, iteration=iteration, reads=[RelayRange(key=f"{FAULT}0/", prefix=True)])
+
+
+def _arrive(slot: int, epoch: int = 5, iteration: int = 1) -> RelayRequest:
+    return RelayRequest(epoch=epoch, iteration=iteration, arrival=ArrivalRecord(slot=slot, node_id="n"), lease=7,
+                        reads=[RelayRange(key=f"{SEAL}{iteration}")])
+
+
+ARRIVE1: Step = ("arrive", 5, 1)
+READ1: Step = ("read", 5, 1)
+
+
+@pytest.mark.parametrize(("waiting", "connected", "served", "now", "expected"), [
+    pytest.param([], frozenset({1, 2}), {}, 0.0, False, id="nothing waits"),
+    pytest.param([Waiting(1, _arrive(0), 0.0)], frozenset({1, 2}), {}, 0.001, False,
+                 id="one of two ranks asked: wait for the other"),
+    pytest.param([Waiting(1, _arrive(0), 0.0)], frozenset({1, 2}), {}, 0.005, True,
+                 id="the linger is over"),
+    pytest.param([Waiting(1, _arrive(0), 0.0), Waiting(2, _arrive(1), 0.0)], frozenset({1, 2}), {}, 0.0, True,
+                 id="every connected rank asked"),
+    pytest.param([Waiting(1, _arrive(0), 0.0)], frozenset({1, 2}), {ARRIVE1: frozenset({2})}, 0.0, True,
+                 id="a late rank: the other already arrived through the relay"),
+    pytest.param([Waiting(1, _arrive(0), 0.0)], frozenset({1, 2}), {READ1: frozenset({2})}, 0.0, False,
+                 id="the other read the cause but has not arrived yet"),
+    pytest.param([Waiting(1, _arrive(0), 0.0), Waiting(2, _read(), 0.0)], frozenset({1, 2}), {}, 0.0, True,
+                 id="everyone asked, for different steps: one transaction for both"),
+    pytest.param([Waiting(1, _arrive(0), 0.0)], frozenset({1}), {}, 0.0, True, id="a pod of one rank"),
+    pytest.param([Waiting(1, _arrive(0), 0.0)], frozenset({1, 2}), {("arrive", 5, 0): frozenset({2})}, 0.0,
+                 False, id="served at an older barrier does not count"),
+])
+def test_when_a_batch_goes(waiting: list[Waiting], connected: frozenset[int], served: dict[Step, frozenset[int]],
+                           now: float, expected: bool) -> None:
+    assert due(waiting, connected, served, now, linger=0.005) is expected
+
+
+def test_linger_left() -> None:
+    assert linger_left([], 1.0, 0.005) is None
+    assert linger_left([Waiting(1, _read(), 1.0), Waiting(2, _read(), 0.998)], 1.0, 0.005) == pytest.approx(0.003)
+    assert linger_left([Waiting(1, _read(), 0.0)], 1.0, 0.005) == 0.0
+
+
+def test_requests_name_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="lease: an arrival must be bound"):
+        RelayRequest(epoch=1, iteration=0, arrival=ArrivalRecord(slot=0, node_id="n"))
+    with pytest.raises(ValueError, match="reads: a request without an arrival must read something"):
+        RelayRequest(epoch=1, iteration=0)
+    with pytest.raises(ValueError, match="relative to the round's restart prefix"):
+        RelayRange(key="../other-job/")
+
+
+# -- against a real etcd ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def job(store: Store) -> Iterator[tuple[JobKeys, int]]:
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    epoch = store.put(keys.rendezvous + "manifest", b"{}")
+    yield keys, epoch
+    store.delete_prefix(keys.prefix)
+
+
+def _coords(store: Store, keys: JobKeys, epoch: int, n: int) -> list[Coordinator]:
+    coords = [Coordinator(store, keys, epoch, slot=s, node_id="node-0", lease_ttl=10, retry_for=5.0)
+              for s in range(n)]
+    for c in coords:
+        c.start()
+    return coords
+
+
+@pytest.mark.integration
+def test_one_transaction_writes_every_arrival_bound_to_its_own_lease(store: Store,
+                                                                     job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    coords = _coords(store, keys, epoch, 3)
+    coords[0].report_fault(FaultRecord(slot=0, node_id="node-0", iteration=0, kind="exception", reason="x",
+                                       time=time.time()))
+    requests = [c.arrival_request(1, ArrivalRecord(slot=c.slot, node_id="node-0"), [WatchRange(f"{SEAL}1")])
+                for c in coords] + [coords[0].faults_request(0)]
+    before = store.revision()
+    answers = execute(store, keys, requests)
+    assert all(a.ok for a in answers)
+    # One proposal: every arrival has the same mod_revision, the next one after ``before``.
+    assert {a.revision for a in answers} == {before + 1}
+    arrivals = coords[0].view().arrivals[1]
+    assert sorted(arrivals) == [0, 1, 2]
+    # Each rank is answered its own reads: the seal's key (absent) or the faults of iteration 0.
+    assert [len(v) for a in answers for v in a.values] == [0, 0, 0, 1]
+    assert coords[0].answered(answers[3]).cause(0) is not None
+    # Each arrival is bound to its own rank's heartbeat: one rank's lease ends, its arrival alone goes.
+    coords[1].stop()
+    assert sorted(coords[0].view().arrivals[1]) == [0, 2]
+    for c in coords:
+        c.stop()
+
+
+@pytest.mark.integration
+def test_a_refused_transaction_is_answered_no_and_the_rank_goes_itself(store: Store,
+                                                                       job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    coords = _coords(store, keys, epoch, 2)
+    store.lease_revoke(coords[1].lease)  # etcd lost one rank's lease; its keepalive has not noticed yet
+    requests = [c.arrival_request(1, ArrivalRecord(slot=c.slot, node_id="node-0"), [WatchRange(f"{SEAL}1")])
+                for c in coords]
+    answers = execute(store, keys, requests)
+    assert [a.ok for a in answers] == [False, False]
+    assert "LeaseNotFound" in answers[0].reason
+    assert coords[0].view().arrivals == {}  # all or nothing: the transaction wrote no arrival
+    # Through a relay that refuses, the rank arrives itself (and re-grants its lease, as without a relay).
+    refusing = _Fixed(answers[1])
+    coords[1].relay = refusing
+    coords[1].arrive(1, ArrivalRecord(slot=1, node_id="node-0"), [WatchRange(f"{SEAL}1")])
+    assert refusing.asked == 1
+    coords[1].faults(0)  # a read a rank makes alone (a peer's fault, before its own report) goes itself
+    assert refusing.asked == 1
+    coords[1].faults(0, pod=True)
+    assert refusing.asked == 2
+    assert sorted(coords[0].view().arrivals[1]) == [1]
+    # A newer round: the relay says no, and the rank's own request raises the fence's error.
+    store.put(keys.rendezvous + "manifest", b"{}")
+    stale = execute(store, keys, [coords[0].faults_request(0)])
+    assert not stale[0].ok and "StaleEpoch" in stale[0].reason
+    coords[0].relay = _Fixed(stale[0])
+    with pytest.raises(StaleEpoch):
+        coords[0].arrive(1, ArrivalRecord(slot=0, node_id="node-0"), [WatchRange(f"{SEAL}1")])
+    for c in coords:
+        c.stop()
+
+
+class _Fixed:
+    """A relay that gives one answer, and counts the requests, or answers nothing (``None``)."""
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+        self.asked = 0
+
+    def ask(self, request: RelayRequest) -> object:
+        self.asked += 1
+        return self.answer if getattr(self.answer, "ok", False) else None
+
+
+@pytest.fixture
+def relay(store: Store, job: tuple[JobKeys, int], tmp_path: Path) -> Iterator[BarrierRelay]:
+    keys, _ = job
+    # A linger far past every wait below: a batch that waited for it would fail the test, not slow it.
+    r = BarrierRelay(store, keys, tmp_path / "relay.sock", linger=60.0, context="test")
+    assert r.start()
+    yield r
+    r.stop()
+
+
+@pytest.mark.integration
+def test_the_ranks_of_a_pod_arrive_in_one_transaction(store: Store, job: tuple[JobKeys, int],
+                                                      relay: BarrierRelay) -> None:
+    keys, epoch = job
+    coords = _coords(store, keys, epoch, 4)
+    clients = [RelayClient(str(relay.path), timeout=20.0, context=f"slot {c.slot}") for c in coords]
+    for c, client in zip(coords, clients, strict=True):
+        c.relay = client
+    # Every client connects first (the relay then expects a request from each), as ranks do at their start.
+    for client in clients:
+        client.ask(_read_of(client, epoch))
+    relay.transactions = relay.requests = 0
+    views: dict[int, object] = {}
+    start = threading.Barrier(4)
+
+    def rank(c: Coordinator) -> None:
+        start.wait(10)
+        c.faults(0, pod=True)
+        views[c.slot] = c.arrive(1, ArrivalRecord(slot=c.slot, node_id="node-0"), [WatchRange(f"{SEAL}1")])
+
+    threads = [threading.Thread(target=rank, args=(c,)) for c in coords]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    # Answered long before the linger, because every connected rank asked: no client gave up and went alone.
+    assert sorted(views) == [0, 1, 2, 3] and not any(client.off for client in clients)
+    assert relay.requests == 8
+    assert relay.transactions == 2  # one read of the cause and one write of the four arrivals
+    assert sorted(coords[0].view().arrivals[1]) == [0, 1, 2, 3]
+    assert len({v.revision for v in views.values()}) == 1  # type: ignore[attr-defined]
+    # A rank that comes late (the others were served at this barrier) is sent at once, alone.
+    late = Coordinator(store, keys, epoch, slot=4, node_id="node-0", lease_ttl=10, relay=clients[0])
+    late.start()
+    late.arrive(1, ArrivalRecord(slot=4, node_id="node-0"), [WatchRange(f"{SEAL}1")])
+    assert relay.transactions == 3 and not clients[0].off
+    seal = SealRecord(iteration=1, world_size=5, ranks={str(s): s for s in range(5)}, sealed_by=0)
+    assert coords[0].try_seal(seal) == seal
+    for c in [*coords, late]:
+        c.stop()
+    for client in clients:
+        client.close()
+
+
+def _read_of(client: RelayClient, epoch: int) -> RelayRequest:
+    # A step of no barrier the test goes through: its being served does not count for theirs.
+    return RelayRequest(epoch=epoch, iteration=9, reads=[RelayRange(key=f"{SEAL}9")])
+
+
+@pytest.mark.integration
+def test_no_agent_listening_the_rank_arrives_itself(store: Store, job: tuple[JobKeys, int], tmp_path: Path) -> None:
+    keys, epoch = job
+    client = RelayClient(str(tmp_path / "absent.sock"), timeout=1.0)
+    [c] = _coords(store, keys, epoch, 1)
+    c.relay = client
+    c.arrive(0, ArrivalRecord(slot=0, node_id="node-0"), [WatchRange(f"{SEAL}0")])
+    assert client.off
+    assert list(c.view().arrivals[0]) == [0]
+    c.stop()
+
+
+@pytest.mark.integration
+def test_an_agent_that_does_not_answer_costs_one_timeout(store: Store, job: tuple[JobKeys, int],
+                                                         tmp_path: Path) -> None:
+    keys, epoch = job
+    path = tmp_path / "mute.sock"
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(str(path))
+    mute.listen(1)  # accepts (the kernel does) and never answers
+    client = RelayClient(str(path), timeout=0.3)
+    [c] = _coords(store, keys, epoch, 1)
+    c.relay = client
+    c.arrive(0, ArrivalRecord(slot=0, node_id="node-0"), [WatchRange(f"{SEAL}0")])
+    assert client.off and list(c.view().arrivals[0]) == [0]
+    c.faults(0)  # the relay is off: no second connection, no second wait
+    mute.setblocking(False)
+    mute.accept()[0].close()
+    with pytest.raises(BlockingIOError):
+        mute.accept()
+    c.stop()
+    mute.close()
+
+
+@pytest.mark.integration
+def test_an_invalid_request_is_answered_with_the_field(relay: BarrierRelay) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(relay.path))
+        s.sendall(b'{"epoch": 0, "iteration": 1, "reads": [{"key": "seal/1"}]}\n')
+        line = s.makefile("rb").readline()
+    assert b'"ok":false' in line and b"epoch" in line
