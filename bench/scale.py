@@ -9,7 +9,9 @@ seconds, exact etcd write and watch-event counts. One process, one thread; its C
 Per N (``--nodes``): ``rendezvous_seconds`` (every node holds round 1), ``writes_per_node``,
 ``peak_requests_per_second``, ``watch_events`` and ``manifest_bytes``; ``rerendezvous_seconds`` (one member's
 lease ends; every survivor holds the next round); ``restart_barrier_seconds`` (N ranks; one reports a fault;
-every rank released into the next iteration) and ``writes_per_rank_per_restart``; ``completion_seconds`` (every
+every rank released into the next iteration), ``writes_per_rank_per_restart`` (etcd proposals; with
+``keys_written_per_rank``) and ``restart_requests_per_rank``, with the pods' barrier relays (``stalwart``, 8
+ranks a pod) and without (``stalwart-per-rank``); ``completion_seconds`` (every
 rank's function returns at once; every rank knows the iteration ended); ``operator_read_bytes``
 (one read of the job's rendezvous prefix). Where round 1 cannot be sealed (past about 12,000 nodes the
 manifest is over ``MAX_MANIFEST_BYTES``, the most its parts may hold in one transaction) the row says so, and
@@ -107,15 +109,22 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
         emit(impl, n, "rerendezvous_seconds", again["seconds"], seal_seconds=again["seal_seconds"],
              writes=again["writes"], goal="< 2 s at 10,000")
     emit("stalwart", n, "sim_cpu_seconds", time.process_time() - t0, what="rendezvous")
-    t0 = time.process_time()
-    restart = RestartRun(n, costs).restart(LIMIT)
-    out["barrier"] = restart["seconds"]
-    emit("stalwart", n, "restart_barrier_seconds", restart["seconds"], ranks=n, released=restart["released"],
-         seals=restart["seals"], goal="< 2 s at 10,000")
-    emit("stalwart", n, "writes_per_rank_per_restart", restart["writes"] / n, goal="<= 2")
-    emit("stalwart", n, "restart_watch_events", restart["watch_events"], bytes=restart["watch_bytes"],
-         reads=restart["reads"])
-    emit("stalwart", n, "sim_cpu_seconds", time.process_time() - t0, what="restart")
+    # "stalwart": the pods' agents relay their ranks' barrier requests (8 ranks a pod), as the agent does;
+    # "stalwart-per-rank": every rank asks etcd itself (a rank without an agent; the protocol before the relay).
+    for impl, relay in (("stalwart", True), ("stalwart-per-rank", False)):
+        t0 = time.process_time()
+        restart = RestartRun(n, costs, relay=relay).restart(LIMIT)
+        if relay:
+            out["barrier"] = restart["seconds"]
+        emit(impl, n, "restart_barrier_seconds", restart["seconds"], ranks=n, released=restart["released"],
+             seals=restart["seals"], goal="< 2 s at 10,000")
+        emit(impl, n, "writes_per_rank_per_restart", restart["writes"] / n, goal="<= 2",
+             keys_written_per_rank=restart["keys_written"] / n,
+             relay_transactions=restart["relay_transactions"] if relay else None)
+        emit(impl, n, "restart_requests_per_rank", restart["requests"] / n, requests=restart["requests"])
+        emit(impl, n, "restart_watch_events", restart["watch_events"], bytes=restart["watch_bytes"],
+             reads=restart["reads"])
+        emit(impl, n, "sim_cpu_seconds", time.process_time() - t0, what="restart")
     end = RestartRun(n, costs).complete(LIMIT)
     emit("stalwart", n, "completion_seconds", end["seconds"], ranks=n, ended=end["ended"],
          writes=end["writes"], watch_events=end["watch_events"], limit="the 60 s completion timeout")
@@ -177,7 +186,7 @@ def replot(path: str, saved: str) -> None:
     source = saved
     for line in Path(saved).read_text().splitlines():
         r = json.loads(line)
-        if r["metric"] == "restart_barrier_seconds":
+        if r["metric"] == "restart_barrier_seconds" and r["impl"] == "stalwart":
             rows.setdefault(r["nodes"], {})["barrier"] = r["value"]
         elif r["metric"] == "rerendezvous_seconds":
             rows.setdefault(r["nodes"], {})["rerendezvous"] = r["value"]

@@ -295,7 +295,7 @@ class RestartRun:
         sim = self.sim
         start = sim.server.busy_until + 1.0
         sim.now = start
-        writes0, reads0 = sim.mem.counters.proposals, sim.mem.counters.reads
+        writes0, reads0, requests0 = sim.mem.counters.proposals, sim.mem.counters.reads, len(sim.server.done_at)
         base = self.ranks[0].coord.base
         # Each rank's monitor: one watch on the fault records and the heartbeats' deletions.
         monitor = (WatchRange(base + FAULT, prefix=True), WatchRange(base + ALIVE, prefix=True, no_put=True))
@@ -311,11 +311,13 @@ class RestartRun:
             fault_at = sim.committed_at[position]
             sim.run(start + limit, stop=lambda: all(r.state == "released" for r in self.ranks))
         released = [r.released_at for r in self.ranks if r.released_at is not None]
+        written = {ev.kv.key for ev in sim.mem.log[position:] if ev.type == "put"}
         seals = [ev for ev in sim.mem.log if ev.type == "put" and ev.kv.key == self.ranks[0].coord.round_keys.seal(1)]
         return {"seconds": max(released) - fault_at if len(released) == self.n else None,
                 "released": len(released), "seals": len(seals),
-                "relay_transactions": sum(r.transactions for r in self.relays),
+                "relay_transactions": sum(r.transactions for r in self.relays), "keys_written": len(written),
                 "writes": sim.mem.counters.proposals - writes0, "reads": sim.mem.counters.reads - reads0,
+                "requests": len(sim.server.done_at) - requests0,
                 "watch_events": sim.events_sent, "watch_bytes": sim.event_bytes_sent,
                 "peak_requests_per_second": sim.server.peak_rate()}
 

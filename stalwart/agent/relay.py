@@ -221,6 +221,9 @@ class BarrierRelay:
                 if due(self._waiting, connected, self._served, time.monotonic(), self.linger):
                     self._flush(sel)
         finally:
+            for w in self._waiting:  # answered now, not at their clients' timeout
+                if (client := self._clients.get(w.client)) is not None:
+                    self._answer(sel, client, RelayAnswer(ok=False, reason="the agent is stopping"))
             for client in list(self._clients.values()):
                 self._drop(sel, client)
             sel.close()
@@ -282,7 +285,7 @@ class BarrierRelay:
     def _answer(self, sel: selectors.BaseSelector, client: _Client, answer: RelayAnswer) -> None:
         data = answer.model_dump_json(by_alias=True).encode() + b"\n"
         try:
-            client.conn.setblocking(True)
+            # A rank reads its answer at once; one that does not within the bound is dropped (it goes alone).
             client.conn.settimeout(self.answer_within)
             client.conn.sendall(data)
             client.conn.setblocking(False)

@@ -182,7 +182,7 @@ def test_the_ranks_of_a_pod_arrive_in_one_transaction(store: Store, job: tuple[J
         c.relay = client
     # Every client connects first (the relay then expects a request from each), as ranks do at their start.
     for client in clients:
-        client.ask(_read_of(client, epoch))
+        client.ask(_read_of(epoch))
     relay.transactions = relay.requests = 0
     views: dict[int, object] = {}
     start = threading.Barrier(4)
@@ -216,7 +216,7 @@ def test_the_ranks_of_a_pod_arrive_in_one_transaction(store: Store, job: tuple[J
         client.close()
 
 
-def _read_of(client: RelayClient, epoch: int) -> RelayRequest:
+def _read_of(epoch: int) -> RelayRequest:
     # A step of no barrier the test goes through: its being served does not count for theirs.
     return RelayRequest(epoch=epoch, iteration=9, reads=[RelayRange(key=f"{SEAL}9")])
 
@@ -263,3 +263,25 @@ def test_an_invalid_request_is_answered_with_the_field(relay: BarrierRelay) -> N
         s.sendall(b'{"epoch": 0, "iteration": 1, "reads": [{"key": "seal/1"}]}\n')
         line = s.makefile("rb").readline()
     assert b'"ok":false' in line and b"epoch" in line
+
+
+@pytest.mark.integration
+def test_a_stopping_relay_answers_what_waits_at_once(store: Store, job: tuple[JobKeys, int],
+                                                     tmp_path: Path) -> None:
+    keys, epoch = job
+    relay = BarrierRelay(store, keys, tmp_path / "relay.sock", linger=60.0, context="test")
+    assert relay.start()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as asking:
+        for s in (idle, asking):
+            s.settimeout(10)
+        idle.connect(str(relay.path))
+        idle.sendall(_read_of(epoch).model_dump_json().encode() + b"\n")
+        idle.makefile("rb").readline()  # served alone; now two connect, and the next request waits for both
+        asking.connect(str(relay.path))
+        asking.sendall(_read(epoch, 0).model_dump_json().encode() + b"\n")
+        time.sleep(0.2)  # it arrives at the relay and waits there (the linger is a minute)
+        relay.stop()
+        line = asking.makefile("rb").readline()
+    assert b'"ok":false' in line and b"the agent is stopping" in line
+    assert not relay.path.exists()

@@ -98,8 +98,9 @@ def test_a_round_whose_manifest_exceeds_one_record_is_sealed_in_buckets_each_nod
     assert first["watch_bytes"] < 2 * first["manifest_bytes"] + n * 4096  # the header to each, not the list
 
 
-def test_restart_barrier_releases_every_rank_once_into_one_seal() -> None:
-    run = RestartRun(N, COSTS)
+@pytest.mark.parametrize("relay", [True, False], ids=["pods-relay", "per-rank"])
+def test_restart_barrier_releases_every_rank_once_into_one_seal(relay: bool) -> None:
+    run = RestartRun(N, COSTS, relay=relay)
     res = run.restart(limit=600)
     assert res["released"] == N and res["seals"] == 1 and res["seconds"] is not None
     assert all(r.releases == 1 for r in run.ranks)
@@ -107,11 +108,17 @@ def test_restart_barrier_releases_every_rank_once_into_one_seal() -> None:
     assert seal is not None and seal.iteration == 1 and seal.world_size == N
     assert all(r.seal == seal for r in run.ranks)
     assert sorted(seal.ranks.values()) == list(range(N)) and sorted(int(s) for s in seal.ranks) == list(range(N))
-    # One fault report, one arrival per rank, the seal: at most 2 writes per rank.
-    assert res["writes"] == 1 + N + 1
+    # One fault report, one arrival per rank, the seal: at most 2 writes per rank. Through the pods' relays
+    # (8 ranks a pod) the arrivals of a pod are one write, and a pod reads the cause once.
+    pods = -(-N // 8)
+    assert res["writes"] == 1 + (pods if relay else N) + 1
     assert res["writes"] / N <= 2
+    assert res["relay_transactions"] == (2 * pods if relay else 0)
+    # Requests to etcd: the fault report, per pod (or rank) the cause's read and the arrival, the seal; with the
+    # relays the sealer reads the prefix after its arrival.
+    assert res["requests"] == (1 + 2 * pods + 1 + 1 if relay else 1 + 2 * N + 1)
     arrivals = [k for k in run.sim.mem.keys if k.startswith(run.ranks[0].coord.base + "arrive/1/")]
-    assert len(arrivals) == N
+    assert len(arrivals) == N and res["keys_written"] == 1 + N + 1
     # No N-squared fan-out: each rank's monitor is sent the fault, the one sealer (the lowest slot of the last
     # seal) the arrivals, every other rank the seal at most once.
     assert seal.sealed_by == 0 and [r.coord.slot for r in run.ranks if r.sealer] == [0]
@@ -149,7 +156,10 @@ def test_the_quick_benchmark_prints_every_metric_within_the_write_budgets() -> N
                        "writes_per_rank_per_restart"):
             assert got[("stalwart", n, metric)]["value"] is not None, (n, metric)
         assert got[("stalwart", n, "writes_per_node")]["value"] == pytest.approx((2 * (n + 1) + 1) / (n + 1), abs=1e-6)
-        assert got[("stalwart", n, "writes_per_rank_per_restart")]["value"] == pytest.approx((n + 2) / n, abs=1e-6)
+        pods = -(-n // 8)
+        assert got[("stalwart", n, "writes_per_rank_per_restart")]["value"] == pytest.approx((pods + 2) / n, abs=1e-6)
+        assert got[("stalwart-per-rank", n, "writes_per_rank_per_restart")]["value"] == \
+            pytest.approx((n + 2) / n, abs=1e-6)
         assert got[("anchor-cas", n, "writes_per_node")]["value"] == pytest.approx((n + 1) / 2)
     # The model counts the writes the real driver makes on the real server (a retried seal at most apart).
     real = got[("validate-real-etcd", 50, "writes_per_node")]["value"]
