@@ -6,7 +6,7 @@ the relay is the agent's real :class:`~stalwart.agent.relay.BarrierRelay` on a U
 at the next, with the read of the seal's key, as ``stalwart/restart/wrapper.py`` does. Side by side, the
 same ranks without the relay (the anchor: each rank asks etcd itself, as before the relay).
 
-    python bench/relay.py [--ranks 8] [--barriers 200]
+    python bench/relay.py [--ranks 8] [--barriers 200] [--linger SECONDS]
 
 Rows (one JSON object per line):
 ``{"bench": "relay", "impl": "stalwart-relay" | "stalwart-direct", "metric": ..., "value": ...}`` with
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stalwart.agent.relay import BarrierRelay
+from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay
 from stalwart.api.restart import ArrivalRecord
 from stalwart.etcd.keys import SEAL, JobKeys
 from stalwart.etcd.store import Store, WatchRange
@@ -100,13 +100,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--barriers", type=int, default=200)
+    p.add_argument("--linger", type=float, default=DEFAULT_LINGER,
+                   help=f"the relay's linger in seconds (default {DEFAULT_LINGER:g}, the agent's)")
     args = p.parse_args()
     with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="relay-bench-") as tmp:
         store = Store([etcd.endpoint], timeout=10.0)
         keys = JobKeys("bench", uuid.uuid4().hex[:12])
         epoch = store.put(keys.rendezvous + "manifest", b"{}")
         counting = Counting(store)
-        relay = BarrierRelay(store, keys, Path(tmp) / "relay.sock", context="bench")
+        relay = BarrierRelay(store, keys, Path(tmp) / "relay.sock", linger=args.linger, context="bench")
         if not relay.start():
             raise SystemExit("the relay did not start")
         try:

@@ -30,13 +30,14 @@ Every rank's read of the same keys at one revision returns the same bytes, so th
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 from unittest import mock
 
 from bench.scalesim.sim import Costs, Sim, Subscription, TimedStore
-from stalwart.agent.relay import Step, Waiting, due, execute
+from stalwart.agent.relay import DEFAULT_LINGER, Step, Waiting, due, execute
 from stalwart.api.relay import RelayAnswer, RelayRequest
 from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
@@ -240,10 +241,13 @@ class RestartRun:
     n: int
     costs: Costs
     abort: float = 0.0
+    #: Each rank's abort takes ``abort`` plus up to this many seconds more (uniform, seeded): the ranks of a pod
+    #: then ask their relay apart, as they do on a loaded machine.
+    abort_spread: float = 0.0
     ranks_per_node: int = 8
     #: The pods' agents relay their ranks' barrier requests (the default, as the agent does).
     relay: bool = True
-    linger: float = 0.005
+    linger: float = DEFAULT_LINGER
     hop: float = 0.0001
     sim: Sim = field(init=False)
     ranks: list[Rank] = field(init=False)
@@ -299,9 +303,11 @@ class RestartRun:
         base = self.ranks[0].coord.base
         # Each rank's monitor: one watch on the fault records and the heartbeats' deletions.
         monitor = (WatchRange(base + FAULT, prefix=True), WatchRange(base + ALIVE, prefix=True, no_put=True))
+        rng = random.Random(7)
+        aborts = [self.abort + rng.uniform(0.0, self.abort_spread) for _ in self.ranks]
         for r in self.ranks:
             sim.subscribe(monitor, sim.mem.revision_now + 1,
-                          lambda evs, when, r=r: r.on_monitor(evs, when, self.abort))  # type: ignore[misc]
+                          lambda evs, when, r=r, a=aborts[r.coord.slot]: r.on_monitor(evs, when, a))  # type: ignore[misc]
         with self._patched():
             culprit = self.ranks[self.n // 3]
             position = len(sim.mem.log)

@@ -4,9 +4,10 @@ Three parts, as everywhere in the agent:
 
 * :func:`due` decides when the requests waiting are sent: as soon as every rank of the pod that is connected
   and has not yet taken that step of that barrier has asked, or ``linger`` seconds after the oldest one
-  arrived, whichever is first. Ranks of one pod are interrupted by the same watch event, so they ask within
-  a millisecond of each other, and a rank that comes late (it was slow to abort) finds the others already
-  served and is sent at once.
+  arrived, whichever is first. Ranks of one pod are interrupted by the same watch event and ask once their
+  aborts are done, a few milliseconds apart; waiting for each other here costs them nothing, since the
+  barrier cannot complete without all of them. A rank that comes later than the linger (it was slow to
+  abort) finds the others already served and is sent at once.
 * :func:`execute` sends one batch: per epoch, one transaction fenced by it, with every arrival a put bound to
   its own rank's lease and every distinct read once, then answers each request with its reads. A
   transaction etcd refuses (a lease gone, a newer round, etcd unreachable) is answered ``ok: false`` to all of
@@ -38,7 +39,7 @@ from stalwart.etcd.store import Get, Put, Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BarrierRelay", "Step", "Waiting", "due", "execute", "linger_left", "socket_path"]
+__all__ = ["BarrierRelay", "Step", "Waiting", "due", "execute", "linger_left", "socket_path", "transactions"]
 
 #: A step of one barrier: (``"arrive"`` or ``"read"``, epoch, iteration).
 Step = tuple[str, int, int]
@@ -46,6 +47,15 @@ Step = tuple[str, int, int]
 #: The most requests in one transaction: with at most MAX_READS reads each and the fence's guards, well
 #: within etcd's default limit of 128 operations in a transaction (``--max-txn-ops``).
 MAX_BATCH = 16
+
+#: How long a request waits for the pod's other ranks. A rank that waits for them here would wait for them at
+#: the barrier anyway (it cannot complete without them), so only a rank that never asks (stopped, or still in
+#: its own code) costs the others anything; the ranks of a loaded pod finish their aborts up to some 10 ms
+#: apart, and a shorter linger would split their batch.
+DEFAULT_LINGER = 0.02
+
+#: How long sending one answer may take: answers are small, and a rank reads its answer at once.
+_SEND_WITHIN = 0.5
 
 #: The longest Unix socket path the kernel takes (``sun_path`` is 108 bytes with its terminating zero).
 _MAX_SOCKET_PATH = 107
@@ -87,45 +97,58 @@ def linger_left(waiting: Sequence[Waiting], now: float, linger: float) -> float 
     return max(0.0, min(w.since for w in waiting) + linger - now)
 
 
-def execute(store: Store, keys: JobKeys, requests: Sequence[RelayRequest], *,
-            timeout: float | None = None) -> list[RelayAnswer]:
-    """Send ``requests`` as one fenced transaction per epoch (per :data:`MAX_BATCH` of them) and answer each,
-    in order. Never raises for what etcd answers: a refused transaction is an ``ok: false`` answer to each of
-    its requests."""
-    answers: list[RelayAnswer | None] = [None] * len(requests)
+def transactions(requests: Sequence[RelayRequest]) -> list[list[int]]:
+    """Which requests go in which transaction (their indices): one per epoch, per :data:`MAX_BATCH` of them."""
+    out: list[list[int]] = []
     for epoch in sorted({r.epoch for r in requests}):
         mine = [i for i, r in enumerate(requests) if r.epoch == epoch]
-        for first in range(0, len(mine), MAX_BATCH):
-            part = mine[first:first + MAX_BATCH]
-            for i, answer in zip(part, _execute_epoch(store, keys, epoch, [requests[i] for i in part], timeout),
-                                 strict=True):
-                answers[i] = answer
-    return [a for a in answers if a is not None]
+        out += [mine[first:first + MAX_BATCH] for first in range(0, len(mine), MAX_BATCH)]
+    return out
+
+
+def execute(store: Store, keys: JobKeys, requests: Sequence[RelayRequest], *,
+            timeout: float | None = None) -> list[RelayAnswer]:
+    """Send ``requests`` as :func:`transactions` says, each fenced by its epoch, and answer each request, in
+    order. Never raises for what etcd answers: a refused transaction is an ``ok: false`` answer to each of its
+    requests. Of two arrivals for one key in a batch only the later is written; the earlier is answered
+    ``ok: false`` (its rank then writes its own): an ``ok`` always means "written, with your lease"."""
+    answers: dict[int, RelayAnswer] = {}
+    for part in transactions(requests):
+        epoch = requests[part[0]].epoch
+        answers.update(zip(part, _execute_epoch(store, keys, epoch, [requests[i] for i in part], timeout),
+                           strict=True))
+    assert sorted(answers) == list(range(len(requests)))
+    return [answers[i] for i in range(len(requests))]
 
 
 def _execute_epoch(store: Store, keys: JobKeys, epoch: int, requests: Sequence[RelayRequest],
                    timeout: float | None) -> list[RelayAnswer]:
     round_keys = keys.restart_round(epoch)
     base = round_keys.base
-    puts: dict[str, Put] = {}
-    for r in requests:
+    puts: dict[str, tuple[int, Put]] = {}
+    superseded: set[int] = set()
+    for i, r in enumerate(requests):
         if r.arrival is not None:
             key = round_keys.arrival(r.iteration, r.arrival.slot)
-            puts[key] = Put(key, r.arrival.to_json_bytes(), r.lease)
+            if key in puts:
+                superseded.add(puts[key][0])
+            puts[key] = i, Put(key, r.arrival.to_json_bytes(), r.lease)
     ranges: dict[tuple[str, bool], int] = {}
     for r in requests:
         for part in r.reads:
             ranges.setdefault((part.key, part.prefix), len(ranges))
     gets = [Get(base + key, prefix=prefix) for key, prefix in ranges]
     try:
-        res = Fence(store, keys, epoch).txn((), [*puts.values(), *gets], timeout=timeout)
+        res = Fence(store, keys, epoch).txn((), [*(put for _, put in puts.values()), *gets], timeout=timeout)
     except Exception as e:  # a lease gone, a newer round, etcd away: each rank finds out itself, alone
         return [RelayAnswer(ok=False, reason=_why(e)) for _ in requests]
     got = res.responses[len(puts):]
     values = [[RelayValue(key=kv.key[len(base):], value=base64.b64encode(kv.value).decode(),
                           mod_revision=kv.mod_revision) for kv in response] for response in got]
-    return [RelayAnswer(ok=True, revision=res.revision,
-                        values=[values[ranges[(p.key, p.prefix)]] for p in r.reads]) for r in requests]
+    return [RelayAnswer(ok=False, reason="a later arrival for the same slot came in the same batch")
+            if i in superseded else
+            RelayAnswer(ok=True, revision=res.revision, values=[values[ranges[(p.key, p.prefix)]] for p in r.reads])
+            for i, r in enumerate(requests)]
 
 
 def _why(e: BaseException) -> str:
@@ -144,10 +167,12 @@ class _Client:
 class BarrierRelay:
     """Serves ``RelayRequest`` lines on a Unix socket at ``path`` from one thread until :meth:`stop`.
 
-    ``linger`` bounds how long a request waits for the pod's other ranks; ``answer_within`` bounds each
-    transaction (a rank's client gives up a little later and goes itself)."""
+    ``linger`` bounds how long a request waits for the pod's other ranks; ``answer_within`` bounds how long a
+    request waits here in all, its transaction included (a rank's client gives up a little later and goes
+    itself). The thread survives whatever one request or transaction raises: it logs it, answers that batch
+    ``ok: false`` and goes on serving."""
 
-    def __init__(self, store: Store, keys: JobKeys, path: Path, *, linger: float = 0.005,
+    def __init__(self, store: Store, keys: JobKeys, path: Path, *, linger: float = DEFAULT_LINGER,
                  answer_within: float = 2.0, context: str = "") -> None:
         if linger < 0:
             raise ValueError(f"linger: expected seconds >= 0, got {linger}")
@@ -211,19 +236,14 @@ class BarrierRelay:
         sel.register(self._listener, selectors.EVENT_READ, None)
         try:
             while not self._stop.is_set():
-                left = linger_left(self._waiting, time.monotonic(), self.linger)
-                for key, _ in sel.select(timeout=0.2 if left is None else min(left, 0.2)):
-                    if key.data is None:
-                        self._accept(sel)
-                    else:
-                        self._read(sel, key.data)
-                connected = frozenset(self._clients)
-                if due(self._waiting, connected, self._served, time.monotonic(), self.linger):
-                    self._flush(sel)
+                try:
+                    self._step(sel)
+                except Exception:  # a bug or the system's limits; the ranks still waiting go alone
+                    log.exception("%s: barrier relay: unexpected error; going on", self.context)
+                    self._refuse(sel, self._waiting, "the relay failed")
+                    self._waiting = []
         finally:
-            for w in self._waiting:  # answered now, not at their clients' timeout
-                if (client := self._clients.get(w.client)) is not None:
-                    self._answer(sel, client, RelayAnswer(ok=False, reason="the agent is stopping"))
+            self._refuse(sel, self._waiting, "the agent is stopping")  # now, not at their clients' timeout
             for client in list(self._clients.values()):
                 self._drop(sel, client)
             sel.close()
@@ -231,15 +251,31 @@ class BarrierRelay:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 
+    def _step(self, sel: selectors.BaseSelector) -> None:
+        left = linger_left(self._waiting, time.monotonic(), self.linger)
+        for key, _ in sel.select(timeout=0.2 if left is None else min(left, 0.2)):
+            if key.data is None:
+                self._accept(sel)
+            else:
+                self._read(sel, key.data)
+        if due(self._waiting, frozenset(self._clients), self._served, time.monotonic(), self.linger):
+            self._flush(sel)
+
     def _accept(self, sel: selectors.BaseSelector) -> None:
         assert self._listener is not None
-        with contextlib.suppress(BlockingIOError):
+        try:
             conn, _ = self._listener.accept()
-            conn.setblocking(False)
-            self._next += 1
-            client = _Client(conn, self._next)
-            self._clients[client.ident] = client
-            sel.register(conn, selectors.EVENT_READ, client)
+        except BlockingIOError:
+            return
+        except OSError as e:  # out of file descriptors, say: the rank finds no relay and goes alone
+            log.warning("%s: barrier relay: cannot accept a rank: %s", self.context, e)
+            self._stop.wait(0.1)  # the listener stays readable; do not spin on it
+            return
+        conn.setblocking(False)
+        self._next += 1
+        client = _Client(conn, self._next)
+        self._clients[client.ident] = client
+        sel.register(conn, selectors.EVENT_READ, client)
 
     def _read(self, sel: selectors.BaseSelector, client: _Client) -> None:
         try:
@@ -272,8 +308,19 @@ class BarrierRelay:
 
     def _flush(self, sel: selectors.BaseSelector) -> None:
         batch, self._waiting = self._waiting, []
-        self.transactions += len({w.request.epoch for w in batch})
-        answers = execute(self.store, self.keys, [w.request for w in batch], timeout=self.answer_within)
+        # A request waits here at most answer_within in all, so that its rank is answered before it gives up.
+        left = self.answer_within - (time.monotonic() - min(w.since for w in batch))
+        if left <= 0:
+            self._refuse(sel, batch, "the relay could not send it in time")
+            return
+        requests = [w.request for w in batch]
+        self.transactions += len(transactions(requests))
+        try:
+            answers = execute(self.store, self.keys, requests, timeout=left)
+        except Exception:  # execute answers what etcd refuses; this is a bug, and the batch's ranks go alone
+            log.exception("%s: barrier relay: a batch failed", self.context)
+            self._refuse(sel, batch, "the relay failed")
+            return
         for w, answer in zip(batch, answers, strict=True):
             self._served[w.step] = self._served.get(w.step, frozenset()) | {w.client}
             client = self._clients.get(w.client)
@@ -282,11 +329,16 @@ class BarrierRelay:
         while len(self._served) > 16:  # only the last barriers' steps matter
             del self._served[next(iter(self._served))]
 
+    def _refuse(self, sel: selectors.BaseSelector, batch: Sequence[Waiting], why: str) -> None:
+        for w in batch:
+            if (client := self._clients.get(w.client)) is not None:
+                self._answer(sel, client, RelayAnswer(ok=False, reason=why))
+
     def _answer(self, sel: selectors.BaseSelector, client: _Client, answer: RelayAnswer) -> None:
         data = answer.model_dump_json(by_alias=True).encode() + b"\n"
         try:
-            # A rank reads its answer at once; one that does not within the bound is dropped (it goes alone).
-            client.conn.settimeout(self.answer_within)
+            # A rank that does not read its answer at once is dropped (it goes alone), not waited for.
+            client.conn.settimeout(_SEND_WITHIN)
             client.conn.sendall(data)
             client.conn.setblocking(False)
         except OSError as e:

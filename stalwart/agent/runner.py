@@ -37,7 +37,7 @@ from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, n
 from stalwart.agent.processes import RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
-from stalwart.agent.relay import BarrierRelay, socket_path
+from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, socket_path
 from stalwart.agent.rendezvous import (
     NodeHandle,
     Rendezvous,
@@ -85,10 +85,14 @@ class AgentTuning:
     spare_ranks: bool = False
     #: Keep rank processes across rounds and start a spare's parked (also on when the job's record says so).
     warm_spares: bool = False
+    #: How long a rank's barrier request waits at the relay for the pod's other ranks (:mod:`.relay`).
+    relay_linger: float = DEFAULT_LINGER
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: expected >= 0, got {self.max_restarts}")
+        if not 0 <= self.relay_linger <= 1:
+            raise ValueError(f"relay_linger: expected seconds in [0, 1], got {self.relay_linger}")
         for name in ("poll_interval", "progress_interval", "status_interval", "term_grace", "finish_grace",
                      "join_timeout"):
             positive_seconds(name, getattr(self, name))
@@ -128,7 +132,8 @@ class Agent:
         self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
                                          interval=self.options.progress_interval, context=self._ctx)
         self.drill = DrillListener(self.store, settings, self._drill_targets, context=self._ctx)
-        self.relay = BarrierRelay(self.store, settings.keys, socket_path(self.run_dir), context=self._ctx)
+        self.relay = BarrierRelay(self.store, settings.keys, socket_path(self.run_dir),
+                                  linger=self.options.relay_linger, context=self._ctx)
         self.relay_socket: Path | None = None
 
     # -- signals ------------------------------------------------------------------------------------------

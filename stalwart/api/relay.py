@@ -28,6 +28,8 @@ __all__ = ["MAX_FRAME_BYTES", "MAX_READS", "RelayAnswer", "RelayRange", "RelayRe
 MAX_FRAME_BYTES = 8 << 20
 #: The most ranges one request may read.
 MAX_READS = 4
+#: etcd's revisions and lease ids are signed 64-bit integers.
+_INT64 = 2**63 - 1
 
 
 class RelayRange(ApiModel):
@@ -46,10 +48,12 @@ class RelayRange(ApiModel):
 class RelayRequest(ApiModel):
     """A rank's arrival at the barrier of ``iteration`` (with the reads its wait starts from), or a read only."""
 
-    epoch: int = Field(ge=1, description="The round the rank belongs to: the transaction is fenced by it.")
-    iteration: int = Field(ge=0, description="The barrier's iteration (of the arrival), or what the read is about.")
+    epoch: int = Field(ge=1, le=_INT64, description="The round the rank belongs to: the transaction is fenced by it.")
+    iteration: int = Field(ge=0, le=_INT64,
+                           description="The barrier's iteration (of the arrival), or what the read is about.")
     arrival: ArrivalRecord | None = Field(default=None, description="The arrival to write; none: a read only.")
-    lease: int = Field(default=0, ge=0, description="The rank's heartbeat lease, which the arrival is bound to.")
+    lease: int = Field(default=0, ge=0, le=_INT64,
+                       description="The rank's heartbeat lease, which the arrival is bound to.")
     reads: list[RelayRange] = Field(default_factory=list, max_length=MAX_READS)
 
     @model_validator(mode="after")

@@ -23,6 +23,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="seconds a round waits for more nodes once min nodes are present (default 5)")
     p.add_argument("--node-ttl", type=int, default=10,
                    help="TTL in seconds of this node's rendezvous lease (default 10)")
+    p.add_argument("--relay-linger", type=float, default=None,
+                   help="seconds a rank's barrier request waits at this pod's relay for the pod's other ranks "
+                        "(default 0.02; 0 sends each at once, as it comes)")
     p.add_argument("--spare-ranks", action="store_true",
                    help="on a spare pod, run the ranks as in-process spares (scripts using stalwart.restartable)")
     p.add_argument("--warm-spares", action="store_true",
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         settings = PodSettings.from_env()
         options = AgentTuning(max_restarts=args.max_restarts, term_grace=args.term_grace,
                               last_call_timeout=args.last_call, node_ttl=args.node_ttl,
-                              spare_ranks=args.spare_ranks, warm_spares=args.warm_spares)
+                              spare_ranks=args.spare_ranks, warm_spares=args.warm_spares,
+                              **({} if args.relay_linger is None else {"relay_linger": args.relay_linger}))
     except ValueError as e:  # the pod contract's PodEnvError among them
         print(f"stalwart agent: invalid settings:\n{e}", file=sys.stderr)
         return 2

@@ -145,8 +145,11 @@ class Coordinator:
         if answer is None:
             return None
         try:
+            if len(answer.values) != len(request.reads) or answer.revision < 1:
+                raise ValueError(f"{len(answer.values)} reads at revision {answer.revision} for "
+                                 f"{len(request.reads)} asked")
             return self.answered(answer)
-        except ValueError as e:  # not base64: the request is made again, alone
+        except ValueError as e:  # the request is made again, alone
             log.warning("slot %d: unreadable answer from the barrier relay: %s", self.slot, e)
             return None
 

@@ -42,6 +42,8 @@ class RelayClient:
         if self.off:
             return None
         with self._lock:
+            if self.off:  # another thread gave up while this one waited for the lock
+                return None
             try:
                 answer = self._ask(request)
             except (OSError, ValueError, ValidationError) as e:

@@ -94,8 +94,9 @@ def test_the_ranks_of_a_pod_arrive_at_the_restart_barrier_through_its_agent(etcd
     # One pod of three ranks; rank 2 raises at step 3. The three hand their arrival at the next barrier to
     # the agent's relay, which writes them in one transaction: their keys carry one revision. Without the
     # relay each rank writes its own.
+    # A linger of a second: on a loaded machine the ranks' aborts may end more than the default's 20 ms apart.
     agent, keys = start_agent(etcd, tmp_path, "--steps", "6", "--fault", "exception", "--fault-rank", "2",
-                              "--fault-step", "3", nproc=3)
+                              "--fault-step", "3", nproc=3, agent_args=("--relay-linger", "1"))
     _, err = agent.communicate(timeout=TIMEOUT)
     assert agent.returncode == 0, err[-3000:]
     res = results(tmp_path)

@@ -4,6 +4,8 @@ and that a rank whose relay fails in any way makes its request itself."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -12,8 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.agent.relay import BarrierRelay, Step, Waiting, due, execute, linger_left
-from stalwart.api.relay import RelayRange, RelayRequest
+from stalwart.agent import relay as relay_module
+from stalwart.agent.relay import (
+    DEFAULT_LINGER,
+    MAX_BATCH,
+    BarrierRelay,
+    Step,
+    Waiting,
+    due,
+    execute,
+    linger_left,
+    transactions,
+)
+from stalwart.agent.runner import AgentTuning
+from stalwart.api.relay import MAX_FRAME_BYTES, RelayAnswer, RelayRange, RelayRequest
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import StaleEpoch
 from stalwart.etcd.keys import FAULT, SEAL, JobKeys
@@ -285,3 +299,100 @@ def test_a_stopping_relay_answers_what_waits_at_once(store: Store, job: tuple[Jo
         line = asking.makefile("rb").readline()
     assert b'"ok":false' in line and b"the agent is stopping" in line
     assert not relay.path.exists()
+
+
+@pytest.mark.integration
+def test_a_batch_across_epochs_and_past_the_transaction_size_is_answered_in_order(
+        store: Store, job: tuple[JobKeys, int]) -> None:
+    keys, old = job
+    epoch = store.put(keys.rendezvous + "manifest", b"{}")  # a newer round: ``old`` is stale
+    coords = _coords(store, keys, epoch, MAX_BATCH + 4)
+    requests = [c.arrival_request(1, ArrivalRecord(slot=c.slot, node_id="node-0"), [WatchRange(f"{SEAL}1")])
+                for c in coords]
+    requests.insert(3, _read(old, 0))
+    assert [len(t) for t in transactions(requests)] == [1, MAX_BATCH, 4]  # by epoch, the oldest first
+    answers = execute(store, keys, requests)
+    assert not answers[3].ok and "StaleEpoch" in answers[3].reason
+    mine = answers[:3] + answers[4:]
+    assert all(a.ok for a in mine)
+    # Two transactions for the current epoch, the first of MAX_BATCH arrivals: two revisions, in that order.
+    revisions = [a.revision for a in mine]
+    assert revisions == sorted(revisions) and len(set(revisions)) == 2
+    assert revisions.count(revisions[0]) == MAX_BATCH
+    assert sorted(coords[0].view().arrivals[1]) == list(range(MAX_BATCH + 4))
+    for c in coords:
+        c.stop()
+
+
+@pytest.mark.integration
+def test_of_two_arrivals_for_one_slot_in_a_batch_only_the_later_is_told_ok(store: Store,
+                                                                          job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    first, second = _coords(store, keys, epoch, 1) + _coords(store, keys, epoch, 1)
+    rec = ArrivalRecord(slot=0, node_id="node-0")
+    answers = execute(store, keys, [first.arrival_request(1, rec, []), second.arrival_request(1, rec, [])])
+    assert [a.ok for a in answers] == [False, True]
+    assert "same slot" in answers[0].reason
+    [kv] = store.get_prefix(first.round_keys.of_iteration("arrive/", 1))[0]
+    assert kv.lease == second.lease  # "ok" means written with that rank's lease
+    first.stop()
+    second.stop()
+
+
+def _lines(sock: socket.socket, count: int) -> list[bytes]:
+    f = sock.makefile("rb")
+    return [f.readline() for _ in range(count)]
+
+
+@pytest.mark.integration
+def test_lines_are_framed_by_newlines_whatever_the_reads(relay: BarrierRelay, job: tuple[JobKeys, int]) -> None:
+    _, epoch = job
+    one, two = (_read(epoch, 0).model_dump_json().encode() + b"\n",
+                _read_of(epoch).model_dump_json().encode() + b"\n")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(relay.path))
+        s.sendall(one + two)  # two requests in one read: both answered, in order
+        answers = [RelayAnswer.model_validate_json(line) for line in _lines(s, 2)]
+        assert [len(a.values) for a in answers] == [1, 1] and all(a.ok for a in answers)
+        s.sendall(one[:10])  # a request split across reads
+        time.sleep(0.1)
+        s.sendall(one[10:])
+        assert RelayAnswer.model_validate_json(_lines(s, 1)[0]).ok
+        s.sendall(b"x" * (MAX_FRAME_BYTES + 1))  # no newline within the frame limit: refused, then closed
+        refused = _lines(s, 2)
+    assert b"longer than" in refused[0] and refused[1] == b""
+
+
+@pytest.mark.integration
+def test_the_relay_thread_survives_a_failing_batch(relay: BarrierRelay, job: tuple[JobKeys, int],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _, epoch = job
+    real = relay_module.execute
+    calls: list[int] = []
+
+    def failing_once(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(relay_module, "execute", failing_once)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(relay.path))
+        s.sendall(_read(epoch, 0).model_dump_json().encode() + b"\n")
+        failed = RelayAnswer.model_validate_json(_lines(s, 1)[0])
+        s.sendall(_read(epoch, 0).model_dump_json().encode() + b"\n")
+        served = RelayAnswer.model_validate_json(_lines(s, 1)[0])
+    assert (failed.ok, failed.reason) == (False, "the relay failed")
+    assert served.ok and len(calls) == 2
+
+
+def test_the_agents_linger_is_checked_and_its_cli_default_is_the_relays() -> None:
+    with pytest.raises(ValueError, match="relay_linger: expected seconds in"):
+        AgentTuning(relay_linger=-0.1)
+    assert AgentTuning().relay_linger == DEFAULT_LINGER
+    out = subprocess.run([sys.executable, "-m", "stalwart", "agent", "--help"], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert f"(default {DEFAULT_LINGER:g};" in " ".join(out.split())

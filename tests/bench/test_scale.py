@@ -125,6 +125,16 @@ def test_restart_barrier_releases_every_rank_once_into_one_seal(relay: bool) -> 
     assert res["watch_events"] <= N + (N - 1) + (N - 1)
 
 
+def test_ranks_that_ask_their_relay_apart_are_still_released_once_into_one_seal() -> None:
+    # Aborts ending up to 50 ms apart, past the relay's 20 ms linger: a pod's requests split over transactions.
+    run = RestartRun(N, COSTS, abort_spread=0.05)
+    res = run.restart(limit=600)
+    pods = -(-N // 8)
+    assert res["released"] == N and res["seals"] == 1 and all(r.releases == 1 for r in run.ranks)
+    assert res["relay_transactions"] > 2 * pods
+    assert res["writes"] / N <= 2 and res["keys_written"] == 1 + N + 1
+
+
 def test_the_completion_barrier_ends_every_rank_with_one_more_write() -> None:
     run = RestartRun(N, COSTS)
     res = run.complete(limit=600)
