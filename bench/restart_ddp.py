@@ -21,6 +21,7 @@ timing marks for the benchmark.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -33,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-STATE: dict[str, Any] = {"step": 0, "params": None, "first_after_restart": None}
+STATE: dict[str, Any] = {"step": 0, "params": None, "first_after_restart": None,
+                         "atomic": contextlib.nullcontext}
 
 
 def parse() -> argparse.Namespace:
@@ -271,9 +273,12 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         opt.step()
-        step += 1
-        STATE["step"] = step
-        STATE["params"] = [p.detach().clone() for p in model.parameters()]
+        # A peer's fault interrupts this thread anywhere: between these lines it would keep one step's count
+        # with another's parameters, and the restart would resume from a state no run had.
+        with STATE["atomic"]():
+            step += 1
+            STATE["step"] = step
+            STATE["params"] = [p.detach().clone() for p in model.parameters()]
         if restarts >= 1 and STATE["first_after_restart"] is None:
             STATE["first_after_restart"] = time.time()
         if args.step_sleep:
@@ -357,6 +362,7 @@ def main() -> int:
                           rank_assignment=SlowAssignment(min_world_size=args.min_world))
     def run(call_wrapper: stalwart.CallWrapper) -> dict[str, Any]:
         STATE["ping"] = lambda s: call_wrapper.ping(step=s)
+        STATE["atomic"] = call_wrapper.atomic
         return train(args, call_wrapper.iteration)
 
     write(args, run())

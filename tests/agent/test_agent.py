@@ -103,7 +103,7 @@ def test_the_ranks_of_a_pod_arrive_at_the_restart_barrier_through_its_agent(etcd
     assert sorted(r["rank"] for r in res) == [0, 1, 2]
     reference = expected_checksum(steps=6, ranks=3)
     assert all(r["step"] == 6 and r["restarts"] == 1 and r["checksum"] == pytest.approx(reference, abs=1e-6)
-               for r in res)
+               for r in res), (res, restart_records(etcd, keys, "fault"), err[-4000:])
     arrivals = restart_history(etcd, keys, "arrive")
     assert set(arrivals) >= {"1/0", "1/1", "1/2"}, sorted(arrivals)
     assert arrivals["1/0"][0] == arrivals["1/1"][0] == arrivals["1/2"][0], arrivals
