@@ -82,9 +82,10 @@ def due(waiting: Sequence[Waiting], connected: frozenset[int], served: Mapping[S
         now: float, linger: float) -> bool:
     """Whether to send ``waiting`` now: every connected rank that has not taken a waiting step yet has asked
     (for that step or another), or the oldest request has waited ``linger`` seconds."""
-    if not waiting:
+    left = linger_left(waiting, now, linger)
+    if left is None:
         return False
-    if now - min(w.since for w in waiting) >= linger:
+    if left == 0.0:
         return True
     asked = frozenset(w.client for w in waiting)
     return all(connected - served.get(step, frozenset()) <= asked for step in {w.step for w in waiting})

@@ -3,7 +3,8 @@
 The relay only saves etcd requests; it never decides anything. So every failure here (no agent listening,
 no answer within ``timeout``, a line that does not parse, an answer ``ok: false``) returns ``None`` and the
 caller makes the request itself. After a failure that is not etcd's (the agent is gone, slow or confused)
-the client stays off for the rest of the process: a relay that failed once costs its rank no second wait.
+the client stays off for the rest of its session (one per round): a relay that failed once costs its rank no
+second wait.
 """
 
 from __future__ import annotations
