@@ -11,8 +11,9 @@ import pytest
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
 
-# The local cluster's fixtures (local_cluster, k8s_namespace, kube_api), one session cluster for every directory.
-pytest_plugins = ["stalwart.local.pytest_plugin"]
+# The local cluster's fixtures (local_cluster, k8s_namespace, kube_api), one session cluster for every directory
+# (per xdist worker); and each test's durations written to build/test-durations.json (tools/slowest.py reads it).
+pytest_plugins = ["stalwart.local.pytest_plugin", "durations_plugin"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
