@@ -1,5 +1,3 @@
-import sys
+from stalwart.cli import run
 
-from stalwart.cli import main
-
-sys.exit(main())
+run()

@@ -17,6 +17,7 @@ PLACES = {
     "etcd": "everywhere etcd is used: the one etcd layer (store, key layout, fencing, torch Store)",
     "net": "everywhere: small network helpers that import nothing of ours",
     "procfs": "everywhere: what the kernel says of a process (the agent and the local cluster ask it)",
+    "exits": "everywhere: how a process ends within a bound, its streams closed first",
     "operator": "the operator pod",
     "agent": "once per pod: rendezvous, supervision of the rank processes, progress, drills, handover",
     "restart": "each rank process: in-process restart",
@@ -55,6 +56,9 @@ RULES = (
          importers=("restart",), forbidden=("rpc", "rref")),
     Rule("rref-over-rpc-only", "rref builds on rpc alone of the rank processes' packages, never on restart",
          importers=("rref",), forbidden=("restart",)),
+    Rule("leaves-import-nothing", "net, procfs and exits are used from every layer, so they import nothing of "
+                                  "stalwart (an import there could close a cycle through any unit)",
+         importers=("net", "procfs", "exits"), forbidden=("*",)),
     Rule("local-stays-local", "only the local cluster itself, the demo and the CLI import stalwart/local",
          importers=("*",), exempt=("local", "demo", "cli"), forbidden=("local",)),
 )
@@ -113,6 +117,7 @@ BAD = {
     "restart-apart": ("stalwart/restart/bad.py", "from stalwart.rpc import core\n"),
     "rref-over-rpc-only": ("stalwart/rref/bad.py", "import stalwart.restart\n"),
     "local-stays-local": ("stalwart/drill/bad.py", "from stalwart import local\n"),
+    "leaves-import-nothing": ("stalwart/exits/bad.py", "from stalwart.api import core\n"),
 }
 
 

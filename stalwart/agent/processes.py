@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stalwart import exits
 from stalwart.agent.supervision import ProcView
 from stalwart.api.restart import RankStatus
 from stalwart.procfs import process_state
@@ -68,6 +69,18 @@ class RankProcesses:
                 p.exit_code = p.popen.poll()
             if p.exit_code is not None and p.exit_code < 0 and p.killed_after_done:
                 p.exit_code = 0  # it returned from the training function; only its exit hung (and was ended)
+            if p.exit_code == -exits.GUARD_SIGNAL and self._returned(p):
+                log.warning("%s: local rank %d returned from the training function, but its interpreter's exit "
+                            "hung past %gs and its exit guard ended it (its stacks are in its log)", self.context,
+                            p.local_rank, exits.EXIT_BOUND)
+                p.exit_code = 0
+
+    def _returned(self, p: RankProc) -> bool:
+        """Whether ``p``'s last word was that its training function returned (read now: it may have said so
+        and exited between two of the agent's reads)."""
+        p.status_read = 0.0
+        st = self.read_status(p)
+        return st is not None and st.state == "done"
 
     def all_exited(self) -> bool:
         return all(p.exit_code is not None for p in self.procs.values())

@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,14 +160,20 @@ class Agent:
 
     # -- the loop -------------------------------------------------------------------------------------------
 
-    def run(self) -> int:
+    def run(self, decided: Callable[[int], None] | None = None) -> int:
+        """Run until the job ends here; the exit code. ``decided`` is told the code once the rank processes are
+        gone, before the rest of the clean-up (the command arms its exit's bound there: see stalwart.exits)."""
         self.drill.start()
         self.relay_socket = self.relay.path if self.relay.start() else None
+        code = int(ExitCode.FAILED)
         try:
-            return self._run()
+            code = self._run()
+            return code
         finally:
             self.drill.stop()
             self.ranks.stop_all(grace=self.options.term_grace)
+            if decided is not None:
+                decided(code)
             self.relay.stop()  # after the ranks: one still at a barrier while it stops is answered
             with contextlib.suppress(Exception):
                 self.handle.leave()

@@ -10,7 +10,11 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import NoReturn
+
+from stalwart import exits
 
 COMMANDS = ["dev", "crd", "validate", "local", "agent", "operator", "demo", "drill"]
 
@@ -24,6 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The commands that run as a pod's or a cluster's long-lived process (the agent, the operator) or hold a job's
+#: streams (the drill): each leaves through :func:`stalwart.exits.leave`, so it is gone within a bound of
+#: deciding to exit, whatever a library's finaliser does. The others (the local cluster's, the demo's) end
+#: their own child processes on the way out and exit as usual.
+BOUNDED_EXIT = frozenset({"agent", "operator", "drill"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -31,6 +42,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     code: int = args.func(args)
     return code
+
+
+def run(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``stalwart`` program: :func:`main`, then the exit (bounded for :data:`BOUNDED_EXIT`)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = next((w for w in words if w in COMMANDS), "")
+    try:
+        code = main(words)
+    except SystemExit as e:  # argparse's usage errors and --help
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if command in BOUNDED_EXIT:
+        exits.leave(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from stalwart import exits
+
 log = logging.getLogger(__name__)
 
 
@@ -55,5 +57,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"stalwart agent: invalid settings:\n{e}", file=sys.stderr)
         return 2
     agent = Agent(settings, command, options)
+    exits.set_context(f"job={settings.job} node={settings.node_id}")
     agent.install_signal_handlers()
-    return agent.run()
+    return agent.run(decided=exits.decided)

@@ -10,7 +10,13 @@ import shlex
 import signal
 from typing import Any
 
+from stalwart import exits
+
 log = logging.getLogger(__name__)
+
+#: Seconds the operator has from SIGTERM (what a Deployment's rollout sends) to be gone: within the chart's
+#: terminationGracePeriodSeconds (30), so that it ends its own way, its streams closed, before the SIGKILL.
+OPERATOR_EXIT_BOUND = 20.0
 
 #: Kept here (not imported from the operator package) so that ``stalwart --help`` stays light.
 AGENT_COMMAND_DEFAULT = ("stalwart", "agent", "--")
@@ -144,8 +150,13 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_stop() -> None:
+            exits.decided(0, bound=OPERATOR_EXIT_BOUND)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_stop)
         kube = kube_from_config(args.kubeconfig, args.concurrency)
         try:
             await operate(config, kube, stop_flag=stop)

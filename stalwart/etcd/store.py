@@ -30,6 +30,7 @@ import grpc
 from pyetcd.etcdrpc import rpc_pb2 as rpc
 from pyetcd.etcdrpc import rpc_pb2_grpc as rpc_grpc
 
+from stalwart import exits
 from stalwart.etcd import auth as store_auth
 from stalwart.etcd.errors import (
     MAX_VALUE_BYTES,
@@ -128,6 +129,8 @@ class Store:
         self._closed = False
         self._keepalive: KeepAlive | None = None
         self._keepalive_lock = threading.Lock()
+        #: The watches open on this channel: :meth:`close` cancels them, so no stream outlives the Store.
+        self._watches: set[Watch] = set()
         if user is not None:
             login = store_auth.Login(self._channel, user, password or "", self.timeout)
             try:
@@ -136,6 +139,7 @@ class Store:
                 self._channel.close()
                 raise map_error(e, f"login as {user!r}") from e
         self._calls = _AuthedCalls(login)
+        exits.track(self)
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
@@ -303,6 +307,10 @@ class Store:
             except grpc.RpcError as e:
                 if attempt or not self._calls.renewed(e, metadata, "lease keep-alive"):
                     raise map_error(e, "lease keep-alive") from e
+            finally:
+                # The stream has given its one answer; ended here, not whenever the collector gets to it
+                # (at interpreter exit that is where it can deadlock: see stalwart.exits).
+                call.cancel()
         return 0
 
     def lost_leases(self) -> set[int]:
@@ -318,13 +326,29 @@ class Store:
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop keep-alives (leases then expire by TTL) and close the channel. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Cancel every open watch, stop keep-alives (leases then expire by TTL) and close the channel, so that
+        no stream of this Store outlives it. Idempotent."""
+        with self._keepalive_lock:
+            if self._closed:
+                return
+            self._closed = True
+            watches = list(self._watches)
+        for watch in watches:
+            watch.cancel()
         if self._keepalive is not None:
             self._keepalive.stop()
         self._channel.close()
+        exits.untrack(self)
+
+    def _opened(self, watch: Watch) -> None:
+        with self._keepalive_lock:
+            if self._closed:
+                raise StoreError("store is closed")
+            self._watches.add(watch)
+
+    def _ended(self, watch: Watch) -> None:
+        with self._keepalive_lock:
+            self._watches.discard(watch)
 
     def __enter__(self) -> Store:
         return self

@@ -60,7 +60,13 @@ class Watch:
                                             filters=[rpc.WatchCreateRequest.NOPUT] if no_put else [])
             self._requests.put(rpc.WatchRequest(create_request=create))
         key = ranges[0][0]
-        self._call = store._watch_stub.Watch(self._request_iter(), metadata=store._calls.metadata())
+        self._store = store
+        store._opened(self)  # the Store cancels this watch when it closes, if its owner has not
+        try:
+            self._call = store._watch_stub.Watch(self._request_iter(), metadata=store._calls.metadata())
+        except BaseException:
+            store._ended(self)
+            raise
         self._thread = threading.Thread(target=self._pump, args=(key,), name=f"etcd-watch:{key[:40]!r}",
                                         daemon=True)
         self._thread.start()
@@ -156,6 +162,7 @@ class Watch:
         self._cancelled.set()
         self._requests.put(None)
         self._call.cancel()
+        self._store._ended(self)
         self._thread.join(timeout=5)
         if self._thread.is_alive():
             # A reader stuck in gRPC past the cancel: it is a daemon and ends with the channel, but say so.

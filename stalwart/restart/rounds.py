@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from stalwart import exits
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import PARKED_ENV, Handover
 from stalwart.etcd.fence import StaleEpoch
@@ -47,6 +48,9 @@ def _enter(watch: RoundWatch, handover: Handover) -> None:
 def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatch | None], _Session],
                base: RestartConfig, explicit: frozenset[str], run: Callable[[Any], Any]) -> Any:
     """Run ``run(session)`` in this process's round and in every later round its agent hands it to."""
+    # Once the script ends, its exit is bounded: stalwart's streams are closed before the interpreter
+    # finalises, and a finaliser that blocks anyway cannot keep the process (and its pod) alive.
+    exits.guard_exit()
     watch = RoundWatch.from_env(0)
     if watch is not None:
         watch.start()

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from stalwart import exits
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
@@ -144,6 +145,9 @@ def init_rpc(name: str | None = None, rank: int | None = None, *, membership: Me
             raise
         _agent, _own_membership, _own_store = agent, own, own_store
         if own_store is not None and not _atexit_registered:
+            # The guard first: atexit runs last-registered first, so RPC's own shutdown still has its store
+            # when it runs, and the guard then closes what is left and bounds the rest of the exit.
+            exits.guard_exit()
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
         return agent

@@ -1,0 +1,231 @@
+"""How a stalwart process ends: its own streams closed first, and gone within a bound even where a library's
+finaliser would block it for ever.
+
+Why a bound is needed at all: gRPC runs each streaming call (an etcd watch, a lease keep-alive) with daemon
+threads that take the call's condition lock to deliver its events. When the interpreter finalises, it stops
+daemon threads wherever they are, and one stopped while it held that lock holds it for ever; collecting the
+call object afterwards (``_Rendezvous.__del__``) then waits on the lock, and the process never exits, after
+all of stalwart's own code has finished. Closing every stream before the interpreter finalises removes the
+cause; leaving without finalisation removes the consequence, whatever library holds the lock next time.
+
+The parts:
+
+* :func:`track`: a resource that holds long-lived streams (every etcd ``Store`` registers itself) is closed
+  by :func:`close_tracked` before the process leaves, even if its owner forgot it.
+* :func:`decided`: the process has decided to exit (the agent once its ranks returned, the operator on
+  SIGTERM). From then on a watchdog thread ends it within the bound, whatever its own clean-up is waiting
+  for (a stream's ``__del__`` blocks the thread that drops the stream's last reference just as well as it
+  blocks finalisation); a timer in C backs the thread up where no Python thread runs any more.
+* :func:`leave`: for processes whose ``main`` stalwart owns (the agent, the operator, the drill): close what is
+  tracked and run the ``atexit`` functions within the bound, flush the logs, then ``os._exit`` with the code,
+  never running the interpreter's finalisation. Whatever overran the bound is logged (``had to leave``, with
+  every thread's stack).
+* :func:`guard_exit`: for processes whose ``main`` is the user's (a rank process running the training
+  function): an ``atexit`` hook closes what is tracked and arms a timer in C (no Python thread runs then):
+  the stacks are dumped at the bound and SIGALRM ends the process half a second later. The agent reads that
+  signal after a rank returned from the training function as "its exit hung" (the rank's work is done).
+
+Imports nothing of stalwart: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn, Protocol
+
+__all__ = ["EXIT_BOUND", "GUARD_SIGNAL", "Closeable", "close_tracked", "decided", "guard_exit", "leave",
+           "set_context", "track", "untrack"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a process that has decided to exit may take to be gone.
+EXIT_BOUND = 10.0
+#: The signal :func:`guard_exit` ends a process with when its interpreter's exit overruns the bound.
+GUARD_SIGNAL = signal.SIGALRM
+#: Of the bound, what :func:`leave` keeps for flushing the logs after the closing steps.
+_FLUSH_RESERVE = 1.0
+#: Seconds after the bound at which faulthandler's C timer ends a process whose watchdog thread cannot run
+#: (the interpreter is finalising); its exit code is then 1.
+_BACKSTOP = 2.0
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+_tracked: weakref.WeakValueDictionary[int, Closeable] = weakref.WeakValueDictionary()
+_tracked_lock = threading.Lock()
+_order = 0
+_context = ""
+_guard_armed = False
+
+
+@dataclass(slots=True)
+class _Decision:
+    code: int
+    deadline: float  # monotonic
+    bound: float
+
+
+_decision: _Decision | None = None
+
+
+def set_context(context: str) -> None:
+    """What the exit's log lines name (e.g. ``job=... node=...``)."""
+    global _context
+    _context = context
+
+
+def _prefix() -> str:
+    return f"{_context}: " if _context else ""
+
+
+def track(resource: Closeable) -> None:
+    """Close ``resource`` before the process leaves (see :func:`close_tracked`). Held weakly: a resource that is
+    gone needs no closing."""
+    global _order
+    with _tracked_lock:
+        _order += 1
+        _tracked[_order] = resource
+
+
+def untrack(resource: Closeable) -> None:
+    """``resource`` was closed by its owner."""
+    with _tracked_lock:
+        for key, value in list(_tracked.items()):
+            if value is resource:
+                del _tracked[key]
+
+
+def _run_bounded(name: str, step: Callable[[], None], timeout: float) -> bool:
+    """Run ``step`` in a daemon thread; whether it finished within ``timeout``. A step that overruns is left
+    behind (the process is about to leave) rather than waited for."""
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            step()
+        except BaseException:  # a failing closer must not stop the ones after it, nor the exit
+            log.exception("%s%s failed while the process was leaving", _prefix(), name)
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name=f"stalwart-exit-{name}", daemon=True).start()
+    return finished.wait(max(0.0, timeout))
+
+
+def close_tracked(timeout: float) -> list[str]:
+    """Close every tracked resource, the newest first, within ``timeout`` seconds in all; the names of those
+    that did not close in time (a closer blocked on a lock another thread holds, say)."""
+    with _tracked_lock:
+        resources = [r for _, r in sorted(_tracked.items(), reverse=True)]
+    deadline = time.monotonic() + timeout
+    late: list[str] = []
+    for resource in resources:
+        name = type(resource).__name__
+        if not _run_bounded(f"close-{name}", resource.close, deadline - time.monotonic()):
+            late.append(name)
+    return late
+
+
+def _flush() -> None:
+    for handler in list(logging.getLogger().handlers):
+        with contextlib.suppress(Exception):
+            handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+
+
+def _report_overrun(steps: list[str], bound: float) -> None:
+    threads = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+    log.warning("%shad to leave without finishing %s within %gs (threads still running: %s); every thread's "
+                "stack follows", _prefix(), ", ".join(steps), bound, ", ".join(threads))
+    _flush()
+    with contextlib.suppress(Exception):
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
+def decided(code: int, *, bound: float = EXIT_BOUND) -> None:
+    """This process has decided to exit with ``code``: it is gone within ``bound`` seconds from now, whatever
+    its clean-up then waits for. A later call changes the code, never the deadline. Only for a process whose
+    exit stalwart owns (the agent's and the operator's ``main``): the watchdog ends the whole process."""
+    global _decision
+    with _tracked_lock:
+        if _decision is not None:
+            _decision.code = code
+            return
+        _decision = _Decision(code, time.monotonic() + bound, bound)
+    threading.Thread(target=_watchdog, name="stalwart-exit-watchdog", daemon=True).start()
+    faulthandler.dump_traceback_later(bound + _BACKSTOP, exit=True, file=sys.stderr)
+
+
+def _watchdog() -> None:
+    decision = _decision
+    assert decision is not None
+    time.sleep(max(0.0, decision.deadline - time.monotonic()))
+    _report_overrun([f"its clean-up (it decided to exit with code {decision.code})"], decision.bound)
+    _flush()
+    os._exit(decision.code)
+
+
+def leave(code: int, *, bound: float = EXIT_BOUND) -> NoReturn:
+    """End this process with ``code``: close what is tracked, run the ``atexit`` functions, flush the logs,
+    and ``os._exit``, by the deadline of :func:`decided` (armed now if it was not). The interpreter's
+    finalisation never runs (that is where a library's finaliser can block for ever); whatever overran the
+    bound is logged with every thread's stack."""
+    decided(code, bound=bound)
+    decision = _decision
+    assert decision is not None
+    log.info("%sleaving with exit code %d (bound %gs)", _prefix(), decision.code, decision.bound)
+
+    def left() -> float:
+        return decision.deadline - _FLUSH_RESERVE - time.monotonic()
+
+    late = [f"closing {name}" for name in close_tracked(left())]
+    if not _run_bounded("atexit", atexit._run_exitfuncs, left()):
+        late.append("the atexit functions")
+    if late:
+        _report_overrun(late, decision.bound)
+    _flush()
+    os._exit(decision.code)
+
+
+def _at_exit(bound: float, end: bool) -> None:
+    late = close_tracked(bound / 2)
+    if late:
+        _report_overrun([f"closing {name}" for name in late], bound / 2)
+    _flush()
+    # From here on no Python thread may run again (the interpreter is finalising), so the guard lives in C:
+    # faulthandler's watchdog thread dumps the stacks, and the kernel delivers the signal's default action.
+    faulthandler.dump_traceback_later(bound, exit=False, file=sys.stderr)
+    if end and threading.current_thread() is threading.main_thread():  # where signal handlers may be set
+        signal.signal(GUARD_SIGNAL, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, bound + 0.5)
+
+
+def guard_exit(*, bound: float = EXIT_BOUND, end: bool = True) -> None:
+    """Bound this process's exit when its ``main`` is not stalwart's (see the module docstring). Idempotent.
+
+    At interpreter exit the tracked resources are closed (half the bound at most); if the process is still
+    there ``bound`` seconds later its stacks go to stderr and, with ``end``, :data:`GUARD_SIGNAL` ends it.
+    ``end=False`` is for a process whose exit code is its caller's verdict (torchrun's agent, whose code is
+    the job's): a signal there would turn a success into a failure, so it only closes and reports."""
+    global _guard_armed
+    with _tracked_lock:
+        if _guard_armed:
+            return
+        _guard_armed = True
+    atexit.register(_at_exit, bound, end)
