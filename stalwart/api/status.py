@@ -45,6 +45,10 @@ class ConditionType(StrEnum):
     #: True while an object the job needs (its Secret, Service, a pod) has its name but is not the job's (the
     #: message names it); the operator leaves such an object alone.
     OWNERSHIP_CONFLICT = "OwnershipConflict"
+    #: True when every rank the success policy names returned and a pod of theirs was still alive past the
+    #: operator's linger limit (reason PodLingering; the message names the pods and whether they were
+    #: deleted); False once no pod of the job is left running (reason LingeringPodsGone).
+    PODS_LINGERING = "PodsLingering"
 
 
 class ConditionStatus(StrEnum):
@@ -57,7 +61,7 @@ class Condition(ApiModel):
     """One aspect of the job's state (Kubernetes condition conventions)."""
 
     type: str = Field(description=("Condition type: Created, Running, Restarting, Succeeded, Failed, Suspended, "
-                                   "Stalled, CoordinationDegraded, EtcdAccess, OwnershipConflict."),
+                                   "Stalled, CoordinationDegraded, EtcdAccess, OwnershipConflict, PodsLingering."),
                       min_length=1, max_length=316)
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str | None = Field(

@@ -34,9 +34,14 @@ class ReconcileSettings:
     #: Refuse templates that ask for the host (privileged containers, host namespaces, hostPath volumes): the
     #: job fails with InvalidSpec naming the field (``pod_defaults.privilege_problems``).
     restrict_pod_security: bool = True
+    #: Seconds the pods the success policy names may stay alive after their ranks reported that every rank
+    #: returned: past it they are lingering (an Event and the PodsLingering condition name them), the job
+    #: succeeds on the ranks' reports, and cleanPodPolicy decides whether they are deleted (``.lingering``).
+    #: Long enough for an agent to exit after its last report (well under a second when nothing hangs).
+    linger_limit: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("status_interval", "terminating_grace_limit", "resync_interval"):
+        for name in ("status_interval", "terminating_grace_limit", "resync_interval", "linger_limit"):
             positive_seconds(name, getattr(self, name))
         if self.delete_grace_seconds < 0:
             raise ValueError(f"delete_grace_seconds: must be >= 0, got {self.delete_grace_seconds}")

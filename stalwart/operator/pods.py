@@ -9,14 +9,18 @@ from collections.abc import Iterable, Sequence
 
 from stalwart.api import naming
 from stalwart.api.failure_rules import FailureReason
-from stalwart.api.spec import SuccessPolicy, TrainingJobSpec
+from stalwart.api.spec import CleanPodPolicy, SuccessPolicy, TrainingJobSpec
 from stalwart.api.status import ConditionStatus, ConditionType, Phase, RestartCounts
 from stalwart.operator.failures import Fact
+from stalwart.operator.lingering import ranks_returned
 from stalwart.operator.model import CreatePod, DeletePod, PodView, WriteJobRecord
-from stalwart.operator.work import REASON_SUSPENDED, Work, succeed
+from stalwart.operator.work import REASON_SUSPENDED, Work, condition, succeed
 
-__all__ = ["count_pods", "follow_record", "force_delete_unreachable", "keep_rank", "new_pods", "pod_fact",
-           "pod_message", "succeeded", "suspend", "track"]
+__all__ = ["REASON_LINGERING", "count_pods", "follow_record", "force_delete_unreachable", "keep_rank", "lingered",
+           "lingering_over", "new_pods", "pod_fact", "pod_message", "succeeded", "suspend", "track"]
+
+#: The reason of the PodsLingering condition and of the Event naming each lingering pod.
+REASON_LINGERING = "PodLingering"
 
 
 def pod_fact(w: Work, pod: str, reason: str, message: str, exit_code: int | None = None) -> Fact:
@@ -119,6 +123,46 @@ def succeeded(w: Work, spec: TrainingJobSpec) -> bool:
     if ok:
         succeed(w, message)
     return ok
+
+
+def lingered(w: Work, spec: TrainingJobSpec) -> bool:
+    """Success from the ranks' reports (:mod:`.lingering`): every rank the success policy names returned and
+    the limit for their pods to exit passed. Then each pod still alive gets a ``PodLingering`` Event, the
+    ``PodsLingering`` condition names them all, and the job succeeds; the caller finishes it. The pods are
+    deleted (to free their nodes: their work is done) unless ``cleanPodPolicy`` is ``None``, the user's word
+    that no pod of a finished job is to be deleted. False (and a wake-up at the limit) until then."""
+    verdict = ranks_returned(w.obs.pods, w.obs.etcd, policy=spec.success_policy, now=w.now,
+                             limit=w.settings.linger_limit)
+    if verdict is None:
+        return False
+    if not verdict.past_limit:
+        w.wake_in(verdict.due_in)
+        return False
+    policy = spec.run_policy.clean_pod_policy
+    keep = policy == CleanPodPolicy.NONE
+    after = f"{w.now - verdict.returned_at:.0f}s after every rank of round {verdict.round} returned"
+    fate = "left running (cleanPodPolicy None)" if keep else f"deleted (cleanPodPolicy {policy.value})"
+    for pod in verdict.alive:
+        w.event("Warning", REASON_LINGERING, f"pod {pod.pod} still running {after} ({pod.evidence}); "
+                f"{'left running: cleanPodPolicy None keeps every pod' if keep else 'deleting it'}")
+        if not keep:
+            w.actions.append(DeletePod(pod.pod, w.settings.delete_grace_seconds, REASON_LINGERING))
+    names = ", ".join(p.pod for p in verdict.alive)
+    if verdict.alive:
+        w.cond(ConditionType.PODS_LINGERING, ConditionStatus.TRUE, REASON_LINGERING,
+               f"pod(s) {names} still running {after}, past the limit of {w.settings.linger_limit:g}s; {fate}")
+    ended = [f"{', '.join(verdict.exited)} exited 0"] if verdict.exited else []
+    ended += [f"{names} did not exit within {w.settings.linger_limit:g}s"] if verdict.alive else []
+    succeed(w, f"every rank of round {verdict.round} returned" + (f" ({'; '.join(ended)})" if ended else ""))
+    return True
+
+
+def lingering_over(w: Work) -> None:
+    """A finished job whose ``PodsLingering`` condition is True: False once no pod of the job is running."""
+    c = condition(w.status, ConditionType.PODS_LINGERING)
+    if c is not None and c.status == ConditionStatus.TRUE and not any(not p.finished for p in w.obs.pods):
+        w.cond(ConditionType.PODS_LINGERING, ConditionStatus.FALSE, "LingeringPodsGone",
+               f"no pod of the job is running any more; was: {c.message}")
 
 
 def suspend(w: Work) -> None:

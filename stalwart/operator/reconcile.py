@@ -22,7 +22,10 @@ Rules it implements, in the order it applies them:
    ``terminating_grace_limit`` is force-deleted. A pod that *disappeared* (listed in
    ``status.trackedPods`` but gone from the API, e.g. force-deleted) is fenced and, once the job has
    started, counts as a pod replacement exactly once (``PodDisappeared``).
-7. ``successPolicy`` decides success from pods that exited 0.
+7. ``successPolicy`` decides success from pods that exited 0, or from the ranks' reports that every rank it
+   names returned, once their pods had ``linger_limit`` seconds to exit (:mod:`.lingering`): pods still alive
+   then are named (``PodLingering`` Events, the ``PodsLingering`` condition) and deleted unless
+   ``cleanPodPolicy`` is ``None``.
 8. Pods are created (or surplus ones deleted) so that ``replicas + spares`` pods live. Fences come before
    creations in the action list, so a lost pod is fenced before its replacement can join.
 9. The JobRecord and the rendezvous' expected nodes follow the live pods (unschedulable pods are not
@@ -77,6 +80,8 @@ from stalwart.operator.pods import (
     follow_record,
     force_delete_unreachable,
     keep_rank,
+    lingered,
+    lingering_over,
     new_pods,
     pod_fact,
     pod_message,
@@ -228,8 +233,10 @@ def _finished(w: Work, spec: TrainingJobSpec) -> None:
     count_pods(w, [p for p in w.obs.pods if not p.deleting])
     if condition(w.status, ConditionType.STALLED) is not None:
         w.cond(ConditionType.STALLED, ConditionStatus.FALSE, "Finished", "the job is over")
+    lingering_over(w)
+    deleted = {a.name for a in w.actions if isinstance(a, DeletePod)}  # lingering pods, deleted as such
     for pod in w.obs.pods:
-        if pod.deleting:
+        if pod.deleting or pod.name in deleted:
             continue
         if policy == CleanPodPolicy.ALL or (policy == CleanPodPolicy.RUNNING and not pod.finished):
             w.actions.append(DeletePod(pod.name, w.settings.delete_grace_seconds, "CleanPodPolicy"))
@@ -348,8 +355,8 @@ def _active(w: Work, spec: TrainingJobSpec) -> None:
         if action != FailureAction.RESTART_IN_PROCESS:
             casualties.append(pod.name)
 
-    # Success.
-    if succeeded(w, spec):
+    # Success: from the pods that exited, else from the ranks' reports once the pods had time to exit.
+    if succeeded(w, spec) or lingered(w, spec):
         _finished(w, spec)
         return
     any_succeeded = any(p.phase == "Succeeded" for p in obs.pods)

@@ -285,6 +285,9 @@ class JobRunner:
                     if not await self._patch_status(obs, action.status):
                         return False
                 elif isinstance(action, EmitEvent):
+                    for a in batch:  # a Warning is worth the operator's own log too (an Event expires)
+                        if isinstance(a, EmitEvent) and a.type == "Warning":
+                            log.warning("job %s/%s: %s: %s", ns, self.name, a.reason, a.message)
                     await self._gather([kube.event(ns, self.name, job.uid, type_=a.type, reason=a.reason,
                                                    message=a.message)
                                         for a in batch if isinstance(a, EmitEvent)])
@@ -394,6 +397,9 @@ class JobRunner:
                                              phase="Pending"), time.time())
 
     async def _delete(self, action: DeletePod) -> None:
+        # Every deletion is a decision with a reason (a failure, a clean-up, a lingering pod...): say which.
+        log.info("job %s/%s: deleting pod %s (%s, grace %ds)", self.namespace, self.name, action.name,
+                 action.reason, action.grace)
         await self.ctx.kube.delete_pod(self.namespace, action.name, action.grace)
         self.deleted[action.name] = (action.grace, time.time())
         self.created.pop(action.name, None)
