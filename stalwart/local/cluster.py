@@ -112,6 +112,10 @@ class LocalCluster:
             with contextlib.suppress(ClusterError):
                 cluster = cls.attach(d)
                 if cluster.ready():
+                    # Its containers' exits are judged after each test of this process (see .exitcheck).
+                    from stalwart.local.exitcheck import follow
+
+                    follow(d)
                     return cluster
             time.sleep(0.1)
         proc.kill()

@@ -42,6 +42,7 @@ from typing import Any
 
 from stalwart.local.apiserver import podlife
 from stalwart.local.apiserver.objects import ApiError, Event, ObjectStore, now_rfc3339
+from stalwart.local.containerbook import BOOK, ContainerBook
 from stalwart.local.fit import NodeFit, rejection
 from stalwart.local.nodes import NodeAgents, NodeState
 from stalwart.local.podenv import PodEnvironment
@@ -77,7 +78,7 @@ class ProcessKubelet:
         self.node_agents = NodeAgents(store, nodes, self.settings)
         self.env = PodEnvironment(store, workdir, api_port)
         self.backoff = backoff
-        self.runs = PodRuns()
+        self.runs = PodRuns(book=ContainerBook(workdir / BOOK))
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -214,7 +215,8 @@ class ProcessKubelet:
             return
         worker = PodWorker(run, spec, store=self.store, env=self.env, backoff=self.backoff,
                            reachable=self.node_agents.reachable[node],
-                           report=lambda **kw: self._write_pod_status(run, **kw), spawn=self.runs.spawn)
+                           report=lambda **kw: self._write_pod_status(run, **kw), spawn=self.runs.spawn,
+                           book=self.runs.book, stop=self.runs.stop_container)
         run.task = asyncio.get_running_loop().create_task(worker.main())
 
     def _resume_after_node_loss(self, run: PodRun, pod: JSON, spec: JSON) -> bool:

@@ -12,7 +12,8 @@ from collections.abc import Coroutine, Iterator
 from typing import Any
 
 from stalwart.local import processes
-from stalwart.local.pods import PodRun
+from stalwart.local.containerbook import ContainerBook
+from stalwart.local.pods import ContainerRun, PodRun
 
 Key = tuple[str, str]
 
@@ -20,8 +21,10 @@ Key = tuple[str, str]
 class PodRuns:
     """See the module docstring. Every task it is given (:meth:`spawn`) is cancelled by :meth:`shutdown`."""
 
-    def __init__(self, subnet: int | None = None) -> None:
+    def __init__(self, subnet: int | None = None, book: ContainerBook | None = None) -> None:
         self.by_key: dict[Key, PodRun] = {}
+        #: Where each container process's start and end are noted (see :mod:`.containerbook`).
+        self.book = book or ContainerBook(None)
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_ip = 2
         # The cluster's pod addresses, 127.<subnet>.x.y: its own /16 of the loopback network, as a real cluster
@@ -69,14 +72,23 @@ class PodRuns:
     async def stop(self, run: PodRun, grace: float) -> None:
         """Stop every container of the pod as a runtime does (see :func:`processes.stop_container`)."""
         run.stopping = True
-        await asyncio.gather(*(processes.stop_container(c.proc, processes.container_id(run.uid, c.name), grace)
-                               for c in run.all_containers() if c.proc is not None and c.proc.returncode is None))
+        await asyncio.gather(*(self.stop_container(run, c, grace) for c in run.all_containers()
+                               if c.proc is not None and c.proc.returncode is None))
         # Whatever else carries the pod's marker (a process that outlived its container) goes too.
         await asyncio.to_thread(processes.kill_pods, [run.uid])
         await _cancel(run)
         if self.by_key.get(run.key) is run:
             self.by_key.pop(run.key)
         run.stopped.set()
+
+    async def stop_container(self, run: PodRun, c: ContainerRun, grace: float) -> None:
+        """Stop one container (:func:`processes.stop_container`), its end and leftovers noted in the book."""
+        proc = c.proc
+        if proc is None:
+            return
+        left = await processes.stop_container(proc, processes.container_id(run.uid, c.name), grace)
+        self.book.ended(run, c.name, proc)
+        self.book.leftovers(run, c.name, proc.pid, left)
 
     async def pause(self, runs: list[PodRun]) -> list[int]:
         """SIGSTOP every process of ``runs`` (a partitioned node); returns the pids paused."""
@@ -96,6 +108,7 @@ class PodRuns:
                 if c.proc is not None:
                     with contextlib.suppress(Exception):
                         await c.proc.wait()
+                        self.book.ended(run, c.name, c.proc)
             self.by_key.pop(run.key, None)
             run.stopped.set()
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from stalwart.local import processes
 from stalwart.local.apiserver.objects import ApiError, ObjectStore, now_rfc3339
+from stalwart.local.containerbook import ContainerBook
 from stalwart.local.podenv import ConfigError, PodEnvironment, expand
 from stalwart.local.pods import ContainerRun, PodRun
 from stalwart.local.probes import probe_loop
@@ -33,15 +34,24 @@ def current_pod(store: ObjectStore, run: PodRun) -> JSON | None:
     return pod if pod["metadata"]["uid"] == run.uid else None
 
 
+async def _stop_container(run: PodRun, c: ContainerRun, grace: float) -> None:
+    if c.proc is not None:
+        await processes.stop_container(c.proc, processes.container_id(run.uid, c.name), grace)
+
+
 class PodWorker:
     """Runs the containers of ``run``. ``report(phase=None)`` writes the pod's status; ``reachable`` is set while
     the pod's node reaches the API (while it does not, nothing new is started or probed); ``spawn`` runs a
-    background coroutine for the kubelet."""
+    background coroutine for the kubelet; ``book`` notes each container process's start and end; ``stop`` stops
+    one container (a failed liveness probe)."""
 
     def __init__(self, run: PodRun, spec: JSON, *, store: ObjectStore, env: PodEnvironment,
                  backoff: tuple[float, float], reachable: asyncio.Event, report: Callable[..., None],
-                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], None], book: ContainerBook | None = None,
+                 stop: Callable[[PodRun, ContainerRun, float], Coroutine[Any, Any, None]] | None = None) -> None:
         self.run = run
+        self.book = book or ContainerBook(None)
+        self.stop = stop
         self.spec = spec
         self.store = store
         self.env = env
@@ -134,6 +144,7 @@ class PodWorker:
             c.proc = await processes.start_process(argv, env, cwd, logf)
         except OSError as exc:
             return self._cannot_run(c, started, f"starting {argv[0]!r}: {exc}")
+        self.book.started(run, c.name, c.proc.pid, logf)
         c.state = {"running": {"startedAt": started}}
         c.ready = not c.init and "readinessProbe" not in c.spec
         log.info("pod %s/%s on %s (%s): container %s started, pid %d, restarts %d", run.namespace, run.name,
@@ -152,8 +163,10 @@ class PodWorker:
             for task in probes:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        self.book.ended(run, c.name, c.proc)  # first: the book's time is when the wait returned
         c.ready = False
-        await processes.kill_leftovers(processes.container_id(run.uid, c.name))
+        left = await processes.kill_leftovers(processes.container_id(run.uid, c.name))
+        self.book.leftovers(run, c.name, c.proc.pid, left)
         term: JSON = {"exitCode": code if code >= 0 else 128 - code, "startedAt": started,
                       "finishedAt": now_rfc3339(), "containerID": f"process://{c.proc.pid}"}
         if code < 0:
@@ -171,8 +184,7 @@ class PodWorker:
             record_event(self.store, pod, "Warning", "Unhealthy", f"Liveness probe failed; restarting {c.name}",
                          component="kubelet")
         if c.proc is not None:
-            self.spawn(processes.stop_container(c.proc, processes.container_id(self.run.uid, c.name),
-                                                self.run.grace))
+            self.spawn((self.stop or _stop_container)(self.run, c, self.run.grace))
 
     def _cannot_run(self, c: ContainerRun, started: str, message: str) -> int:
         term = {"exitCode": 128, "reason": "ContainerCannotRun", "message": message, "startedAt": started,

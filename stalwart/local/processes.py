@@ -57,12 +57,17 @@ def marked_pids(name: str, value: str) -> list[int]:
 
 def signal_marked(name: str, value: str, sig: int) -> int:
     """Send ``sig`` to every process marked ``name=value``; return how many were signalled."""
-    n = 0
+    return len(signal_marked_pids(name, value, sig))
+
+
+def signal_marked_pids(name: str, value: str, sig: int) -> list[int]:
+    """Send ``sig`` to every process marked ``name=value``; return the pids signalled."""
+    out = []
     for pid in marked_pids(name, value):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-            n += 1
-    return n
+            out.append(pid)
+    return out
 
 
 def ended(pid: int) -> bool:
@@ -128,14 +133,14 @@ async def start_process(argv: list[str], env: dict[str, str], cwd: Path, log: Pa
         out.close()
 
 
-async def kill_leftovers(container: str) -> None:
-    """SIGKILL whatever is left of a container whose main process is gone."""
-    await asyncio.to_thread(signal_marked, CONTAINER_MARKER, container, signal.SIGKILL)
+async def kill_leftovers(container: str) -> list[int]:
+    """SIGKILL whatever is left of a container whose main process is gone; returns the pids killed."""
+    return await asyncio.to_thread(signal_marked_pids, CONTAINER_MARKER, container, signal.SIGKILL)
 
 
-async def stop_container(proc: asyncio.subprocess.Process, container: str, grace: float) -> None:
+async def stop_container(proc: asyncio.subprocess.Process, container: str, grace: float) -> list[int]:
     """Stop a container as a runtime does: SIGTERM to the main process, up to ``grace`` seconds for it to exit,
-    then SIGKILL to every process of the container."""
+    then SIGKILL to every process of the container. Returns the pids killed besides the main process."""
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGTERM)
@@ -144,5 +149,6 @@ async def stop_container(proc: asyncio.subprocess.Process, container: str, grace
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-    await kill_leftovers(container)
+    left = await kill_leftovers(container)
     await proc.wait()
+    return [pid for pid in left if pid != proc.pid]

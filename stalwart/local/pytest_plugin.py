@@ -10,6 +10,13 @@ Enable with ``pytest_plugins = ["stalwart.local.pytest_plugin"]`` in the top-lev
   (node names in ``.nodes``). Stopped, with every process it started, at the end of the session.
 - ``k8s_namespace``: a fresh namespace (its name) in that cluster for one test, deleted afterwards.
 - ``kube_api``: a ``kubernetes.client.ApiClient`` configured for the cluster.
+- ``exits_within_bound`` (autouse): after each test, every stalwart process the test ran that decided to exit
+  (its ``leaving with exit code`` line, or the agent's ``every rank returned``) must have been gone within the
+  bound of issue 29 (:data:`~stalwart.local.exitcheck.EXIT_BOUND` plus
+  :data:`~stalwart.local.exitcheck.SLACK`), leaving no process behind: the containers of every local cluster this
+  process started (the kubelet's book) and every :class:`~stalwart.local.exitcheck.WatchedProcess` (agents a test
+  starts itself). A process still alive or late fails the test, named with its pod or pid and its last log lines.
+  It waits only for a process that decided to exit and has not ended yet, at most until its bound.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from stalwart.local import exitcheck
 from stalwart.local.cluster import LocalCluster
 from stalwart.local.settings import LocalClusterSettings
 
@@ -60,3 +68,18 @@ def k8s_namespace(local_cluster: LocalCluster) -> Iterator[str]:
         yield name
     finally:
         local_cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture(autouse=True)
+def exits_within_bound() -> Iterator[None]:
+    """See the module docstring. Scoped to this process (its own clusters and processes): safe beside other
+    pytest-xdist workers."""
+    exitcheck.take_watched()  # started outside any test (a session fixture's): not this test's
+    yield
+    problems = exitcheck.judge_watched(exitcheck.take_watched())
+    for cluster in exitcheck.followed():
+        problems += cluster.judge()
+    if problems:
+        pytest.fail(f"{len(problems)} process(es) not gone within the exit bound of "
+                    f"{exitcheck.EXIT_BOUND:g}s (+{exitcheck.SLACK:g}s slack):\n"
+                    + "\n".join(str(p) for p in problems), pytrace=False)

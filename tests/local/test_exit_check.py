@@ -1,0 +1,102 @@
+"""The exit check (stalwart/local/exitcheck.py) can fail: a process that logged its ``leaving with exit code``
+line and then lingered, one still running, one that left a process behind are each reported, named, with their
+last log lines; one that left at once is not. Through the kubelet's book (pods of the session cluster) and
+through WatchedProcess (a process a test starts itself). The autouse fixture judges these tests too: each
+lingering process is ended well within the fixture's own bound."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from local_helpers import phase_is, wait_until
+
+from stalwart.local.cluster import LocalCluster
+from stalwart.local.containerbook import BOOK, read_book
+from stalwart.local.exitcheck import WatchedProcess, follow, judge_watched, log_facts, take_watched
+
+pytestmark = pytest.mark.integration
+
+LOG = "import logging; logging.basicConfig(level='INFO', format='%(asctime)s %(levelname)s %(name)s: %(message)s')"
+
+
+def leaving_then(after: str) -> str:
+    """A script that logs the exit line of stalwart.exits, then runs ``after``."""
+    return (f"{LOG}; logging.getLogger('stalwart.exits').info('job=t node=n: leaving with exit code 0 "
+            f"(bound 10s)'); import time, subprocess, sys; {after}")
+
+
+def test_log_facts_reads_the_decision_the_leaving_line_and_the_ranks_return() -> None:
+    text = "\n".join([
+        "2030-01-02 03:04:05,100 INFO stalwart.agent.runner: job=a node=b: round 1 (epoch 7) as member",
+        json.dumps({"event": "done", "time": 1893553445.5, "rank": 0}),
+        "2030-01-02 03:04:06,250 INFO stalwart.agent.runner: job=a node=b: every rank returned",
+        "2030-01-02 03:04:07,000 INFO stalwart.exits: job=a node=b: leaving with exit code 0 (bound 10s)",
+    ])
+    facts = log_facts(text)
+    assert facts.leaving is not None and facts.decided is not None
+    assert facts.leaving - facts.decided == pytest.approx(0.75, abs=1e-3)
+    assert facts.returned == 1893553445.5
+    assert facts.tail[-1].endswith("(bound 10s)")
+    assert log_facts("plain output\n").decided is None
+
+
+def test_watched_processes_late_alive_and_prompt_are_told_apart() -> None:
+    prompt = WatchedProcess([sys.executable, "-c", leaving_then("pass")], stderr=-1, text=True)
+    late = WatchedProcess([sys.executable, "-c", leaving_then("time.sleep(2.5)")], stderr=-1, text=True)
+    lingering = WatchedProcess([sys.executable, "-c", leaving_then("time.sleep(600)")], stderr=-1, text=True)
+    silent = WatchedProcess([sys.executable, "-c", "import time; time.sleep(600)"])
+    for p in (prompt, late):
+        p.communicate(timeout=60)
+    time.sleep(1.0)  # the lingering one has logged its line by now
+    assert set(take_watched()) == {prompt, late, lingering, silent}  # judged here, not by the autouse fixture
+    problems = {p.who.split()[1]: p for p in judge_watched([prompt, late, lingering, silent], bound=1.0)}
+    assert str(prompt.pid) not in problems
+    assert problems[str(late.pid)].what.startswith("ended "), problems
+    assert float(problems[str(late.pid)].what.split()[1].rstrip("s")) >= 2.0, problems
+    assert problems[str(lingering.pid)].what.startswith("still running"), problems
+    assert any("leaving with exit code 0" in line for line in problems[str(lingering.pid)].tail)
+    assert "still running at the end of the test" in problems[str(silent.pid)].what
+    assert lingering.poll() is not None and silent.poll() is not None  # killed by the check
+
+
+def test_pods_that_linger_or_leave_processes_behind_are_reported(local_cluster: LocalCluster,
+                                                                   k8s_namespace: str) -> None:
+    from test_local_kubelet import pod_manifest
+
+    ns = k8s_namespace
+    # The cluster's own follower, the one the autouse fixture asks: what it reports here is settled, so the
+    # deliberate problems below are not reported again after the test.
+    check = follow(local_cluster.dir)
+    scripts = {
+        "prompt": leaving_then("pass"),
+        "lingering": leaving_then("time.sleep(600)"),
+        "orphaning": leaving_then("subprocess.Popen(['sleep', '600']); time.sleep(0.5)"),
+    }
+    for name, script in scripts.items():
+        local_cluster.kubectl("apply", "-f", "-", input=pod_manifest(name, ns, script, grace=1))
+    wait_until(lambda: phase_is(local_cluster, ns, "prompt", "Succeeded"), "the prompt pod to succeed")
+    wait_until(lambda: phase_is(local_cluster, ns, "orphaning", "Succeeded"), "the orphaning pod to succeed")
+    wait_until(lambda: "leaving with exit code" in local_cluster.kubectl("-n", ns, "logs", "lingering").stdout,
+               "the lingering pod's exit line")
+    problems = check.judge(bound=1.0)
+    try:
+        mine = [p for p in problems if f"pod {ns}/" in p.who]
+        assert len(mine) == len(problems), [str(p) for p in problems]  # another test's process, if any
+        by_pod = {p.who.split()[1].split("/")[1]: p for p in mine}
+        assert set(by_pod) == {"lingering", "orphaning"}, [str(p) for p in problems]
+        assert by_pod["lingering"].what.startswith("still running"), str(by_pod["lingering"])
+        assert any("leaving with exit code 0" in line for line in by_pod["lingering"].tail)
+        assert "left processes behind" in by_pod["orphaning"].what, str(by_pod["orphaning"])
+        ended = {r["pod"] for r in read_book(Path(local_cluster.dir) / BOOK)[0]
+                 if r.get("namespace") == ns and r["event"] == "ended"}
+        assert {"prompt", "orphaning"} <= ended
+    finally:
+        # Ended now, a second or two after its line: within the autouse fixture's bound.
+        local_cluster.kubectl("-n", ns, "delete", "pod", "lingering", "--grace-period=0", "--force", check=False)
+        wait_until(lambda: "lingering" in {r["pod"] for r in read_book(Path(local_cluster.dir) / BOOK)[0]
+                                           if r.get("namespace") == ns and r["event"] == "ended"},
+                   "the lingering pod's end")
