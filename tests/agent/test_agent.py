@@ -23,6 +23,7 @@ from stalwart.api.restart import ProgressRecord, SealRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
+from stalwart.local.exitcheck import WatchedProcess
 from stalwart.procfs import process_state
 
 pytestmark = pytest.mark.integration
@@ -44,14 +45,15 @@ def start_agent(etcd: EtcdServer, tmp: Path, *script_args: str, mode: str = "wra
                 agent_args: tuple[str, ...] = (), keys: JobKeys | None = None, pod: str = "job-worker-0",
                 nproc: int = 2, nodes: int = 1, quit_ignored: bool = False) -> tuple[subprocess.Popen[str], JobKeys]:
     """Start ``stalwart agent`` as pod ``pod`` of job ``keys`` (a new job unless given); with ``quit_ignored``
-    as a shell's background job starts it, with SIGQUIT ignored."""
+    as a shell's background job starts it, with SIGQUIT ignored. Watched: after the test, the agent must have
+    ended within the exit bound of its ``leaving with exit code`` line (stalwart.local.pytest_plugin)."""
     keys = keys or JobKeys("test", uuid.uuid4().hex[:12])
     cmd = [sys.executable, "-m", "stalwart", "agent", "--last-call", "0.1", *agent_args, "--", sys.executable,
            SCRIPT, "--mode", mode, "--marker-dir", str(tmp), "--out", str(tmp / "out.jsonl"), *script_args]
     if quit_ignored:
         cmd = ["sh", "-c", 'trap "" QUIT; exec "$@"', "sh", *cmd]
     env = agent_env(etcd, keys, pod=pod, nproc=nproc, nodes=nodes)
-    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True), keys
+    return WatchedProcess(cmd, env=env, stderr=subprocess.PIPE, text=True), keys
 
 
 def results(tmp: Path) -> list[dict[str, Any]]:

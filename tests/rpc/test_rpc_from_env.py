@@ -27,6 +27,7 @@ from stalwart.api.rpc import RpcWorkerRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
+from stalwart.local.exitcheck import WatchedProcess
 from stalwart.rpc import (
     EtcdMembership,
     MembershipView,
@@ -316,10 +317,11 @@ def _run_agents(etcd: EtcdServer, out: Path, pods: dict[str, str], *script_args:
     """Run ``stalwart agent -- python <this file> OUT ...`` as each pod (name -> pod IP) to the end; returns
     what ranks 0 and 1 wrote."""
     keys = JobKeys("test", uuid.uuid4().hex[:12])
-    agents = [subprocess.Popen([sys.executable, "-m", "stalwart", "agent", "--last-call", "0.1", "--",
-                                sys.executable, __file__, str(out), *script_args],
-                               env=_agent_env(etcd, keys, pod, ip, nproc=nproc, nodes=len(pods)),
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Watched: each agent must end within the exit bound of deciding to (stalwart.local.pytest_plugin).
+    agents = [WatchedProcess([sys.executable, "-m", "stalwart", "agent", "--last-call", "0.1", "--",
+                              sys.executable, __file__, str(out), *script_args],
+                             env=_agent_env(etcd, keys, pod, ip, nproc=nproc, nodes=len(pods)),
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
               for pod, ip in pods.items()]  # a session each: a stuck test ends the agent and its ranks together
     errs: list[str] = []
     timed_out = False
