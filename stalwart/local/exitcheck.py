@@ -56,6 +56,7 @@ DECIDED = ("every rank returned", "nothing left to run")
 #: How much of the end of a log is read: the lines that matter are its last ones.
 LOG_TAIL_BYTES = 512 * 1024
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_BOUND = re.compile(r"\(bound ([0-9.]+)s\)")
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,19 @@ class LogFacts:
 
     ``decided``: the earliest of the agent's decision lines (:data:`DECIDED`) and the last ``leaving`` line;
     ``leaving``: the last ``leaving with exit code`` line; ``returned``: the last ``{"event": "done"}`` of the
-    example trainer (a rank's training function returned); ``tail``: the last lines."""
+    example trainer (a rank's training function returned); ``tail``: the last lines; ``bound``: the bound the
+    process itself declared on its ``leaving`` line (``(bound 10s)``; the operator keeps a longer one)."""
 
     decided: float | None
     leaving: float | None
     returned: float | None
     tail: tuple[str, ...]
+    bound: float | None = None
+
+    def limit(self, bound: float | None) -> float:
+        """The seconds allowed from the decision to the end: ``bound``, or the declared bound (else
+        :data:`EXIT_BOUND`) plus :data:`SLACK`."""
+        return bound if bound is not None else (self.bound or EXIT_BOUND) + SLACK
 
 
 def _stamp(line: str) -> float | None:
@@ -86,6 +94,7 @@ def log_facts(text: str, tail_lines: int = 25) -> LogFacts:
     decisions: list[float] = []
     leaving: float | None = None
     returned: float | None = None
+    declared: float | None = None
     for line in lines:
         if line.startswith("{") and '"done"' in line:
             with contextlib.suppress(ValueError, TypeError, KeyError):
@@ -95,13 +104,16 @@ def log_facts(text: str, tail_lines: int = 25) -> LogFacts:
             continue
         if LEAVING in line:
             leaving = _stamp(line) or leaving
+            m = _BOUND.search(line)
+            declared = float(m[1]) if m else declared
         elif any(d in line for d in DECIDED):
             t = _stamp(line)
             if t is not None:
                 decisions.append(t)
     if leaving is not None:
         decisions.append(leaving)
-    return LogFacts(min(decisions) if decisions else None, leaving, returned, tuple(lines[-tail_lines:]))
+    return LogFacts(min(decisions) if decisions else None, leaving, returned, tuple(lines[-tail_lines:]),
+                    declared)
 
 
 def read_log(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
@@ -219,9 +231,10 @@ class ClusterExits:
                 touched.add(key)
         return touched
 
-    def judge(self, bound: float = EXIT_BOUND + SLACK, *, wait: bool = True) -> list[Problem]:
+    def judge(self, bound: float | None = None, *, wait: bool = True) -> list[Problem]:
         """Judge every instance touched since the last call (or left unsettled by it): one that decided to exit
-        must have ended within ``bound`` seconds of deciding, leaving no process behind. One that decided but
+        must have ended within ``bound`` seconds of deciding (default: the bound it declared, plus
+        :data:`SLACK`), leaving no process behind. One that decided but
         still runs is waited for (with ``wait``) until ``bound`` after its decision; one that has not decided is
         judged again by a later call (a pod the test left running is stopped by its namespace's deletion)."""
         pending = self.update() | self._unsettled
@@ -232,16 +245,17 @@ class ClusterExits:
             for key in sorted(pending):
                 inst = self.instances[key]
                 facts = inst.facts()
+                limit = facts.limit(bound)
                 if inst.ended is None and inst.running():
-                    if facts.decided is None or (not wait and time.time() < facts.decided + bound):
+                    if facts.decided is None or (not wait and time.time() < facts.decided + limit):
                         self._unsettled.add(key)
-                    elif time.time() < facts.decided + bound:
-                        waiting[key] = facts.decided + bound
+                    elif time.time() < facts.decided + limit:
+                        waiting[key] = facts.decided + limit
                     else:
-                        problems.append(_late(inst.who, facts, None, bound, facts.tail)
+                        problems.append(_late(inst.who, facts, None, limit, facts.tail)
                                         or Problem(inst.who, "still running", facts.tail))
                     continue
-                late = _late(inst.who, facts, inst.ended, bound, facts.tail)
+                late = _late(inst.who, facts, inst.ended, limit, facts.tail)
                 if late is not None:
                     problems.append(late)
                 if inst.leftovers and facts.decided is not None:
@@ -334,8 +348,9 @@ def take_watched() -> list[WatchedProcess]:
     return out
 
 
-def judge_watched(procs: Iterable[WatchedProcess], bound: float = EXIT_BOUND + SLACK) -> list[Problem]:
-    """Each of ``procs`` must have ended, within ``bound`` seconds of deciding to exit where its log says it did.
+def judge_watched(procs: Iterable[WatchedProcess], bound: float | None = None) -> list[Problem]:
+    """Each of ``procs`` must have ended, within ``bound`` seconds of deciding to exit where its log says it did
+    (default: the bound it declared, plus :data:`SLACK`).
     One still running is killed (its process group too when it leads one) after the report is made."""
     problems: list[Problem] = []
     for p in procs:
@@ -346,18 +361,19 @@ def judge_watched(procs: Iterable[WatchedProcess], bound: float = EXIT_BOUND + S
         if not p.ended():
             # Its end may be a moment from being seen (the owner just reaped it); one that decided to exit is
             # given the rest of its bound.
-            p.wait_end(max(0.2, facts.decided + bound - time.time() if facts.decided is not None else 0.0))
+            p.wait_end(max(0.2, facts.decided + facts.limit(bound) - time.time()
+                           if facts.decided is not None else 0.0))
         if p.ended():
             if not p.output and p.returncode is None:
                 # Ended, but the owner never read its output: read it now (its pipes are at their end).
                 with contextlib.suppress(subprocess.TimeoutExpired, ValueError, OSError):
                     p.communicate(timeout=2.0)
                 facts = log_facts(p.output)
-            problem = _late(who, facts, p.ended_at, bound, facts.tail)
+            problem = _late(who, facts, p.ended_at, facts.limit(bound), facts.tail)
         else:
             _kill(p)
             facts = log_facts(p.output)
-            problem = _late(who, facts, None, bound, facts.tail) or Problem(
+            problem = _late(who, facts, None, facts.limit(bound), facts.tail) or Problem(
                 who, "still running at the end of the test (killed now)", facts.tail)
         if problem is not None:
             problems.append(problem)

@@ -37,6 +37,7 @@ def test_log_facts_reads_the_decision_the_leaving_line_and_the_ranks_return() ->
         "2030-01-02 03:04:07,000 INFO stalwart.exits: job=a node=b: leaving with exit code 0 (bound 10s)",
     ])
     facts = log_facts(text)
+    assert facts.bound == 10.0 and facts.limit(None) == 15.0 and facts.limit(1.0) == 1.0
     assert facts.leaving is not None and facts.decided is not None
     assert facts.leaving - facts.decided == pytest.approx(0.75, abs=1e-3)
     assert facts.returned == 1893553445.5
