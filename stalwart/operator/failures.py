@@ -8,10 +8,15 @@ a deleted pod's survivors lose their peers. The culprit is chosen by what causes
 
 1. ``Pod``: the pod failed or went (the operator saw it) - its ranks' errors are consequences;
 2. ``Process``: a rank process ended on its own (its agent saw it) - peers' connection resets follow from it;
-3. ``Heartbeat``: a rank's heartbeat lease ran out (a frozen or cut-off process) - blamed on that rank, not
-   on the peer that noticed;
-4. ``Rank``: the first fault a rank reported (lowest etcd revision: the order the restart protocol uses);
-5. ``Progress``: nothing progressed past the soft timeout.
+3. ``Heartbeat``: a rank's heartbeat lease ran out (a frozen, dead or cut-off process) - blamed on that rank
+   (reason ``PeerLost``), not on the peer that noticed;
+4. ``Peer``: a survivor's collective error (a connection closed or reset by its peer, a timeout) points at a
+   peer that is missing, silent or unreachable (:mod:`.culprits`) - blamed on that peer, the survivor's error
+   kept as secondary;
+5. ``Rank``: the first fault a rank reported: a fault seen at the faulty process (an exception of its own, its
+   agent's record of its death or stop) before a symptom a peer noticed (a collective error, a timeout, a lost
+   peer), then the lowest etcd revision (the order the restart protocol uses);
+6. ``Progress``: nothing progressed past the soft timeout.
 
 Within a class the earliest wins. The other facts of the same fault are kept as ``secondary`` detail.
 """
@@ -26,7 +31,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal
 
-from stalwart.api.restart import FaultRecord, RankExit
+from stalwart.api.restart import DIRECT_KINDS, FaultRecord, RankExit
 from stalwart.api.status import MAX_SECONDARY, FailureRecord, Position, SecondaryFailure
 
 __all__ = [
@@ -36,15 +41,17 @@ __all__ = [
     "compose",
     "exit_facts",
     "fact_of_record",
+    "peer_error",
     "rank_facts",
     "reason_of_kind",
     "short_type",
     "signal_name",
     "split_exception",
+    "symptom_of",
 ]
 
-Detection = Literal["Pod", "Process", "Heartbeat", "Rank", "Progress"]
-_PRIORITY: dict[str, int] = {"Pod": 5, "Process": 4, "Heartbeat": 3, "Rank": 2, "Progress": 1}
+Detection = Literal["Pod", "Process", "Heartbeat", "Peer", "Rank", "Progress"]
+_PRIORITY: dict[str, int] = {"Pod": 6, "Process": 5, "Heartbeat": 4, "Peer": 3, "Rank": 2, "Progress": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +71,14 @@ class Fact:
     exception_type: str | None = None
     exit_code: int | None = None
     signal: str | None = None
+    #: A rank's report of what it suffered from a peer (a collective error, a timeout, a lost peer), not a
+    #: fault seen at the faulty process itself.
+    symptom: bool = False
 
-    def sort_key(self) -> tuple[int, float, int]:
+    def sort_key(self) -> tuple[int, bool, float, int]:
         """Lower is the likelier culprit."""
-        return (-_PRIORITY[self.detected_by], self.time if self.detected_by != "Rank" else 0.0, self.order)
+        return (-_PRIORITY[self.detected_by], self.symptom, self.time if self.detected_by != "Rank" else 0.0,
+                self.order)
 
     def same_place(self, other: Fact) -> bool:
         return (self.rank, self.pod, self.reason) == (other.rank, other.pod, other.reason)
@@ -136,17 +147,38 @@ _KIND_REASON: dict[str, str] = {
 }
 
 
+#: What a collective says when its peer went away or stopped answering: gloo's "Connection closed by peer" and
+#: "Read error ...: Connection reset by peer", a broken pipe, a refused connection, a timeout.
+_PEER_ERROR = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|timed? ?out|timeout",
+                         re.IGNORECASE)
+
+
+def peer_error(text: str) -> bool:
+    """Whether an error's text is what a collective raises when a peer went away or stopped answering."""
+    return _PEER_ERROR.search(text) is not None
+
+
+def symptom_of(rec: FaultRecord) -> bool:
+    """Whether a fault record is a symptom (see :attr:`Fact.symptom`): a kind a peer observes, or an exception
+    that is a collective's error about its peer."""
+    if rec.kind not in DIRECT_KINDS:
+        return True
+    return rec.kind == "exception" and peer_error(f"{rec.exception or ''} {rec.message or ''} {rec.reason}")
+
+
 def reason_of_kind(kind: str | None) -> str:
     """The status reason (``lastFailure.reason``) of a restart fault kind (``stalwart.api.restart.FaultKind``)."""
     return _KIND_REASON.get(kind, kind) if kind is not None else "Exception"
 
 
 def rank_facts(faults: Sequence[tuple[int, FaultRecord]], round_: int, places: Mapping[int, RankPlace],
-               exited_slots: Iterable[int] = ()) -> list[Fact]:
+               exited: Iterable[tuple[int, int]] = ()) -> list[Fact]:
     """Facts from the restart protocol's fault records of one round (``(revision, record)``). A peer_lost record
-    gives a ``Heartbeat`` fact for each lost slot (unless that slot's process is known to have ended: then the
-    agent's ``Process`` fact tells it better) and a ``Rank`` fact for the peer that noticed."""
-    ended = set(exited_slots)
+    gives a ``Heartbeat`` fact for each lost slot (unless that slot's process is known to have ended in the same
+    iteration, ``exited`` holding ``(slot, iteration)``: then the agent's ``Process`` fact tells it better; an
+    exit of the slot's process in an earlier iteration says nothing about this one) and a symptom ``Rank`` fact
+    for the peer that noticed."""
+    ended = set(exited)
     out: list[Fact] = []
     for revision, rec in faults:
         position = Position(round=round_, iteration=rec.iteration)
@@ -159,15 +191,15 @@ def rank_facts(faults: Sequence[tuple[int, FaultRecord]], round_: int, places: M
         else:
             exception_type, message = None, rec.reason
         out.append(Fact("Rank", reason, rec.time, position, revision, rec.rank, rec.node_id, rec.slot, message,
-                        exception_type))
+                        exception_type, symptom=symptom_of(rec)))
         for slot in rec.lost_slots:
-            if slot in ended or slot == rec.slot:
+            if (slot, rec.iteration) in ended or slot == rec.slot:
                 continue
             place = places.get(slot)
-            out.append(Fact("Heartbeat", "Hang", rec.time, position, revision,
+            # The lease ends alike for a frozen process, a dead one and one cut off: the lost peer is all it says.
+            out.append(Fact("Heartbeat", "PeerLost", rec.time, position, revision,
                             place.rank if place else None, place.pod if place else None, slot,
-                            f"its heartbeat lease ran out while its process was alive (noticed by rank {rec.rank} "
-                            f"on {rec.node_id})"))
+                            f"the heartbeat lease of slot {slot} ended (noticed by rank {rec.rank} on {rec.node_id})"))
     return out
 
 
@@ -190,7 +222,7 @@ def _to_time(t: float) -> datetime:
     return datetime.fromtimestamp(int(t), UTC)
 
 
-_DETECTIONS: tuple[Detection, ...] = ("Pod", "Process", "Heartbeat", "Rank", "Progress")
+_DETECTIONS: tuple[Detection, ...] = ("Pod", "Process", "Heartbeat", "Peer", "Rank", "Progress")
 
 
 def fact_of_record(record: FailureRecord) -> Fact | None:
@@ -199,9 +231,12 @@ def fact_of_record(record: FailureRecord) -> Fact | None:
         return None
     position = None if record.round is None else Position(round=record.round, iteration=record.iteration or 0)
     detected: Detection = next(d for d in _DETECTIONS if d == record.detected_by)
+    # A written rank's record keeps its standing against a fault seen at the faulty process that arrives later
+    # (an agent's record of a stopped rank after the survivor's timeout) only when it was no symptom itself.
+    symptom = detected == "Rank" and (record.reason in ("PeerLost", "Hang") or peer_error(record.message or ""))
     return Fact(detected, record.reason, record.time.timestamp() if record.time else 0.0, position, 0,
                 record.rank, record.pod, None, record.message or "", record.exception_type, record.exit_code,
-                record.signal)
+                record.signal, symptom)
 
 
 def compose(facts: Sequence[Fact], existing: FailureRecord | None = None) -> FailureRecord | None:
@@ -219,13 +254,17 @@ def compose(facts: Sequence[Fact], existing: FailureRecord | None = None) -> Fai
     secondary: list[SecondaryFailure] = []
     seen = [culprit]
     for f in sorted(ordered[1:], key=lambda f: (f.time, f.order)):
-        if any(f.same_place(s) for s in seen):
+        # What was said about the culprit's pod before its loss was confirmed is the culprit, not a second error.
+        if any(f.same_place(s) for s in seen) or (f.detected_by == "Peer" and f.pod == culprit.pod):
             continue
         seen.append(f)
         secondary.append(SecondaryFailure(rank=f.rank, pod=f.pod, reason=f.reason, message=f.message[:2048] or None))
-    if kept is not None and culprit is kept and existing is not None and existing.secondary:
+    # The errors written for this fault stay its detail when a better culprit comes (a loss confirmed after a
+    # survivor's error pointed at it) as when the culprit stays, though their facts may be gone.
+    if kept is not None and existing is not None and existing.secondary:
         for s in existing.secondary:
-            if not any((s.rank, s.pod, s.reason) == (x.rank, x.pod, x.reason) for x in secondary):
+            if (s.rank, s.pod, s.reason) != (culprit.rank, culprit.pod, culprit.reason) and not any(
+                    (s.rank, s.pod, s.reason) == (x.rank, x.pod, x.reason) for x in secondary):
                 secondary.append(s)
     return FailureRecord(
         rank=culprit.rank, pod=culprit.pod, reason=culprit.reason, message=culprit.message or None,

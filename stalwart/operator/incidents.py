@@ -27,6 +27,7 @@ from stalwart.api.status import (
     RestartCounts,
     TrainingJobStatus,
 )
+from stalwart.operator.culprits import Peer, peer_facts
 from stalwart.operator.evidence import Evidence, gather
 from stalwart.operator.failures import Fact, at_or_after, compose, exit_facts, rank_facts, with_position
 from stalwart.operator.ledger import advance, round_facts
@@ -129,11 +130,12 @@ def lost_members(side_facts: Sequence[Fact], progress: Sequence[ProgressRecord],
 
 def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fact] = (),
            side_facts: Sequence[Fact] = (), vanished: frozenset[str] = frozenset(), now: float,
-           soft_timeout: float) -> Assessment:
+           soft_timeout: float, peers: Sequence[Peer] = ()) -> Assessment:
     """Decide the training half of the status. ``status`` is the status decided so far in this reconcile;
     ``pod_facts`` are faults of pods of the current round the operator saw in it (they open an incident),
     ``side_facts`` faults of other pods (spares: recorded, but training goes on); ``vanished`` the pods that
-    disappeared in it."""
+    disappeared in it; ``peers`` the round's member pods as seen now, which a survivor's symptom may point at
+    (:mod:`.culprits`)."""
     restarts = status.restarts or RestartCounts()
     position = status.position
     last = status.last_failure
@@ -164,8 +166,9 @@ def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fac
     exits = [(rec.node_id, ex) for rec in etcd.progress for ex in rec.exits]
     seen = exit_facts(exits)
     if round_ is not None:
-        ended = [ex.slot for _, ex in exits if ex.round == round_]
+        ended = [(ex.slot, ex.iteration) for _, ex in exits if ex.round == round_]
         seen += rank_facts(etcd.faults, round_, evidence.places or {}, ended)
+        seen += peer_facts(seen, peers)
     fresh = [f for f in seen if position is None or f.position is None or f.position.key() >= position.key()]
 
     if (pods or fresh) and not open_:

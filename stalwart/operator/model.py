@@ -71,6 +71,8 @@ class PodView:
     node: str | None = None
     #: Unix time the kubelet started the pod (status.startTime), else None.
     started_at: float | None = None
+    #: The pod's IP (status.podIP), else None: a survivor's collective error may name its peer by it.
+    ip: str | None = None
     #: Not seen in the watch yet: the operator created it and assumes it exists (see ``observe.overlay``).
     #: Such a pod is never tracked, so one whose creation the watch has not shown cannot count as vanished.
     assumed: bool = False

@@ -8,13 +8,33 @@ from collections.abc import Sequence
 
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import ConditionStatus, ConditionType, Phase, Progress
+from stalwart.operator.culprits import Peer
 from stalwart.operator.failures import Fact
 from stalwart.operator.incidents import assess
 from stalwart.operator.model import PodView
 from stalwart.operator.takeover import REASON_SPARE_TOOK_OVER, takeovers
 from stalwart.operator.work import REASON_UNSCHEDULABLE, Work, condition, to_time
 
-__all__ = ["training"]
+__all__ = ["peers", "training"]
+
+
+def peers(w: Work, members: Sequence[str]) -> list[Peer]:
+    """The round's member pods as a survivor's symptom may point at them (see :mod:`.culprits`)."""
+    obs = w.obs
+    pods = {p.name: p for p in obs.pods}
+    records = {r.node_id: r for r in obs.etcd.progress if obs.etcd.epoch and r.epoch == obs.etcd.epoch}
+    out = []
+    for name in members:
+        pod = pods.get(name)
+        rec = records.get(name)
+        ranks = tuple((r.rank, r.progress_time if r.progress_time is not None else r.step_time)
+                      for r in rec.ranks if r.state == "running") if rec is not None else ()
+        out.append(Peer(
+            name, pod.node if pod else None, pod.ip if pod else None,
+            unreachable=pod is not None and pod.node is not None and pod.node in obs.unreachable_nodes,
+            gone=pod is None or pod.deleting or pod.phase == "Failed",
+            silent_for=w.now - rec.updated if rec is not None else None, ranks=ranks))
+    return out
 
 
 def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Sequence[tuple[str, Fact]],
@@ -26,7 +46,7 @@ def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Seq
     in_round = [f for name, f in facts if name in members]
     outside = [f for name, f in facts if name not in members]
     a = assess(st, w.obs.etcd, pod_facts=in_round, side_facts=outside, vanished=vanished, now=w.now,
-               soft_timeout=spec.restart_policy.in_process.soft_timeout_seconds)
+               soft_timeout=spec.restart_policy.in_process.soft_timeout_seconds, peers=peers(w, sorted(members)))
     st.last_failure = a.last_failure
     st.restarts = a.restarts
     st.position = a.position

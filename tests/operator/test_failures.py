@@ -37,7 +37,7 @@ def test_a_killed_rank_is_the_culprit_not_the_survivor_whose_connection_reset() 
     # The survivor's error is written first (lowest revision); the agent of the killed rank reports its death.
     survivor = fault(0, "exception", "RuntimeError('Connection reset by peer')")
     death = RankExit(local_rank=0, slot=1, rank=1, round=2, iteration=3, pid=77, signal="SIGKILL", time=T + 0.5)
-    facts = rank_facts([(10, survivor)], 2, PLACES, exited_slots=[1]) + exit_facts([("job-worker-1", death)])
+    facts = rank_facts([(10, survivor)], 2, PLACES, exited=[(1, 3)]) + exit_facts([("job-worker-1", death)])
     record = compose(facts)
     assert record is not None
     assert (record.rank, record.pod, record.reason, record.signal) == (1, "job-worker-1", "ProcessExited", "SIGKILL")
@@ -51,8 +51,35 @@ def test_a_missed_heartbeat_is_blamed_on_the_hung_rank_not_on_the_one_that_notic
     later = fault(1, "exception", "RuntimeError('Connection closed by peer')")
     record = compose(rank_facts([(10, noticed), (12, later)], 2, PLACES))
     assert record is not None
-    assert (record.rank, record.pod, record.reason, record.detected_by) == (1, "job-worker-1", "Hang", "Heartbeat")
+    # PeerLost names the slot whose lease ended, with its pod and rank; the reporter's record is secondary.
+    assert (record.rank, record.pod, record.reason, record.detected_by) == (1, "job-worker-1", "PeerLost",
+                                                                            "Heartbeat")
     assert {(s.rank, s.reason) for s in record.secondary or []} == {(0, "PeerLost"), (1, "Exception")}
+
+
+def test_an_exit_of_the_slot_in_an_earlier_iteration_does_not_hide_its_lost_heartbeat() -> None:
+    # Slot 1 was killed in iteration 1 of this round (a Process fact there); in iteration 3 it froze and its lease
+    # ended. Today's code skipped the Heartbeat fact for any slot that had exited in the round, and the survivor
+    # that noticed was named.
+    noticed = fault(0, "peer_lost", "the heartbeat lease of slot 1 ended", lost=[1])
+    record = compose(rank_facts([(10, noticed)], 2, PLACES, exited=[(1, 1)]))
+    assert record is not None and (record.rank, record.pod, record.reason) == (1, "job-worker-1", "PeerLost")
+    same = compose(rank_facts([(10, noticed)], 2, PLACES, exited=[(1, 3)]))
+    assert same is not None and same.pod == "job-worker-0"  # the exit of iteration 3 is its Process fact's to tell
+
+
+def test_a_fault_seen_at_the_faulty_process_beats_a_survivors_earlier_symptom() -> None:
+    # The survivor's soft timeout (it waited in a collective for a stopped rank) is written before the agent's
+    # record of the stopped rank; the stopped rank is the culprit, the revision order notwithstanding.
+    timed_out = fault(0, "soft_timeout", "no progress for 5.1s (soft timeout 5s)")
+    stopped = fault(1, "stopped", "stopped (SIGSTOP) past the soft timeout")
+    record = compose(rank_facts([(10, timed_out), (14, stopped)], 2, PLACES))
+    assert record is not None and (record.rank, record.pod, record.reason) == (1, "job-worker-1", "Hang")
+    assert [(s.rank, s.reason) for s in record.secondary or []] == [(0, "Hang")]
+    # A written survivor's symptom does not outrank it either once it was the culprit for a while.
+    first = compose(rank_facts([(10, timed_out)], 2, PLACES))
+    again = compose(rank_facts([(10, timed_out), (14, stopped)], 2, PLACES), first)
+    assert again is not None and (again.rank, again.pod) == (1, "job-worker-1")
 
 
 def test_the_first_exception_by_revision_is_the_culprit() -> None:

@@ -107,11 +107,11 @@ def test_last_failure_follows_each_fault_even_without_a_new_in_process_restart()
     d = reconcile(observe(job(st), PODS, etcd("worker-0", "worker-1", faults=((300, noticed),), progress=(
         stepping("worker-0", 0, step=90, iteration=4), stepping("worker-1", 1, step=90, iteration=4)))))
     lf = d.status.last_failure
-    assert lf is not None and (lf.rank, lf.pod, lf.reason, lf.detected_by) == (1, f"{JOB}-worker-1", "Hang",
+    assert lf is not None and (lf.rank, lf.pod, lf.reason, lf.detected_by) == (1, f"{JOB}-worker-1", "PeerLost",
                                                                                "Heartbeat")
     assert (lf.round, lf.iteration) == (1, 4) and d.status.phase == Phase.RESTARTING
     restarting = condition(d.status, "Restarting")
-    assert restarting is not None and restarting.reason == "Hang"
+    assert restarting is not None and restarting.reason == "PeerLost"
 
 
 def test_a_graceful_pod_delete_sets_last_failure() -> None:

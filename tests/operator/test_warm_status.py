@@ -49,7 +49,14 @@ def test_a_force_deleted_worker_is_the_last_failure_and_a_warm_spare_takes_its_r
                                 node("worker-1", 1, round_=1, epoch=7, step=50, history=(R1,))))
     d1 = reconcile(observe(job(st, **WARM), pods, round1))
     assert d1.status.phase == Phase.RESTARTING and d1.status.last_failure is not None
-    assert d1.status.last_failure.pod == W0  # for now: nothing else is known
+    # Its error is about its peer, and W1 is its only one: W1 is named at once, the survivor's error is detail
+    # (issue 37: the survivor used to be named until the loss was confirmed).
+    lf = d1.status.last_failure
+    assert (lf.pod, lf.rank, lf.reason, lf.detected_by) == (W1, 1, "PeerLost", "Peer"), lf
+    assert [(s.pod, s.reason) for s in lf.secondary or []] == [(W0, "Exception")]
+    assert [e.message for e in of(d1, EmitEvent) if e.reason == "Fault"] == [
+        f"PeerLost on rank 1, pod {W1}: the only peer of rank 0 on pod {W0}, pod {W1}, closed its connections: "
+        "Connection closed by peer"]
     # 2. Then: the worker is gone from the API (force-deleted), and the spare already took its rank in round 2
     # (the lost pod's agent left the rendezvous on its way out, before the operator saw the pod go).
     kept2 = RoundSummary(round=2, epoch=9, kept=True)
