@@ -1,0 +1,131 @@
+"""Whom a survivor's collective error is about (the pure :mod:`stalwart.operator.culprits`), and the incident it
+opens through the reconcile: the lost peer is named from the first report, the confirmation of the loss updates
+the same incident (one Fault, one count), and the Event of the spare that took over names the lost pod."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from opbuild import JOB, NOW, etcd, job, manifest, observe, of, pod, progress, rank_report, status
+
+from stalwart.api.job_record import JobRecord
+from stalwart.api.restart import FaultRecord, RoundSummary
+from stalwart.api.status import Phase, Position, RestartCounts
+from stalwart.operator.culprits import PEER_SILENT_SECONDS, Peer, peer_facts
+from stalwart.operator.failures import Fact, compose
+from stalwart.operator.model import EmitEvent, EtcdView
+from stalwart.operator.reconcile import reconcile
+from stalwart.operator.takeover import REASON_SPARE_TOOK_OVER
+
+T = 1_800_000_000.0
+AT = Position(round=2, iteration=3)
+CLOSED = "[pair.cc:553] Connection closed by peer [127.0.0.1]:33515. This is typically caused by a remote worker"
+
+
+def symptom(message: str, *, pod: str = "p0", rank: int = 0, reason: str = "Exception") -> Fact:
+    return Fact("Rank", reason, T, AT, 10, rank, pod, rank, message, "RuntimeError", symptom=True)
+
+
+def peer(name: str, *, rank: int, progress: float | None = T - 1, **kw: object) -> Peer:
+    return Peer(name, node=f"n-{name}", ip=f"10.0.0.{rank}", ranks=((rank, progress),), **kw)  # type: ignore[arg-type]
+
+
+TWO = [peer("p0", rank=0), peer("p1", rank=1)]
+THREE = [*TWO, peer("p2", rank=2)]
+
+
+@pytest.mark.parametrize(("facts", "peers", "expected"), [
+    # Gloo's closed connection in a two-pod world: the only peer, from the first report.
+    ([symptom(CLOSED)], TWO, ("p1", 1, "PeerLost")),
+    # Three pods, nothing known yet about either peer: nobody is blamed (the survivor's record stands).
+    ([symptom(CLOSED)], THREE, None),
+    # ... until one of them is seen lost: its node unreachable, the pod gone, or its agent silent.
+    ([symptom(CLOSED)], [*TWO, peer("p2", rank=2, unreachable=True)], ("p2", 2, "NodeLost")),
+    ([symptom(CLOSED)], [*TWO, peer("p2", rank=2, gone=True)], ("p2", 2, "PeerLost")),
+    ([symptom(CLOSED)], [peer("p0", rank=0), peer("p1", rank=1, silent_for=1.0),
+                         peer("p2", rank=2, silent_for=PEER_SILENT_SECONDS + 1)], ("p2", 2, "PeerLost")),
+    # The error names its peer by address (a pod IP): that one, whatever else is known.
+    ([symptom("Read error [10.0.0.2]:4242: Connection reset by peer")], THREE, ("p2", 2, "PeerLost")),
+    # A timeout: the rank that stopped progressing first, when it is not the survivor.
+    ([symptom("no progress for 5.1s (soft timeout 5s)", reason="Hang")],
+     [peer("p0", rank=0, progress=T - 5), peer("p1", rank=1, progress=T - 5.3)], ("p1", 1, "Hang")),
+    # ... and none when the survivor stopped first: it hung itself, and its record stands.
+    ([symptom("no progress for 5.1s (soft timeout 5s)", reason="Hang")],
+     [peer("p0", rank=0, progress=T - 5.3), peer("p1", rank=1, progress=T - 5)], None),
+    # A timeout in a two-pod world with nothing known of the progress: no guess.
+    ([symptom("no progress for 5.1s (soft timeout 5s)", reason="Hang")],
+     [peer("p0", rank=0, progress=None), peer("p1", rank=1, progress=None)], None),
+    # Someone spoke for itself at that position (an exception of its own): no suspicion needed.
+    ([symptom(CLOSED), Fact("Rank", "Exception", T, AT, 9, 1, "p1", 1, "boom", "DrillFault")], TWO, None),
+    # A lost heartbeat is the Heartbeat fact's to tell.
+    ([symptom("the heartbeat lease of slot 1 ended", reason="PeerLost")], TWO, None),
+], ids=["only-peer", "three-unknown", "unreachable", "gone", "silent", "address", "stopped-first",
+        "survivor-stopped-first", "timeout-unknown", "spoke-for-itself", "heartbeat"])
+def test_the_peer_a_symptom_points_at(facts: list[Fact], peers: list[Peer],
+                                      expected: tuple[str, int, str] | None) -> None:
+    out = peer_facts(facts, peers)
+    if expected is None:
+        assert out == []
+        return
+    (fact,) = out
+    assert (fact.pod, fact.rank, fact.reason, fact.detected_by) == (*expected, "Peer")
+    assert fact.position == AT and f"n-{expected[0]}" in fact.message  # the message names the peer's node
+    record = compose([*facts, *out])
+    assert record is not None and (record.pod, record.reason) == (expected[0], expected[2])
+    assert record.secondary is not None and [s.pod for s in record.secondary] == ["p0"]  # the survivor's error
+
+
+# -- through the reconcile ----------------------------------------------------------------------------------
+
+W0, W1, S0 = (f"{JOB}-{n}" for n in ("worker-0", "worker-1", "spare-0"))
+R1 = RoundSummary(round=1, epoch=7, stepped=0)
+
+
+def job_record() -> JobRecord:
+    return JobRecord(job_name=JOB, namespace="ns", uid="uid-1", members=[W0, W1], spares=[S0], min_nodes=2,
+                     max_nodes=2, nproc_per_node=1, join_timeout_seconds=600, last_call_seconds=1,
+                     leaseTTLSeconds=10, max_restarts=10, soft_timeout_seconds=60, hard_timeout_seconds=90,
+                     barrier_timeout_seconds=120, backoff_limit=5)
+
+
+def test_a_lost_node_is_named_from_the_first_report_and_its_confirmation_updates_the_same_incident() -> None:
+    survivor = FaultRecord(slot=0, rank=0, node_id=W0, iteration=0, kind="exception", exception="RuntimeError",
+                           message=CLOSED, reason=f"RuntimeError('{CLOSED}')", time=NOW - 0.2)
+    st = status(Phase.RUNNING, position=Position(round=1, iteration=0), round=1, world_size=2,
+                tracked_pods=sorted([W0, W1, S0]))
+    pods = [pod("worker-0", node="n0"), pod("worker-1", node="n1"), pod("spare-0", node="n2")]
+    records = (progress("worker-0", step=50, history=(R1,), ranks=(rank_report(0, step=50, first_step=0),)),
+               progress("worker-1", step=50, history=(R1,), updated=NOW - 0.3,
+                        ranks=(rank_report(1, step=50, first_step=0),)))
+    round1 = replace(etcd("worker-0", "worker-1", faults=((100, survivor),), progress=records,
+                          leases={"worker-1": 9}), record=job_record())
+    # 1. The survivor's error is the first word: the lost pod is named at once, with its node.
+    d1 = reconcile(observe(job(st, spares=1), pods, round1))
+    lf = d1.status.last_failure
+    assert lf is not None and (lf.pod, lf.rank, lf.reason) == (W1, 1, "PeerLost") and "node n1" in (lf.message or "")
+    assert [(s.pod, s.reason) for s in lf.secondary or []] == [(W0, "Exception")]
+    assert [e.reason for e in of(d1, EmitEvent)].count("Fault") == 1
+    # 2. Three seconds on its node is unreachable: the same incident, now NodeLost from the pod; no second Fault.
+    # The pod is fenced, force-deleted and replaced (one replacement).
+    d2 = reconcile(replace(observe(job(d1.status, spares=1), pods, round1, now=NOW + 3),
+                           unreachable_nodes=frozenset({"n1"})))
+    lf = d2.status.last_failure
+    assert lf is not None and (lf.pod, lf.reason, lf.detected_by) == (W1, "NodeLost", "Pod"), lf
+    assert [(s.pod, s.reason) for s in lf.secondary or []] == [(W0, "Exception")]
+    assert "Fault" not in [e.reason for e in of(d2, EmitEvent)]
+    assert d2.status.restarts == RestartCounts(pod_replacements=1)
+    # 3. The spare takes over in round 2: its Event names the lost pod. Round 2 steps: one recovery, counted once.
+    r2 = RoundSummary(round=2, epoch=9, stepped=0)
+    round2 = EtcdView(manifest=manifest("worker-0", "spare-0", round_=2), epoch=9, record=job_record(),
+                      progress=(progress("worker-0", epoch=9, round_=2, step=60, history=(R1, r2),
+                                         ranks=(rank_report(0, step=60, first_step=51),)),
+                                progress("spare-0", epoch=9, round_=2, step=60, history=(r2,),
+                                         ranks=(rank_report(1, step=60, first_step=51),))))
+    pods3 = [pod("worker-0", node="n0"), pod("spare-0", node="n2"), pod("spare-1", node="n0")]
+    d3 = reconcile(observe(job(d2.status, spares=1), pods3, round2, now=NOW + 10))
+    took = [e.message for e in of(d3, EmitEvent) if e.reason == REASON_SPARE_TOOK_OVER]
+    assert len(took) == 1 and f"replacing pod {W1} (NodeLost)" in took[0], took
+    assert d3.status.phase == Phase.RUNNING
+    assert d3.status.restarts == RestartCounts(process_restarts=1, pod_replacements=1)
+    assert d3.status.last_failure is not None and d3.status.last_failure.pod == W1
