@@ -14,9 +14,11 @@ After each fault the oracle asserts the status: the counters moved by exactly wh
 (``restarts.inProcess``, ``processRestarts``, ``podReplacements``), ``lastFailure`` names the culprit (kind,
 rank, pod, signal, exception type), the phases seen were right (Running, perhaps Restarting, Running again;
 never anything else; etcd and operator restarts never leave Running), and the Events say the same (one
-``Fault`` and one ``Restarted*`` per disruptive fault, none otherwise). After the last fault it takes the next
-checkpoint rank 0 writes and compares its parameters, bit for bit, with a clean run of the same script to the
-same step (two plain ``torch.distributed`` processes, no stalwart, no faults).
+``Fault`` and one ``Restarted*`` per disruptive fault, none otherwise). For a node loss and a hang it also
+checks the culprit from the first word on (``EARLY``): ``lastFailure`` names the lost pod (the hung rank) within
+5 s of the fault (of the hang's lease running out), and no status shown until the recovery names a survivor.
+After the last fault it takes the next checkpoint rank 0 writes and compares its parameters, bit for bit, with a
+clean run of the same script to the same step (two plain ``torch.distributed`` processes, no stalwart, no faults).
 
 As a benchmark (``python bench/soak.py [--faults 20] [--seed 1]``) it prints one JSON object per fault kind: the
 mean seconds from the fault to the first completed step after it (``impl: stalwart``), next to its anchor
@@ -70,11 +72,15 @@ DELTAS: dict[str, tuple[int, int, int]] = {
 CULPRITS: dict[str, tuple[str, str, JSON]] = {
     "rank-exception": ("Exception", "Rank", {"exceptionType": "DrillFault"}),
     "rank-kill": ("ProcessExited", "Process", {"signal": "SIGKILL"}),
-    "rank-hang": ("Hang", "Heartbeat", {}),
+    "rank-hang": ("PeerLost", "Heartbeat", {}),  # the frozen rank's lease ended: PeerLost names it, not who noticed
     "pod-delete": ("PodLost", "Pod", {}),
     "pod-force-delete": ("PodLost", "Pod", {}),
     "node-loss": ("NodeLost", "Pod", {}),
 }
+#: Seconds from the fault by which lastFailure must name its culprit, and every lastFailure shown from the fault
+#: to the recovery must name it (never a survivor that noticed): a node loss is known at once (the survivor's
+#: collective breaks); a drill's hang only once the frozen rank's heartbeat lease (10 s) has run out.
+EARLY: dict[str, float] = {"node-loss": 5.0, "rank-hang": 10.0 + 5.0}
 STEP_DELAY = 0.05
 CHECKPOINT_EVERY = 20
 
@@ -107,6 +113,7 @@ class PhaseWatch:
     def __init__(self, session: DrillSession) -> None:
         self.session = session
         self.seen: list[tuple[float, str, str]] = []  # (time, phase, totalRestarts as text)
+        self.failures: list[tuple[float, JSON | None]] = []  # (time, lastFailure) at each change
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-phases", daemon=True)
 
@@ -126,6 +133,9 @@ class PhaseWatch:
                 total = str(st.get("totalRestarts"))
                 if not self.seen or self.seen[-1][1:] != (phase, total):
                     self.seen.append((time.time(), phase, total))
+                lf = st.get("lastFailure")
+                if not self.failures or self.failures[-1][1] != lf:
+                    self.failures.append((time.time(), lf))
             self._stop.wait(0.2)
 
     def since(self, t: float) -> list[str]:
@@ -137,6 +147,10 @@ class PhaseWatch:
             if not collapsed or collapsed[-1] != p:
                 collapsed.append(p)
         return collapsed
+
+    def failures_since(self, t: float, until: float) -> list[tuple[float, JSON]]:
+        """The lastFailures shown from ``t`` to ``until``, each with its seconds since ``t``."""
+        return [(round(when - t, 2), lf) for when, lf in self.failures if t <= when <= until and lf]
 
     def blank_restarts(self) -> bool:
         return any(total == "None" and phase not in ("None", "Pending") for _, phase, total in self.seen)
@@ -285,6 +299,9 @@ class Soak:
         if kind == "node-loss":
             self.cluster.restore_node(self._lost_node)
         problems += self.judge(kind, target, rank, before_status, after)
+        if kind in EARLY:
+            problems += self.judge_early(kind, target, rank, before_status,
+                                         phases.failures_since(injected, time.time()))
         seen = phases.since(injected)
         allowed = ([["Running"]] if DELTAS[kind][:2] == (0, 0)
                    else [["Running"], ["Running", "Restarting", "Running"]])
@@ -436,6 +453,20 @@ class Soak:
         if not kind.startswith("rank") and lf.get("rank") is not None:
             problems.append(f"lastFailure of a pod names a rank: {lf}")
         return problems
+
+    def judge_early(self, kind: str, target: str, rank: int | None, before: JSON,
+                    shown: list[tuple[float, JSON]]) -> list[str]:
+        """The culprit from the first word on (issue 37): within ``EARLY[kind]`` seconds of the fault lastFailure
+        names it, and no lastFailure shown from the fault to the recovery names anyone else (a survivor)."""
+        new = [(at, lf) for at, lf in shown if lf != (before.get("lastFailure") or None)]
+        if not new or new[0][0] > EARLY[kind]:
+            return [f"lastFailure did not name the culprit within {EARLY[kind]:g}s: "
+                    f"{new[0] if new else 'nothing new'}"]
+        pods = (self._lost_members or {target}) if kind == "node-loss" else {target}
+        reasons = {"node-loss": ("PeerLost", "NodeLost"), "rank-hang": ("PeerLost", "Hang")}[kind]
+        wrong = [(at, lf) for at, lf in new if lf.get("pod") not in pods or lf.get("reason") not in reasons
+                 or (rank is not None and lf.get("rank") != rank)]
+        return [f"lastFailure named another culprit {wrong[0][0]}s after the fault: {wrong[0][1]}"] if wrong else []
 
     def judge_events(self, kind: str, before: list[str]) -> list[str]:
         after = self.events()
