@@ -24,9 +24,10 @@ CHART_GRACE = 30.0
 
 
 def test_the_operator_ends_within_its_grace_period_on_sigterm(
-        local_cluster: LocalCluster, trainingjob_crd: None, operator_account: OperatorAccount, k8s_namespace: str,
-        jobs: Jobs, tmp_path: Path) -> None:
+        local_cluster: LocalCluster, trainingjob_crd: None, operator_account: OperatorAccount, jobs: Jobs,
+        tmp_path: Path) -> None:
     assert OPERATOR_EXIT_BOUND + SLACK <= CHART_GRACE
+    k8s_namespace = jobs.ns
     operator_account.grant(k8s_namespace)
     log = (tmp_path / "operator.log").open("w+")
     cmd = [sys.executable, "-m", "stalwart", "operator", "--namespace", k8s_namespace, "--kubeconfig",
