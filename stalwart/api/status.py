@@ -115,8 +115,8 @@ class FailureRecord(ApiModel):
     pod: str | None = Field(default=None, description="Pod that failed, when known.")
     reason: str | None = Field(
         default=None,
-        description=("The kind of fault: Exception, Hang, ProcessExited, PodLost, NodeLost, OOMKilled, Evicted, "
-                     "Unhealthy."))
+        description=("The kind of fault: Exception, Hang, ProcessExited, PodLost, NodeLost, PeerLost, OOMKilled, "
+                     "Evicted, Unhealthy."))
     message: str | None = Field(default=None, max_length=32768,
                                 description="Details, e.g. the exception's message or the exit code.")
     exception_type: str | None = Field(default=None, max_length=256,
@@ -127,8 +127,9 @@ class FailureRecord(ApiModel):
     detected_by: str | None = Field(
         default=None,
         description=("How the fault was detected: Pod (the operator saw the pod fail or go), Process (an agent "
-                     "saw a rank process end), Heartbeat (a rank's heartbeat lease ran out), Rank (a rank "
-                     "reported it), Progress (nothing progressed past the soft timeout)."))
+                     "saw a rank process end), Heartbeat (a rank's heartbeat lease ran out), Peer (a survivor's "
+                     "collective error pointed at this lost peer), Rank (a rank reported it), Progress (nothing "
+                     "progressed past the soft timeout)."))
     round: int | None = Field(default=None, ge=0, description="Rendezvous round in which it happened.")
     iteration: int | None = Field(default=None, ge=0,
                                   description="In-process restart iteration in which it happened.")
