@@ -6,7 +6,8 @@ of each container, while a check that a process was gone within seconds of decid
 fraction of a second, for every instance, after the pod itself is gone. Each line carries ``event``
 (``started``, ``ended`` or ``leftovers``), ``time`` (wall-clock seconds when the kubelet saw it: the end is
 when its wait on the process returned), ``namespace``, ``pod``, ``uid``, ``container`` and ``pid``; ``started``
-adds ``log`` (the instance's log file while it is the container's latest), ``ended`` adds ``exitCode`` (negative:
+adds ``log`` (the instance's log file while it is the container's latest) and ``argv`` (the first words of
+its command line), ``ended`` adds ``exitCode`` (negative:
 the signal), ``leftovers`` adds ``pids``: the container's processes still alive after its main process ended,
 which the kubelet then killed (a container's processes end with its PID 1).
 
@@ -40,8 +41,8 @@ class ContainerBook:
         self.path = path
         self._ended: weakref.WeakSet[asyncio.subprocess.Process] = weakref.WeakSet()
 
-    def started(self, run: PodRun, container: str, pid: int, log: Path) -> None:
-        self._write(run, container, pid, "started", log=str(log))
+    def started(self, run: PodRun, container: str, pid: int, log: Path, argv: list[str]) -> None:
+        self._write(run, container, pid, "started", log=str(log), argv=argv[:4])
 
     def ended(self, run: PodRun, container: str, proc: asyncio.subprocess.Process) -> None:
         """``proc`` has ended (its ``returncode`` is set); noted now unless it was already."""

@@ -53,6 +53,9 @@ SLACK = 5.0
 LEAVING = "leaving with exit code"
 #: The agent's lines on deciding that its job is over here (before it closes its streams and leaves).
 DECIDED = ("every rank returned", "nothing left to run")
+#: Main processes that only wrap the one that logs (``sh -c 'stalwart agent -- ...; ...'``): the kubelet sees the
+#: shell's end, not the logging process's, so such a container is not judged.
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ash", "busybox"})
 #: How much of the end of a log is read: the lines that matter are its last ones.
 LOG_TAIL_BYTES = 512 * 1024
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
@@ -175,6 +178,12 @@ class Instance:
     exit_code: int | None = None
     leftovers: list[int] = field(default_factory=list)
     superseded: bool = False  # a later instance of the container started: this one's log is its .previous.log
+    argv: tuple[str, ...] = ()
+
+    @property
+    def wrapped(self) -> bool:
+        """Its main process is a shell around the process that logs (see :data:`SHELLS`)."""
+        return bool(self.argv) and Path(self.argv[0]).name in SHELLS
 
     @property
     def who(self) -> str:
@@ -220,7 +229,8 @@ class ClusterExits:
                         if (other.uid, other.container) == key[:2] and other.pid != key[2]:
                             other.superseded = True
                     self.instances[key] = Instance(str(rec["namespace"]), str(rec["pod"]), key[0], key[1], key[2],
-                                                   float(rec["time"]), Path(rec["log"]))
+                                                   float(rec["time"]), Path(rec["log"]),
+                                                   argv=tuple(str(a) for a in rec.get("argv") or ()))
                 inst = self.instances.get(key)
                 if inst is None:
                     continue
@@ -236,7 +246,8 @@ class ClusterExits:
         must have ended within ``bound`` seconds of deciding (default: the bound it declared, plus
         :data:`SLACK`), leaving no process behind. One that decided but
         still runs is waited for (with ``wait``) until ``bound`` after its decision; one that has not decided is
-        judged again by a later call (a pod the test left running is stopped by its namespace's deletion)."""
+        judged again by a later call (a pod the test left running is stopped by its namespace's deletion). A
+        container whose main process is a shell wrapping the one that logs is not judged (:data:`SHELLS`)."""
         pending = self.update() | self._unsettled
         self._unsettled = set()
         problems: list[Problem] = []
@@ -244,6 +255,8 @@ class ClusterExits:
             waiting: dict[tuple[str, str, int], float] = {}
             for key in sorted(pending):
                 inst = self.instances[key]
+                if inst.wrapped:
+                    continue
                 facts = inst.facts()
                 limit = facts.limit(bound)
                 if inst.ended is None and inst.running():

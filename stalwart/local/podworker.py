@@ -144,7 +144,7 @@ class PodWorker:
             c.proc = await processes.start_process(argv, env, cwd, logf)
         except OSError as exc:
             return self._cannot_run(c, started, f"starting {argv[0]!r}: {exc}")
-        self.book.started(run, c.name, c.proc.pid, logf)
+        self.book.started(run, c.name, c.proc.pid, logf, argv)
         c.state = {"running": {"startedAt": started}}
         c.ready = not c.init and "readinessProbe" not in c.spec
         log.info("pod %s/%s on %s (%s): container %s started, pid %d, restarts %d", run.namespace, run.name,

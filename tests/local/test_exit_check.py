@@ -1,6 +1,8 @@
 """The exit check (stalwart/local/exitcheck.py) can fail: a process that logged its ``leaving with exit code``
 line and then lingered, one still running, one that left a process behind are each reported, named, with their
-last log lines; one that left at once is not. Through the kubelet's book (pods of the session cluster) and
+last log lines; one that left at once is not, nor a container whose main process is a shell around the process
+that logged (the kubelet sees the shell's end, not that process's). Through the kubelet's book (pods of the
+session cluster) and
 through WatchedProcess (a process a test starts itself). The autouse fixture judges these tests too: each
 lingering process is ended well within the fixture's own bound."""
 
@@ -79,10 +81,17 @@ def test_pods_that_linger_or_leave_processes_behind_are_reported(local_cluster: 
     }
     for name, script in scripts.items():
         local_cluster.kubectl("apply", "-f", "-", input=pod_manifest(name, ns, script, grace=1))
+    # A shell runs the process that logs and stays after it (as the operator's lingering-pod test does).
+    wrapped = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "wrapped", "namespace": ns},
+               "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1, "containers": [
+                   {"name": "main", "image": "local/python", "command": ["sh", "-c", 'python3 -c "$S"; exec sleep 600'],
+                    "env": [{"name": "S", "value": leaving_then("pass")}]}]}}
+    local_cluster.kubectl("apply", "-f", "-", input=json.dumps(wrapped))
     wait_until(lambda: phase_is(local_cluster, ns, "prompt", "Succeeded"), "the prompt pod to succeed")
     wait_until(lambda: phase_is(local_cluster, ns, "orphaning", "Succeeded"), "the orphaning pod to succeed")
-    wait_until(lambda: "leaving with exit code" in local_cluster.kubectl("-n", ns, "logs", "lingering").stdout,
-               "the lingering pod's exit line")
+    for name in ("lingering", "wrapped"):
+        wait_until(lambda name=name: "leaving with exit code" in local_cluster.kubectl("-n", ns, "logs", name).stdout,
+                   f"the {name} pod's exit line")
     problems = check.judge(bound=1.0)
     try:
         mine = [p for p in problems if f"pod {ns}/" in p.who]
@@ -97,7 +106,8 @@ def test_pods_that_linger_or_leave_processes_behind_are_reported(local_cluster: 
         assert {"prompt", "orphaning"} <= ended
     finally:
         # Ended now, a second or two after its line: within the autouse fixture's bound.
-        local_cluster.kubectl("-n", ns, "delete", "pod", "lingering", "--grace-period=0", "--force", check=False)
+        for name in ("lingering", "wrapped"):
+            local_cluster.kubectl("-n", ns, "delete", "pod", name, "--grace-period=0", "--force", check=False)
         wait_until(lambda: "lingering" in {r["pod"] for r in read_book(Path(local_cluster.dir) / BOOK)[0]
                                            if r.get("namespace") == ns and r["event"] == "ended"},
                    "the lingering pod's end")
