@@ -21,9 +21,10 @@ The parts:
   never running the interpreter's finalisation. Whatever overran the bound is logged (``had to leave``, with
   every thread's stack).
 * :func:`guard_exit`: for processes whose ``main`` is the user's (a rank process running the training
-  function): an ``atexit`` hook closes what is tracked and arms a timer in C (no Python thread runs then):
-  the stacks are dumped at the bound and SIGALRM ends the process half a second later. The agent reads that
-  signal after a rank returned from the training function as "its exit hung" (the rank's work is done).
+  function): an ``atexit`` hook closes what is tracked, tells the process's supervisor that the exit has begun
+  (the rank marks its status file ``exiting``), and arms faulthandler's timer in C, which dumps the stacks if
+  the exit is still going at the bound. The exit code stays the script's own: the agent is the one that ends a
+  rank whose exit overran, and it counts a rank that had returned from the training function as a success.
 
 Imports nothing of stalwart: every layer may use it.
 """
@@ -35,7 +36,6 @@ import contextlib
 import faulthandler
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -44,15 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
-__all__ = ["EXIT_BOUND", "GUARD_SIGNAL", "Closeable", "close_tracked", "decided", "guard_exit", "leave",
+__all__ = ["EXIT_BOUND", "Closeable", "close_tracked", "decided", "guard_exit", "leave",
            "set_context", "track", "untrack"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds a process that has decided to exit may take to be gone.
 EXIT_BOUND = 10.0
-#: The signal :func:`guard_exit` ends a process with when its interpreter's exit overruns the bound.
-GUARD_SIGNAL = signal.SIGALRM
 #: Of the bound, what :func:`leave` keeps for flushing the logs after the closing steps.
 _FLUSH_RESERVE = 1.0
 #: Seconds after the bound at which faulthandler's C timer ends a process whose watchdog thread cannot run
@@ -203,29 +201,30 @@ def leave(code: int, *, bound: float = EXIT_BOUND) -> NoReturn:
     os._exit(decision.code)
 
 
-def _at_exit(bound: float, end: bool) -> None:
+def _at_exit(bound: float, began: Callable[[], None] | None) -> None:
     late = close_tracked(bound / 2)
     if late:
         _report_overrun([f"closing {name}" for name in late], bound / 2)
+    if began is not None:
+        try:
+            began()
+        except Exception:
+            log.exception("%scould not say that the exit began", _prefix())
     _flush()
-    # From here on no Python thread may run again (the interpreter is finalising), so the guard lives in C:
-    # faulthandler's watchdog thread dumps the stacks, and the kernel delivers the signal's default action.
+    # From here on no Python thread may run again (the interpreter is finalising, then C++ destructors run),
+    # so the report lives in C: faulthandler's own thread dumps the stacks if the exit is still going.
     faulthandler.dump_traceback_later(bound, exit=False, file=sys.stderr)
-    if end and threading.current_thread() is threading.main_thread():  # where signal handlers may be set
-        signal.signal(GUARD_SIGNAL, signal.SIG_DFL)
-        signal.setitimer(signal.ITIMER_REAL, bound + 0.5)
 
 
-def guard_exit(*, bound: float = EXIT_BOUND, end: bool = True) -> None:
-    """Bound this process's exit when its ``main`` is not stalwart's (see the module docstring). Idempotent.
+def guard_exit(*, bound: float = EXIT_BOUND, began: Callable[[], None] | None = None) -> None:
+    """Prepare this process's exit when its ``main`` is not stalwart's (see the module docstring). Idempotent.
 
-    At interpreter exit the tracked resources are closed (half the bound at most); if the process is still
-    there ``bound`` seconds later its stacks go to stderr and, with ``end``, :data:`GUARD_SIGNAL` ends it.
-    ``end=False`` is for a process whose exit code is its caller's verdict (torchrun's agent, whose code is
-    the job's): a signal there would turn a success into a failure, so it only closes and reports."""
+    At interpreter exit the tracked resources are closed (half the bound at most), ``began`` is called (to tell
+    the supervisor, which bounds the exit from then on), and the stacks go to stderr if the process is still
+    there ``bound`` seconds later."""
     global _guard_armed
     with _tracked_lock:
         if _guard_armed:
             return
         _guard_armed = True
-    atexit.register(_at_exit, bound, end)
+    atexit.register(_at_exit, bound, began)

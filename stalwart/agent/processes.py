@@ -69,18 +69,6 @@ class RankProcesses:
                 p.exit_code = p.popen.poll()
             if p.exit_code is not None and p.exit_code < 0 and p.killed_after_done:
                 p.exit_code = 0  # it returned from the training function; only its exit hung (and was ended)
-            if p.exit_code == -exits.GUARD_SIGNAL and self._returned(p):
-                log.warning("%s: local rank %d returned from the training function, but its interpreter's exit "
-                            "hung past %gs and its exit guard ended it (its stacks are in its log)", self.context,
-                            p.local_rank, exits.EXIT_BOUND)
-                p.exit_code = 0
-
-    def _returned(self, p: RankProc) -> bool:
-        """Whether ``p``'s last word was that its training function returned (read now: it may have said so
-        and exited between two of the agent's reads)."""
-        p.status_read = 0.0
-        st = self.read_status(p)
-        return st is not None and st.state == "done"
 
     def all_exited(self) -> bool:
         return all(p.exit_code is not None for p in self.procs.values())
@@ -117,9 +105,16 @@ class RankProcesses:
         now = time.monotonic()
         if st.state == "done" and p.exit_code is None:
             p.done_since = p.done_since or now
-            if now - p.done_since > self.finish_grace and not p.killed_after_done:
-                log.warning("%s: local rank %d returned from the training function but its process has not "
-                            "exited in %.0fs: killing it", self.context, p.local_rank, self.finish_grace)
+            # Both clocks are CLOCK_MONOTONIC, which every process of the machine shares.
+            exit_overran = st.exiting is not None and now - st.exiting > exits.EXIT_BOUND
+            if (exit_overran or now - p.done_since > self.finish_grace) and not p.killed_after_done:
+                if exit_overran:
+                    log.warning("%s: local rank %d returned from the training function and began to exit, but "
+                                "is still there %gs later (a finaliser that blocks; its stacks are in its log): "
+                                "killing it", self.context, p.local_rank, exits.EXIT_BOUND)
+                else:
+                    log.warning("%s: local rank %d returned from the training function but its process has not "
+                                "exited in %.0fs: killing it", self.context, p.local_rank, self.finish_grace)
                 p.killed_after_done = True
                 with contextlib.suppress(ProcessLookupError):
                     p.popen.kill()

@@ -250,6 +250,9 @@ class RankStatus(ApiModel):
         description="CLOCK_MONOTONIC time of the last sign of progress of the process's main thread.")
     dumps_stacks: bool = Field(
         default=False, description="The process writes its threads' stacks to stderr on STACKS_SIGNAL.")
+    exiting: float | None = Field(
+        default=None, description="CLOCK_MONOTONIC time the process's interpreter began to exit (its script "
+                                  "ended); the agent bounds the exit from then on.")
 
 
 #: Most rank exits a progress record keeps (the newest).

@@ -12,17 +12,21 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from stalwart import exits
+from stalwart.api import pod_env
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import PARKED_ENV, Handover
+from stalwart.api.restart import RankStatus
 from stalwart.etcd.fence import StaleEpoch
 from stalwart.etcd.store import StoreError
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.environment import RankEnvironment
 from stalwart.restart.errors import RestartExit
 from stalwart.restart.handover import RoundOver, RoundWatch, is_parked
+from stalwart.restart.monitor import StatusFile
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +49,25 @@ def _enter(watch: RoundWatch, handover: Handover) -> None:
     watch.switched(handover.epoch)
 
 
+def _mark_exiting() -> None:
+    """Tell the agent, through the status file, that this process's interpreter began to exit."""
+    path = os.environ.get(pod_env.STATUS_FILE)
+    if not path:
+        return
+    try:
+        status = RankStatus.from_json_bytes(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return
+    StatusFile(path).write(status.model_copy(update={"exiting": time.monotonic()}))
+
+
 def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatch | None], _Session],
                base: RestartConfig, explicit: frozenset[str], run: Callable[[Any], Any]) -> Any:
     """Run ``run(session)`` in this process's round and in every later round its agent hands it to."""
-    # Once the script ends, its exit is bounded: stalwart's streams are closed before the interpreter
-    # finalises, and a finaliser that blocks anyway cannot keep the process (and its pod) alive.
-    exits.guard_exit()
+    # Once the script ends, stalwart's streams are closed before the interpreter finalises, and the agent is
+    # told that the exit began: it bounds the exit from then on (a finaliser that blocks cannot keep the
+    # process, and its pod, alive).
+    exits.guard_exit(began=_mark_exiting)
     watch = RoundWatch.from_env(0)
     if watch is not None:
         watch.start()
