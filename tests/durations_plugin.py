@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 DEFAULT = "build/test-durations.json"
+GROUP_SUFFIX = re.compile(r"@[\w.-]+$")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,7 +38,8 @@ class Durations:
         self.monotonic = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        entry = self.tests.setdefault(report.nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0})
+        nodeid = GROUP_SUFFIX.sub("", report.nodeid)  # xdist's loadgroup appends "@group" to the node id
+        entry = self.tests.setdefault(nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0})
         entry[report.when] = round(entry[report.when] + float(report.duration), 4)
         node = getattr(report, "node", None)  # xdist: the WorkerController the report came from
         worker = getattr(node, "gateway", None)
