@@ -16,7 +16,28 @@ from stalwart.local.etcd import EtcdServer
 pytest_plugins = ["stalwart.local.pytest_plugin", "durations_plugin"]
 
 
+#: xdist groups (``--dist loadgroup``): the tests of a group run on one worker, in file order. By module: the
+#: RBAC record test_zz_rbac.py checks is of its worker's cluster, and test_operator_cluster.py's tests decide
+#: what it must contain. By fixture: the e2e installation is one cluster per worker that asks for it, so its
+#: tests share one.
+GROUP_MODULES = {"tests/operator/test_operator_cluster.py": "operator-rbac",
+                 "tests/operator/test_zz_rbac.py": "operator-rbac"}
+GROUP_FIXTURES = {"stalwart_install": "e2e-install"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        group = GROUP_MODULES.get(item.path.relative_to(root).as_posix()) if item.path.is_relative_to(root) else None
+        fixtures = getattr(item, "fixturenames", ())
+        group = group or next((g for f, g in GROUP_FIXTURES.items() if f in fixtures), None)
+        if group is not None and not any(True for _ in item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(group))
+    _skip_gpu_tests(items)
+
+
+def _skip_gpu_tests(items: list[pytest.Item]) -> None:
     try:
         import torch
 

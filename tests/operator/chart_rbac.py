@@ -15,6 +15,7 @@ import helm_python
 import yaml
 
 from stalwart.local.cluster import LocalCluster
+from stalwart.operator import rbac
 from stalwart.operator.embedded import EmbeddedOperator
 from stalwart.operator.handlers import OperatorRunConfig
 from stalwart.operator.model import ReconcileSettings
@@ -24,6 +25,7 @@ NAMESPACE = "stalwart-system"
 RELEASE = "ops"
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 JSON = dict[str, Any]
+Grant = tuple[str, str, str]  # api group, resource[/subresource], verb
 
 
 def render(chart: helm_python.Chart, values: JSON) -> list[JSON]:
@@ -108,3 +110,35 @@ def operator_factory(account: OperatorAccount, etcd_endpoint: str) -> tuple[Oper
         return op
 
     return start, started
+
+
+def used(cluster: LocalCluster, user: str) -> tuple[set[Grant], set[Grant]]:
+    """What ``user`` was allowed and refused, as the API server recorded it."""
+    allowed: set[Grant] = set()
+    refused: set[Grant] = set()
+    for a in cluster.access(user):
+        if not a["resource"]:
+            continue  # a path outside the API's resources (discovery, version): every account may read those
+        resource = f"{a['resource']}/{a['subresource']}" if a["subresource"] else a["resource"]
+        (allowed if a["allowed"] else refused).add((a["group"], resource, a["verb"]))
+    return allowed, refused
+
+
+def declared(**config: Any) -> set[Grant]:
+    return {(group, resource, verb) for (group, resource), verbs in rbac.required(**config).items() for verb in verbs}
+
+
+def misused(cluster: LocalCluster, user: str) -> list[str]:
+    """What is wrong with ``user``'s calls so far, whichever tests made them: any the API server refused (the
+    chart's RBAC lacks it), any rbac.py does not declare. test_zz_rbac.py checks this (and more) after the
+    operator tests; under xdist each worker has a cluster of its own and only one runs that module, so the
+    ``operator_account`` fixture checks its own cluster's record at the end of each worker's session too."""
+    allowed, refused = used(cluster, user)
+    possible = declared(peering=True, clusterwide=False, gang="coscheduling") | declared(
+        peering=True, clusterwide=False, gang="volcano")
+    problems = []
+    if refused:
+        problems.append(f"the operator was refused {sorted(refused)}: the chart's RBAC lacks them")
+    if allowed - possible:
+        problems.append(f"calls rbac.py does not declare: {sorted(allowed - possible)}")
+    return problems

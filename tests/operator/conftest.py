@@ -12,7 +12,7 @@ from typing import Any
 
 import helm_python
 import pytest
-from chart_rbac import CHART, OperatorAccount, OperatorFactory, operator_factory
+from chart_rbac import CHART, OperatorAccount, OperatorFactory, misused, operator_factory
 from test_operator_cluster import Jobs
 
 from stalwart.etcd.store import Store
@@ -34,9 +34,14 @@ def chart() -> Iterator[helm_python.Chart]:
 
 @pytest.fixture(scope="session")
 def operator_account(local_cluster: LocalCluster, chart: helm_python.Chart,
-                     tmp_path_factory: pytest.TempPathFactory) -> OperatorAccount:
-    """The chart's ServiceAccount ``stalwart-operator`` in ``stalwart-system``, with its cluster-wide RBAC."""
-    return OperatorAccount.create(local_cluster, chart, "stalwart-operator", tmp_path_factory.mktemp("operator"))
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorAccount]:
+    """The chart's ServiceAccount ``stalwart-operator`` in ``stalwart-system``, with its cluster-wide RBAC. At the
+    end of the session (of each xdist worker, each with its own cluster), nothing the operator did as it may have
+    been refused or left out of rbac.py (:func:`chart_rbac.misused`)."""
+    account = OperatorAccount.create(local_cluster, chart, "stalwart-operator", tmp_path_factory.mktemp("operator"))
+    yield account
+    problems = misused(local_cluster, account.user)
+    assert problems == [], "; ".join(problems)
 
 
 @pytest.fixture

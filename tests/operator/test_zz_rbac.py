@@ -1,8 +1,10 @@
 """``stalwart/operator/rbac.py`` against what the operator actually did: every operator test of this directory runs
 as the chart's ServiceAccount with the chart's RBAC (conftest.py), and the API server records each authorization
 decision it made for that account (verb, API group, resource, subresource, namespace). This module runs last
-(its name), reads that record and checks it against rbac.py both ways; and it runs the operator once under an
-account whose Role lacks one verb of rbac.py, which fails with the API server's 403.
+(its name), reads that record and checks it against rbac.py both ways (under xdist, in the group of
+test_operator_cluster.py, whose tests decide what must have been used: tests/conftest.py; the other workers'
+clusters are checked one way at the end of their sessions, by the ``operator_account`` fixture); and it runs the
+operator once under an account whose Role lacks one verb of rbac.py, which fails with the API server's 403.
 """
 
 from __future__ import annotations
@@ -15,34 +17,14 @@ from typing import Any
 
 import helm_python
 import pytest
-from chart_rbac import OperatorAccount, operator_factory, without_verb
+from chart_rbac import OperatorAccount, declared, operator_factory, used, without_verb
 from kubernetes import client as k8s
 from kubernetes import config as kconfig
 from test_operator_cluster import SLEEP, Jobs, job_body, wait_for
 
 from stalwart.local.cluster import LocalCluster
-from stalwart.operator import rbac
 
 pytestmark = pytest.mark.integration
-
-Grant = tuple[str, str, str]  # api group, resource[/subresource], verb
-
-
-def used(cluster: LocalCluster, user: str) -> tuple[set[Grant], set[Grant]]:
-    """What ``user`` was allowed and refused, as the API server recorded it."""
-    allowed: set[Grant] = set()
-    refused: set[Grant] = set()
-    for a in cluster.access(user):
-        if not a["resource"]:
-            continue  # a path outside the API's resources (discovery, version): every account may read those
-        resource = f"{a['resource']}/{a['subresource']}" if a["subresource"] else a["resource"]
-        (allowed if a["allowed"] else refused).add((a["group"], resource, a["verb"]))
-    return allowed, refused
-
-
-def declared(**config: Any) -> set[Grant]:
-    return {(group, resource, verb) for (group, resource), verbs in rbac.required(**config).items() for verb in verbs}
-
 
 def ran(request: pytest.FixtureRequest, module: str) -> list[str]:
     return [item.name for item in request.session.items if item.module is not None
