@@ -26,12 +26,13 @@ Prints one JSON object per line: jobs run and succeeded, late exits, the seconds
 assertion here: ``tests/e2e/test_ends.py`` runs a few jobs through the same code and asserts success and no
 late exit (the soak's own count, against the bound).
 
-No anchor row: the anchor would be this soak with ``stalwart.exits``' bound disabled, and ``stalwart/exits.py``
-has no switch for that (its bound is not a setting: a process that decided to exit always leaves through it).
-The code before it (commit ``aca1001``'s parent) cannot be run side by side either: the pods import the
-checkout's ``stalwart``. Before the fix the hang was a race seen once in a 400-step job (issue 29).
+The anchor, in the same run: torchrun ending the same trainer (2 processes, the same steps, no fault) on this
+machine, ``--anchor-runs`` times: the seconds from its last rank's ``done`` line to torchrun's own exit
+(``impl: torchrun``), beside the pods' figure, and their ratio with both raw medians. It is the time a
+torchrun-launched job holds its node after its training ended; it has no etcd, no rendezvous to leave and no
+pod around it, so it is the floor of what a launcher's exit costs, not a like-for-like pod.
 
-``python bench/ends.py [--jobs 50] [--concurrency 3] [--steps 40] [--step-delay 0.05]``
+``python bench/ends.py [--jobs 50] [--concurrency 3] [--steps 40] [--step-delay 0.05] [--anchor-runs 10]``
 """
 
 from __future__ import annotations
@@ -431,6 +432,41 @@ def figures(results: Sequence[JobEnd], *, concurrency: int, steps: int) -> list[
     return rows
 
 
+def torchrun_exit(steps: int, step_delay: float, directory: Path) -> float | None:
+    """One anchor run: seconds from the last rank's ``done`` line to torchrun's exit (``None`` if it failed)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "stalwart.examples.train", "--steps", str(steps), "--step-delay", str(step_delay)]
+    env = {**os.environ, CHECKPOINT_DIR_ENV: str(directory), "PYTHONUNBUFFERED": "1"}
+    env.pop("STALWART_JOB", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    ended = time.time()
+    done = [json.loads(line)["time"] for line in proc.stdout.splitlines()
+            if line.startswith("{") and '"event": "done"' in line]
+    if proc.returncode != 0 or len(done) != 2:
+        print(f"torchrun anchor run failed ({proc.returncode}): {proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return ended - max(done)
+
+
+def anchor_rows(after: Sequence[float], runs: int, steps: int, step_delay: float, directory: Path) -> list[JSON]:
+    """The torchrun rows and the ratio of the medians (pods' over torchrun's), raw figures beside it."""
+    times = [t for i in range(runs) if (t := torchrun_exit(steps, step_delay, directory / f"anchor-{i}")) is not None]
+    common = {"bench": "ends", "impl": "torchrun"}
+    ours, theirs = quantile(after, 0.5), quantile(times, 0.5)
+    return [
+        {**common, "metric": "exit_after_return_seconds_p50",
+         "value": None if theirs is None else round(theirs, 3), "n": len(times), "of": runs},
+        {**common, "metric": "exit_after_return_seconds_max", "value": round(max(times), 3) if times else None,
+         "n": len(times)},
+        {"bench": "ends", "impl": "stalwart/torchrun", "metric": "exit_after_return_p50_ratio",
+         "value": round(ours / theirs, 2) if ours is not None and theirs else None,
+         "stalwart_p50": None if ours is None else round(ours, 3), "torchrun_p50": None if theirs is None
+         else round(theirs, 3)},
+    ]
+
+
 def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -461,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-delay", type=float, default=0.05)
+    parser.add_argument("--anchor-runs", type=int, default=10, help="torchrun runs of the anchor (default 10)")
     parser.add_argument("--dir", type=Path, help="work here and keep the pods' logs (default: a temporary one)")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -468,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefix="stalwart-ends-")) as tmp, soak(Path(tmp), steps=args.steps, step_delay=args.step_delay) as s:
         results = s.run(args.jobs, args.concurrency)
         for row in figures(results, concurrency=args.concurrency, steps=args.steps):
+            print(json.dumps(row), flush=True)
+        after = [p.after_return for r in results for p in r.pods if p.after_return is not None]
+        for row in anchor_rows(after, args.anchor_runs, args.steps, args.step_delay, Path(tmp)):
             print(json.dumps(row), flush=True)
         print(json.dumps({"bench": "ends", "impl": "stalwart", "metric": "soak_seconds",
                           "value": round(time.monotonic() - started, 1)}), flush=True)
