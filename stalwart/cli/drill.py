@@ -33,6 +33,9 @@ def register(sub: Any) -> None:
     p.add_argument("--etcd-endpoints", default=os.environ.get(pod_env.ETCD_ENDPOINTS, ""),
                    help="the job's etcd, host:port,... (default: the job's spec.rendezvous.endpoints, else "
                         "$STALWART_ETCD_ENDPOINTS)")
+    p.add_argument("--etcd-tls", action="store_true",
+                   help="speak TLS to etcd even where the job does not say so (the job's tls, an https:// "
+                        "endpoint or a ca.crt in its Secret already do); never falls back to plaintext")
     p.set_defaults(func=run)
 
 
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     endpoints = [e for e in args.etcd_endpoints.split(",") if e.strip()]
     api = client.ApiClient(cfg)
-    session = DrillSession(api, args.namespace, args.job, endpoints, options)
+    session = DrillSession(api, args.namespace, args.job, endpoints, options, etcd_tls=args.etcd_tls)
     try:
         session.connect()
         print(f"drill of trainingjob {args.namespace}/{args.job}: {args.faults} fault(s) "

@@ -40,6 +40,8 @@ from stalwart.drill.core import (
     status_summary,
     table_line,
 )
+from stalwart.drill.login import drill_credentials
+from stalwart.etcd.client import CredentialsError, connect
 from stalwart.etcd.keys import MANIFEST, JobKeys
 from stalwart.etcd.store import Store, StoreError
 
@@ -88,6 +90,8 @@ class DrillSession:
     store: Store | None = None
     uid: str = ""
     token: bytes = b""
+    #: Speak TLS to etcd even when the job does not say so (``--etcd-tls``).
+    etcd_tls: bool = False
 
     def __post_init__(self) -> None:
         from kubernetes import client
@@ -107,17 +111,18 @@ class DrillSession:
         if not endpoints:
             raise DrillError("--etcd-endpoints: the job names no etcd endpoints (spec.rendezvous.endpoints); give "
                              "the etcd the operator uses (or set STALWART_ETCD_ENDPOINTS)")
-        user = password = None
-        ca = cert = key = None
+        # The job's own login (its secretRef, else the Secret the operator made for it), through the one connect
+        # path: TLS asked and no ca.crt is an error naming the key, never plaintext.
         ref = (spec.get("rendezvous") or {}).get("secretRef")
-        if ref:
-            creds = self.secret_data(ref["name"])
-            user, password = (creds.get("username") or b"").decode() or None, \
-                (creds.get("password") or b"").decode() or None
-            if (spec.get("rendezvous") or {}).get("tls"):
-                ca, cert, key = creds.get("ca.crt"), creds.get("tls.crt"), creds.get("tls.key")
-        self.store = Store(endpoints, timeout=5.0, user=user, password=password, ca_cert=ca, client_cert=cert,
-                           client_key=key)
+        secret_name = ref["name"] if ref else naming.secret_name(self.job)
+        try:
+            creds = drill_credentials(spec, endpoints, secret_name, self.secret_data(secret_name),
+                                      force_tls=self.etcd_tls)
+            self.store = connect(endpoints, creds, timeout=5.0, probe=JobKeys(self.namespace, self.uid).prefix)
+        except CredentialsError as e:
+            raise DrillError(f"etcd credentials: {e}") from None
+        except StoreError as e:
+            raise DrillError(f"etcd {','.join(endpoints)}: {e}") from None
         self.token = self.secret_data(naming.secret_name(self.job)).get(naming.RPC_TOKEN_KEY, b"")
 
     def close(self) -> None:
