@@ -108,7 +108,10 @@ def main() -> int:
         keys = JobKeys("bench", uuid.uuid4().hex[:12])
         epoch = store.put(keys.rendezvous + "manifest", b"{}")
         counting = Counting(store)
-        relay = BarrierRelay(store, keys, Path(tmp) / "relay.sock", linger=args.linger, context="bench")
+        # The bench's ranks are threads of one process, each connecting once, in slot order: the n-th
+        # connection is slot n - 1 (an agent binds a connection by its peer's process instead).
+        relay = BarrierRelay(store, keys, Path(tmp) / "relay.sock", slot_of=lambda peer: peer.ident - 1,
+                             linger=args.linger, context="bench")
         if not relay.start():
             raise SystemExit("the relay did not start")
         try:

@@ -8,25 +8,36 @@ Three parts, as everywhere in the agent:
   aborts are done, a few milliseconds apart; waiting for each other here costs them nothing, since the
   barrier cannot complete without all of them. A rank that comes later than the linger (it was slow to
   abort) finds the others already served and is sent at once.
-* :func:`execute` sends one batch: per epoch, one transaction fenced by it, with every arrival a put bound to
-  its own rank's lease and every distinct read once, then answers each request with its reads. A
+* :func:`admit` decides whether a request may go at all. The relay never takes a request's word for who sent
+  it: each connection is bound, by its peer's process id (``SO_PEERCRED``), to one of the agent's own rank
+  processes and the slot the agent gave it (``slot_of``); an arrival for any other slot, or from a process
+  that is not one of the agent's ranks, is refused at once and nothing is written.
+* :func:`execute` sends one batch: per epoch, one transaction fenced by it, with every arrival a put to the
+  key of the slot its connection is bound to, bound to that slot's heartbeat lease (the transaction compares
+  the slot's ``alive`` key's lease with the one the arrival names: a rank cannot bind its arrival to another
+  rank's lease) and every distinct read once, then answers each request with its reads. A
   transaction etcd refuses (a lease gone, a newer round, etcd unreachable) is answered ``ok: false`` to all of
   its requests, and each rank makes its request itself, as it would without a relay: the relay never decides
   anything a rank would decide differently.
-* :class:`BarrierRelay` is the thin shell: a Unix socket in the agent's private run directory, one thread.
+* :class:`BarrierRelay` is the thin shell: a Unix socket in the agent's private run directory, one thread;
+  the batch's transactions run on a second one, so that a request is answered (``ok: false`` at worst) within
+  ``answer_within`` in all, however many transactions its batch takes and whether or not the store logs in
+  again on the way.
 """
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import logging
 import os
 import selectors
 import socket
+import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +46,12 @@ from pydantic import ValidationError
 from stalwart.api.relay import MAX_FRAME_BYTES, RelayAnswer, RelayRequest, RelayValue
 from stalwart.etcd.fence import Fence
 from stalwart.etcd.keys import JobKeys
-from stalwart.etcd.store import Get, Put, Store
+from stalwart.etcd.store import Compare, Get, Put, Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BarrierRelay", "Step", "Waiting", "due", "execute", "linger_left", "socket_path", "transactions"]
+__all__ = ["BarrierRelay", "Peer", "SlotOf", "Step", "Waiting", "admit", "due", "execute", "linger_left", "peer_pid",
+           "rank_slot", "slot_of_ranks", "socket_path", "transactions"]
 
 #: A step of one barrier: (``"arrive"`` or ``"read"``, epoch, iteration).
 Step = tuple[str, int, int]
@@ -66,12 +78,86 @@ def socket_path(run_dir: Path) -> Path:
 
 
 @dataclass(frozen=True, slots=True)
+class Peer:
+    """Who is on the other end of a connection: the relay's own number for it (in accept order) and the process
+    id the kernel gave for it when it connected (``SO_PEERCRED``; 0 where the kernel gave none)."""
+
+    ident: int
+    pid: int
+
+
+#: The slot a connection's rank holds now, as the agent knows it (``None``: not one of the agent's ranks, or a
+#: parked one with no slot yet). Asked at every request: a spare's rank gets its slot when it is handed over.
+SlotOf = Callable[[Peer], "int | None"]
+
+#: How many parents :func:`rank_slot` looks through (a rank's command may be a shell around the interpreter).
+_MAX_ANCESTORS = 8
+
+
+def rank_slot(pid: int, slots: Mapping[int, int], parent: Callable[[int], int | None]) -> int | None:
+    """The slot of the agent's rank process that is ``pid`` or one of its ancestors (``slots``: process id of
+    each running rank the agent started, to its slot); ``None`` when none is."""
+    for _ in range(_MAX_ANCESTORS):
+        if pid <= 1:
+            return None
+        if pid in slots:
+            return slots[pid]
+        nxt = parent(pid)
+        if nxt is None:
+            return None
+        pid = nxt
+    return None
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (from ``/proc``), or ``None`` when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: the fields after it start after its last ")".
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def peer_pid(conn: socket.socket) -> int:
+    """The process id of a Unix socket's peer when it connected, or 0 where the kernel gives none."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return 0
+    pid, _, _ = struct.unpack("3i", raw)
+    return int(pid)
+
+
+def slot_of_ranks(running: Callable[[], Mapping[int, int]]) -> SlotOf:
+    """The agent's :data:`SlotOf`: the peer's process (or an ancestor) is one of ``running()`` (process id of
+    each running rank process the agent started, to its slot)."""
+    return lambda peer: rank_slot(peer.pid, running(), parent_pid)
+
+
+def admit(request: RelayRequest, slot: int | None) -> str | None:
+    """Why the rank whose connection is bound to ``slot`` may not send ``request`` (``None``: it may). A rank
+    names what to read; where its arrival goes is its own slot, as the agent knows it, never what it says."""
+    if request.arrival is None:
+        return None
+    if slot is None:
+        return "refused: this connection is not one of this agent's ranks with a slot; nothing was written"
+    if request.arrival.slot != slot:
+        return (f"refused: an arrival for slot {request.arrival.slot} from the rank of slot {slot}; "
+                "nothing was written")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class Waiting:
     """A request received from the rank on connection ``client`` at ``since`` (monotonic), not sent yet."""
 
     client: int
     request: RelayRequest
     since: float
+    #: The slot the connection was bound to when the request came (``None``: a read only, from any rank).
+    slot: int | None = None
 
     @property
     def step(self) -> Step:
@@ -107,42 +193,65 @@ def transactions(requests: Sequence[RelayRequest]) -> list[list[int]]:
     return out
 
 
-def execute(store: Store, keys: JobKeys, requests: Sequence[RelayRequest], *,
+def execute(store: Store, keys: JobKeys, requests: Sequence[RelayRequest], slots: Sequence[int | None], *,
             timeout: float | None = None) -> list[RelayAnswer]:
     """Send ``requests`` as :func:`transactions` says, each fenced by its epoch, and answer each request, in
-    order. Never raises for what etcd answers: a refused transaction is an ``ok: false`` answer to each of its
-    requests. Of two arrivals for one key in a batch only the later is written; the earlier is answered
-    ``ok: false`` (its rank then writes its own): an ``ok`` always means "written, with your lease"."""
+    order. ``slots`` holds the slot each request's connection is bound to: an arrival goes to that slot's key
+    (one :func:`admit` refuses is answered ``ok: false`` and not sent), bound to its lease only if that is the
+    slot's heartbeat lease. ``timeout`` bounds all the transactions together, not each. Never raises for what
+    etcd answers: a refused transaction is an ``ok: false`` answer to each of its requests. Of two arrivals for
+    one key in a batch only the later is written; the earlier is answered ``ok: false`` (its rank then writes
+    its own): an ``ok`` always means "written, with your lease"."""
+    if len(slots) != len(requests):
+        raise ValueError(f"slots: expected one per request ({len(requests)}), got {len(slots)}")
+    deadline = None if timeout is None else time.monotonic() + timeout
     answers: dict[int, RelayAnswer] = {}
-    for part in transactions(requests):
-        epoch = requests[part[0]].epoch
-        answers.update(zip(part, _execute_epoch(store, keys, epoch, [requests[i] for i in part], timeout),
-                           strict=True))
+    admitted: list[int] = []
+    for i, (r, slot) in enumerate(zip(requests, slots, strict=True)):
+        if (why := admit(r, slot)) is not None:
+            answers[i] = RelayAnswer(ok=False, reason=why)
+        else:
+            admitted.append(i)
+    for part in transactions([requests[i] for i in admitted]):
+        mine = [admitted[i] for i in part]
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            answers.update((i, RelayAnswer(ok=False, reason="the relay could not send it in time")) for i in mine)
+            continue
+        epoch = requests[mine[0]].epoch
+        answers.update(zip(mine, _execute_epoch(store, keys, epoch, [requests[i] for i in mine],
+                                                [slots[i] for i in mine], timeout=left), strict=True))
     assert sorted(answers) == list(range(len(requests)))
     return [answers[i] for i in range(len(requests))]
 
 
 def _execute_epoch(store: Store, keys: JobKeys, epoch: int, requests: Sequence[RelayRequest],
-                   timeout: float | None) -> list[RelayAnswer]:
+                   slots: Sequence[int | None], *, timeout: float | None) -> list[RelayAnswer]:
     round_keys = keys.restart_round(epoch)
     base = round_keys.base
-    puts: dict[str, tuple[int, Put]] = {}
+    puts: dict[str, tuple[int, Put, Compare]] = {}
     superseded: set[int] = set()
-    for i, r in enumerate(requests):
+    for i, (r, slot) in enumerate(zip(requests, slots, strict=True)):
         if r.arrival is not None:
-            key = round_keys.arrival(r.iteration, r.arrival.slot)
+            assert slot is not None  # admitted
+            key = round_keys.arrival(r.iteration, slot)
             if key in puts:
                 superseded.add(puts[key][0])
-            puts[key] = i, Put(key, r.arrival.to_json_bytes(), r.lease)
+            puts[key] = i, Put(key, r.arrival.to_json_bytes(), r.lease), \
+                Compare(round_keys.alive(slot), "lease", "==", r.lease)
     ranges: dict[tuple[str, bool], int] = {}
     for r in requests:
         for part in r.reads:
             ranges.setdefault((part.key, part.prefix), len(ranges))
     gets = [Get(base + key, prefix=prefix) for key, prefix in ranges]
     try:
-        res = Fence(store, keys, epoch).txn((), [*(put for _, put in puts.values()), *gets], timeout=timeout)
+        res = Fence(store, keys, epoch).txn([c for _, _, c in puts.values()],
+                                            [*(put for _, put, _ in puts.values()), *gets], timeout=timeout)
     except Exception as e:  # a lease gone, a newer round, etcd away: each rank finds out itself, alone
         return [RelayAnswer(ok=False, reason=_why(e)) for _ in requests]
+    if not res.succeeded:  # an arrival named a lease that is not its slot's heartbeat lease (or that is gone)
+        return [RelayAnswer(ok=False, reason="refused: an arrival's lease is not its slot's heartbeat lease; "
+                                             "nothing was written") for _ in requests]
     got = res.responses[len(puts):]
     values = [[RelayValue(key=kv.key[len(base):], value=base64.b64encode(kv.value).decode(),
                           mod_revision=kv.mod_revision) for kv in response] for response in got]
@@ -159,9 +268,10 @@ def _why(e: BaseException) -> str:
 class _Client:
     """One rank's connection: what it sent that is not a whole line yet."""
 
-    def __init__(self, conn: socket.socket, ident: int) -> None:
+    def __init__(self, conn: socket.socket, ident: int, pid: int) -> None:
         self.conn = conn
         self.ident = ident
+        self.pid = pid
         self.buffer = b""
 
 
@@ -170,11 +280,12 @@ class BarrierRelay:
 
     ``linger`` bounds how long a request waits for the pod's other ranks; ``answer_within`` bounds how long a
     request waits here in all, its transaction included (a rank's client gives up a little later and goes
-    itself). The thread survives whatever one request or transaction raises: it logs it, answers that batch
-    ``ok: false`` and goes on serving."""
+    itself). ``slot_of`` says which slot a connection's rank holds (see :data:`SlotOf`): the agent's own
+    bookkeeping, never the request. The thread survives whatever one request or transaction raises: it logs it,
+    answers that batch ``ok: false`` and goes on serving."""
 
-    def __init__(self, store: Store, keys: JobKeys, path: Path, *, linger: float = DEFAULT_LINGER,
-                 answer_within: float = 2.0, context: str = "") -> None:
+    def __init__(self, store: Store, keys: JobKeys, path: Path, *, slot_of: SlotOf,
+                 linger: float = DEFAULT_LINGER, answer_within: float = 2.0, context: str = "") -> None:
         if linger < 0:
             raise ValueError(f"linger: expected seconds >= 0, got {linger}")
         if answer_within <= 0:
@@ -185,6 +296,7 @@ class BarrierRelay:
         self.linger = linger
         self.answer_within = answer_within
         self.context = context
+        self.slot_of = slot_of
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
@@ -192,6 +304,7 @@ class BarrierRelay:
         self._waiting: list[Waiting] = []
         self._served: dict[Step, frozenset[int]] = {}
         self._next = 0
+        self._sender: concurrent.futures.ThreadPoolExecutor | None = None
         #: Requests and etcd transactions so far (the relay's whole point is that the second is smaller).
         self.requests = 0
         self.transactions = 0
@@ -215,6 +328,7 @@ class BarrierRelay:
             return False
         listener.setblocking(False)
         self._listener = listener
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stalwart-relay-txn")
         self._thread = threading.Thread(target=self._serve, name="stalwart-relay", daemon=True)
         self._thread.start()
         return True
@@ -226,6 +340,8 @@ class BarrierRelay:
             if self._thread.is_alive():
                 log.warning("%s: barrier relay thread did not stop within %.1f s", self.context, timeout)
             self._thread = None
+            if self._sender is not None:
+                self._sender.shutdown(wait=False, cancel_futures=True)
             log.info("%s: barrier relay: %d requests from the ranks in %d etcd transactions", self.context,
                      self.requests, self.transactions)
 
@@ -274,7 +390,7 @@ class BarrierRelay:
             return
         conn.setblocking(False)
         self._next += 1
-        client = _Client(conn, self._next)
+        client = _Client(conn, self._next, peer_pid(conn))
         self._clients[client.ident] = client
         sel.register(conn, selectors.EVENT_READ, client)
 
@@ -305,7 +421,16 @@ class BarrierRelay:
             self._answer(sel, client, RelayAnswer(ok=False, reason=f"invalid request: {e}"[:2048]))
             return
         self.requests += 1
-        self._waiting.append(Waiting(client.ident, request, time.monotonic()))
+        try:
+            slot = self.slot_of(Peer(client.ident, client.pid))
+        except Exception:  # the agent's bookkeeping changed under it: not known, so not admitted
+            log.exception("%s: barrier relay: cannot tell which rank connection %d is", self.context, client.ident)
+            slot = None
+        if (why := admit(request, slot)) is not None:
+            log.warning("%s: barrier relay: %s (pid %d)", self.context, why, client.pid)
+            self._answer(sel, client, RelayAnswer(ok=False, reason=why))
+            return
+        self._waiting.append(Waiting(client.ident, request, time.monotonic(), slot))
 
     def _flush(self, sel: selectors.BaseSelector) -> None:
         batch, self._waiting = self._waiting, []
@@ -316,8 +441,16 @@ class BarrierRelay:
             return
         requests = [w.request for w in batch]
         self.transactions += len(transactions(requests))
+        assert self._sender is not None
+        sent = self._sender.submit(execute, self.store, self.keys, requests, [w.slot for w in batch], timeout=left)
         try:
-            answers = execute(self.store, self.keys, requests, timeout=left)
+            # The bound holds in all: a transaction the store retries after logging in again, or one that is
+            # still waiting behind the previous batch, is answered "no" at the bound, and its rank goes alone
+            # (an arrival written later anyway is the same record its rank then writes itself).
+            answers = sent.result(timeout=left)
+        except concurrent.futures.TimeoutError:
+            self._refuse(sel, batch, "the relay could not send it in time")
+            return
         except Exception:  # execute answers what etcd refuses; this is a bug, and the batch's ranks go alone
             log.exception("%s: barrier relay: a batch failed", self.context)
             self._refuse(sel, batch, "the relay failed")

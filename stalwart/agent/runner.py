@@ -37,7 +37,7 @@ from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, n
 from stalwart.agent.processes import RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
-from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, socket_path
+from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, slot_of_ranks, socket_path
 from stalwart.agent.rendezvous import (
     NodeHandle,
     Rendezvous,
@@ -132,7 +132,9 @@ class Agent:
         self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
                                          interval=self.options.progress_interval, context=self._ctx)
         self.drill = DrillListener(self.store, settings, self._drill_targets, context=self._ctx)
-        self.relay = BarrierRelay(self.store, settings.keys, socket_path(self.run_dir),
+        self.relay = BarrierRelay(self.store, settings.keys, socket_path(self.run_dir),  # bound by peer pid
+                                  slot_of=slot_of_ranks(lambda: {p.popen.pid: p.slot for p in list(
+                                      self.ranks.procs.values()) if p.slot >= 0 and p.exit_code is None}),
                                   linger=self.options.relay_linger, context=self._ctx)
         self.relay_socket: Path | None = None
 

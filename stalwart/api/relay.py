@@ -10,7 +10,10 @@ answers that it could not do it, makes the same request itself: the relay only e
 
 One request or answer is one line of JSON on the agent's Unix socket (in its private run directory). Nothing
 on this socket is ever unpickled. Keys are relative to the round's restart prefix (``RestartKeys.base``): a
-rank names what to read, never where to write; the agent derives the arrival's key from the record.
+rank names what to read, never where to write: the agent binds each connection to the rank process that
+made it (its peer's process id, ``SO_PEERCRED``, is one of the agent's own rank processes) and derives the
+arrival's key from the slot it gave that process; an arrival for another slot is refused, and the arrival's
+``lease`` must be the lease of that slot's ``alive`` key (the transaction compares them).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class RelayRequest(ApiModel):
                            description="The barrier's iteration (of the arrival), or what the read is about.")
     arrival: ArrivalRecord | None = Field(default=None, description="The arrival to write; none: a read only.")
     lease: int = Field(default=0, ge=0, le=_INT64,
-                       description="The rank's heartbeat lease, which the arrival is bound to.")
+                       description="The rank's heartbeat lease, which the arrival is bound to: the relay "
+                                   "writes it only if it is the lease of the slot's alive key.")
     reads: list[RelayRange] = Field(default_factory=list, max_length=MAX_READS)
 
     @model_validator(mode="after")

@@ -3,6 +3,7 @@ and that a rank whose relay fails in any way makes its request itself."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,11 +20,16 @@ from stalwart.agent.relay import (
     DEFAULT_LINGER,
     MAX_BATCH,
     BarrierRelay,
+    Peer,
     Step,
     Waiting,
+    admit,
     due,
     execute,
     linger_left,
+    peer_pid,
+    rank_slot,
+    slot_of_ranks,
     transactions,
 )
 from stalwart.agent.runner import AgentTuning
@@ -34,6 +40,16 @@ from stalwart.etcd.keys import FAULT, SEAL, JobKeys
 from stalwart.etcd.store import Store, WatchRange
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.relay import RelayClient
+
+
+def _slots(requests: list[RelayRequest]) -> list[int | None]:
+    """The slot each request's connection is bound to, for tests where each rank asks for its own slot."""
+    return [None if r.arrival is None else r.arrival.slot for r in requests]
+
+
+def _by_order(peer: Peer) -> int | None:
+    """The test's ranks share one process: its n-th connection is bound to slot n - 1."""
+    return peer.ident - 1
 
 
 def _read(epoch: int = 5, iteration: int = 1) -> RelayRequest:
@@ -115,7 +131,7 @@ def test_one_transaction_writes_every_arrival_bound_to_its_own_lease(store: Stor
     requests = [c.arrival_request(1, ArrivalRecord(slot=c.slot, node_id="node-0"), [WatchRange(f"{SEAL}1")])
                 for c in coords] + [coords[0].faults_request(0)]
     before = store.revision()
-    answers = execute(store, keys, requests)
+    answers = execute(store, keys, requests, _slots(requests))
     assert all(a.ok for a in answers)
     # One proposal: every arrival has the same mod_revision, the next one after ``before``.
     assert {a.revision for a in answers} == {before + 1}
@@ -139,9 +155,9 @@ def test_a_refused_transaction_is_answered_no_and_the_rank_goes_itself(store: St
     store.lease_revoke(coords[1].lease)  # etcd lost one rank's lease; its keepalive has not noticed yet
     requests = [c.arrival_request(1, ArrivalRecord(slot=c.slot, node_id="node-0"), [WatchRange(f"{SEAL}1")])
                 for c in coords]
-    answers = execute(store, keys, requests)
+    answers = execute(store, keys, requests, _slots(requests))
     assert [a.ok for a in answers] == [False, False]
-    assert "LeaseNotFound" in answers[0].reason
+    assert "lease is not its slot's heartbeat lease" in answers[0].reason
     assert coords[0].view().arrivals == {}  # all or nothing: the transaction wrote no arrival
     # Through a relay that refuses, the rank arrives itself (and re-grants its lease, as without a relay).
     refusing = _Fixed(answers[1])
@@ -155,7 +171,7 @@ def test_a_refused_transaction_is_answered_no_and_the_rank_goes_itself(store: St
     assert sorted(coords[0].view().arrivals[1]) == [1]
     # A newer round: the relay says no, and the rank's own request raises the fence's error.
     store.put(keys.rendezvous + "manifest", b"{}")
-    stale = execute(store, keys, [coords[0].faults_request(0)])
+    stale = execute(store, keys, [coords[0].faults_request(0)], [0])
     assert not stale[0].ok and "StaleEpoch" in stale[0].reason
     coords[0].relay = _Fixed(stale[0])
     with pytest.raises(StaleEpoch):
@@ -180,7 +196,7 @@ class _Fixed:
 def relay(store: Store, job: tuple[JobKeys, int], tmp_path: Path) -> Iterator[BarrierRelay]:
     keys, _ = job
     # A linger far past every wait below: a batch that waited for it would fail the test, not slow it.
-    r = BarrierRelay(store, keys, tmp_path / "relay.sock", linger=60.0, context="test")
+    r = BarrierRelay(store, keys, tmp_path / "relay.sock", slot_of=_by_order, linger=60.0, context="test")
     assert r.start()
     yield r
     r.stop()
@@ -218,10 +234,12 @@ def test_the_ranks_of_a_pod_arrive_in_one_transaction(store: Store, job: tuple[J
     assert sorted(coords[0].view().arrivals[1]) == [0, 1, 2, 3]
     assert len({v.revision for v in views.values()}) == 1  # type: ignore[attr-defined]
     # A rank that comes late (the others were served at this barrier) is sent at once, alone.
-    late = Coordinator(store, keys, epoch, slot=4, node_id="node-0", lease_ttl=10, relay=clients[0])
+    late_client = RelayClient(str(relay.path), timeout=20.0, context="slot 4")  # the fifth connection: slot 4
+    late = Coordinator(store, keys, epoch, slot=4, node_id="node-0", lease_ttl=10, relay=late_client)
     late.start()
     late.arrive(1, ArrivalRecord(slot=4, node_id="node-0"), [WatchRange(f"{SEAL}1")])
-    assert relay.transactions == 3 and not clients[0].off
+    assert relay.transactions == 3 and not late_client.off
+    late_client.close()
     seal = SealRecord(iteration=1, world_size=5, ranks={str(s): s for s in range(5)}, sealed_by=0)
     assert coords[0].try_seal(seal) == seal
     for c in [*coords, late]:
@@ -283,7 +301,7 @@ def test_an_invalid_request_is_answered_with_the_field(relay: BarrierRelay) -> N
 def test_a_stopping_relay_answers_what_waits_at_once(store: Store, job: tuple[JobKeys, int],
                                                      tmp_path: Path) -> None:
     keys, epoch = job
-    relay = BarrierRelay(store, keys, tmp_path / "relay.sock", linger=60.0, context="test")
+    relay = BarrierRelay(store, keys, tmp_path / "relay.sock", slot_of=_by_order, linger=60.0, context="test")
     assert relay.start()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle, \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as asking:
@@ -311,7 +329,7 @@ def test_a_batch_across_epochs_and_past_the_transaction_size_is_answered_in_orde
                 for c in coords]
     requests.insert(3, _read(old, 0))
     assert [len(t) for t in transactions(requests)] == [1, MAX_BATCH, 4]  # by epoch, the oldest first
-    answers = execute(store, keys, requests)
+    answers = execute(store, keys, requests, _slots(requests))
     assert not answers[3].ok and "StaleEpoch" in answers[3].reason
     mine = answers[:3] + answers[4:]
     assert all(a.ok for a in mine)
@@ -330,7 +348,7 @@ def test_of_two_arrivals_for_one_slot_in_a_batch_only_the_later_is_told_ok(store
     keys, epoch = job
     first, second = _coords(store, keys, epoch, 1) + _coords(store, keys, epoch, 1)
     rec = ArrivalRecord(slot=0, node_id="node-0")
-    answers = execute(store, keys, [first.arrival_request(1, rec, []), second.arrival_request(1, rec, [])])
+    answers = execute(store, keys, [first.arrival_request(1, rec, []), second.arrival_request(1, rec, [])], [0, 0])
     assert [a.ok for a in answers] == [False, True]
     assert "same slot" in answers[0].reason
     [kv] = store.get_prefix(first.round_keys.of_iteration("arrive/", 1))[0]
@@ -396,3 +414,109 @@ def test_the_agents_linger_is_checked_and_its_cli_default_is_the_relays() -> Non
     out = subprocess.run([sys.executable, "-m", "stalwart", "agent", "--help"], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert f"(default {DEFAULT_LINGER:g};" in " ".join(out.split())
+
+
+# -- the relay binds each request to the rank that sent it (issue 31, finding 6) -------------------------------
+
+
+@pytest.mark.parametrize(("request_", "slot", "refused"), [
+    pytest.param(_arrive(1), 1, None, id="its own slot"),
+    pytest.param(_arrive(1), 0, "refused: an arrival for slot 1 from the rank of slot 0", id="another slot"),
+    pytest.param(_arrive(1), None, "refused: this connection is not one of this agent's ranks",
+                 id="not one of the agent's ranks"),
+    pytest.param(_read(), None, None, id="a read names what it reads, from any connection"),
+])
+def test_who_may_send_what(request_: RelayRequest, slot: int | None, refused: str | None) -> None:
+    why = admit(request_, slot)
+    assert why is None if refused is None else (why is not None and why.startswith(refused))
+
+
+@pytest.mark.parametrize(("pid", "expected"), [
+    pytest.param(100, 3, id="the rank's own process"),
+    pytest.param(102, 3, id="a process under a shell the agent started"),
+    pytest.param(200, None, id="a process of no rank"),
+    pytest.param(1, None, id="init"),
+])
+def test_which_rank_a_process_is(pid: int, expected: int | None) -> None:
+    parents = {102: 101, 101: 100, 100: 50, 200: 50, 50: 1}
+    assert rank_slot(pid, {100: 3}, parents.get) == expected
+
+
+def test_a_connection_is_known_by_its_peers_process() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        assert peer_pid(a) == os.getpid()
+        assert slot_of_ranks(lambda: {os.getpid(): 2})(Peer(1, peer_pid(a))) == 2
+        assert slot_of_ranks(lambda: {os.getpid() + 10**6: 2})(Peer(1, peer_pid(a))) is None
+
+
+@pytest.mark.integration
+def test_a_rank_cannot_arrive_for_another_slot_through_the_relay(store: Store, job: tuple[JobKeys, int],
+                                                                 relay: BarrierRelay) -> None:
+    keys, epoch = job
+    coords = _coords(store, keys, epoch, 2)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # the first connection: slot 0's rank
+        s.settimeout(10)
+        s.connect(str(relay.path))
+        # Rank 0 writes rank 1's arrival, bound to rank 0's lease: refused at once, nothing sent to etcd.
+        forged = coords[0].arrival_request(1, ArrivalRecord(slot=1, node_id="node-0"), [])
+        s.sendall(forged.model_dump_json().encode() + b"\n")
+        answer = RelayAnswer.model_validate_json(_lines(s, 1)[0])
+    assert not answer.ok
+    assert answer.reason.startswith("refused: an arrival for slot 1 from the rank of slot 0")
+    assert relay.transactions == 0
+    assert coords[0].view().arrivals == {}
+    for c in coords:
+        c.stop()
+
+
+@pytest.mark.integration
+def test_an_arrival_bound_to_another_ranks_lease_is_not_written(store: Store, job: tuple[JobKeys, int]) -> None:
+    keys, epoch = job
+    coords = _coords(store, keys, epoch, 2)
+    # Rank 1's own slot, but rank 0's lease: its arrival would outlive rank 1 and go with rank 0.
+    forged = RelayRequest(epoch=epoch, iteration=1, arrival=ArrivalRecord(slot=1, node_id="node-0"),
+                          lease=coords[0].lease)
+    [answer] = execute(store, keys, [forged], [1])
+    assert not answer.ok and "lease is not its slot's heartbeat lease" in answer.reason
+    assert coords[0].view().arrivals == {}
+    for c in coords:
+        c.stop()
+
+
+def test_a_batch_is_answered_within_the_bound_in_all(store: Store, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = JobKeys("t", uuid.uuid4().hex[:12])
+    # Each transaction takes longer than what is left (a store that logs in again makes its call twice).
+    calls: list[float | None] = []
+
+    def slow_txn(*args: object, timeout: float | None = None, **kwargs: object) -> object:
+        calls.append(timeout)
+        time.sleep(0.4)
+        raise TimeoutError("etcd is slow")
+
+    monkeypatch.setattr(store, "txn", slow_txn)
+    requests = [_read(epoch, 0) for epoch in (5, 6, 7)]  # three transactions, one per epoch
+    t0 = time.monotonic()
+    answers = execute(store, keys, requests, _slots(requests), timeout=0.3)
+    assert time.monotonic() - t0 < 0.6  # not 3 x 0.3: the bound is for the batch, not per transaction
+    assert calls[0] == pytest.approx(0.3, abs=0.05) and len(calls) == 1
+    assert [a.ok for a in answers] == [False, False, False]
+    assert answers[2].reason == "the relay could not send it in time"
+    # Through the relay, a store that overruns its own timeout still has the rank answered at the bound.
+    monkeypatch.setattr(relay_module, "execute", lambda *a, **k: time.sleep(3))
+    relay = BarrierRelay(store, keys, tmp_path / "relay.sock", slot_of=_by_order, linger=0.0, answer_within=0.3,
+                         context="test")
+    assert relay.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(relay.path))
+            t0 = time.monotonic()
+            s.sendall(_read(5, 0).model_dump_json().encode() + b"\n")
+            answer = RelayAnswer.model_validate_json(_lines(s, 1)[0])
+            waited = time.monotonic() - t0
+    finally:
+        relay.stop()
+    assert (answer.ok, answer.reason) == (False, "the relay could not send it in time")
+    assert waited < 1.0
