@@ -8,9 +8,12 @@ import logging
 import os
 import shlex
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stalwart import exits
+
+if TYPE_CHECKING:
+    from stalwart.operator.pod_defaults import PodSecurity
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +101,32 @@ def register(sub: Any) -> None:
     p.add_argument("--gang-scheduler", choices=["volcano", "coscheduling"], default=None,
                    help="create a PodGroup per job (minMember = minReplicas) for this gang scheduler and point "
                         "the job's pods at it (default: none; the operator's own gang start still applies)")
-    p.add_argument("--restrict-pod-security", action=argparse.BooleanOptionalAction,
-                   default=os.environ.get("STALWART_RESTRICT_POD_SECURITY", "true").lower() in ("1", "true"),
-                   help="refuse TrainingJobs whose pod template asks for the host (privileged containers, "
-                        "hostNetwork/hostPID/hostIPC, hostPath volumes): the job fails with an InvalidSpec "
-                        "condition naming the field (default: on; $STALWART_RESTRICT_POD_SECURITY)")
+    p.add_argument("--pod-security", choices=["restricted", "baseline", "off"],
+                   default=os.environ.get("STALWART_POD_SECURITY") or None,
+                   help="the Pod Security Standards level job templates are held to (with the operator's defaults "
+                        "filled in): a job whose pods would break it fails with an InvalidSpec condition naming the "
+                        "field (default: restricted; $STALWART_POD_SECURITY)")
+    p.add_argument("--restrict-pod-security", action=argparse.BooleanOptionalAction, default=None,
+                   help="the former switch: --restrict-pod-security is --pod-security=restricted, "
+                        "--no-restrict-pod-security is --pod-security=off ($STALWART_RESTRICT_POD_SECURITY)")
     p.add_argument("--status-interval", type=_positive, default=1.0,
                    help="at most one status patch per job per this many seconds (default 1)")
     p.set_defaults(func=run)
+
+
+def pod_security_level(level: str | None, restrict: bool | None, restrict_env: str | None) -> PodSecurity:
+    """The Pod Security Standards level from ``--pod-security`` and the former ``--[no-]restrict-pod-security``
+    (or its variable): restricted when neither says; a contradiction is an error."""
+    from stalwart.operator.pod_defaults import PodSecurity
+
+    if restrict is None and restrict_env is not None:
+        restrict = restrict_env.lower() in ("1", "true")
+    legacy = None if restrict is None else PodSecurity.RESTRICTED if restrict else PodSecurity.OFF
+    chosen = None if level is None else PodSecurity(level)
+    if chosen is not None and legacy is not None and (chosen == PodSecurity.OFF) != (legacy == PodSecurity.OFF):
+        raise ValueError(f"--pod-security={chosen.value} contradicts "
+                         f"--{'' if restrict else 'no-'}restrict-pod-security")
+    return chosen or legacy or PodSecurity.RESTRICTED
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,6 +147,12 @@ def run(args: argparse.Namespace) -> int:
     if args.job_etcd_users and not credentials.user:
         log.error("--job-etcd-users: needs an etcd administrator login (username/password in --etcd-secret-dir)")
         return 2
+    try:
+        pod_security = pod_security_level(args.pod_security, args.restrict_pod_security,
+                                          os.environ.get("STALWART_RESTRICT_POD_SECURITY"))
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     config = OperatorRunConfig(
         etcd_credentials=credentials,
         job_etcd_users=args.job_etcd_users,
@@ -133,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         namespaces=tuple(sorted(set(args.namespace))),
         default_endpoints=args.etcd_endpoints,
         settings=ReconcileSettings(status_interval=args.status_interval,
-                                   restrict_pod_security=args.restrict_pod_security),
+                                   pod_security=pod_security),
         concurrency=args.concurrency,
         peering=args.peering,
         priority=args.priority,

@@ -9,7 +9,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stalwart.api import naming
+from stalwart.api import naming, pod_env
 from stalwart.api.pod_env import worker_env
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.trainingjob import API_VERSION, KIND
@@ -17,9 +17,12 @@ from stalwart.operator.pod_defaults import with_defaults
 
 #: Key of the RPC token in the job's Secret.
 RPC_TOKEN_KEY = naming.RPC_TOKEN_KEY
-#: Where the etcd credentials Secret (spec.rendezvous.secretRef) is mounted in every container.
+#: Where the etcd credentials Secret (spec.rendezvous.secretRef) is mounted in the trainer container.
 ETCD_SECRET_DIR = "/etc/stalwart/etcd"
 ETCD_SECRET_VOLUME = "stalwart-etcd-credentials"
+#: What only the trainer container (the first, the agent's) gets: the RPC token and the etcd credentials'
+#: directory. Sidecars get the rest of the stalwart environment and no credential.
+TRAINER_ONLY_ENV = frozenset({pod_env.RPC_TOKEN, pod_env.ETCD_SECRET_DIR, pod_env.ETCD_TLS})
 #: The agent entrypoint that wraps the user's command.
 AGENT_COMMAND = ("stalwart", "agent", "--")
 #: Port name of the headless Service (no port is needed for DNS, but Services want one).
@@ -79,7 +82,8 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
                  index: int, endpoints: Sequence[str], agent_command: Sequence[str] = AGENT_COMMAND,
                  gang: str | None = None, credentials: tuple[str, bool] | None = None) -> dict[str, Any]:
     """The pod ``name`` of the job: the template, with the first container's command wrapped by the agent,
-    the stalwart environment on every container, the job's labels, hostname/subdomain for DNS through the
+    the stalwart environment on every container (the RPC token and the etcd credentials' mount on the first,
+    the trainer, only), the job's labels, hostname/subdomain for DNS through the
     headless Service, the owner reference, and ``restartPolicy: Never`` (the agent restarts rank processes
     itself; a pod that exits is replaced by the operator). ``agent_command`` is the entrypoint prefix (an
     empty one runs the user's command bare, for scale tests of the operator alone). With ``gang``, the pod
@@ -98,14 +102,15 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
     env = stalwart_env(job=job, namespace=namespace, uid=uid, spec=spec, spare=role == naming.ROLE_SPARE,
                        endpoints=endpoints, credentials=credentials)
     ours = {e["name"] for e in env}
+    sidecar_env = [e for e in env if e["name"] not in TRAINER_ONLY_ENV]
     for i, container in enumerate(pod_spec["containers"]):
         if i == 0:
             command = [*agent_command, *(container.get("command") or []), *(container.get("args") or [])]
             container["command"] = command
             container.pop("args", None)
         user_env = [e for e in container.get("env") or [] if e.get("name") not in ours]
-        container["env"] = [*env, *user_env]
-        if credentials is not None:
+        container["env"] = [*(env if i == 0 else sidecar_env), *user_env]
+        if credentials is not None and i == 0:
             mounts = list(container.get("volumeMounts") or [])
             mounts.append({"name": ETCD_SECRET_VOLUME, "mountPath": ETCD_SECRET_DIR, "readOnly": True})
             container["volumeMounts"] = mounts

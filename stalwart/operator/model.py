@@ -15,6 +15,7 @@ from stalwart.api.rendezvous import Manifest
 from stalwart.api.restart import FaultRecord, ProgressRecord
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus
+from stalwart.operator.pod_defaults import PodSecurity
 
 PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
 
@@ -31,9 +32,9 @@ class ReconcileSettings:
     delete_grace_seconds: int = 30
     #: Longest sleep between two reconciles of a running job, even when nothing is reported.
     resync_interval: float = 10.0
-    #: Refuse templates that ask for the host (privileged containers, host namespaces, hostPath volumes): the
-    #: job fails with InvalidSpec naming the field (``pod_defaults.privilege_problems``).
-    restrict_pod_security: bool = True
+    #: The Pod Security Standards level templates are held to (``restricted``, ``baseline`` or ``off``): a job
+    #: whose pods would break it fails with InvalidSpec naming the field (``pod_defaults.pod_security_problems``).
+    pod_security: PodSecurity = PodSecurity.RESTRICTED
     #: Seconds the pods the success policy names may stay alive after their ranks reported that every rank
     #: returned: past it they are lingering (an Event and the PodsLingering condition name them), the job
     #: succeeds on the ranks' reports, and cleanPodPolicy decides whether they are deleted (``.lingering``).

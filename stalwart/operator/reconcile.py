@@ -8,8 +8,8 @@ Rules it implements, in the order it applies them:
 
 1. A job being deleted is left to the finalizer (which deletes the etcd prefix).
 2. A spec that does not validate ends the job ``Failed`` with an ``InvalidSpec`` condition and one Event; so
-   does a template asking for the host (privileged, host namespaces, hostPath) when the operator restricts
-   pod security (``ReconcileSettings.restrict_pod_security``).
+   does a template whose pods would break the Pod Security Standards level the operator holds them to
+   (``ReconcileSettings.pod_security``, restricted by default; :mod:`.pod_defaults`).
    Credentials the job's etcd refuses (or its Secret lacks) and objects holding the job's Secret or Service
    name without being the job's hold the job back, each with a condition naming the cause (:mod:`.guards`).
 3. A finished job gets its pods cleaned up per ``cleanPodPolicy``, its rendezvous closed, and is deleted
@@ -74,7 +74,7 @@ from stalwart.operator.model import (
     WriteJobRecord,
 )
 from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
-from stalwart.operator.pod_defaults import privilege_problems
+from stalwart.operator.pod_defaults import PodSecurity, pod_security_problems, with_defaults
 from stalwart.operator.pods import (
     count_pods,
     follow_record,
@@ -195,11 +195,14 @@ _APPLY_ORDER_COUNTED: tuple[type, ...] = (EnsureOwnedObjects, SyncPodGroup, Revo
 
 
 def refused_template(spec: TrainingJobSpec, settings: ReconcileSettings) -> tuple[str, str] | None:
-    """``(field path, message)`` when the operator restricts pod security and the template asks for the host
-    (privileged, host namespaces, hostPath; the first such field, the others named in the message)."""
-    if not settings.restrict_pod_security:
+    """``(field path, message)`` when the pods the template makes (with the operator's defaults) break the Pod
+    Security Standards level the operator holds them to (the first such field, the others named in the
+    message)."""
+    if settings.pod_security == PodSecurity.OFF:
         return None
-    problems = privilege_problems(spec.template.spec.model_dump(mode="json", by_alias=True, exclude_none=True))
+    template = spec.template.model_dump(mode="json", by_alias=True, exclude_none=True)
+    pod_spec = with_defaults(template.get("spec") or {}, shm_size=spec.shm_size)
+    problems = pod_security_problems(pod_spec, settings.pod_security, template.get("metadata"))
     if not problems:
         return None
     (path, message), others = problems[0], [p for p, _ in problems[1:]]

@@ -30,6 +30,7 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "namespaced-peering": {"operator": {"replicas": 3, "watchNamespaces": ["team-a"]}},
     "volcano": {"operator": {"gangScheduler": "volcano"}},
     "privileged-pods-allowed": {"operator": {"restrictPodSecurity": False}},
+    "baseline-pods": {"operator": {"podSecurity": "baseline"}},
     "metrics": {"metrics": {"enabled": True}},
     "etcd-1": {"etcd": {"enabled": True}},
     "etcd-3": {"etcd": {"enabled": True, "replicas": 3, "persistence": {"size": "10Gi", "storageClassName": "fast"}}},
@@ -383,4 +384,5 @@ def test_operator_command_line_is_what_stalwart_operator_accepts(render: Render,
     assert (parsed.peering is not None) == (operator.get("replicas", 1) > 1)
     assert parsed.metrics_port == (9090 if values.get("metrics", {}).get("enabled") else None)
     assert parsed.gang_scheduler == (operator.get("gangScheduler") or None)
-    assert parsed.restrict_pod_security is operator.get("restrictPodSecurity", True)
+    expected = "off" if operator.get("restrictPodSecurity") is False else operator.get("podSecurity", "restricted")
+    assert parsed.pod_security == expected and parsed.restrict_pod_security is None

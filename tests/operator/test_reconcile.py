@@ -25,6 +25,7 @@ from stalwart.operator.model import (
     SyncPodGroup,
     WriteJobRecord,
 )
+from stalwart.operator.pod_defaults import PodSecurity
 from stalwart.operator.reconcile import condition, failure_action, reconcile
 
 
@@ -431,10 +432,11 @@ PRIVILEGED = {"spec": {"containers": [{"name": "trainer", "image": "img", "comma
                         "hostNetwork": True}}
 
 
-@pytest.mark.parametrize(("restrict", "refused"), [(True, True), (False, False)])
-def test_a_template_asking_for_the_host_is_refused_when_pod_security_is_restricted(restrict: bool,
+@pytest.mark.parametrize(("level", "refused"), [(PodSecurity.RESTRICTED, True), (PodSecurity.BASELINE, True),
+                                                (PodSecurity.OFF, False)])
+def test_a_template_asking_for_the_host_is_refused_when_pod_security_is_restricted(level: PodSecurity,
                                                                                    refused: bool) -> None:
-    settings = ReconcileSettings(restrict_pod_security=restrict)
+    settings = ReconcileSettings(pod_security=level)
     d = reconcile(observe(job(template=PRIVILEGED), [], ready=False), settings)
     failed = condition(d.status, "Failed")
     if not refused:
@@ -448,6 +450,24 @@ def test_a_template_asking_for_the_host_is_refused_when_pod_security_is_restrict
     # Failed for good: the next look changes nothing and says nothing again.
     again = reconcile(observe(job(d.status, template=PRIVILEGED), []), settings)
     assert not of(again, EmitEvent) and not of(again, CreatePod)
+
+
+ADDS_A_CAPABILITY = {"spec": {"containers": [{"name": "trainer", "image": "img", "command": ["python", "train.py"],
+                                               "securityContext": {"capabilities": {"add": ["SYS_PTRACE"]}}}]}}
+
+
+def test_a_template_adding_a_capability_fails_by_default_without_any_pod() -> None:
+    """Issue 31, finding 4: a capability the template adds was kept and the pods created (the default
+    settings restrict pod security to the Pod Security Standards' restricted profile)."""
+    d = reconcile(observe(job(template=ADDS_A_CAPABILITY), [], ready=False))
+    failed = condition(d.status, "Failed")
+    assert d.status.phase == Phase.FAILED and failed is not None and failed.reason == "InvalidSpec"
+    assert failed.message is not None and failed.message.startswith(
+        "spec.template.spec.containers[0].securityContext.capabilities.add[0]: 'SYS_PTRACE' is refused by the "
+        "Pod Security Standards' baseline profile (control 'Capabilities';")
+    events = [e for e in of(d, EmitEvent) if e.reason == "InvalidSpec"]
+    assert [(e.type, e.message) for e in events] == [("Warning", failed.message)]
+    assert not of(d, CreatePod) and not of(d, EnsureOwnedObjects) and not of(d, WriteJobRecord)
 
 
 def test_spec_broken_after_start_stops_the_pods() -> None:
