@@ -173,6 +173,14 @@ def test_pod_manifest_wraps_the_command_and_sets_the_environment() -> None:
                                                                       "key": "rpc-token"}
     assert env["STALWART_ETCD_TLS"]["value"] == "true"
     assert ps["containers"][1]["command"] == ["sleep", "1"]  # only the trainer runs under the agent
+    # Issue 31, finding 4: the credentials are the trainer's alone; a sidecar gets no token and no etcd mount.
+    sidecar = ps["containers"][1]
+    sidecar_env = {e["name"] for e in sidecar["env"]}
+    assert {"STALWART_RPC_TOKEN", "STALWART_ETCD_SECRET_DIR", "STALWART_ETCD_TLS"}.isdisjoint(sidecar_env)
+    assert "STALWART_JOB" in sidecar_env
+    assert [m["mountPath"] for m in sidecar["volumeMounts"]] == ["/dev/shm"]
+    assert {"name": "stalwart-etcd-credentials", "mountPath": "/etc/stalwart/etcd", "readOnly": True} \
+        in trainer["volumeMounts"]
     assert {"name": "stalwart-etcd-credentials", "secret": {"secretName": "etcd-creds"}} in ps["volumes"]
     assert ps["restartPolicy"] == "Never" and ps["hostname"] == f"{JOB}-spare-0" and ps["subdomain"] == JOB
     assert ps["nodeSelector"] == {"gpu": "h100"}
