@@ -20,12 +20,13 @@ from stalwart.api import naming
 from stalwart.api.job_record import JobRecord
 from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import TrainingJob
-from stalwart.etcd.client import CredentialsError, EtcdCredentials
+from stalwart.etcd.client import EtcdCredentials
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.outage import Backoff, Outage
 from stalwart.etcd.store import StoreError
 from stalwart.operator import metrics
 from stalwart.operator.etcd_access import EtcdAccess, EtcdTarget
+from stalwart.operator.etcd_policy import etcd_refusal
 from stalwart.operator.guards import BLOCKING_KINDS, conflict_of, etcd_problem
 from stalwart.operator.job_login import job_secret_data, provision
 from stalwart.operator.kube import Kube, KubeError, new_rpc_token
@@ -95,26 +96,16 @@ class OperatorContext:
 
 
 async def etcd_target(ctx: OperatorContext, namespace: str, job: JobView) -> EtcdTarget | None:
-    """Where the job's etcd is and how to log in: its spec's endpoints (else the operator's default) and, with
-    ``spec.rendezvous.secretRef``, the Secret's ``ca.crt``/``tls.crt``/``tls.key`` (when ``tls``) and
-    ``username``/``password``. None when there are no endpoints at all. Raises KubeError when the Secret
-    cannot be read."""
+    """The etcd the operator uses for the job and how it logs in there: always its own etcd, with the
+    credentials its administrator gave it (:mod:`.etcd_policy`). The job's ``spec.rendezvous.secretRef`` is
+    for its pods: the operator never reads it. None when the operator has no etcd, or the job names another
+    one (the job is then refused, :func:`~.etcd_policy.etcd_refusal`). Async for its callers' sake."""
     spec = job.spec
-    endpoints = tuple(spec.rendezvous.endpoints) if spec is not None and spec.rendezvous.endpoints \
-        else ctx.default_endpoints
-    if not endpoints:
+    if not ctx.default_endpoints:
         return None
-    if spec is None or spec.rendezvous.secret_ref is None:
-        if spec is not None and spec.rendezvous.endpoints:
-            return EtcdTarget(endpoints)
-        return EtcdTarget(endpoints, ctx.default_credentials)
-    secret = spec.rendezvous.secret_ref.name
-    data = await ctx.kube.get_secret_data(namespace, secret)
-    try:
-        credentials = EtcdCredentials.from_secret(data, tls=spec.rendezvous.tls)
-    except CredentialsError as e:  # never fall back to plaintext or no login
-        raise CredentialsError(f"Secret {secret} (spec.rendezvous.secretRef): {e}") from None
-    return EtcdTarget(endpoints, credentials)
+    if spec is not None and etcd_refusal(spec.rendezvous.endpoints, ctx.default_endpoints) is not None:
+        return None
+    return EtcdTarget(ctx.default_endpoints, ctx.default_credentials)
 
 
 def uses_job_login(ctx: OperatorContext, job: JobView) -> bool:
@@ -161,6 +152,9 @@ class JobRunner:
                       unreachable_nodes: frozenset[str] = frozenset()) -> Observation:
         now = time.time()
         job = job_view(body)
+        if job.spec is not None and (refused := etcd_refusal(job.spec.rendezvous.endpoints,
+                                                               self.ctx.default_endpoints)) is not None:
+            job = replace(job, spec=None, spec_problem=refused)  # InvalidSpec naming the field, and one Event
         if self.decided_status is not None:
             job = replace(job, status=self.decided_status)
         else:
@@ -479,5 +473,5 @@ def status_patch(written: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str
 
 def _need(target: EtcdTarget | None) -> EtcdTarget:
     if target is None:
-        raise ValueError("no etcd endpoints: set spec.rendezvous.endpoints or the operator's --etcd-endpoints")
+        raise ValueError("no etcd endpoints: the operator has no --etcd-endpoints")
     return target

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_rbac import OperatorAccount
 from kubernetes import client as k8s
 from prometheus_client import REGISTRY
 
@@ -378,39 +377,6 @@ def test_two_replicas_with_peering_one_works_and_the_other_takes_over(
     jobs.create(job_body("second", replicas=1, command=SLEEP))
     wait_for("the standby to take over", lambda: len(jobs.pods("second")) == 1, timeout=240)
     assert sum(standby.kube.calls.values()) > 0
-
-
-def test_etcd_credentials_come_from_the_jobs_secret(jobs: Jobs, operator_account: OperatorAccount) -> None:
-    import asyncio
-
-    from stalwart.operator.etcd_access import EtcdAccess
-    from stalwart.operator.handlers import kube_from_config
-    from stalwart.operator.observe import job_view
-    from stalwart.operator.runner import OperatorContext, etcd_target
-
-    jobs.core.create_namespaced_secret(jobs.ns, {
-        "metadata": {"name": "etcd-creds"},
-        "stringData": {"ca.crt": "CA", "tls.crt": "CERT", "tls.key": "KEY", "username": "trainer",
-                       "password": "s3cret"}})
-    body = job_body("creds", replicas=1, command=SLEEP)
-    body["metadata"].update(namespace=jobs.ns, uid="u-1", generation=1)
-    body["spec"]["rendezvous"] = {"endpoints": ["etcd.example:2379"], "tls": True,
-                                  "secretRef": {"name": "etcd-creds"}}
-    operator_account.grant(jobs.ns)  # read as the operator reads it: with the chart's Role
-    kube = kube_from_config(str(operator_account.kubeconfig), 2)
-    try:
-        ctx = OperatorContext(kube=kube, etcd=EtcdAccess(), default_endpoints=("default:2379",))
-        target = asyncio.run(etcd_target(ctx, jobs.ns, job_view(body)))
-        assert target is not None and target.endpoints == ("etcd.example:2379",)
-        creds = target.credentials
-        assert (creds.user, creds.password) == ("trainer", "s3cret")
-        assert (creds.ca_cert, creds.client_cert, creds.client_key) == (b"CA", b"CERT", b"KEY")
-        assert "s3cret" not in repr(target) and "KEY" not in repr(target)
-        body["spec"]["rendezvous"] = {}
-        plain = asyncio.run(etcd_target(ctx, jobs.ns, job_view(body)))
-        assert plain is not None and plain.endpoints == ("default:2379",) and plain.credentials.user is None
-    finally:
-        kube.close()
 
 
 # -- failure paths and life-cycle policies, with bare commands ---------------------------------------------------

@@ -10,7 +10,6 @@ import base64
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from test_operator_cluster import Jobs, OperatorFactory, job_body, phase_is, wait_for
@@ -73,44 +72,3 @@ def test_a_whole_job_runs_against_a_secured_etcd_with_its_own_user(
         assert root.count_prefix(keys.prefix) == 0
 
 
-def test_a_tls_job_whose_secret_lacks_the_ca_is_told_and_never_started(
-        start_operator: OperatorFactory, jobs: Jobs, secure_etcd: EtcdServer) -> None:
-    start_operator(jobs.ns, agent_command=())
-    jobs.core.create_namespaced_secret(jobs.ns, {"metadata": {"name": "etcd-no-ca"},
-                                                 "stringData": {"username": "u", "password": "p"}})
-    body = job_body("no-ca", replicas=1, command=["sleep", "60"])
-    body["spec"]["rendezvous"].update(endpoints=[secure_etcd.endpoint], tls=True, secretRef={"name": "etcd-no-ca"})
-    jobs.create(body)
-    wait_for("the EtcdCredentialsInvalid event", lambda: "EtcdCredentialsInvalid" in jobs.events("no-ca"),
-             timeout=60)
-    message = next(e.message for e in jobs.core.list_namespaced_event(jobs.ns).items
-                   if e.reason == "EtcdCredentialsInvalid")
-    assert "Secret etcd-no-ca (spec.rendezvous.secretRef): ca.crt: required with TLS" in message
-    # The status says it too, for as long as it holds: a condition naming the key.
-    access = wait_for("the EtcdAccess condition", lambda: _condition(jobs, "no-ca", "EtcdAccess"), timeout=60)
-    assert access["status"] == "False" and access["reason"] == "EtcdCredentialsInvalid"
-    assert "ca.crt: required with TLS" in access["message"]
-    assert jobs.pods("no-ca") == []  # nothing runs in plaintext
-
-
-def _condition(jobs: Jobs, name: str, type_: str) -> dict[str, Any] | None:
-    return next((c for c in jobs.status(name).get("conditions") or [] if c.get("type") == type_), None)
-
-
-def test_a_job_whose_login_etcd_refuses_gets_a_condition_naming_the_refusal(
-        start_operator: OperatorFactory, jobs: Jobs, secure_etcd: EtcdServer) -> None:
-    start_operator(jobs.ns, agent_command=())
-    good = secure_etcd.credentials()
-    assert good.ca_cert is not None and good.client_cert is not None and good.client_key is not None
-    jobs.core.create_namespaced_secret(jobs.ns, {"metadata": {"name": "etcd-wrong-password"}, "stringData": {
-        "ca.crt": good.ca_cert.decode(), "tls.crt": good.client_cert.decode(), "tls.key": good.client_key.decode(),
-        "username": "root", "password": "not-the-password"}})
-    body = job_body("refused", replicas=1, command=["sleep", "60"])
-    body["spec"]["rendezvous"].update(endpoints=[secure_etcd.endpoint], tls=True,
-                                      secretRef={"name": "etcd-wrong-password"})
-    jobs.create(body)
-    access = wait_for("the EtcdAccess condition", lambda: _condition(jobs, "refused", "EtcdAccess"), timeout=60)
-    assert access["status"] == "False" and access["reason"] == "EtcdAuthFailed", access
-    assert "etcd refused the operator's credentials" in access["message"]
-    assert "EtcdAuthFailed" in jobs.events("refused")
-    assert jobs.pods("refused") == []
