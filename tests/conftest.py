@@ -16,13 +16,13 @@ from stalwart.local.etcd import EtcdServer
 pytest_plugins = ["stalwart.local.pytest_plugin", "durations_plugin"]
 
 
-#: xdist groups (``--dist loadgroup``): the tests of a group run on one worker, in file order. By module: the
-#: RBAC record test_zz_rbac.py checks is of its worker's cluster, and test_operator_cluster.py's tests decide
-#: what it must contain. By fixture: the e2e installation is one cluster per worker that asks for it, so its
-#: tests share one.
-GROUP_MODULES = {"tests/operator/test_operator_cluster.py": "operator-rbac",
-                 "tests/operator/test_zz_rbac.py": "operator-rbac"}
-GROUP_FIXTURES = {"stalwart_install": "e2e-install"}
+#: xdist groups (``--dist loadgroup``): the tests of a group run on one worker, in file order. The RBAC record
+#: test_zz_rbac.py checks is of its worker's cluster, and must hold every call of the operator tests (each grant
+#: of rbac.py used by one of them: ``pods get`` is by none of test_operator_cluster.py's), so every test of the
+#: chart's operator account runs on that worker. The e2e installation is one cluster per worker that asks for
+#: it, so its tests share one.
+GROUP_MODULES = {"tests/operator/test_zz_rbac.py": "operator-rbac"}
+GROUP_FIXTURES = {"operator_account": "operator-rbac", "stalwart_install": "e2e-install"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups

@@ -1,9 +1,9 @@
 """``stalwart/operator/rbac.py`` against what the operator actually did: every operator test of this directory runs
 as the chart's ServiceAccount with the chart's RBAC (conftest.py), and the API server records each authorization
 decision it made for that account (verb, API group, resource, subresource, namespace). This module runs last
-(its name), reads that record and checks it against rbac.py both ways (under xdist, in the group of
-test_operator_cluster.py, whose tests decide what must have been used: tests/conftest.py; the other workers'
-clusters are checked one way at the end of their sessions, by the ``operator_account`` fixture); and it runs the
+(its name), reads that record and checks it against rbac.py both ways (under xdist, in one group with
+every test of the operator's account, tests/conftest.py; a worker's cluster is also checked one way at the end
+of its session, by the ``operator_account`` fixture); and it runs the
 operator once under an account whose Role lacks one verb of rbac.py, which fails with the API server's 403.
 """
 
