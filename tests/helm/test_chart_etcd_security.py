@@ -97,7 +97,52 @@ def test_network_policy_admits_only_the_operator_the_jobs_and_the_members(render
     assert len(sources) == 2
     assert [p["port"] for p in peer["ports"]] == ["peer"]
     assert peer["from"][0]["podSelector"]["matchLabels"] == policy["spec"]["podSelector"]["matchLabels"]
-    assert "from" not in metrics and [p["port"] for p in metrics["ports"]] == ["metrics"]
+    assert [p["port"] for p in metrics["ports"]] == ["metrics"]
+
+
+def _namespaces(source: dict[str, Any]) -> list[str]:
+    (expression,) = source["namespaceSelector"]["matchExpressions"]
+    assert expression["key"] == "kubernetes.io/metadata.name" and expression["operator"] == "In"
+    return list(expression["values"])
+
+
+VAP = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"
+
+
+def test_only_the_operator_may_label_a_pod_as_a_jobs_and_the_metrics_ports_are_fenced(render: Render) -> None:
+    """Issue 31, finding 10: etcd admitted any pod labelled stalwart.dev/job-name (in any namespace; the label
+    is the pod author's to write) and its metrics port, like the operator's, was open to every pod."""
+    values = {**ETCD, "operator": {"watchNamespaces": ["team-a", "team-b"]},
+              "metrics": {"enabled": True, "allowedNamespaces": ["monitoring"]}}
+    docs = render(values, api_versions=[VAP])
+    client, _, metrics = one(docs, "NetworkPolicy", "-etcd")["spec"]["ingress"]
+    assert _namespaces(client["from"][1]) == ["team-a", "team-b"]  # only where the operator makes pods
+    assert [_namespaces(s) for s in metrics["from"]] == [["monitoring"]]
+    # The label that admits a pod is the operator's alone: an admission policy refuses it from anyone else.
+    policy = one(docs, "ValidatingAdmissionPolicy", "-job-pod-label")
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["pods"] and rule["operations"] == ["CREATE", "UPDATE"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    (validation,) = policy["spec"]["validations"]
+    operator_sa = _operator(docs)["serviceAccountName"]
+    assert validation["expression"].startswith(
+        f'request.userInfo.username == "system:serviceaccount:{NAMESPACE}:{operator_sa}"')
+    assert f'!("{naming.LABEL_JOB_NAME}" in object.metadata.labels)' in validation["expression"]
+    assert validation["reason"] == "Forbidden"
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "-job-pod-label")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    # The operator's metrics port: the same namespaces only.
+    operator_policy = one(docs, "NetworkPolicy", "-operator-metrics")
+    (ingress,) = operator_policy["spec"]["ingress"]
+    assert [p["port"] for p in ingress["ports"]] == ["metrics"]
+    assert [_namespaces(s) for s in ingress["from"]] == [["monitoring"]]
+    assert operator_policy["spec"]["podSelector"]["matchLabels"].items() <= \
+        one(docs, "Deployment", "-operator")["spec"]["template"]["metadata"]["labels"].items()
+    # Unset, the metrics ports are the release namespace's only; without the API, no policy is rendered.
+    plain = render({**ETCD, "metrics": {"enabled": True}})
+    assert [_namespaces(s) for s in one(plain, "NetworkPolicy", "-etcd")["spec"]["ingress"][2]["from"]] == [
+        [NAMESPACE]]
+    assert find(plain, "ValidatingAdmissionPolicy") == []
 
 
 def test_security_can_be_turned_off_and_certificates_brought(render: Render) -> None:
