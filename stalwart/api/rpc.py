@@ -134,8 +134,12 @@ class RpcWorkerRecord(ApiModel):
     def _name(cls, v: str) -> str:
         return check_worker_name(v)
 
-    def may_replace(self, current: RpcWorkerRecord | None) -> bool:
+    def may_replace(self, current: RpcWorkerRecord | None, round_epoch: int | None = None) -> bool:
         """Whether this record may take the place of ``current`` (the record under the same name now): a
         worker of an older round never replaces one of a newer round (it is a zombie: its round is over). A
-        worker of the same round may (a rank process respawned within the round is a new incarnation)."""
-        return current is None or current.epoch <= self.epoch
+        worker of the same round may (a rank process respawned within the round is a new incarnation).
+        ``round_epoch`` is the round the manifest names now (``None``: not known): a record claiming an epoch
+        past it holds no round at all (no such round was ever sealed) and is replaced by the real worker."""
+        if current is None or current.epoch <= self.epoch:
+            return True
+        return round_epoch is not None and current.epoch > round_epoch

@@ -35,6 +35,25 @@ class Fenced(StoreError):
     """A worker of an older round tried to change the records of a newer one; nothing was written."""
 
 
+def registration_refused(record: RpcWorkerRecord, current: RpcWorkerRecord | None, round_epoch: int) -> str | None:
+    """Why ``record`` may not be registered now (``None``: it may), ``current`` being the record under its name
+    and ``round_epoch`` the round the manifest names (its ``mod_revision``; 0 while none is sealed). A
+    registration belongs to that round and no other: a worker of an older round is a zombie, one claiming a
+    later round claims one never sealed. A record held under the name claiming an epoch past the manifest's
+    holds no round, and is replaced."""
+    if record.epoch < round_epoch:
+        return (f"RPC worker {record.name!r} of the round of epoch {record.epoch} is fenced: the manifest names "
+                f"the round of epoch {round_epoch}")
+    if record.epoch > round_epoch:
+        return (f"RPC worker {record.name!r} claims the round of epoch {record.epoch}, which is not sealed (the "
+                f"manifest names epoch {round_epoch}): refused")
+    if not record.may_replace(current, round_epoch):
+        assert current is not None
+        return (f"RPC worker {record.name!r} of the round of epoch {record.epoch} is fenced: a worker of the "
+                f"newer round of epoch {current.epoch} holds the name")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
     """A worker as user code sees it (what ``RRef.owner()`` returns)."""
@@ -182,6 +201,7 @@ class EtcdMembership(Membership):
         super().__init__(MembershipView(epoch))
         self._store = store
         self._prefix = keys.rpc_workers
+        self._manifest = keys.manifest
         self._own_lease = lease is None
         self._lease = store.lease_grant(lease_ttl) if lease is None else lease
         self._records: dict[str, RpcWorkerRecord] = {}
@@ -215,24 +235,28 @@ class EtcdMembership(Membership):
         self._put_fenced(record)
 
     def _put_fenced(self, record: RpcWorkerRecord) -> None:
-        """Write our record unless a worker of a newer round holds the name (then :class:`Fenced`): read the
-        record, decide (:meth:`RpcWorkerRecord.may_replace`), write on condition that it is unchanged."""
+        """Write our record only in the round the manifest names now, and unless a worker of that round holds
+        the name (else :class:`Fenced`, nothing written): read the record and the manifest, decide
+        (:func:`registration_refused`), then write on condition that the record is unchanged and the
+        manifest's ``mod_revision`` is our epoch, in one transaction (epoch 0: no round is sealed yet)."""
         key = self._prefix + record.name
         for _ in range(8):  # bounded: each lost race means another worker of the name wrote in between
             kv = self._store.get(key)
+            manifest = self._store.get(self._manifest)
             current = None
             if kv is not None:
                 try:
                     current = RpcWorkerRecord.from_json_bytes(kv.value)
                 except ValueError:
                     current = None  # a corrupt record holds no round: ours replaces it
-            if not record.may_replace(current):
-                assert current is not None
-                raise Fenced(f"RPC worker {record.name!r} of the round of epoch {record.epoch} is fenced: a "
-                             f"worker of the newer round of epoch {current.epoch} holds the name")
+            why = registration_refused(record, current, manifest.mod_revision if manifest is not None else 0)
+            if why is not None:
+                raise Fenced(why)
             unchanged = Compare(key, "mod", "==", kv.mod_revision) if kv is not None else \
                 Compare(key, "create", "==", 0)
-            if self._store.txn([unchanged], [Put(key, record.to_json_bytes(), lease=self._lease)]).succeeded:
+            in_round = Compare(self._manifest, "mod", "==", record.epoch)
+            if self._store.txn([unchanged, in_round],
+                               [Put(key, record.to_json_bytes(), lease=self._lease)]).succeeded:
                 return
         raise StoreError(f"RPC worker {record.name!r}: the record kept changing while it registered")
 

@@ -9,6 +9,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Compare, Get, Put, Store
 from stalwart.rpc import MembershipView, RpcAgent, StaticMembership, rpc_function
 from stalwart.rpc.streams import StreamTransport
 from stalwart.rref import RRefRuntime
@@ -200,7 +202,8 @@ def worker_main(who: tuple[str, int], endpoint: str, job: tuple[str, str], world
     name, rank = who
     store = Store([endpoint], timeout=5.0)
     control = RetryOptions(max_retries=1000, initial_delay=0.01, max_delay=0.2, deadline=60, attempt_timeout=0.5)
-    agent = init_rpc(name, rank, store=store, keys=JobKeys(namespace, uid), epoch=1, world_size=world_size,
+    keys = JobKeys(namespace, uid)
+    agent = init_rpc(name, rank, store=store, keys=keys, epoch=sealed(store, keys), world_size=world_size,
                      lease_ttl=2, transport=FaultyTransport(StreamTransport(TOKEN), seed=rank),
                      control_retry=control)
     RRefRuntime.of(agent).book.freed_log = []
@@ -208,3 +211,13 @@ def worker_main(who: tuple[str, int], endpoint: str, job: tuple[str, str], world
         stop.recv()  # the driver says stop, or its end of the pipe closes
     shutdown(graceful=True, timeout=20)
     store.close()
+
+
+def sealed(store: Store, keys: JobKeys) -> int:
+    """The epoch of the job's sealed round: its manifest's mod_revision, sealing one if none is (every process
+    of a test that calls this gets the same). RPC workers register only in the round the manifest names."""
+    manifest = keys.manifest
+    res = store.txn([Compare(manifest, "create", "==", 0)], [Put(manifest, b"{}")], [Get(manifest)])
+    if res.succeeded:
+        return res.revision
+    return res.responses[0][0].mod_revision

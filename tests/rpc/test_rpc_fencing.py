@@ -40,9 +40,9 @@ def test_who_may_replace_a_worker_record(current: int | None, mine: int, allowed
     assert _record(mine, "mine").may_replace(held) is allowed
 
 
-def zombie_main(endpoint: str, namespace: str, uid: str) -> int:
+def zombie_main(endpoint: str, namespace: str, uid: str, epoch: str) -> int:
     with Store([endpoint]) as store:
-        membership = EtcdMembership(store, JobKeys(namespace, uid), epoch=5, lease_ttl=60)
+        membership = EtcdMembership(store, JobKeys(namespace, uid), epoch=int(epoch), lease_ttl=60)
         membership.register(Worker("worker1", 1, "127.0.0.1:1001", "zombie"), node="node-old")
         print("ready", flush=True)
         sys.stdin.readline()
@@ -58,14 +58,17 @@ def zombie_main(endpoint: str, namespace: str, uid: str) -> int:
 
 def test_a_paused_worker_of_an_older_round_is_fenced_and_the_live_one_untouched(etcd: EtcdServer) -> None:
     keys = JobKeys("test", uuid.uuid4().hex[:12])
-    zombie = subprocess.Popen([sys.executable, __file__, etcd.endpoint, keys.namespace, keys.uid],
+    with Store([etcd.endpoint]) as store:
+        old = store.put(keys.manifest, b"{}")
+    zombie = subprocess.Popen([sys.executable, __file__, etcd.endpoint, keys.namespace, keys.uid, str(old)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert zombie.stdout is not None and zombie.stdin is not None
         assert zombie.stdout.readline().strip() == "ready"
         zombie.send_signal(signal.SIGSTOP)
         with Store([etcd.endpoint]) as store:
-            live = EtcdMembership(store, keys, epoch=9, lease_ttl=60)
+            new = store.put(keys.manifest, b"{}")
+            live = EtcdMembership(store, keys, epoch=new, lease_ttl=60)
             try:
                 live.register(Worker("worker1", 1, "127.0.0.1:2002", "live"), node="node-new")
                 zombie.send_signal(signal.SIGCONT)
@@ -73,11 +76,12 @@ def test_a_paused_worker_of_an_older_round_is_fenced_and_the_live_one_untouched(
                 zombie.stdin.flush()
                 out, _ = zombie.communicate(timeout=60)
                 result = json.loads(out.strip().splitlines()[-1])
-                assert result["register"].startswith("fenced: RPC worker 'worker1' of the round of epoch 5")
+                assert result["register"].startswith(f"fenced: RPC worker 'worker1' of the round of epoch {old} "
+                                                     "is fenced")
                 kv = store.get(keys.rpc + "workers/worker1")
                 assert kv is not None and kv.lease == live.lease
                 record = RpcWorkerRecord.from_json_bytes(kv.value)
-                assert (record.epoch, record.incarnation, record.address) == (9, "live", "127.0.0.1:2002")
+                assert (record.epoch, record.incarnation, record.address) == (new, "live", "127.0.0.1:2002")
             finally:
                 live.close()
     finally:
@@ -91,10 +95,10 @@ def test_close_removes_only_its_own_record(etcd: EtcdServer) -> None:
     keys = JobKeys("test", uuid.uuid4().hex[:12])
     with Store([etcd.endpoint]) as store:
         old_lease, new_lease = store.lease_grant(60), store.lease_grant(60)
-        old = EtcdMembership(store, keys, epoch=5, lease=old_lease)
-        new = EtcdMembership(store, keys, epoch=9, lease=new_lease)
+        old = EtcdMembership(store, keys, epoch=store.put(keys.manifest, b"{}"), lease=old_lease)
+        old.register(Worker("worker1", 1, "127.0.0.1:1001", "old"))
+        new = EtcdMembership(store, keys, epoch=store.put(keys.manifest, b"{}"), lease=new_lease)
         try:
-            old.register(Worker("worker1", 1, "127.0.0.1:1001", "old"))
             new.register(Worker("worker1", 1, "127.0.0.1:2002", "new"))
             old.close()  # a shared lease: close deletes the record, but only while it is still its own
             kv = store.get(keys.rpc + "workers/worker1")
@@ -106,4 +110,4 @@ def test_close_removes_only_its_own_record(etcd: EtcdServer) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(zombie_main(*sys.argv[1:4]))
+    sys.exit(zombie_main(*sys.argv[1:5]))

@@ -275,20 +275,22 @@ def test_init_rpc_from_the_environment_registers_in_the_round_and_shutdown_remov
 def test_an_older_rounds_records_do_not_complete_the_world(etcd: EtcdServer) -> None:
     keys = JobKeys("test", uuid.uuid4().hex[:12])
     with Store([etcd.endpoint]) as s_old, Store([etcd.endpoint]) as s_new:
-        old = EtcdMembership(s_old, keys, epoch=3, lease_ttl=5)
-        new = EtcdMembership(s_new, keys, epoch=5, lease_ttl=5, older_rounds=False)
-        keeps_old = EtcdMembership(s_new, keys, epoch=5, lease_ttl=5)
-        late = EtcdMembership(s_new, keys, epoch=5, lease_ttl=5)
+        first = s_old.put(keys.manifest, b"{}")
+        old = EtcdMembership(s_old, keys, epoch=first, lease_ttl=5)
+        old.register(Worker("worker1", 1, "127.0.0.1:1001", "old"), node="n1")
+        epoch = s_new.put(keys.manifest, b"{}")
+        new = EtcdMembership(s_new, keys, epoch=epoch, lease_ttl=5, older_rounds=False)
+        keeps_old = EtcdMembership(s_new, keys, epoch=epoch, lease_ttl=5)
+        late = EtcdMembership(s_new, keys, epoch=epoch, lease_ttl=5)
         try:
-            old.register(Worker("worker1", 1, "127.0.0.1:1001", "old"), node="n1")
             new.register(Worker("worker0", 0, "127.0.0.1:1000", "a"), node="n0")
-            with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not register in the round of epoch 5"):
+            with pytest.raises(TimeoutError, match=rf"rank\(s\) \[1\] did not register in the round of epoch {epoch}"):
                 new.wait_for_ranks(2, timeout=1.0)  # worker1's record is the old round's
             assert set(new.view().members) == {"worker0"}  # and it is no peer
             wait_for(lambda: set(keeps_old.view().members) == {"worker0", "worker1"}, what="keeps_old's view")
             late.register(Worker("worker1", 1, "127.0.0.1:1002", "b"), node="n1")
             view = new.wait_for_ranks(2, timeout=30)
-            assert view.epoch == 5 and view.members["worker1"] == Worker("worker1", 1, "127.0.0.1:1002", "b")
+            assert view.epoch == epoch and view.members["worker1"] == Worker("worker1", 1, "127.0.0.1:1002", "b")
         finally:
             for m in (old, new, keeps_old, late):
                 m.close()

@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 import pytest
-from rpc_helpers import TOKEN, wait_for, world
+from rpc_helpers import TOKEN, sealed, wait_for, world
 
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
@@ -42,7 +42,7 @@ def incarnation_main(endpoint: str, job: tuple[str, str], stop: Any) -> None:
     from stalwart.rpc import init_rpc, shutdown
 
     store = Store([endpoint], timeout=5.0)
-    init_rpc("b", 1, store=store, keys=JobKeys(*job), epoch=1, lease_ttl=LEASE_TTL,
+    init_rpc("b", 1, store=store, keys=JobKeys(*job), epoch=sealed(store, JobKeys(*job)), lease_ttl=LEASE_TTL,
              transport=StreamTransport(TOKEN))
     with contextlib.suppress(EOFError):
         stop.recv()
@@ -68,7 +68,7 @@ def test_a_respawned_incarnation_reports_the_old_one_dead(etcd: EtcdServer) -> N
     store = Store([etcd.endpoint], timeout=5.0)
     driver = RpcAgent("a", 0, token=TOKEN)
     driver.start()
-    membership = EtcdMembership(store, JobKeys(*job), epoch=1, lease_ttl=LEASE_TTL)
+    membership = EtcdMembership(store, JobKeys(*job), epoch=sealed(store, JobKeys(*job)), lease_ttl=LEASE_TTL)
     try:
         driver.join(membership)
         membership.register(driver.member)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rpc_helpers import CONTROL, TOKEN, wait_for, worker_main
+from rpc_helpers import CONTROL, TOKEN, sealed, wait_for, worker_main
 
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
@@ -62,7 +62,8 @@ def start_cluster(etcd: EtcdServer) -> Cluster:
     membership = None
     try:
         driver.start()
-        membership = EtcdMembership(store, JobKeys("test", uid), epoch=1, lease_ttl=2)
+        membership = EtcdMembership(store, JobKeys("test", uid), epoch=sealed(store, JobKeys("test", uid)),
+                                    lease_ttl=2)
         driver.join(membership)
         membership.register(driver.member)
         membership.wait_for(len(WORKERS) + 1, timeout=120)
