@@ -273,9 +273,9 @@ def kill_leftover_containers(directory: Path) -> None:
     """Kill any process marked as a container process of this cluster, or whose working directory is one of
     its pod directories (a belt to the parent-death-signal braces, for processes that left their container's
     process group or changed their parent-death setting)."""
-    from stalwart.local.processes import CLUSTER_MARKER, signal_marked
+    from stalwart.local.processes import CLUSTER_MARKER, cluster_id, signal_marked
 
-    signal_marked(CLUSTER_MARKER, str(directory.resolve()), signal.SIGKILL)
+    signal_marked(CLUSTER_MARKER, cluster_id(directory), signal.SIGKILL)
     pods = str((directory / "pods").resolve())
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -2,7 +2,9 @@
 
 - Base: PATH with this interpreter's directory first, HOME, HOSTNAME, the API server's address as
   ``KUBERNETES_SERVICE_HOST/PORT``, a few variables passed through from the control plane (locale, temp dir,
-  virtual environment), and the markers of :mod:`.processes`.
+  virtual environment), and the markers of :mod:`.processes` (the cluster's is a digest, not its directory:
+  the directory holds the admin's kubeconfig, which a pod must not be pointed at; ``KUBECONFIG`` is never
+  passed through).
 - ``value`` (with ``$(VAR)`` expansion), ``valueFrom.secretKeyRef``, ``configMapKeyRef``, ``fieldRef``
   (metadata.name/namespace/uid/labels/annotations, spec.nodeName, spec.serviceAccountName, status.podIP/hostIP).
   A missing secret or config map (or key) raises :class:`ConfigError`: the container waits with
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.local.apiserver.objects import ApiError, ObjectStore
-from stalwart.local.processes import CLUSTER_MARKER, CONTAINER_MARKER, POD_MARKER, container_id
+from stalwart.local.processes import CLUSTER_MARKER, CONTAINER_MARKER, POD_MARKER, cluster_id, container_id
 
 JSON = dict[str, Any]
 _PASSTHROUGH = ("LANG", "LC_ALL", "TZ", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "STALWART_ETCD_BIN")
@@ -67,7 +69,7 @@ class PodEnvironment:
             "KUBERNETES_SERVICE_PORT": str(self.api_port),
             POD_MARKER: where.uid,
             CONTAINER_MARKER: container_id(where.uid, str(container.get("name", ""))),
-            CLUSTER_MARKER: str(self.workdir.resolve()),
+            CLUSTER_MARKER: cluster_id(self.workdir),
         }
         for k in _PASSTHROUGH:
             if k in os.environ:

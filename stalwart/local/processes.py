@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import os
 import signal
 import time
@@ -73,6 +74,12 @@ def signal_marked_pids(name: str, value: str, sig: int) -> list[int]:
 def ended(pid: int) -> bool:
     """Whether process ``pid`` has ended: no such process, or a zombie waiting to be reaped."""
     return process_state(pid) in ("", "Z")
+
+
+def cluster_id(directory: Path) -> str:
+    """The value of :data:`CLUSTER_MARKER` for the cluster in ``directory``: a digest of its path, so that a
+    pod's environment does not name the directory that holds the admin's kubeconfig."""
+    return hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:32]
 
 
 def container_id(pod_uid: str, container: str) -> str:
