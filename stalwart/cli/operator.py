@@ -144,6 +144,13 @@ def run(args: argparse.Namespace) -> int:
     except CredentialsError as e:
         log.error("--etcd-secret-dir: %s", e)
         return 2
+    from stalwart.operator.job_login import JobClient
+
+    try:  # the jobs' own client certificate, when etcd demands one (never the operator's: job_login)
+        job_client = JobClient.from_dir(args.etcd_secret_dir)
+    except (OSError, ValueError) as e:
+        log.error("--etcd-secret-dir: %s", e)
+        return 2
     if args.job_etcd_users and not credentials.user:
         log.error("--job-etcd-users: needs an etcd administrator login (username/password in --etcd-secret-dir)")
         return 2
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     config = OperatorRunConfig(
         etcd_credentials=credentials,
         job_etcd_users=args.job_etcd_users,
+        job_client=job_client,
         etcd_enable_auth=args.etcd_enable_auth,
         namespaces=tuple(sorted(set(args.namespace))),
         default_endpoints=args.etcd_endpoints,

@@ -25,6 +25,7 @@ from stalwart.net import free_port
 
 if TYPE_CHECKING:
     from stalwart.etcd.client import EtcdCredentials
+    from stalwart.operator.job_login import JobClient
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,12 @@ class EtcdServer:
         return EtcdCredentials(tls=True, user=user or None, password=password or None,
                                ca_cert=(pki / "ca.crt").read_bytes(), client_cert=(pki / "tls.crt").read_bytes(),
                                client_key=(pki / "tls.key").read_bytes())
+
+    def job_client(self) -> JobClient | None:
+        """The client certificate job pods present (with TLS; never the operator's own)."""
+        from stalwart.operator.job_login import JobClient
+
+        return JobClient.from_dir(self.pki_dir) if self.tls else None
 
     @property
     def endpoint(self) -> str:

@@ -26,6 +26,10 @@ class CertPair:
     key: bytes = field(repr=False)
 
 
+#: The CN of the client certificate job pods present (issue 31): it must name no etcd user.
+JOB_CLIENT_NAME = "stalwart-job-client"
+
+
 def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
@@ -81,13 +85,15 @@ class LocalCA:
         return CertPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
     def write(self, directory: Path, *, hosts: tuple[str, ...], client_name: str = "stalwart-client") -> Path:
-        """Write ``ca.crt``, ``server.crt``/``server.key`` for ``hosts`` and ``tls.crt``/``tls.key`` (a client
-        certificate) into ``directory`` (keys readable by the owner only); returns ``directory``."""
+        """Write ``ca.crt``, ``server.crt``/``server.key`` for ``hosts``, ``tls.crt``/``tls.key`` (the operator's
+        client certificate) and ``job-tls.crt``/``job-tls.key`` (the one job pods present) into ``directory``
+        (keys readable by the owner only); returns ``directory``."""
         directory.mkdir(parents=True, exist_ok=True)
         server = self.issue("stalwart-etcd", server=True, hosts=hosts)
         client = self.issue(client_name, server=False)
+        job = self.issue(JOB_CLIENT_NAME, server=False)  # what job pods present: its CN is no etcd user
         files = {"ca.crt": self.cert_pem, "server.crt": server.cert, "server.key": server.key,
-                 "tls.crt": client.cert, "tls.key": client.key}
+                 "tls.crt": client.cert, "tls.key": client.key, "job-tls.crt": job.cert, "job-tls.key": job.key}
         for name, data in files.items():
             path = directory / name
             path.write_bytes(data)

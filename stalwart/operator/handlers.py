@@ -32,7 +32,7 @@ from stalwart.etcd.client import EtcdCredentials
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import StoreError
 from stalwart.operator.etcd_access import EtcdAccess
-from stalwart.operator.job_login import retire
+from stalwart.operator.job_login import JobClient, retire
 from stalwart.operator.kube import Kube, KubeError
 from stalwart.operator.manifests import AGENT_COMMAND
 from stalwart.operator.model import DeleteJob, PodView, ReconcileSettings
@@ -61,6 +61,8 @@ class OperatorRunConfig:
     etcd_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
     #: One etcd user per job on the default etcd, limited to the job's prefix (needs etcd auth on).
     job_etcd_users: bool = False
+    #: The client certificate the jobs' pods present to etcd (never the operator's; ``job-tls.crt``/``.key``).
+    job_client: JobClient | None = None
     #: Turn etcd authentication on (creating root) where it is off, when the operator logs in as root.
     etcd_enable_auth: bool = False
     settings: ReconcileSettings = field(default_factory=ReconcileSettings)
@@ -121,6 +123,7 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
                                                          enable_auth=config.etcd_enable_auth),
                               settings=config.settings, default_endpoints=config.default_endpoints,
                               default_credentials=config.etcd_credentials, job_logins=config.job_etcd_users,
+                              job_client=config.job_client,
                               agent_command=config.agent_command, gang_scheduler=config.gang_scheduler,
                               loop=asyncio.get_running_loop())
         ctx.etcd.on_change = ctx.wake_uid_threadsafe

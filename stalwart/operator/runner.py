@@ -28,7 +28,7 @@ from stalwart.operator import metrics
 from stalwart.operator.etcd_access import EtcdAccess, EtcdTarget
 from stalwart.operator.etcd_policy import etcd_refusal
 from stalwart.operator.guards import BLOCKING_KINDS, conflict_of, etcd_problem
-from stalwart.operator.job_login import job_secret_data, provision
+from stalwart.operator.job_login import JobClient, job_secret_data, provision
 from stalwart.operator.kube import Kube, KubeError, new_rpc_token
 from stalwart.operator.manifests import (
     AGENT_COMMAND,
@@ -76,6 +76,8 @@ class OperatorContext:
     default_credentials: EtcdCredentials = field(default_factory=EtcdCredentials)
     #: Give each job on the default etcd an etcd user of its own (:mod:`stalwart.operator.job_login`).
     job_logins: bool = False
+    #: The client certificate jobs present to etcd when it demands one (never the operator's own).
+    job_client: JobClient | None = None
     agent_command: tuple[str, ...] = AGENT_COMMAND
     #: "volcano" or "coscheduling": create a PodGroup per job and point its pods at it; None: no gang scheduler.
     gang_scheduler: str | None = None
@@ -320,7 +322,7 @@ class JobRunner:
             existing = await self.ctx.kube.get_secret_data(ns, secret, missing_ok=True)
             store = self.ctx.etcd.store(_need(await self.target(job)))
             login = await asyncio.to_thread(provision, store, JobKeys(ns, job.uid), existing)
-            extra = job_secret_data(login, self.ctx.default_credentials)
+            extra = job_secret_data(login, self.ctx.default_credentials, self.ctx.job_client)
         service = naming.service_name(self.name)
         made = await asyncio.gather(
             self.ctx.kube.create_service(ns, service_manifest(job=self.name, namespace=ns, uid=job.uid)),

@@ -32,7 +32,7 @@ RANK_SCRIPT = REPO / "tests" / "rpc" / "test_rpc_from_env.py"
 def test_a_whole_job_runs_against_a_secured_etcd_with_its_own_user(
         start_operator: OperatorFactory, jobs: Jobs, secure_etcd: EtcdServer, tmp_path: Path) -> None:
     start_operator(jobs.ns, default_endpoints=(secure_etcd.endpoint,), etcd_credentials=secure_etcd.credentials(),
-                   job_etcd_users=True)
+                   job_etcd_users=True, job_client=secure_etcd.job_client())
     created = jobs.create(job_body("secure", replicas=2, command=[sys.executable, str(RANK_SCRIPT),
                                                                   str(tmp_path), "--restart"]))
     keys = JobKeys(jobs.ns, created["metadata"]["uid"])
@@ -46,6 +46,9 @@ def test_a_whole_job_runs_against_a_secured_etcd_with_its_own_user(
     user = base64.b64decode(secret["username"]).decode()
     password = base64.b64decode(secret["password"]).decode()
     assert user == job_user_name(keys) and len(password) >= 24 and {"ca.crt", "tls.crt", "tls.key"} <= set(secret)
+    job_client = secure_etcd.job_client()  # the jobs' certificate, never the operator's (issue 31, finding 3)
+    assert job_client is not None and base64.b64decode(secret["tls.crt"]) == job_client.cert
+    assert base64.b64decode(secret["tls.crt"]) != secure_etcd.credentials().client_cert
     assert all(password not in str(v) for v in env.values())
 
     st = wait_for("Succeeded", phase_is(jobs, "secure", "Succeeded", "Failed"), timeout=300)
