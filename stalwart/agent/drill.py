@@ -10,7 +10,11 @@ signature under the job's token, job, validity, replay, the job's opt-in) and, i
   in the kernel or a paused machine would be, then let go (SIGCONT). Every frozen process is let go when the
   agent stops.
 
-Every request gets an answer under ``results/<id>`` (carried out, or refused and why), bound to a lease.
+Every request gets an answer under ``results/<id>`` (carried out, or refused and why), bound to the
+listener's one result lease (granted at most once per half :data:`RESULT_TTL`, never per request: writing
+requests cannot make the agent grant leases). A request is carried out at most once: its id is remembered
+from the moment it is accepted until it expires, so a request read again (the answer's write failed and the
+watch re-read it on reconnecting) is not carried out again; its answer is written again instead.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ __all__ = ["CLOCK_SKEW", "RESULT_TTL", "DrillListener", "Target", "judge"]
 
 #: How far in the future a request's ``issued`` may be (clocks of the drill's machine and the pod differ).
 CLOCK_SKEW = 30.0
-#: Seconds a result stays (its lease): longer than any request is valid, so a replay finds it.
-RESULT_TTL = 600
+#: Seconds a result's lease lasts: at least half of it is left for each result, longer than any request is
+#: valid, so a replay finds it.
+RESULT_TTL = 1200
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,9 @@ class DrillListener:
         self._frozen: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self._workers: list[threading.Thread] = []
+        #: Requests accepted, by id: when to forget them (the request's expiry) and their answer once known.
+        self._seen: dict[str, tuple[float, DrillResult | None]] = {}
+        self._result_lease: tuple[int, float] | None = None  # the lease results are bound to, granted when
         self.outage = Outage("etcd (drill requests)", logger=log, context=context)
 
     def start(self) -> None:
@@ -141,12 +149,20 @@ class DrillListener:
         if req.node_id != self.settings.node_id:
             return
         result_key = self.keys.drill_result(req.id)
+        now = time.time()
+        self._seen = {k: v for k, v in self._seen.items() if v[0] >= now}
+        if req.id in self._seen:  # accepted before: never carried out twice; its answer written if it was lost
+            _, known = self._seen[req.id]
+            log.warning("%s: drill request %s read again: not carried out again", self.context, req.id)
+            if known is not None and self.store.get(result_key) is None:
+                self._answer(result_key, known)
+            return
         record = self.store.get(self.keys.job)
         enabled = False
         if record is not None:
             with contextlib.suppress(ValidationError, ValueError):
                 enabled = JobRecord.from_json_bytes(record.value).fault_injection
-        refusal = judge(req, token=self.token, job_uid=self.settings.job_uid, enabled=enabled, now=time.time(),
+        refusal = judge(req, token=self.token, job_uid=self.settings.job_uid, enabled=enabled, now=now,
                         answered=self.store.get(result_key) is not None)
         if refusal is not None:
             log.warning("%s: refused drill request %s (%s on local rank %d): %s", self.context, req.id, req.kind,
@@ -154,14 +170,24 @@ class DrillListener:
             self._answer(result_key, DrillResult(id=req.id, node_id=self.settings.node_id, accepted=False,
                                                  reason=refusal, local_rank=req.local_rank, time=time.time()))
             return
-        self._answer(result_key, self._carry_out(req))
+        self._seen[req.id] = (req.expires + CLOCK_SKEW, None)  # before it is carried out: at most once
+        result = self._carry_out(req)
+        self._seen[req.id] = (req.expires + CLOCK_SKEW, result)
+        self._answer(result_key, result)
 
     def _answer(self, key: str, result: DrillResult) -> None:
         try:
-            lease = self.store.lease_grant(RESULT_TTL, keepalive=False)
-            self.store.put(key, result.to_json_bytes(), lease=lease)
+            self.store.put(key, result.to_json_bytes(), lease=self._lease())
         except StoreError as e:
             log.warning("%s: could not answer drill request %s: %s", self.context, result.id, e)
+
+    def _lease(self) -> int:
+        """The lease every result is bound to: one, re-granted once half of :data:`RESULT_TTL` has passed (so
+        a result lives between half of it and all of it, longer than any request is valid)."""
+        now = time.monotonic()
+        if self._result_lease is None or now - self._result_lease[1] > RESULT_TTL / 2:
+            self._result_lease = (self.store.lease_grant(RESULT_TTL, keepalive=False), now)
+        return self._result_lease[0]
 
     # -- carrying out -----------------------------------------------------------------------------------------
 
