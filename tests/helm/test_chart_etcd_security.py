@@ -49,7 +49,8 @@ def test_the_generated_server_certificate_covers_every_member_and_chains_to_the_
     docs = render(ETCD)
     secret = one(docs, "Secret", "-etcd-server-tls")
     data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
-    assert set(data) == {"ca.crt", "tls.crt", "tls.key", "client.crt", "client.key"}
+    assert set(data) == {"ca.crt", "tls.crt", "tls.key", "client.crt", "client.key", "job-client.crt",
+                         "job-client.key"}
     ca = x509.load_pem_x509_certificate(data["ca.crt"])
     server = x509.load_pem_x509_certificate(data["tls.crt"])
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -61,6 +62,11 @@ def test_the_generated_server_certificate_covers_every_member_and_chains_to_the_
     assert server.issuer == ca.subject
     server.verify_directly_issued_by(ca)
     x509.load_pem_x509_certificate(data["client.crt"]).verify_directly_issued_by(ca)
+    # Job pods get a certificate of their own, never the operator's, and its CN is no etcd user (issue 31).
+    job = x509.load_pem_x509_certificate(data["job-client.crt"])
+    job.verify_directly_issued_by(ca)
+    assert data["job-client.crt"] != data["client.crt"] and data["job-client.key"] != data["client.key"]
+    assert job.subject.rfc4514_string() == f"CN={name}-job-client"
     assert server.not_valid_after_utc > datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=365)
 
 
@@ -78,7 +84,7 @@ def test_the_operator_logs_in_as_root_from_files_and_gives_each_job_a_user(rende
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/etc/stalwart/etcd")
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     paths = {item["path"] for source in volume["projected"]["sources"] for item in source["secret"]["items"]}
-    assert paths == {"ca.crt", "tls.crt", "tls.key", "username", "password"}
+    assert paths == {"ca.crt", "tls.crt", "tls.key", "username", "password", "job-tls.crt", "job-tls.key"}
 
 
 def test_network_policy_admits_only_the_operator_the_jobs_and_the_members(render: Render) -> None:
