@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # pytest-xdist workers for `make test`: most tests wait on etcd, clusters and rank processes rather than compute,
-# so three share two cores well (measured in README's Development section). `make test WORKERS=0` runs serially.
+# so three are the default for two cores (not yet measured against 2 and 4). `make test WORKERS=0` runs serially.
 WORKERS ?= 3
 
 .PHONY: demo test lint install clean
