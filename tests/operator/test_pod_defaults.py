@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from stalwart.cli.operator import pod_security_level
 from stalwart.operator.pod_defaults import SHM_VOLUME, PodSecurity, pod_security_problems, with_defaults
 
 BARE: dict[str, Any] = {"containers": [{"name": "trainer", "image": "t"}]}
@@ -144,3 +145,23 @@ def test_apparmor_annotations_of_the_template_are_checked() -> None:
     problems = pod_security_problems(with_defaults(BARE, shm_size="1Gi"), PodSecurity.BASELINE, meta)
     assert [p for p, _ in problems] == [
         "spec.template.metadata.annotations[container.apparmor.security.beta.kubernetes.io/c]"]
+
+
+@pytest.mark.parametrize(("level", "restrict", "env", "expected"), [
+    (None, None, None, PodSecurity.RESTRICTED),
+    ("baseline", None, None, PodSecurity.BASELINE),
+    (None, True, None, PodSecurity.RESTRICTED),
+    (None, False, None, PodSecurity.OFF),
+    (None, None, "false", PodSecurity.OFF),
+    ("baseline", True, None, PodSecurity.BASELINE),
+    ("off", False, None, PodSecurity.OFF),
+])
+def test_the_operator_flag_and_the_former_switch(level: str | None, restrict: bool | None, env: str | None,
+                                                 expected: PodSecurity) -> None:
+    assert pod_security_level(level, restrict, env) == expected
+
+
+@pytest.mark.parametrize(("level", "restrict"), [("restricted", False), ("off", True)])
+def test_contradicting_flags_are_refused(level: str, restrict: bool) -> None:
+    with pytest.raises(ValueError, match=r"--pod-security=\w+ contradicts --(no-)?restrict-pod-security"):
+        pod_security_level(level, restrict, None)
