@@ -190,3 +190,40 @@ def test_the_backend_needs_the_runs_secret(etcd: EtcdServer, monkeypatch: pytest
                                   max_nodes=1)
     with pytest.raises(ValueError, match="hmac_key_file: the stalwart-etcd backend signs"):
         create_backend(params)
+
+
+# -- one key per purpose; the MAC covers the key's version (issue 31, finding 9) ------------------------------
+
+
+def test_an_older_signed_state_put_back_is_refused(backend: EtcdV3RendezvousBackend, store: Store) -> None:
+    _, token, _ = backend.set_state(b"first", None)  # type: ignore[misc]
+    old = store.get(backend.key)
+    assert old is not None
+    _, token2, ok = backend.set_state(b"second", token)  # type: ignore[misc]
+    assert ok
+    store.put(backend.key, old.value)  # whoever may write the key replays the older, genuinely signed state
+    with pytest.raises(RendezvousStateError, match="fails its signature check"):
+        backend.get_state()
+    kv = store.get(backend.key)
+    assert kv is not None and kv.value == old.value  # and the backend wrote nothing over it
+    with pytest.raises(RendezvousStateError, match="fails its signature check"):
+        backend.set_state(b"third", token2)
+    kv = store.get(backend.key)
+    assert kv is not None and kv.value == old.value
+
+
+def test_the_state_is_signed_with_its_own_key_not_the_jobs_token(backend: EtcdV3RendezvousBackend,
+                                                                  store: Store) -> None:
+    import hashlib
+    import hmac as hmac_
+
+    from stalwart.api.rendezvous import TorchRendezvousState
+
+    backend.set_state(b"s", None)
+    kv = store.get(backend.key)
+    assert kv is not None
+    envelope = TorchRendezvousState.from_json_bytes(kv.value)
+    # A MAC made with the job's token itself (as a drill request's or an RPC peer's holder could) does not verify.
+    raw = hmac_.new(SECRET, b"\0".join([backend.key.encode(), envelope.format.encode(), b"1", b"s"]),
+                    hashlib.sha256).hexdigest()
+    assert envelope.mac != raw

@@ -14,8 +14,12 @@ and by :func:`register` for programs that build handlers themselves.
 
 torch's handler pickles its own state, and unpickles what it reads back: whoever may write the state key could
 run code in every torchrun agent. So the state is signed: the envelope carries an HMAC-SHA256 over the key name,
-the format and the state bytes with the run's secret (``hmac_key_file``, else the job's ``STALWART_RPC_TOKEN``),
-and a record whose MAC does not verify is refused with ``RendezvousStateError`` before torch sees its bytes.
+the format, the key's ``version`` once written (how many times it was written since created: an older signed
+state put back is at a later version, and refused) and the state bytes, with the torchrun-state key derived
+(:func:`stalwart.api.keys.purpose_key`) from the run's secret (``hmac_key_file``, else the job's
+``STALWART_RPC_TOKEN``); a record whose MAC does not verify is refused with ``RendezvousStateError`` before torch
+sees its bytes. (A state deleted and re-created is at version 1 again: the first state ever written could be put
+back after a delete; torch's handler then starts its rendezvous over.)
 This module itself never unpickles anything.
 """
 
@@ -41,6 +45,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from stalwart import exits
 from stalwart.api import pod_env
+from stalwart.api.keys import purpose_key
 from stalwart.api.rendezvous import TorchRendezvousState
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.store import Compare, Get, KeyValue, Put, Store, StoreError
@@ -70,10 +75,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             raise ValueError("secret: the state's signing key needs at least 16 bytes")
         self._store = store
         self._key = key
-        self._secret = secret
+        self._secret = purpose_key(secret, "torchrun-state")
 
-    def _mac(self, fmt: str, state: bytes) -> str:
-        message = b"\0".join([self._key.encode(), fmt.encode(), state])
+    def _mac(self, fmt: str, version: int, state: bytes) -> str:
+        message = b"\0".join([self._key.encode(), fmt.encode(), str(version).encode(), state])
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
     @property
@@ -96,10 +101,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             state = base64.b64decode(envelope.state, validate=True)
         except (binascii.Error, ValueError) as e:
             raise RendezvousStateError(f"the rendezvous state at {self._key!r} is not valid base64: {e}") from None
-        if not hmac.compare_digest(envelope.mac, self._mac(envelope.format, state)):
+        if not hmac.compare_digest(envelope.mac, self._mac(envelope.format, kv.version, state)):
             raise RendezvousStateError(
                 f"the rendezvous state at {self._key!r} fails its signature check (written without the run's "
-                "secret, or altered); refused before torch reads it")
+                "secret, altered, or an older state put back); refused before torch reads it")
         return state, kv.mod_revision
 
     def get_state(self) -> tuple[bytes, Any] | None:
@@ -116,8 +121,19 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             # Not a token this backend ever handed out: it cannot match.
             current = self.get_state()
             return None if current is None else (*current, False)
+        version = 1
+        if token is not None:  # the version this write makes: the current one's, plus one
+            try:
+                kv = self._store.get(self._key)
+            except StoreError as e:
+                raise RendezvousConnectionError(f"the connection to etcd has failed: {e}") from e
+            if kv is None:
+                return None
+            if kv.mod_revision != token:
+                return (*self._decode(kv), False)
+            version = kv.version + 1
         envelope = TorchRendezvousState(format=STATE_FORMAT, state=base64.b64encode(state).decode(),
-                                        mac=self._mac(STATE_FORMAT, state))
+                                        mac=self._mac(STATE_FORMAT, version, state))
         try:
             value = envelope.to_json_bytes()
         except ValueError as e:
