@@ -157,7 +157,8 @@ class RendezvousSpec(ApiModel):
     endpoints: list[Annotated[str, Field(json_schema_extra={"pattern": ENDPOINT_PATTERN})]] | None = Field(
         default=None,
         description=("etcd client endpoints as host:port (IPv6 as [addr]:port). When omitted, the operator's "
-                     "default endpoints are used (the etcd that the Helm chart installs or names)."),
+                     "default endpoints are used (the etcd that the Helm chart installs or names). The operator "
+                     "serves jobs only on its own etcd: other endpoints fail the job with InvalidSpec."),
         min_length=1, max_length=MAX_ETCD_ENDPOINTS)
     tls: bool = Field(
         default=False,
@@ -166,7 +167,7 @@ class RendezvousSpec(ApiModel):
     secret_ref: SecretReference | None = Field(
         default=None,
         description=("Secret with etcd credentials: ca.crt, tls.crt, tls.key for TLS; username and password "
-                     "for etcd authentication. The operator mounts it into every pod."))
+                     "for etcd authentication. The operator mounts it into every pod and never reads it."))
     join_timeout_seconds: float = Field(
         default=600.0, gt=0, le=MAX_TIMEOUT_SECONDS,
         description=("How long an agent waits for a rendezvous round to reach minReplicas nodes before it "
