@@ -239,7 +239,8 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
         try:
             target = await etcd_target(ctx, namespace, job)
             if target is None:
-                log.warning("job %s/%s: no etcd endpoints; nothing to clean up in etcd", namespace, name)
+                log.warning("job %s/%s: no etcd of the operator's serves it (none configured, or the job named "
+                            "other endpoints); nothing to clean up in etcd", namespace, name)
                 return
             deleted = await asyncio.to_thread(ctx.etcd.delete_job, target, keys)
             if uses_job_login(ctx, job):
