@@ -138,7 +138,8 @@ class NodeRelay:
             return
         batch, self.waiting = self.waiting, []
         self.transactions += 1
-        answers = execute(self.store, KEYS, [w.request for w in batch])  # type: ignore[arg-type]
+        # Each connection is its rank's own: the client is the slot the relay bound it to.
+        answers = execute(self.store, KEYS, [w.request for w in batch], [w.client for w in batch])  # type: ignore[arg-type]
         self.busy_until = self.sim.now
         for w, answer in zip(batch, answers, strict=True):
             assert answer.ok, answer.reason

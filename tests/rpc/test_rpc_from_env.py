@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rpc_helpers import wait_for
+from rpc_helpers import sealed, wait_for
 
 from stalwart.api.pod_env import PodEnvError
 from stalwart.api.rpc import RpcWorkerRecord
@@ -247,8 +247,11 @@ def test_functions_served_during_a_graceful_shutdown_still_see_the_agent() -> No
 def test_init_rpc_from_the_environment_registers_in_the_round_and_shutdown_removes_it(
         etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = JobKeys("test", uuid.uuid4().hex[:12])
+    with Store([etcd.endpoint]) as store:
+        epoch = sealed(store, keys)  # workers register only in the round the manifest names
     env = _env(STALWART_ETCD_ENDPOINTS=etcd.endpoint, STALWART_JOB_UID=keys.uid, STALWART_JOB="test/job",
-               STALWART_POD_IP=None, RANK="0", WORLD_SIZE="1", STALWART_SLOT="0", LOCAL_RANK="0")
+               STALWART_POD_IP=None, RANK="0", WORLD_SIZE="1", STALWART_SLOT="0", LOCAL_RANK="0",
+               STALWART_EPOCH=str(epoch))
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     monkeypatch.delenv("STALWART_POD_IP", raising=False)
@@ -261,7 +264,7 @@ def test_init_rpc_from_the_environment_registers_in_the_round_and_shutdown_remov
                 kv = store.get(keys.rpc + "workers/" + expected)
                 assert kv is not None
                 record = RpcWorkerRecord.from_json_bytes(kv.value)
-                assert (record.epoch, record.node, record.address) == (7, "job-worker-0", agent.address)
+                assert (record.epoch, record.node, record.address) == (epoch, "job-worker-0", agent.address)
                 assert rpc_sync(expected, served_by, timeout=30) == expected
                 with pytest.raises(RuntimeError, match="already running"):
                     init_rpc()
