@@ -26,11 +26,27 @@ from stalwart.rpc.shm import (
 )
 from stalwart.rpc.streams import StreamTransport
 
+#: The names of the arenas this process made during the current test (see ``_record_arenas``).
+_made: set[str] = set()
+
+
+@pytest.fixture(autouse=True)
+def _record_arenas(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = shm.ArenaWriter.__init__
+    _made.clear()
+
+    def recording(self: shm.ArenaWriter, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        _made.add(self.name)
+
+    monkeypatch.setattr(shm.ArenaWriter, "__init__", recording)
+
 
 def _arena_files() -> set[str]:
-    """The arenas in /dev/shm. The directory is the machine's: another test suite running beside this one has
-    arenas there too, which come and go, so a test asks only that none it made is left (``now - before``)."""
-    return {f for f in os.listdir(shm.SHM_DIR) if f.startswith("stalwart-rpc-")}
+    """The arenas this test made that are still in /dev/shm. The directory is the machine's: other suites and
+    the other xdist workers' tests make arenas there too, which come and go, so a test asks only about its
+    own (and, as before, that none is left: ``now - before``)."""
+    return {f for f in os.listdir(shm.SHM_DIR) if f.startswith("stalwart-rpc-")} & _made
 
 
 # -- the ring (pure) ------------------------------------------------------------------------------------------
@@ -159,6 +175,7 @@ def test_large_tensors_go_through_the_arena_both_ways_and_wrap_around_it() -> No
             back = a.rpc_sync("w1", "t.echo", (t,))
             assert torch.equal(back, t)
         ours, theirs = transports
+        assert len(_made) >= 2, "the record sees both directions' arenas, so the checks below can fail"
         assert ours.stats["arena_frames_out"] >= 30 and theirs.stats["arena_frames_in"] >= 30
         assert theirs.stats["arena_frames_out"] >= 30 and ours.stats["arena_frames_in"] >= 30
         # many at once: what does not fit in the ring goes inline, and every result is still right
