@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from recording_server import Recorder
 
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
@@ -102,3 +103,11 @@ def prefix(store: Store) -> Iterator[str]:
     yield p
     with contextlib.suppress(Exception):  # the test may have left etcd stopped
         store.delete_prefix(p)
+
+
+@pytest.fixture
+def fake_etcd() -> Iterator[Recorder]:
+    """A TCP server in etcd's place that records what arrives and answers nothing (see recording_server)."""
+    r = Recorder()
+    yield r
+    r.close()

@@ -10,63 +10,17 @@ records every connection and byte.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from recording_server import Recorder
 from test_operator_cluster import Jobs, OperatorFactory, job_body, wait_for
 
 from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.etcd_policy import ENDPOINTS_FIELD, etcd_refusal, same_endpoints
 from stalwart.operator.observe import job_view
 from stalwart.operator.runner import OperatorContext, etcd_target
-
-
-class Recorder:
-    """A TCP server that accepts and records what arrives (and answers nothing)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.received = bytearray()
-        self.connections = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        self.sock.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.connections += 1
-            conn.settimeout(0.2)
-            with conn:
-                while not self._stop.is_set():
-                    try:
-                        data = conn.recv(65536)
-                    except OSError:
-                        continue
-                    if not data:
-                        break
-                    self.received += data
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self.sock.close()
-
-
-@pytest.fixture
-def fake_etcd() -> Iterator[Recorder]:
-    r = Recorder()
-    yield r
-    r.close()
 
 
 @pytest.mark.parametrize(("job", "default", "refused"), [
