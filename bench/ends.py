@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
+from soak import wait_for  # noqa: E402  (the status soak's, beside this one)
 
 from stalwart.demo import EXAMPLE, JOB_NAMESPACE, DemoOptions, Installation, demo_job  # noqa: E402
 from stalwart.examples.train import CHECKPOINT_DIR_ENV  # noqa: E402
@@ -465,17 +466,6 @@ def anchor_rows(after: Sequence[float], runs: int, steps: int, step_delay: float
          "stalwart_p50": None if ours is None else round(ours, 3), "torchrun_p50": None if theirs is None
          else round(theirs, 3)},
     ]
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 @contextlib.contextmanager
