@@ -51,6 +51,8 @@ EXIT_BOUND = 10.0
 #: a correct process. The exit soak (``bench/ends.py``) counts against the bound itself.
 SLACK = 5.0
 LEAVING = "leaving with exit code"
+#: Seconds the kubelet may take to write a container's end to its book once the process is gone.
+BOOK_GRACE = 3.0
 #: The agent's lines on deciding that its job is over here (before it closes its streams and leaves).
 DECIDED = ("every rank returned", "nothing left to run")
 #: Main processes that only wrap the one that logs (``sh -c 'stalwart agent -- ...; ...'``): the kubelet sees the
@@ -178,6 +180,8 @@ class Instance:
     exit_code: int | None = None
     leftovers: list[int] = field(default_factory=list)
     superseded: bool = False  # a later instance of the container started: this one's log is its .previous.log
+    #: When this process first saw the main process gone while the book had no end for it yet.
+    gone: float | None = None
     argv: tuple[str, ...] = ()
 
     @property
@@ -259,7 +263,16 @@ class ClusterExits:
                     continue
                 facts = inst.facts()
                 limit = facts.limit(bound)
-                if inst.ended is None and inst.running():
+                if inst.ended is None and inst.gone is None and not inst.running():
+                    # Gone before the kubelet wrote its end to the book (it notes ends on its next pass).
+                    inst.gone = time.time()
+                if inst.ended is None and inst.gone is not None and time.time() < inst.gone + BOOK_GRACE:
+                    if wait:  # its end (and any leftovers) should reach the book in a moment
+                        waiting[key] = inst.gone + BOOK_GRACE
+                    else:
+                        self._unsettled.add(key)
+                    continue
+                if inst.ended is None and inst.gone is None:
                     if facts.decided is None or (not wait and time.time() < facts.decided + limit):
                         self._unsettled.add(key)
                     elif time.time() < facts.decided + limit:
@@ -268,7 +281,8 @@ class ClusterExits:
                         problems.append(_late(inst.who, facts, None, limit, facts.tail)
                                         or Problem(inst.who, "still running", facts.tail))
                     continue
-                late = _late(inst.who, facts, inst.ended, limit, facts.tail)
+                late = _late(inst.who, facts, inst.ended if inst.ended is not None else inst.gone, limit,
+                             facts.tail)
                 if late is not None:
                     problems.append(late)
                 if inst.leftovers and facts.decided is not None:

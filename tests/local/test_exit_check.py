@@ -18,7 +18,15 @@ from local_helpers import phase_is, wait_until
 
 from stalwart.local.cluster import LocalCluster
 from stalwart.local.containerbook import BOOK, read_book
-from stalwart.local.exitcheck import WatchedProcess, follow, judge_watched, log_facts, take_watched
+from stalwart.local.exitcheck import (
+    BOOK_GRACE,
+    ClusterExits,
+    WatchedProcess,
+    follow,
+    judge_watched,
+    log_facts,
+    take_watched,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -45,6 +53,51 @@ def test_log_facts_reads_the_decision_the_leaving_line_and_the_ranks_return() ->
     assert facts.returned == 1893553445.5
     assert facts.tail[-1].endswith("(bound 10s)")
     assert log_facts("plain output\n").decided is None
+
+
+def _book_with_one_start(directory: Path, pid: int, log: Path) -> None:
+    record = {"event": "started", "time": time.time(), "namespace": "ns", "pod": "p", "uid": "u",
+              "container": "c", "pid": pid, "log": str(log), "argv": ["python"]}
+    (directory / BOOK).write_text(json.dumps(record) + "\n")
+
+
+def _just_left(log: Path) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S,000")
+    log.write_text(f"{stamp} INFO stalwart.exits: job=t node=n: leaving with exit code 0 (bound 10s)\n")
+
+
+def test_a_container_gone_before_the_book_notes_its_end_is_not_called_running(tmp_path: Path) -> None:
+    # The process has left (its pid is no container's any more) a moment after its leaving line, and the kubelet
+    # has not yet written the end: it is waited for, then judged as ended when it was seen gone, not as running.
+    gone = WatchedProcess([sys.executable, "-c", "pass"])
+    gone.communicate(timeout=60)
+    take_watched()
+    log = tmp_path / "c.log"
+    _just_left(log)
+    _book_with_one_start(tmp_path, gone.pid, log)
+    exits = ClusterExits(tmp_path)
+    began = time.monotonic()
+    assert exits.judge() == []
+    assert time.monotonic() - began >= BOOK_GRACE - 0.5  # it waited for the book first
+    assert exits.instances[("u", "c", gone.pid)].gone is not None
+
+
+def test_a_container_that_is_still_running_past_its_bound_is_reported(tmp_path: Path) -> None:
+    # The same book, but the process is alive and this check's bound is short: reported as still running.
+    from stalwart.local.processes import CONTAINER_MARKER, container_id
+
+    env = {CONTAINER_MARKER: container_id("u", "c")}
+    alive = WatchedProcess([sys.executable, "-c", "import time; time.sleep(600)"], env=env)
+    take_watched()
+    try:
+        log = tmp_path / "c.log"
+        _just_left(log)
+        _book_with_one_start(tmp_path, alive.pid, log)
+        problems = ClusterExits(tmp_path).judge(bound=1.0)
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+    assert [p.what.split(" ")[:2] for p in problems] == [["still", "running"]]
 
 
 def test_watched_processes_late_alive_and_prompt_are_told_apart() -> None:
