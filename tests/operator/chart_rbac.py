@@ -124,6 +124,24 @@ def used(cluster: LocalCluster, user: str) -> tuple[set[Grant], set[Grant]]:
     return allowed, refused
 
 
+class AccessLog:
+    """What the account was allowed, as the API server recorded it, kept by this process after each operator test
+    (:meth:`note`): what test_zz_rbac.py checks is then every call the operator tests of this worker made, and
+    which tests those were, whatever became of the server's own record in between."""
+
+    def __init__(self) -> None:
+        self.allowed: set[Grant] = set()
+        self.tests: list[str] = []
+
+    def note(self, cluster: LocalCluster, user: str, test: str) -> None:
+        self.allowed |= used(cluster, user)[0]
+        self.tests.append(test)
+
+
+#: This process's (one xdist worker's) record of the chart account's calls.
+ACCESS_LOG = AccessLog()
+
+
 def declared(**config: Any) -> set[Grant]:
     return {(group, resource, verb) for (group, resource), verbs in rbac.required(**config).items() for verb in verbs}
 

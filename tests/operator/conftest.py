@@ -12,7 +12,7 @@ from typing import Any
 
 import helm_python
 import pytest
-from chart_rbac import CHART, OperatorAccount, OperatorFactory, misused, operator_factory
+from chart_rbac import ACCESS_LOG, CHART, OperatorAccount, OperatorFactory, misused, operator_factory
 from test_operator_cluster import Jobs
 
 from stalwart.etcd.store import Store
@@ -46,14 +46,15 @@ def operator_account(local_cluster: LocalCluster, chart: helm_python.Chart,
 
 @pytest.fixture
 def start_operator(local_cluster: LocalCluster, trainingjob_crd: None, operator_account: OperatorAccount,
-                   k8s_namespace: str) -> Iterator[OperatorFactory]:
+                   k8s_namespace: str, request: pytest.FixtureRequest) -> Iterator[OperatorFactory]:
     """``start_operator(namespace, **config)`` starts an operator serving that namespace, as the chart's
     ServiceAccount with the chart's Role granted there; stopped after, before the test's namespace (and the Role
-    in it) is deleted."""
+    in it) is deleted. What the account did so far is then noted in :data:`chart_rbac.ACCESS_LOG`."""
     start, started = operator_factory(operator_account, str(local_cluster.etcd_endpoint))
     yield start
     for op in started:
         op.stop()
+    ACCESS_LOG.note(local_cluster, operator_account.user, request.node.name)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 
 import helm_python
 import pytest
-from chart_rbac import OperatorAccount, declared, operator_factory, used, without_verb
+from chart_rbac import ACCESS_LOG, OperatorAccount, declared, operator_factory, used, without_verb
 from kubernetes import client as k8s
 from kubernetes import config as kconfig
 from test_operator_cluster import SLEEP, Jobs, job_body, wait_for
@@ -31,20 +31,35 @@ def ran(request: pytest.FixtureRequest, module: str) -> list[str]:
             and item.module.__name__ == module]
 
 
+def ran_with_the_account(request: pytest.FixtureRequest) -> list[str]:
+    """The tests of this session before this one that run an operator as the chart's account."""
+    names = []
+    for item in request.session.items:
+        if item is request.node:
+            return names
+        if "start_operator" in getattr(item, "fixturenames", ()):
+            names.append(item.name)
+    return names
+
+
 def test_rbac_py_is_exactly_what_the_operator_used(local_cluster: LocalCluster, operator_account: OperatorAccount,
                                                    request: pytest.FixtureRequest) -> None:
     allowed, refused = used(local_cluster, operator_account.user)
     assert refused == set(), f"the operator was refused {sorted(refused)}: the chart's RBAC lacks them"
+    allowed |= ACCESS_LOG.allowed
     possible = declared(peering=True, clusterwide=False, gang="coscheduling") | declared(
         peering=True, clusterwide=False, gang="volcano")
     assert allowed - possible == set(), f"calls rbac.py does not declare: {sorted(allowed - possible)}"
     cluster_tests = ran(request, "test_operator_cluster")
     if "test_lifecycle_of_a_small_job_with_real_agents" not in cluster_tests:
         pytest.skip("which permissions go unused is known only after the operator suite of this directory")
+    elsewhere = [t for t in ran_with_the_account(request) if t not in ACCESS_LOG.tests]
+    assert elsewhere == [], f"tests of the chart's account ran on another worker (xdist group?): {elsewhere}"
     wanted = declared(peering="test_two_replicas_with_peering_one_works_and_the_other_takes_over" in cluster_tests,
                       clusterwide=False, gang="coscheduling" if "test_gang_scheduler_pod_group" in cluster_tests
                       else None)
-    assert wanted - allowed == set(), f"rbac.py grants what the operator never used: {sorted(wanted - allowed)}"
+    assert wanted - allowed == set(), (f"rbac.py grants what the operator never used: {sorted(wanted - allowed)}; "
+                                       f"the account's tests on this worker: {ACCESS_LOG.tests}")
 
 
 @pytest.fixture
