@@ -3,7 +3,8 @@
 
 ``D + "requests/<id>"`` -> :class:`DrillRequest`
     Written by ``stalwart drill`` (bound to a lease, so it goes by itself): which node, which local rank,
-    which fault. Signed with HMAC-SHA256 under the job's token (the ``rpc-token`` of the job's Secret, which the
+    which fault. Signed with HMAC-SHA256 under a key derived from the job's token for drill signing only
+    (:mod:`stalwart.api.keys`; the token is the ``rpc-token`` of the job's Secret, which the
     agents have as ``STALWART_RPC_TOKEN``): an agent carries out only a request whose signature it can check,
     for its own job, within its validity, once, and only when the job opted in
     (``spec.faultInjection.enabled``).
@@ -31,6 +32,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from stalwart.api.base import ApiModel
+from stalwart.api.keys import purpose_key
 
 __all__ = ["AGENT_KINDS", "DRILL_SIGNAL", "MAX_LIFETIME", "DrillKind", "DrillRequest", "DrillResult", "ack_path",
            "marker_path", "request_path"]
@@ -57,7 +59,8 @@ class DrillRequest(ApiModel):
     kind: DrillKind = Field(description="rank-exception, rank-kill (SIGKILL) or rank-hang (the process freezes).")
     issued: float = Field(description="Wall-clock time the request was made (Unix seconds).")
     expires: float = Field(description="Wall-clock time after which it must not be carried out.")
-    signature: str = Field(default="", description="Hex HMAC-SHA256 of the other fields under the job's token.")
+    signature: str = Field(default="", description="Hex HMAC-SHA256 of the other fields under the drill-signing "
+                                                   "key of the job's token.")
 
     @field_validator("id")
     @classmethod
@@ -72,11 +75,15 @@ class DrillRequest(ApiModel):
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     def signed(self, token: bytes) -> DrillRequest:
-        return self.model_copy(update={"signature": hmac.new(token, self.payload(), hashlib.sha256).hexdigest()})
+        """Signed under the drill-signing key derived from the job's ``token`` (never the token itself, which
+        also keys RPC and the torchrun state: :mod:`stalwart.api.keys`)."""
+        key = purpose_key(token, "drill-signing")
+        return self.model_copy(update={"signature": hmac.new(key, self.payload(), hashlib.sha256).hexdigest()})
 
     def verify(self, token: bytes) -> bool:
-        """Whether the signature is this request's under ``token`` (compared in constant time)."""
-        expected = hmac.new(token, self.payload(), hashlib.sha256).hexdigest()
+        """Whether the signature is this request's under the drill-signing key of ``token`` (compared in
+        constant time)."""
+        expected = hmac.new(purpose_key(token, "drill-signing"), self.payload(), hashlib.sha256).hexdigest()
         return hmac.compare_digest(expected, self.signature)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
+import hmac
 import os
 import pickle
 import threading
@@ -122,7 +124,8 @@ def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_streams(tmp_
             finally:
                 writer.close()
 
-        async def handshake(token: str, then: bytes, replay: bytes | None = None) -> tuple[bool, bytes, bytes]:
+        async def handshake(token: str, then: bytes, replay: bytes | None = None,
+                            raw_token_proof: bool = False) -> tuple[bool, bytes, bytes]:
             """A caller by hand: (the callee's proof was right, the proof we sent, all we got after it)."""
             reader, writer = await asyncio.open_connection(host, int(port))
             try:
@@ -131,6 +134,8 @@ def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_streams(tmp_
                 challenge = await asyncio.wait_for(reader.readexactly(48), 30)
                 callee_ok = challenge[16:] == callee_proof(TOKEN, nonce, challenge[:16])
                 ours = replay if replay is not None else caller_proof(token, nonce, challenge[:16])
+                if raw_token_proof:  # keyed with the token itself, as before one key per purpose
+                    ours = hmac.new(token.encode(), b"caller" + challenge[:16] + nonce, hashlib.sha256).digest()
                 writer.write(ours + then)
                 await writer.drain()
                 answer = await asyncio.wait_for(reader.readexactly(1), 30)
@@ -144,6 +149,9 @@ def test_unauthenticated_peer_gets_nothing_and_nothing_is_unpickled_streams(tmp_
         assert asyncio.run(raw(evil[:24].ljust(24, b"\0"), framed_evil)) == REFUSED
         # a wrong token: the callee proves it holds the job's token, the caller cannot; refused, nothing parsed
         callee_ok, _, answer = asyncio.run(handshake("wrong-token-0123456789", framed_evil))
+        assert callee_ok and answer == REFUSED
+        # the right token used as the key itself (not the RPC key derived from it): refused
+        callee_ok, _, answer = asyncio.run(handshake(TOKEN, framed_evil, raw_token_proof=True))
         assert callee_ok and answer == REFUSED
         # even with the right token, a pickle is only a malformed frame: dropped, never loaded, no reply
         callee_ok, recorded, answer = asyncio.run(handshake(TOKEN, framed_evil))
