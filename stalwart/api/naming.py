@@ -33,6 +33,8 @@ MAX_SUBDOMAIN_LENGTH = 253
 
 #: Labels the operator puts on every object it creates for a job.
 LABEL_JOB_NAME = "stalwart.dev/job-name"
+#: The operator's mark on a Secret it made for a job (``stalwart.operator.provenance``): adopted only with it.
+ANNOTATION_MADE_BY = "stalwart.dev/made-by"
 #: ``worker`` or ``spare``.
 LABEL_ROLE = "stalwart.dev/role"
 #: The pod's index within its role.

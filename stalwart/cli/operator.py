@@ -85,6 +85,12 @@ def register(sub: Any) -> None:
                    default=os.environ.get("STALWART_ETCD_ENABLE_AUTH", "").lower() in ("1", "true"),
                    help="when the default etcd's authentication is off, turn it on, creating its root user with "
                         "the root login in --etcd-secret-dir (how the chart secures its bundled etcd)")
+    p.add_argument("--adoption-key-file", metavar="FILE",
+                   default=os.environ.get("STALWART_ADOPTION_KEY_FILE") or None,
+                   help="the key (at least 32 bytes) of the mark the operator puts on each job's Secret; a Secret "
+                        "found in place of one it meant to create is adopted only with that mark. The same for "
+                        "every replica and across restarts (the chart keeps one in a Secret of its namespace); "
+                        "default: $STALWART_ADOPTION_KEY_FILE, else a key drawn for this run only")
     p.add_argument("--kubeconfig", default=None,
                    help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG)")
     p.add_argument("--health-port", type=_port, default=8080,
@@ -160,7 +166,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
+    from stalwart.operator.provenance import load_key
+
+    try:
+        adoption_key = load_key(args.adoption_key_file) if args.adoption_key_file else None
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     config = OperatorRunConfig(
+        adoption_key=adoption_key,
         etcd_credentials=credentials,
         job_etcd_users=args.job_etcd_users,
         job_client=job_client,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from stalwart.api import naming
 from stalwart.api.status import ConditionStatus, ConditionType, Phase
 from stalwart.etcd.client import CredentialsError
 from stalwart.etcd.store import StorePermissionDenied, StoreSecurityError
@@ -19,23 +20,32 @@ from stalwart.operator.kube import KubeError
 from stalwart.operator.model import Conflict, EtcdProblem, JobView
 from stalwart.operator.work import Work, condition
 
-__all__ = ["BLOCKING_KINDS", "conflict_of", "etcd_access", "etcd_problem", "ownership"]
+__all__ = ["BLOCKING_KINDS", "MARKED_KINDS", "conflict_of", "etcd_access", "etcd_problem", "ownership"]
 
 #: Kinds whose conflict stops the job: its pods would mount a foreign Secret, be named by a foreign
 #: Service, or be gang-scheduled by a foreign PodGroup's minimum. A pod's conflict only takes that pod's name
 #: out of use.
 BLOCKING_KINDS = frozenset({"Secret", "Service", "PodGroup"})
 REASON_NOT_OWNED = "NotOwned"
+#: Kinds adopted only with the operator's mark as well as the job's controller reference (:mod:`.provenance`):
+#: the Secret holds the job's RPC token and etcd login, so one planted with a forged owner reference would
+#: give the job credentials its planter knows.
+MARKED_KINDS = frozenset({"Secret"})
 
 
-def conflict_of(kind: str, name: str, uid: str,
-                owner_references: Iterable[Mapping[str, Any]] | None) -> Conflict | None:
+def conflict_of(kind: str, name: str, uid: str, owner_references: Iterable[Mapping[str, Any]] | None,
+                made_here: bool | None = None) -> Conflict | None:
     """The conflict an existing object ``kind``/``name`` is for the job of ``uid`` (None when it is the job's:
-    a controller owner reference with that uid, or when it does not exist: ``owner_references`` None)."""
+    a controller owner reference with that uid, or when it does not exist: ``owner_references`` None).
+    ``made_here``: whether the object carries this operator's mark (:mod:`.provenance`), for the kinds that
+    must (the Secret); None for those adopted by their owner reference alone."""
     if owner_references is None:
         return None
     refs = list(owner_references)
     if any(r.get("uid") == uid and r.get("controller") for r in refs):
+        if made_here is False:
+            return Conflict(kind, name, f"controlled by the job but not made by this operator: no valid "
+                                        f"{naming.ANNOTATION_MADE_BY} mark")
         return None
     controller = next((r for r in refs if r.get("controller")), None)
     if controller is not None:

@@ -31,6 +31,7 @@ from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
 from stalwart.etcd.client import EtcdCredentials
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import StoreError
+from stalwart.operator import provenance
 from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.job_login import JobClient, retire
 from stalwart.operator.kube import Kube, KubeError
@@ -77,6 +78,9 @@ class OperatorRunConfig:
     gang_scheduler: str | None = None
     #: This replica's name among its peers (default: kopf's, from $POD_ID or host and process).
     identity: str | None = None
+    #: The key of the operator's mark on the Secrets it makes (:mod:`.provenance`), the same for every replica
+    #: and run; None: one drawn for this run (what an earlier run made is then not adopted).
+    adoption_key: bytes | None = field(default=None, repr=False)
 
 
 def _index_pod(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], tuple[str, PodView]]:
@@ -119,13 +123,19 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
             settings.peering.name = config.peering
             settings.peering.mandatory = True
             settings.peering.clusterwide = not config.namespaces
+        adoption_key = config.adoption_key
+        if adoption_key is None:
+            adoption_key = provenance.new_key()
+            log.warning("no adoption key (--adoption-key-file): Secrets made by an earlier run or another replica "
+                        "of the operator will not be adopted (OwnershipConflict)%s",
+                        "; with peering, every replica needs the same key" if config.peering else "")
         ctx = OperatorContext(kube=kube, etcd=EtcdAccess(timeout=config.etcd_timeout,
                                                          enable_auth=config.etcd_enable_auth),
                               settings=config.settings, default_endpoints=config.default_endpoints,
                               default_credentials=config.etcd_credentials, job_logins=config.job_etcd_users,
                               job_client=config.job_client,
                               agent_command=config.agent_command, gang_scheduler=config.gang_scheduler,
-                              loop=asyncio.get_running_loop())
+                              adoption_key=adoption_key, loop=asyncio.get_running_loop())
         ctx.etcd.on_change = ctx.wake_uid_threadsafe
         state["ctx"] = ctx
 

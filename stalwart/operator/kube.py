@@ -20,12 +20,14 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from stalwart.api import naming
 from stalwart.api.trainingjob import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from stalwart.operator import metrics
 
@@ -133,9 +135,9 @@ class Kube:
                                     namespace, body, _request_timeout=self.timeout, _preload_content=False),
                                 ok_status=(409,)) is not None
 
-    async def owner_references(self, resource: str, namespace: str, name: str) -> list[dict[str, Any]] | None:
-        """The ``metadata.ownerReferences`` of the pod, Service or Secret ``name`` (``resource``: pods,
-        services or secrets); None when it does not exist. Checked before the operator adopts an object it
+    async def owner_references(self, resource: str, namespace: str, name: str) -> Existing | None:
+        """The owner references and the operator's mark of the pod, Service or Secret ``name`` (``resource``:
+        pods, services or secrets); None when it does not exist. Checked before the operator adopts an object it
         found in place of one it meant to create."""
         read = {"pods": self.core.read_namespaced_pod, "services": self.core.read_namespaced_service,
                 "secrets": self.core.read_namespaced_secret}[resource]
@@ -160,7 +162,7 @@ class Kube:
             _request_timeout=self.timeout, _preload_content=False))
 
     async def pod_group_owner_references(self, api_version: str, namespace: str,
-                                         name: str) -> list[dict[str, Any]] | None:
+                                         name: str) -> Existing | None:
         """As :meth:`owner_references`, for the PodGroup ``name`` of ``api_version`` (``group/version``)."""
         group, _, version = api_version.partition("/")
         result = await self._call("get", "podgroups", name, lambda: self.custom.get_namespaced_custom_object(
@@ -212,12 +214,23 @@ class Kube:
             namespace, body, _request_timeout=self.timeout, _preload_content=False))
 
 
+@dataclass(frozen=True, slots=True)
+class Existing:
+    """What decides whether an object found in place of one the operator meant to create is the job's: its
+    ``metadata.ownerReferences`` and its :data:`~stalwart.api.naming.ANNOTATION_MADE_BY` mark (None: none)."""
+
+    owner_references: tuple[dict[str, Any], ...]
+    made_by: str | None = None
+
+
 def new_rpc_token() -> str:
     """A fresh random RPC token (256 bits, hex)."""
     return secrets.token_hex(32)
 
 
-def _owner_references(data: bytes) -> list[dict[str, Any]]:
-    """The ``metadata.ownerReferences`` of an object read as raw JSON."""
-    refs = (json.loads(data).get("metadata") or {}).get("ownerReferences") or []
-    return [dict(r) for r in refs if isinstance(r, Mapping)]
+def _owner_references(data: bytes) -> Existing:
+    """The ``metadata.ownerReferences`` and the operator's mark of an object read as raw JSON."""
+    meta = json.loads(data).get("metadata") or {}
+    refs = meta.get("ownerReferences") or []
+    mark = (meta.get("annotations") or {}).get(naming.ANNOTATION_MADE_BY)
+    return Existing(tuple(dict(r) for r in refs if isinstance(r, Mapping)), mark if isinstance(mark, str) else None)

@@ -150,10 +150,11 @@ def service_manifest(*, job: str, namespace: str, uid: str) -> dict[str, Any]:
     }
 
 
-def secret_manifest(*, job: str, namespace: str, uid: str, token: str,
+def secret_manifest(*, job: str, namespace: str, uid: str, token: str, made_by: str,
                     extra: Mapping[str, bytes] | None = None) -> dict[str, Any]:
     """The job's Secret holding the RPC token that authenticates RPC between the job's processes, and
-    ``extra`` keys (the job's etcd login, when the operator gives each job an etcd user)."""
+    ``extra`` keys (the job's etcd login, when the operator gives each job an etcd user); ``made_by`` is the
+    operator's mark (``stalwart.operator.provenance``), without which it would not adopt this Secret again."""
     if len(token) < 32:
         raise ValueError("token: an RPC token needs at least 32 characters")
     return {
@@ -161,7 +162,8 @@ def secret_manifest(*, job: str, namespace: str, uid: str, token: str,
         "kind": "Secret",
         "type": "Opaque",
         "metadata": {"name": naming.secret_name(job), "namespace": namespace,
-                     "labels": {naming.LABEL_JOB_NAME: job}, "ownerReferences": [owner_reference(job, uid)]},
+                     "labels": {naming.LABEL_JOB_NAME: job}, "annotations": {naming.ANNOTATION_MADE_BY: made_by},
+                     "ownerReferences": [owner_reference(job, uid)]},
         "data": {RPC_TOKEN_KEY: base64.b64encode(token.encode()).decode(),
                  **{k: base64.b64encode(v).decode() for k, v in (extra or {}).items()}},
     }

@@ -24,12 +24,12 @@ from stalwart.etcd.client import EtcdCredentials
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.outage import Backoff, Outage
 from stalwart.etcd.store import StoreError
-from stalwart.operator import metrics
+from stalwart.operator import metrics, provenance
 from stalwart.operator.etcd_access import EtcdAccess, EtcdTarget
 from stalwart.operator.etcd_policy import etcd_refusal
-from stalwart.operator.guards import BLOCKING_KINDS, conflict_of, etcd_problem
+from stalwart.operator.guards import BLOCKING_KINDS, MARKED_KINDS, conflict_of, etcd_problem
 from stalwart.operator.job_login import JobClient, job_secret_data, provision
-from stalwart.operator.kube import Kube, KubeError, new_rpc_token
+from stalwart.operator.kube import Existing, Kube, KubeError, new_rpc_token
 from stalwart.operator.manifests import (
     AGENT_COMMAND,
     GANG_SCHEDULERS,
@@ -81,6 +81,8 @@ class OperatorContext:
     agent_command: tuple[str, ...] = AGENT_COMMAND
     #: "volcano" or "coscheduling": create a PodGroup per job and point its pods at it; None: no gang scheduler.
     gang_scheduler: str | None = None
+    #: The key of this operator's mark on the Secrets it makes (:mod:`.provenance`).
+    adoption_key: bytes = field(default_factory=provenance.new_key, repr=False)
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     names_by_uid: dict[str, tuple[str, str]] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None
@@ -326,8 +328,9 @@ class JobRunner:
         service = naming.service_name(self.name)
         made = await asyncio.gather(
             self.ctx.kube.create_service(ns, service_manifest(job=self.name, namespace=ns, uid=job.uid)),
-            self.ctx.kube.create_secret(ns, secret_manifest(job=self.name, namespace=ns, uid=job.uid,
-                                                            token=new_rpc_token(), extra=extra)))
+            self.ctx.kube.create_secret(ns, secret_manifest(
+                job=self.name, namespace=ns, uid=job.uid, token=new_rpc_token(), extra=extra,
+                made_by=provenance.mark(self.ctx.adoption_key, "Secret", ns, secret, job.uid))))
         found = [await self._conflicting(resource, kind, name, job.uid)
                  for created, (resource, kind, name) in zip(made, [("services", "Service", service),
                                                                    ("secrets", "Secret", secret)], strict=True)
@@ -350,7 +353,7 @@ class JobRunner:
         log.info("job %s/%s: PodGroup minMember %d", self.namespace, self.name, min_member)
         return True
 
-    async def _owner_references(self, resource: str, name: str) -> list[dict[str, Any]] | None:
+    async def _existing(self, resource: str, name: str) -> Existing | None:
         if resource == "podgroups":
             assert self.ctx.gang_scheduler is not None
             api_version = GANG_SCHEDULERS[self.ctx.gang_scheduler][0]
@@ -358,8 +361,12 @@ class JobRunner:
         return await self.ctx.kube.owner_references(resource, self.namespace, name)
 
     async def _conflicting(self, resource: str, kind: str, name: str, uid: str) -> bool:
-        """Whether the existing ``kind``/``name`` is not the job's (then remembered as a conflict)."""
-        conflict = conflict_of(kind, name, uid, await self._owner_references(resource, name))
+        """Whether the existing ``kind``/``name`` is not the job's (then remembered as a conflict). A Secret
+        must also carry this operator's mark: it holds the job's RPC token and etcd login."""
+        existing = await self._existing(resource, name)
+        made_here = None if kind not in MARKED_KINDS or existing is None else provenance.verifies(
+            self.ctx.adoption_key, kind, self.namespace, name, uid, shown=existing.made_by)
+        conflict = conflict_of(kind, name, uid, None if existing is None else existing.owner_references, made_here)
         if conflict is None:
             self.conflicts.pop((kind, name), None)
             return False

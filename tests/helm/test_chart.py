@@ -3,6 +3,7 @@ values combinations users run; the security and availability properties the char
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import yaml
 from helm_render import CHART_DIR, NAMESPACE, Render, documents, find, one, render_files
 
 from stalwart.cli import build_parser
-from stalwart.operator import rbac
+from stalwart.operator import provenance, rbac
 
 REPO = CHART_DIR.parents[1]
 # The oldest Kubernetes the chart declares (Chart.yaml kubeVersion; the CRD needs CEL rules with fieldPath)
@@ -123,6 +124,21 @@ def test_operator_runs_locked_down(render: Render) -> None:
     assert sc["capabilities"] == {"drop": ["ALL"]}
     # The read-only root filesystem leaves Python a writable /tmp only.
     assert {"name": "tmp", "mountPath": "/tmp"} in operator_container(docs)["volumeMounts"]
+
+
+def test_every_replica_reads_one_adoption_key_from_a_secret_of_the_chart(render: Render) -> None:
+    # The operator adopts a job's Secret only with its mark, whose key must be the same for every replica and
+    # every run (issue 31, finding 8): a Secret of the chart's namespace, mounted read-only, named by the flag's
+    # variable, long enough for provenance.load_key.
+    docs = render({"operator": {"replicas": 2}})
+    secret = one(docs, "Secret", "-operator-key")
+    assert len(base64.b64decode(secret["data"]["adoption-key"])) >= provenance.KEY_BYTES
+    container = operator_container(docs)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "operator-key")
+    assert mount["readOnly"] is True and env["STALWART_ADOPTION_KEY_FILE"] == mount["mountPath"] + "/adoption-key"
+    volumes = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "operator-key", "secret": {"secretName": secret["metadata"]["name"]}} in volumes
 
 
 def test_operator_probes_and_resources(render: Render) -> None:

@@ -15,7 +15,7 @@ import helm_python
 import yaml
 
 from stalwart.local.cluster import LocalCluster
-from stalwart.operator import rbac
+from stalwart.operator import provenance, rbac
 from stalwart.operator.embedded import EmbeddedOperator
 from stalwart.operator.handlers import OperatorRunConfig
 from stalwart.operator.model import ReconcileSettings
@@ -93,6 +93,9 @@ class OperatorAccount:
 
 
 OperatorFactory = Callable[..., EmbeddedOperator]
+#: The adoption key of every operator the tests start (as the chart's Secret gives every replica and run one):
+#: an operator restarted in a test adopts the Secrets its predecessor made.
+ADOPTION_KEY = provenance.new_key()
 
 
 def operator_factory(account: OperatorAccount, etcd_endpoint: str) -> tuple[OperatorFactory, list[EmbeddedOperator]]:
@@ -103,6 +106,7 @@ def operator_factory(account: OperatorAccount, etcd_endpoint: str) -> tuple[Oper
     def start(namespace: str, **overrides: Any) -> EmbeddedOperator:
         settings = overrides.pop("settings", ReconcileSettings(status_interval=0.5))
         overrides.setdefault("default_endpoints", (etcd_endpoint,))
+        overrides.setdefault("adoption_key", ADOPTION_KEY)
         config = OperatorRunConfig(namespaces=(namespace,), settings=settings, **overrides)
         account.grant(namespace, peering=config.peering is not None, gang=config.gang_scheduler)
         op = EmbeddedOperator(config, str(account.kubeconfig)).start()

@@ -73,3 +73,46 @@ def test_a_foreign_pod_of_a_workers_name_is_not_adopted(start_operator: Operator
     after = jobs.core.read_namespaced_pod(squatter, jobs.ns)
     assert after.metadata.uid == before.metadata.uid and after.metadata.deletion_timestamp is None
     assert not after.metadata.owner_references
+
+
+def test_a_secret_planted_with_the_jobs_owner_reference_is_not_adopted(start_operator: OperatorFactory,
+                                                                        jobs: Jobs) -> None:
+    # Whoever may create Secrets writes the job's Secret first, naming the job (by its uid) as controller, with
+    # an RPC token of their choosing: without the operator's mark it is not the job's, and nothing reads it.
+    name = "adopt-planted"
+    created = jobs.create(job_body(name, replicas=1, command=SLEEP))  # no operator yet: the planter is first
+    ref = {"apiVersion": created["apiVersion"], "kind": created["kind"], "name": name,
+           "uid": created["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+    jobs.core.create_namespaced_secret(jobs.ns, {
+        "metadata": {"name": naming.secret_name(name), "ownerReferences": [ref],
+                     "annotations": {"stalwart.dev/made-by": "v1:" + "0" * 64}},
+        "stringData": {"rpc-token": "the planter's token, known to the planter"}})
+    before = jobs.core.read_namespaced_secret(naming.secret_name(name), jobs.ns)
+    start_operator(jobs.ns, agent_command=())
+    cond = wait_for("the OwnershipConflict condition", lambda: _conflict(jobs, name), timeout=60)
+    assert cond["reason"] == "NotOwned"
+    assert cond["message"].startswith(
+        f"Secret {naming.secret_name(name)} (controlled by the job but not made by this operator: no valid "
+        f"stalwart.dev/made-by mark)")
+    assert jobs.pods(name) == []  # no pod mounts the planted token
+    after = jobs.core.read_namespaced_secret(naming.secret_name(name), jobs.ns)
+    assert after.metadata.resource_version == before.metadata.resource_version
+
+
+def test_the_operators_own_secret_is_adopted_again_after_a_restart(start_operator: OperatorFactory,
+                                                                    jobs: Jobs) -> None:
+    # The same mark's key (the chart's Secret; here the session's): a new run adopts what the last one made.
+    first = start_operator(jobs.ns, agent_command=())
+    name = "adopt-own"
+    jobs.create(job_body(name, replicas=1, command=SLEEP))
+    wait_for("the job's pods", lambda: jobs.pods(name), timeout=60)
+    secret = jobs.core.read_namespaced_secret(naming.secret_name(name), jobs.ns)
+    assert secret.metadata.annotations["stalwart.dev/made-by"].startswith("v1:")
+    first.stop()
+    start_operator(jobs.ns, agent_command=())
+    jobs.core.delete_namespaced_pod(jobs.pods(name)[0].metadata.name, jobs.ns, grace_period_seconds=0)
+    wait_for("a replacement pod", lambda: any(p.metadata.deletion_timestamp is None
+                                              for p in jobs.pods(name)), timeout=60)
+    assert _conflict(jobs, name) is None
+    again = jobs.core.read_namespaced_secret(naming.secret_name(name), jobs.ns)
+    assert again.metadata.uid == secret.metadata.uid

@@ -3,6 +3,7 @@ the names it needs that are not the job's. Pure: table rows."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from opbuild import JOB, job, observe, of, pod, status
 from stalwart.api.status import ConditionStatus, Phase
 from stalwart.etcd.client import CredentialsError
 from stalwart.etcd.store import StorePermissionDenied, StoreSecurityError, StoreUnavailable
+from stalwart.operator import provenance
 from stalwart.operator.guards import conflict_of, etcd_problem
 from stalwart.operator.kube import KubeError
 from stalwart.operator.model import (
@@ -41,6 +43,37 @@ def test_an_existing_object_is_the_jobs_only_with_its_uid_as_controller(refs: li
                                                                         owner: str | None) -> None:
     conflict = conflict_of("Secret", JOB, UID, refs)
     assert (conflict.owner if conflict is not None else None) == owner
+
+
+@pytest.mark.parametrize(("refs", "made_here", "owner"), [
+    ([MINE], True, None),  # the job's, made by this operator: adopted
+    ([MINE], False, "controlled by the job but not made by this operator: no valid stalwart.dev/made-by mark"),
+    ([MINE], None, None),  # a kind adopted by its owner reference alone
+    ([], False, "no controller"),  # not the job's at all: said so, whatever the mark
+    (None, False, None),  # it does not exist
+])
+def test_a_secret_is_the_jobs_only_with_the_operators_mark_too(refs: list[dict[str, Any]] | None,
+                                                                 made_here: bool | None, owner: str | None) -> None:
+    conflict = conflict_of("Secret", JOB, UID, refs, made_here)
+    assert (conflict.owner if conflict is not None else None) == owner
+
+
+def test_the_mark_binds_key_kind_namespace_name_and_uid(tmp_path: Path) -> None:
+    key = provenance.new_key()
+    good = provenance.mark(key, "Secret", "ns", "job-secret", UID)
+    assert provenance.verifies(key, "Secret", "ns", "job-secret", UID, shown=good)
+    for other in (provenance.mark(provenance.new_key(), "Secret", "ns", "job-secret", UID),  # another key
+                  provenance.mark(key, "Secret", "ns", "job-secret", "uid-2"),  # another job's
+                  provenance.mark(key, "Secret", "other-ns", "job-secret", UID),
+                  provenance.mark(key, "Service", "ns", "job-secret", UID), "v1:" + "0" * 64, "", None):
+        assert not provenance.verifies(key, "Secret", "ns", "job-secret", UID, shown=other)
+    (tmp_path / "key").write_bytes(b"k" * 40 + b"\n")
+    assert provenance.load_key(str(tmp_path / "key")) == b"k" * 40
+    (tmp_path / "short").write_bytes(b"k" * 31)
+    with pytest.raises(ValueError, match=r"--adoption-key-file: .*short holds 31 bytes; expected at least 32"):
+        provenance.load_key(str(tmp_path / "short"))
+    with pytest.raises(ValueError, match=r"--adoption-key-file: cannot read .*missing"):
+        provenance.load_key(str(tmp_path / "missing"))
 
 
 @pytest.mark.parametrize(("error", "reason", "names"), [

@@ -209,10 +209,11 @@ def test_service_and_secret() -> None:
     svc = service_manifest(job=JOB, namespace="ns", uid="u")
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {"stalwart.dev/job-name": JOB}
-    secret = secret_manifest(job=JOB, namespace="ns", uid="u", token="t" * 64)
+    secret = secret_manifest(job=JOB, namespace="ns", uid="u", token="t" * 64, made_by="v1:ab")
     assert base64.b64decode(secret["data"]["rpc-token"]) == b"t" * 64
+    assert secret["metadata"]["annotations"] == {"stalwart.dev/made-by": "v1:ab"}
     with pytest.raises(ValueError, match="token"):
-        secret_manifest(job=JOB, namespace="ns", uid="u", token="short")
+        secret_manifest(job=JOB, namespace="ns", uid="u", token="short", made_by="v1:ab")
 
 
 # -- RBAC ------------------------------------------------------------------------------------------------------
