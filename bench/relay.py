@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay
 from stalwart.api.restart import ArrivalRecord
+from stalwart.etcd.client import connect
 from stalwart.etcd.keys import SEAL, JobKeys
 from stalwart.etcd.store import Store, WatchRange
 from stalwart.local.etcd import EtcdServer
@@ -104,7 +105,7 @@ def main() -> int:
                    help=f"the relay's linger in seconds (default {DEFAULT_LINGER:g}, the agent's)")
     args = p.parse_args()
     with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="relay-bench-") as tmp:
-        store = Store([etcd.endpoint], timeout=10.0)
+        store = connect([etcd.endpoint], timeout=10.0)
         keys = JobKeys("bench", uuid.uuid4().hex[:12])
         epoch = store.put(keys.rendezvous + "manifest", b"{}")
         counting = Counting(store)

@@ -150,14 +150,14 @@ def worker_stalwart(n: int, endpoint: str, cap: float, secure: SecureEtcd | None
 def worker_stalwart_rerdzv(n: int, endpoint: str) -> dict[str, Any]:
     from stalwart.agent.rendezvous import Rendezvous, RendezvousSettings
     from stalwart.api.rendezvous import NodeRecord
+    from stalwart.etcd.client import connect
     from stalwart.etcd.keys import MANIFEST, NODES, JobKeys
-    from stalwart.etcd.store import Store
 
     keys = JobKeys("bench", uuid.uuid4().hex[:12])
     settings = RendezvousSettings(min_nodes=n, max_nodes=n, node_ttl=60, join_timeout=300)
-    store = Store([endpoint], timeout=30)
+    store = connect([endpoint], timeout=30)
     rdzv = Rendezvous(store, keys, settings)
-    victim_store = Store([endpoint], timeout=30)
+    victim_store = connect([endpoint], timeout=30)
     victim_rdzv = Rendezvous(victim_store, keys, RendezvousSettings(
         min_nodes=n, max_nodes=n, node_ttl=2, join_timeout=300))
     victim_id = f"node-{n // 2}"
@@ -242,7 +242,7 @@ def worker_torch(impl: str, n: int, endpoint: str, cap: float) -> dict[str, Any]
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     from stalwart.agent.rendezvous.torch_backend import EtcdV3RendezvousBackend
-    from stalwart.etcd.store import Store
+    from stalwart.etcd.client import connect
     from stalwart.etcd.torch_store import EtcdTorchStore
 
     run_id = uuid.uuid4().hex[:12]
@@ -256,7 +256,7 @@ def worker_torch(impl: str, n: int, endpoint: str, cap: float) -> dict[str, Any]
         shared = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=cap + 60), multi_tenant=True)
     else:
-        shared = Store([endpoint], timeout=30)
+        shared = connect([endpoint], timeout=30)
     handlers: list[Any] = []
     for _ in range(n):
         if impl == "torch-c10d":

@@ -93,12 +93,12 @@ def detect_seconds(etcd: EtcdServer, run_id: str, work: Path) -> float:
     """Seconds from the injected fault to the fault record that names the faulty rank (the earliest record of
     a kind seen at the faulty process; see stalwart.api.restart.DIRECT_KINDS)."""
     from stalwart.api.restart import DIRECT_KINDS, FaultRecord
+    from stalwart.etcd.client import connect
     from stalwart.etcd.keys import JobKeys
-    from stalwart.etcd.store import Store
 
     prefix = JobKeys("bench", run_id).restart
     values: dict[str, bytes] = {}
-    with Store([etcd.endpoint]) as store:
+    with connect([etcd.endpoint]) as store:
         # From etcd's history: the sealer deletes the keys of old iterations, and under load a run may take one
         # restart more than the one injected.
         _, revision = store.get_prefix(prefix, keys_only=True)

@@ -134,13 +134,13 @@ def inject(kind: str) -> None:
 def leak_report(args: argparse.Namespace, rank: int, restarts: int) -> None:
     import threading
 
-    from stalwart.etcd.store import Store
+    from stalwart.etcd.client import connect
 
     endpoints = os.environ["STALWART_ETCD_ENDPOINTS"].split(",")
     uid = os.environ["STALWART_JOB_UID"]
     ns = os.environ["STALWART_JOB"].partition("/")[0]
     prefix = f"/stalwart/v1/{ns}/{uid}/"
-    with Store(endpoints) as s:
+    with connect(endpoints) as s:
         kvs, _ = s.get_prefix(prefix, keys_only=True)
     # Which iterations still have keys: restart/<epoch>/<kind>/<iteration>/... and store/<epoch>/<iteration>/...
     iterations: set[int] = set()

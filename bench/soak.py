@@ -381,7 +381,7 @@ class Soak:
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             log.close()
-        with Store([self.cluster.etcd_endpoint], timeout=1.0) as store:
+        with Store([self.cluster.etcd_endpoint], timeout=1.0) as store:  # waits for it: connect would refuse now
             wait_for("etcd to serve again", lambda: _serves(store), 60)
 
     def went_on(self, step_before: int, injected: float) -> Recovery | None:

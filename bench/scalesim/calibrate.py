@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.scalesim.sim import Costs
+from stalwart.etcd.client import connect
 from stalwart.etcd.store import Compare, Put, Store
 from stalwart.local.etcd import find_etcd_binary
 
@@ -94,7 +95,7 @@ def etcdctl() -> str:
 
 
 def calibrate(endpoint: str) -> Costs:
-    store = Store([endpoint], timeout=30)
+    store = connect([endpoint], timeout=30)
     base = f"/calibrate/{uuid.uuid4().hex[:8]}/"
     try:
         rtt = _timed(store.revision, 300)
