@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from recording_server import Recorder
+from xdist_groups import GROUP_MODULES
 
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
@@ -17,24 +19,22 @@ from stalwart.local.etcd import EtcdServer
 pytest_plugins = ["stalwart.local.pytest_plugin", "durations_plugin"]
 
 
-#: xdist groups (``--dist loadgroup``): the tests of a group run on one worker, in file order. The RBAC record
-#: test_zz_rbac.py checks is of its worker's cluster, and must hold every call of the operator tests (each grant
-#: of rbac.py used by one of them: ``pods get`` is by none of test_operator_cluster.py's), so every test of the
-#: chart's operator account runs on that worker. The e2e installation is one cluster per worker that asks for
-#: it, so its tests share one.
-GROUP_MODULES = {"tests/operator/test_zz_rbac.py": "operator-rbac"}
-GROUP_FIXTURES = {"operator_account": "operator-rbac", "stalwart_install": "e2e-install"}
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` with the groups of :mod:`xdist_groups`, decided by module path on the controller.
+    (xdist's own groups ride on a suffix of the test's node id, which pytest 9 no longer takes: its tests of one
+    group were spread over every worker.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return GROUP_MODULES.get(nodeid.split("::", 1)[0]) or str(super()._split_scope(nodeid))
+
+    return ModuleGroups(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = config.rootpath
-    for item in items:
-        group = GROUP_MODULES.get(item.path.relative_to(root).as_posix()) if item.path.is_relative_to(root) else None
-        fixtures = getattr(item, "fixturenames", ())
-        group = group or next((g for f, g in GROUP_FIXTURES.items() if f in fixtures), None)
-        if group is not None and not any(True for _ in item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(group))
     _skip_gpu_tests(items)
 
 

@@ -1,9 +1,9 @@
 """``stalwart/operator/rbac.py`` against what the operator actually did: every operator test of this directory runs
 as the chart's ServiceAccount with the chart's RBAC (conftest.py), and the API server records each authorization
 decision it made for that account (verb, API group, resource, subresource, namespace). This module runs last
-(its name), reads that record and checks it against rbac.py both ways (under xdist, in one group with
-every test of the operator's account, tests/conftest.py; a worker's cluster is also checked one way at the end
-of its session, by the ``operator_account`` fixture); and it runs the
+(its name), reads that record and checks it against rbac.py both ways (under xdist, in one group with the
+operator modules that use every grant between them, tests/conftest.py; every worker's cluster is also checked
+one way at the end of its session, by the ``operator_account`` fixture); and it runs the
 operator once under an account whose Role lacks one verb of rbac.py, which fails with the API server's 403.
 """
 
@@ -21,6 +21,7 @@ from chart_rbac import ACCESS_LOG, OperatorAccount, declared, operator_factory, 
 from kubernetes import client as k8s
 from kubernetes import config as kconfig
 from test_operator_cluster import SLEEP, Jobs, job_body, wait_for
+from xdist_groups import GROUP_MODULES, RBAC_GROUP
 
 from stalwart.local.cluster import LocalCluster
 
@@ -32,12 +33,15 @@ def ran(request: pytest.FixtureRequest, module: str) -> list[str]:
 
 
 def ran_with_the_account(request: pytest.FixtureRequest) -> list[str]:
-    """The tests of this session before this one that run an operator as the chart's account."""
+    """The tests of this module's xdist group (tests/conftest.py) before this one that run an operator as the
+    chart's account: what this test's record must hold."""
     names = []
     for item in request.session.items:
         if item is request.node:
             return names
-        if "start_operator" in getattr(item, "fixturenames", ()):
+        in_group = item.path.is_relative_to(request.config.rootpath) and \
+            GROUP_MODULES.get(item.path.relative_to(request.config.rootpath).as_posix()) == RBAC_GROUP
+        if in_group and "start_operator" in getattr(item, "fixturenames", ()):
             names.append(item.name)
     return names
 
