@@ -436,8 +436,9 @@ class Soak:
         reason, detected, extra = CULPRITS[kind]
         if kind == "rank-hang" and lf.get("detectedBy") == "Process":
             # Thawed but stuck: killed at its hard timeout. The agent asks for its stacks first (SIGQUIT, on which
-            # the process dumps and ends), and kills it (SIGKILL) only if it has not ended a moment later.
-            detected, extra = "Process", {}
+            # the process dumps and ends), and kills it (SIGKILL) only if it has not ended a moment later. Its
+            # agent's record says why: no progress, a Hang (stalwart/operator/failures.py, exit_facts).
+            reason, detected, extra = "Hang", "Process", {}
             if lf.get("signal") not in ("SIGQUIT", "SIGKILL"):
                 problems.append(f"lastFailure signal {lf.get('signal')}, expected SIGQUIT or SIGKILL")
         want: JSON = {"reason": reason, "detectedBy": detected, "pod": target, **extra}

@@ -36,3 +36,21 @@ def check(kind: str, shown: list[tuple[float, Any]], rank: int | None = None) ->
 ], ids=["named-then-confirmed", "survivor-first", "late", "nothing", "hang", "hang-survivor", "hang-wrong-rank"])
 def test_the_early_culprit(kind: str, shown: list[tuple[float, Any]], rank: int | None, ok: bool) -> None:
     assert (check(kind, shown, rank) == []) is ok
+
+
+@pytest.mark.parametrize(("last_failure", "problems"), [
+    ({"reason": "PeerLost", "detectedBy": "Heartbeat", "pod": "minimal-worker-1", "rank": 1}, []),
+    # Thawed but stuck, so killed at its hard timeout: its agent's record names the hang (a CI run showed it).
+    ({"reason": "Hang", "detectedBy": "Process", "pod": "minimal-worker-1", "rank": 1, "signal": "SIGQUIT"}, []),
+    ({"reason": "ProcessExited", "detectedBy": "Process", "pod": "minimal-worker-1", "rank": 1, "signal": "SIGKILL"},
+     ["lastFailure {'reason': 'ProcessExited'}, expected {'reason': 'Hang'}"]),
+    ({"reason": "Hang", "detectedBy": "Process", "pod": "minimal-worker-0", "rank": 0, "signal": "SIGKILL"},
+     ["lastFailure {'pod': 'minimal-worker-0', 'rank': 0}, expected {'pod': 'minimal-worker-1', 'rank': 1}"]),
+], ids=["heartbeat", "hard-timeout", "hard-timeout-not-a-hang", "hard-timeout-survivor"])
+def test_after_a_hang_the_frozen_rank_is_named(last_failure: dict[str, Any], problems: list[str]) -> None:
+    s = soak.Soak(Path("/nonexistent"), faults=1)
+    before = {"phase": "Running", "restarts": {"inProcess": 2}, "totalRestarts": 2, **BEFORE}
+    moved = (3, 0) if last_failure["detectedBy"] == "Heartbeat" else (2, 1)
+    after = {"phase": "Running", "restarts": {"inProcess": moved[0], "processRestarts": moved[1]},
+             "totalRestarts": 3, "lastFailure": last_failure}
+    assert s.judge("rank-hang", "minimal-worker-1", 1, before, after) == problems
