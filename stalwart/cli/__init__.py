@@ -19,9 +19,35 @@ from stalwart import exits
 COMMANDS = ["dev", "crd", "validate", "local", "agent", "operator", "demo", "drill"]
 
 
+#: What ``--log-level`` takes (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(value: str) -> str:
+    """``--log-level``'s value, upper-cased; a bad one is argparse's usage error (exit 2) naming the choices."""
+    if value.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)} (any case), got {value!r}")
+    return value.upper()
+
+
+def version() -> str:
+    """The installed distribution's version (``unknown`` when run from a tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("stalwart")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stalwart", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser = argparse.ArgumentParser(
+        prog="stalwart", description="Fault-tolerant distributed PyTorch training on Kubernetes: the operator, "
+                                     "the pods' agent, a local cluster, fault drills and the demo.")
+    parser.add_argument("--version", action="version", version=f"stalwart {version()}")
+    parser.add_argument("--log-level", default="INFO", type=log_level, metavar="LEVEL",
+                        help=f"logging level: {', '.join(LOG_LEVELS)} (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"stalwart.cli.{name}").register(sub)
@@ -38,7 +64,7 @@ BOUNDED_EXIT = frozenset({"agent", "operator", "drill"})
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     code: int = args.func(args)
     return code

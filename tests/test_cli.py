@@ -1,0 +1,36 @@
+"""The command line's first words: ``--version`` and a bad ``--log-level`` answered plainly (issue 35), through
+the installed ``stalwart`` program."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from stalwart.cli import LOG_LEVELS, build_parser
+
+
+def stalwart(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stalwart", *args], capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def test_version_is_the_installed_distributions() -> None:
+    done = stalwart("--version")
+    assert (done.returncode, done.stdout.strip()) == (0, f"stalwart {version('stalwart')}")
+
+
+@pytest.mark.parametrize("bad", ["foo", "verbose", ""])
+def test_a_bad_log_level_is_a_usage_error_naming_the_choices(bad: str) -> None:
+    done = stalwart("--log-level", bad, "crd")
+    assert done.returncode == 2 and done.stdout == ""
+    assert f"argument --log-level: expected one of {', '.join(LOG_LEVELS)} (any case), got {bad!r}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_log_level_in_any_case_is_taken() -> None:
+    assert build_parser().parse_args(["--log-level", "debug", "crd"]).log_level == "DEBUG"
+    done = stalwart("--log-level", "warning", "crd")
+    assert done.returncode == 0 and "CustomResourceDefinition" in done.stdout
