@@ -32,8 +32,9 @@ from stalwart.api.trainingjob import (
     TrainingJob,
 )
 
-#: Printer columns. RESTARTS is ``status.totalRestarts``: in-process restarts plus pod replacements, the
-#: figure a user compares with ``kubectl get pods``' RESTARTS (the split is in ``status.restarts``).
+#: Printer columns. RESTARTS is ``status.totalRestarts``: the recoveries, in-process restarts plus process
+#: restarts (the split, and pod replacements, are in ``status.restarts``). STALLED is the ``Stalled`` condition's
+#: status, so that ``kubectl get tj`` shows a job that stopped making progress while its phase is Running.
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "The job's phase."},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas",
@@ -43,7 +44,11 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Round", "type": "integer", "jsonPath": ".status.round",
      "description": "Current rendezvous round."},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.totalRestarts",
-     "description": "In-process restarts plus pod replacements."},
+     "description": ("Recoveries: restarts.inProcess + restarts.processRestarts (pod replacements are "
+                     "restarts.podReplacements).")},
+    {"name": "Stalled", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Stalled")].status',
+     "description": ("True while a rank makes no progress within its soft timeout (the Stalled condition, "
+                     "whose message names it).")},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

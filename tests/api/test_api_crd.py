@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from stalwart.api import TrainingJob
 from stalwart.api.crd import _model_classes, crd, crd_yaml, openapi_schema
+from stalwart.api.status import TrainingJobStatus
 from stalwart.api.validation import document_problems
 from stalwart.cli import main
+from stalwart.local.apiserver.tables import json_path
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -115,16 +117,25 @@ def test_names_subresources_and_printer_columns() -> None:
         "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector"}
     columns = {c["name"].upper(): c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["PHASE", "READY", "WORLD", "ROUND", "RESTARTS", "AGE"]
+    assert list(columns) == ["PHASE", "READY", "WORLD", "ROUND", "RESTARTS", "STALLED", "AGE"]
     assert columns["PHASE"]["jsonPath"] == ".status.phase"
     assert columns["WORLD"]["jsonPath"] == ".status.worldSize"
     assert columns["ROUND"]["jsonPath"] == ".status.round"
     assert columns["RESTARTS"]["jsonPath"] == ".status.totalRestarts"
     assert columns["AGE"] == {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+    # The RESTARTS column says what the model sums into totalRestarts, no more (issue 35).
+    counted = TrainingJobStatus.model_validate({"restarts": {"inProcess": 2, "processRestarts": 3,
+                                                             "podReplacements": 5}}).total_restarts
+    assert counted == 2 + 3
+    assert columns["RESTARTS"]["description"].startswith("Recoveries: restarts.inProcess + restarts.processRestarts ")
+    # A stalled job shows in `kubectl get tj`: the Stalled condition's status (as the API server's JSONPath has it).
+    stalled = {"status": {"conditions": [{"type": "Ready", "status": "True"}, {"type": "Stalled", "status": "True"}]}}
+    assert json_path(stalled, columns["STALLED"]["jsonPath"]) == "True"
+    assert json_path({"status": {"conditions": []}}, columns["STALLED"]["jsonPath"]) is None
     status = openapi_schema()["properties"]["status"]["properties"]
     for column in columns.values():
         field = column["jsonPath"].split(".")
-        if field[1] == "status":
+        if field[1] == "status" and "[" not in field[2]:
             assert field[2] in status, column
 
 

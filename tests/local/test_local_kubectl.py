@@ -4,8 +4,10 @@ describe, logs, patch, replace with a stale resourceVersion, delete, get -w, exp
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -185,5 +187,16 @@ def test_the_repository_crd_and_examples_apply_and_explain(local_cluster: LocalC
     for example in sorted((root / "examples").glob("*.yaml")):
         local_cluster.kubectl("-n", k8s_namespace, "apply", "-f", str(example))
     table = local_cluster.kubectl("-n", k8s_namespace, "get", "tj").stdout.splitlines()
-    assert table[0].split() == ["NAME", "PHASE", "READY", "WORLD", "ROUND", "RESTARTS", "AGE"]
+    assert table[0].split() == ["NAME", "PHASE", "READY", "WORLD", "ROUND", "RESTARTS", "STALLED", "AGE"]
     assert len(table) - 1 == len(list((root / "examples").glob("*.yaml")))
+    # A stalled job shows as one in `kubectl get tj` (and -o wide), its phase still Running (issue 35).
+    name = table[1].split()[0]
+    local_cluster.kubectl("-n", k8s_namespace, "patch", "tj", name, "--subresource", "status", "--type", "merge",
+                          "-p", '{"status": {"phase": "Running", "totalRestarts": 0, "conditions": [{"type": '
+                                '"Stalled", "status": "True", "reason": "NoProgress", "message": "rank 1", '
+                                '"lastTransitionTime": "2026-01-01T00:00:00Z"}]}}')
+    for wide in ((), ("-o", "wide")):
+        rows = local_cluster.kubectl("-n", k8s_namespace, "get", "tj", name, *wide).stdout.splitlines()
+        starts = [m.start() for m in re.finditer(r"\S+", rows[0])] + [None]
+        cells = {rows[0][a:b].strip(): rows[1][a:b].strip() for a, b in itertools.pairwise(starts)}
+        assert (cells["PHASE"], cells["STALLED"]) == ("Running", "True")
