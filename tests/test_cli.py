@@ -9,7 +9,7 @@ from importlib.metadata import version
 
 import pytest
 
-from stalwart.cli import LOG_LEVELS, build_parser
+from stalwart.cli import LOG_LEVELS, build_parser, subcommands
 
 
 def stalwart(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,3 +34,12 @@ def test_a_log_level_in_any_case_is_taken() -> None:
     assert build_parser().parse_args(["--log-level", "debug", "crd"]).log_level == "DEBUG"
     done = stalwart("--log-level", "warning", "crd")
     assert done.returncode == 0 and "CustomResourceDefinition" in done.stdout
+
+
+def test_every_command_and_action_has_help_and_a_description() -> None:
+    commands = subcommands(build_parser())
+    assert {"crd", "local up", "local status", "operator", "agent", "drill", "demo"} <= set(commands)
+    for name, (parser, help_) in commands.items():
+        assert help_, f"stalwart {name}: no help in its parent's list"
+        assert parser.description, f"stalwart {name}: no description in its own --help"
+        assert " ".join(parser.description.split()) in " ".join(parser.format_help().split()), name

@@ -51,7 +51,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"stalwart.cli.{name}").register(sub)
+    _describe(parser)
     return parser
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.ArgumentParser, str]]:
+    """Every sub-command below ``parser`` (``"local up"``...), with its parser and its one-line help."""
+    found: dict[str, tuple[argparse.ArgumentParser, str]] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help or "" for a in action._choices_actions}
+            for name, child in action.choices.items():
+                found[name] = (child, helps.get(name, ""))
+                found |= {f"{name} {k}": v for k, v in subcommands(child).items()}
+    return found
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    # `stalwart crd --help` says what `stalwart --help` says of crd, where the command gives no description.
+    for child, help_ in subcommands(parser).values():
+        if not child.description and help_:
+            child.description = help_[0].upper() + help_[1:] + ("" if help_.endswith(".") else ".")
 
 
 #: The commands that run as a pod's or a cluster's long-lived process (the agent, the operator) or hold a job's
