@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,10 @@ def register(sub: Any) -> None:
         up.add_argument(name, dest=field, default=None, metavar=metavar, help=_settings_help(field))
     up.set_defaults(func=cmd_up)
     add("down", "stop the local cluster and everything it started").set_defaults(func=cmd_down)
-    add("status", "show whether the local cluster runs, and where").set_defaults(func=cmd_status)
+    status = add("status", "show whether the local cluster runs, and where")
+    status.add_argument("-o", "--output", choices=("text", "json", "yaml"), default="text",
+                        help="output format (default text)")
+    status.set_defaults(func=cmd_status)
     lose = add("lose-node", "lose a node as a real cluster does: its kubelet stops reporting, its processes are "
                             "killed (or, with --partition, paused)")
     lose.add_argument("node", help="node name, e.g. local-1")
@@ -86,17 +90,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     from stalwart.local.cluster import ClusterError, LocalCluster
 
     if args.nodes < 1:
-        print("--nodes: expected at least 1")
+        print("--nodes: expected at least 1", file=sys.stderr)
         return 2
     try:
         settings = _settings(args)
     except ValueError as exc:
-        print(exc)
+        print(exc, file=sys.stderr)
         return 2
+    # Starting takes up to a minute (etcd, the API server, the nodes): say so before waiting.
+    print(f"starting a local cluster in {args.dir} ({args.nodes} nodes; waiting up to {args.timeout:g}s for it "
+          f"to serve)...", file=sys.stderr, flush=True)
     try:
         c = LocalCluster.up(args.dir, nodes=args.nodes, port=args.port, timeout=args.timeout, settings=settings)
     except ClusterError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"local cluster is up: API {c.api_url}, etcd {c.etcd_endpoint}, nodes {', '.join(c.nodes)}")
     print("use it with:")
@@ -132,12 +139,34 @@ def cmd_status(args: argparse.Namespace) -> int:
     from stalwart.local.cluster import ClusterError, LocalCluster
 
     try:
-        c = LocalCluster.attach(args.dir)
-        print(json.dumps(c.status(), indent=2))
+        info = LocalCluster.attach(args.dir).status()
     except ClusterError as exc:
-        print(f"not running: {exc}")
+        print(f"not running: {exc}", file=sys.stderr)
         return 1
+    if args.output == "json":
+        print(json.dumps(info, indent=2))
+    elif args.output == "yaml":
+        import yaml
+
+        print(yaml.safe_dump(json.loads(json.dumps(info)), sort_keys=False), end="")
+    else:
+        print(status_text(info))
     return 0
+
+
+def status_text(info: dict[str, Any]) -> str:
+    """``stalwart local status``'s lines: where the cluster is, then its fields (nested ones flattened)."""
+    lines = [f"local cluster in {info.get('dir')}: {'ready' if info.get('ready') else 'not ready'}"]
+    for key, value in info.items():
+        if key in ("dir", "ready"):
+            continue
+        if isinstance(value, dict):
+            lines += [f"  {key}.{k}: {v}" for k, v in value.items()]
+        elif isinstance(value, list):
+            lines.append(f"  {key}: {', '.join(str(v) for v in value) or '-'}")
+        else:
+            lines.append(f"  {key}: {value}")
+    return "\n".join(lines)
 
 
 def cmd_lose(args: argparse.Namespace) -> int:
@@ -147,7 +176,7 @@ def cmd_lose(args: argparse.Namespace) -> int:
         cluster = LocalCluster.attach(args.dir)
         pods = cluster.lose_node(args.node, partition=args.partition)
     except ClusterError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     how = "partitioned (its processes are paused)" if args.partition else "lost (its processes are killed)"
     print(f"node {args.node} {how}; its pods: {', '.join(pods) or 'none'}")
@@ -164,12 +193,12 @@ def cmd_kubeconfig(args: argparse.Namespace) -> int:
 
     namespace, slash, name = str(args.service_account).partition("/")
     if not slash or not namespace or not name:
-        print(f"--service-account: expected NAMESPACE/NAME, got {args.service_account!r}")
+        print(f"--service-account: expected NAMESPACE/NAME, got {args.service_account!r}", file=sys.stderr)
         return 2
     try:
         config = LocalCluster.attach(args.dir).service_account_kubeconfig(namespace, name, args.duration)
     except ClusterError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     print(yaml.safe_dump(config, sort_keys=False), end="")
     return 0
@@ -181,7 +210,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     try:
         LocalCluster.attach(args.dir).restore_node(args.node)
     except ClusterError as exc:
-        print(f"error: {exc}")
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"node {args.node} is back; it reports Ready again")
     return 0
