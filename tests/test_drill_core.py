@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import io
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from stalwart.agent.drill import judge
 from stalwart.api.drill import DrillRequest
+from stalwart.cli.drill import context_namespace
 from stalwart.drill.core import (
     RankPoint,
     Recovery,
@@ -17,6 +23,7 @@ from stalwart.drill.core import (
     standing,
     status_summary,
 )
+from stalwart.drill.session import DrillOptions, DrillSession
 
 TOKEN = b"the-job-token"
 NOW = 1_800_000_000.0
@@ -103,3 +110,33 @@ def test_the_table_and_the_status_line() -> None:
     assert header.split() == ["#", "FAULT", "TARGET", "RECOVERY", "RECOMPUTED", "STATUS", "AFTER"]
     assert first.index("3.2s") == header.index("RECOVERY") and first.endswith(line)
     assert "not within 300s" in second and second.rstrip().endswith("Restarting")
+
+
+@pytest.mark.parametrize(("context", "namespace"), [({"namespace": "team-a"}, "team-a"), ({}, "default")])
+def test_the_namespace_defaults_to_the_kubeconfigs_context(tmp_path: Path, context: dict[str, str],
+                                                             namespace: str) -> None:
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+              "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u", **context}}],
+              "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:1"}}],
+              "users": [{"name": "u", "user": {"token": "t"}}]}
+    (tmp_path / "config").write_text(json.dumps(config))
+    assert context_namespace(str(tmp_path / "config")) == namespace
+
+
+def test_a_drill_says_what_it_waits_for_while_a_fault_has_not_recovered() -> None:
+    class Stuck(DrillSession):
+        def records(self) -> list[Any]:
+            return []
+
+        def status(self) -> dict[str, Any]:
+            return {"phase": "Running"}
+
+    said = io.StringIO()
+    table = io.StringIO()
+    session = Stuck(api=None, namespace="ns", job="j", out=table, progress=said,
+                    options=DrillOptions(timeout=0.5, poll=0.02, progress_every=0.1))
+    assert session.wait_recovered((1, 0), 0.0, 0) is None
+    lines = said.getvalue().splitlines()
+    assert len(lines) >= 3 and all(line.startswith("  still waiting: ") and line.endswith("phase Running")
+                                   for line in lines)
+    assert table.getvalue() == ""  # the table stays the table

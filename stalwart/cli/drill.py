@@ -22,7 +22,8 @@ def register(sub: Any) -> None:
                     "job's Secret). After each fault it waits for the next completed step and prints a row: "
                     "fault, target, seconds to recovery, steps recomputed, what the status said.")
     p.add_argument("job", help="the TrainingJob's name")
-    p.add_argument("-n", "--namespace", default="default", help="its namespace (default: default)")
+    p.add_argument("-n", "--namespace", default=None,
+                   help="its namespace (default: the kubeconfig's current context's, else default)")
     p.add_argument("--faults", type=int, default=5, help="how many faults, one after another (default 5)")
     p.add_argument("--kinds", default=",".join(ALL_KINDS),
                    help=f"comma-separated fault kinds to draw from (default: all of {', '.join(ALL_KINDS)})")
@@ -37,6 +38,18 @@ def register(sub: Any) -> None:
                    help="speak TLS to etcd even where the job does not say so (the job's tls, an https:// "
                         "endpoint or a ca.crt in its Secret already do); never falls back to plaintext")
     p.set_defaults(func=run)
+
+
+def context_namespace(kubeconfig: str | None) -> str:
+    """The namespace of the kubeconfig's current context, as kubectl takes it; ``default`` where it names none."""
+    from kubernetes import config as kconfig
+
+    loader: Any = kconfig
+    try:
+        _, active = loader.list_kube_config_contexts(config_file=kubeconfig)
+    except (loader.ConfigException, OSError):  # run() loaded it first; a context without one is kubectl's default
+        return "default"
+    return str((active or {}).get("context", {}).get("namespace") or "default")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:
         print(f"stalwart drill: --kubeconfig: cannot load it: {e}", file=sys.stderr)
         return 2
+    args.namespace = args.namespace or context_namespace(args.kubeconfig)
     endpoints = [e for e in args.etcd_endpoints.split(",") if e.strip()]
     api = client.ApiClient(cfg)
     session = DrillSession(api, args.namespace, args.job, endpoints, options, etcd_tls=args.etcd_tls)

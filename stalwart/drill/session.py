@@ -69,9 +69,11 @@ class DrillOptions:
     settle: float = 30.0
     ready_timeout: float = 300.0
     poll: float = 0.2
+    #: Seconds between the progress lines said while a fault has not recovered yet.
+    progress_every: float = 15.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "settle", "ready_timeout", "poll"):
+        for name in ("timeout", "settle", "ready_timeout", "poll", "progress_every"):
             positive_seconds(f"--{name.replace('_', '-')}", getattr(self, name))
 
 
@@ -86,6 +88,8 @@ class DrillSession:
     etcd_endpoints: Sequence[str] = ()
     options: DrillOptions = field(default_factory=DrillOptions)
     out: TextIO = sys.stdout
+    #: Where the drill says what it waits for (the table goes to ``out``).
+    progress: TextIO = sys.stderr
     clock: Callable[[], float] = time.time
     store: Store | None = None
     uid: str = ""
@@ -257,6 +261,8 @@ class DrillSession:
             injected_at = self.clock()
             self.pod_fault(kind, pod)
             what = pod
+        self.tell(f"fault {index} ({kind}) on {what}: waiting for the next completed step "
+                  f"(at most {self.options.timeout:g}s)")
         rec = self.wait_recovered(before, injected_at, step_before)
         if rec is None:
             return Row(index, kind, what, None, status_summary(self.status()),
@@ -264,9 +270,14 @@ class DrillSession:
         return Row(index, kind, what, rec, self.settled_status(recoveries))
 
     def wait_recovered(self, before: tuple[int, int], injected_at: float, step_before: int) -> Recovery | None:
-        deadline = time.monotonic() + self.options.timeout
+        began = time.monotonic()
+        deadline, next_word = began + self.options.timeout, began + self.options.progress_every
         best = step_before
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_word:
+                next_word += self.options.progress_every
+                self.tell(f"  still waiting: {time.monotonic() - began:.0f}s since the fault, "
+                          f"phase {self.status().get('phase')}")
             try:
                 pts = points(self.records())
             except StoreError:
@@ -299,6 +310,10 @@ class DrillSession:
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
+
+    def tell(self, text: str) -> None:
+        """A progress line (what the drill waits for), apart from the table."""
+        print(text, file=self.progress, flush=True)
 
     def run(self, kinds: Sequence[str], seed: int) -> list[Row]:
         """Inject one fault per entry of ``kinds`` (targets drawn with ``seed``), printing each row as it ends."""
