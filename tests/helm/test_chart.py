@@ -192,14 +192,20 @@ def test_watch_namespaces_limits_rbac_to_them(render: Render) -> None:
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in find(docs, "RoleBinding")) == ["team-a", "team-b"]
     # No job-level permission is granted cluster-wide.
-    (cluster_role,) = find(docs, "ClusterRole")
+    (cluster_role,) = operator_roles(docs, "ClusterRole")
     granted = {r for rule in cluster_role["rules"] for r in rule["resources"]}
     assert granted == {"customresourcedefinitions", "namespaces", "nodes"}
 
 
+def operator_roles(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The operator's own roles of ``kind`` (not the aggregated user roles)."""
+    return [d for d in find(docs, kind) if d["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"]
+
+
 def granted(docs: list[dict[str, Any]], kinds: set[str]) -> dict[tuple[str, str], set[str]]:
     out: dict[tuple[str, str], set[str]] = {}
-    for role in (d for d in docs if d["kind"] in kinds):
+    for role in (d for d in docs if d["kind"] in kinds
+                 and d["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"):
         for rule in role["rules"]:
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
@@ -226,6 +232,22 @@ def test_rbac_is_exactly_what_the_operator_calls(render: Render, replicas: int, 
             assert set(granted(in_ns, {"Role"})) == set(wanted) - cluster_scoped
     else:
         assert find(docs, "Role") == []
+
+
+def test_default_roles_gain_trainingjobs_by_aggregation(render: Render) -> None:
+    docs = render()
+    roles = {d["metadata"]["name"].rsplit("-", 1)[-1]: d for d in find(docs, "ClusterRole")
+             if d["metadata"]["labels"].get("app.kubernetes.io/component") == "user-roles"}
+    assert set(roles) == {"editor", "viewer"}
+    labels = {k for k, v in roles["editor"]["metadata"]["labels"].items() if v == "true"}
+    assert {"rbac.authorization.k8s.io/aggregate-to-edit", "rbac.authorization.k8s.io/aggregate-to-admin"} <= labels
+    assert roles["viewer"]["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    viewer = {v for rule in roles["viewer"]["rules"] for v in rule["verbs"]}
+    assert viewer == {"get", "list", "watch"}  # view never writes
+    editor = {(r, v) for rule in roles["editor"]["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert ("trainingjobs", "create") in editor and ("trainingjobs/status", "patch") not in editor
+    assert not [d for d in render({"rbac": {"aggregateToDefaultRoles": False}}) if d["kind"] == "ClusterRole"
+                and d["metadata"]["labels"].get("app.kubernetes.io/component") == "user-roles"]
 
 
 def test_rbac_is_least_privilege(render: Render) -> None:

@@ -33,7 +33,8 @@ def render(chart: helm_python.Chart, values: JSON) -> list[JSON]:
     files = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
     docs = [d for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
             for d in yaml.safe_load_all(text) if d]
-    return [d for d in docs if d["kind"] in RBAC_KINDS]
+    return [d for d in docs if d["kind"] in RBAC_KINDS
+            and (d.get("metadata", {}).get("labels") or {}).get("app.kubernetes.io/component") != "user-roles"]
 
 
 def without_verb(docs: list[JSON], resource: str, verb: str) -> list[JSON]:
