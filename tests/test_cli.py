@@ -3,13 +3,15 @@ the installed ``stalwart`` program."""
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
 import sys
 from importlib.metadata import version
 
 import pytest
 
-from stalwart.cli import LOG_LEVELS, build_parser, subcommands
+from stalwart.cli import LOG_LEVELS, JsonFormatter, build_parser, subcommands
 
 
 def stalwart(*args: str) -> subprocess.CompletedProcess[str]:
@@ -43,3 +45,18 @@ def test_every_command_and_action_has_help_and_a_description() -> None:
         assert help_, f"stalwart {name}: no help in its parent's list"
         assert parser.description, f"stalwart {name}: no description in its own --help"
         assert " ".join(parser.description.split()) in " ".join(parser.format_help().split()), name
+
+
+def test_log_format_json_writes_one_object_per_line() -> None:
+    done = stalwart("--log-format", "json", "operator", "--concurrency", "0")
+    records = [json.loads(line) for line in done.stderr.splitlines()]  # every line is one object
+    assert done.returncode == 2
+    assert {"level": "ERROR", "logger": "stalwart.cli.operator", "message": "--concurrency: must be >= 1, got 0"
+            }.items() <= records[0].items()
+    record = JsonFormatter().format(logging.LogRecord("stalwart.agent", logging.WARNING, __file__, 1,
+                                                      "job=ns/j node=n: %s", ("lost",), None))
+    parsed = json.loads(record)
+    assert parsed["level"] == "WARNING" and parsed["logger"] == "stalwart.agent"
+    assert parsed["message"] == "job=ns/j node=n: lost" and parsed["time"].endswith("Z")
+    bad = stalwart("--log-format", "xml", "crd")
+    assert bad.returncode == 2 and "argument --log-format: invalid choice: 'xml'" in bad.stderr

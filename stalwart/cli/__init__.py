@@ -30,6 +30,22 @@ def log_level(value: str) -> str:
     return value.upper()
 
 
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ``time`` (ISO 8601, UTC, milliseconds), ``level``, ``logger``, ``message``,
+    and ``exception`` when there is one. The message keeps its context (job, node, rank, round, epoch)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import datetime
+        import json
+
+        out = {"time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                   timespec="milliseconds").replace("+00:00", "Z"),
+               "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
 def version() -> str:
     """The installed distribution's version (``unknown`` when run from a tree that was never installed)."""
     from importlib.metadata import PackageNotFoundError
@@ -48,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stalwart {version()}")
     parser.add_argument("--log-level", default="INFO", type=log_level, metavar="LEVEL",
                         help=f"logging level: {', '.join(LOG_LEVELS)} (default INFO)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="text lines, or one JSON object per line (time, level, logger, message) for a log "
+                             "collector (default text)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"stalwart.cli.{name}").register(sub)
@@ -84,8 +103,10 @@ BOUNDED_EXIT = frozenset({"agent", "operator", "drill"})
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if args.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level, handlers=[handler])
     code: int = args.func(args)
     return code
 
