@@ -375,6 +375,8 @@ def test_notes_tell_where_etcd_is(chart: helm_python.Chart) -> None:
     assert "kubectl get tj" in notes
     plain = render_files(chart)["stalwart/templates/NOTES.txt"]
     assert "every TrainingJob must set spec.rendezvous.endpoints" in plain
+    # Each remedy is a command as written: a bare etcd.externalEndpoints=... is no helm flag.
+    assert '--set "etcd.externalEndpoints={host:port,...}"' in plain
 
 
 def test_chart_crds_are_valid_custom_resource_definitions(chart: helm_python.Chart) -> None:
