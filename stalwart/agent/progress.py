@@ -229,7 +229,8 @@ def _report(p: ProcView, now: float, wall: float) -> RankReport:
     progress = wall - (now - st.heartbeat) if st.state == "running" else wall
     return RankReport(local_rank=p.local_rank, slot=st.slot, rank=st.rank, pid=p.pid, state=st.state,
                       iteration=st.iteration, step=st.step, step_time=st.step_time, first_step=st.first_step,
-                      first_step_time=st.first_step_time, progress_time=progress)
+                      first_step_time=st.first_step_time, progress_time=progress,
+                      soft_timeout=st.soft_timeout if st.soft_timeout and st.soft_timeout > 0 else None)
 
 
 NodeState = Literal["joining", "running", "restarting", "succeeded", "failed"]

@@ -278,6 +278,9 @@ class RankReport(ApiModel):
     first_step_time: float | None = Field(default=None, description="Wall-clock time of that first step.")
     progress_time: float | None = Field(
         default=None, description="Wall-clock time of the last progress of its main thread (None: unknown).")
+    soft_timeout: float | None = Field(
+        default=None, gt=0, description=("The soft timeout the process itself uses (a @restartable(soft_timeout=...) "
+                                         "may differ from the spec's); None: unknown, the spec's applies."))
 
 
 class RankExit(ApiModel):

@@ -2,9 +2,9 @@
 Pure functions over the :class:`~stalwart.api.restart.ProgressRecord` of the current round.
 
 A rank is *stalled* when it is in its training function (state ``running``) and its main thread has not made
-progress for longer than the soft timeout, or when its node is a member of the round and its agent has not
-reported for that long. Ranks at a barrier or waiting as spares are not stalled: they wait on etcd with
-deadlines of their own.
+progress for longer than its soft timeout (the one the rank reports it uses, else the spec's), or when its node
+is a member of the round and its agent has not reported for the spec's soft timeout. Ranks at a barrier or
+waiting as spares are not stalled: they wait on etcd with deadlines of their own.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ __all__ = ["Evidence", "gather"]
 class Evidence:
     """``step``/``step_time``: the furthest step of the current round and when it completed (None: none);
     ``stalled``: ``(rank or None, pod)`` of the stalled ranks; ``stalled_for``: seconds since the oldest of
-    them progressed; ``places``: slot -> where it runs in the current round."""
+    them progressed; ``places``: slot -> where it runs in the current round; ``soft_timeout``: the soft timeout
+    the oldest stalled rank was judged by."""
 
     step: int | None = None
     step_time: float | None = None
     stalled: tuple[tuple[int | None, str], ...] = ()
     stalled_for: float = 0.0
     places: dict[int, RankPlace] | None = None
+    soft_timeout: float | None = None
 
 
 def _current(records: Iterable[ProgressRecord], epoch: int) -> list[ProgressRecord]:
@@ -46,20 +48,24 @@ def gather(records: Sequence[ProgressRecord], *, epoch: int, members: Iterable[s
     step, step_time = max(steps, key=lambda s: (s[0], s[1])) if steps else (None, None)
     places = {rank.slot: RankPlace(rank.rank, rec.node_id) for rec in current for rank in rec.ranks}
     stalled: list[tuple[int | None, str]] = []
-    oldest = now
+    oldest, judged_by = now, None
     member_set = set(members)
     for rec in current:
         agent_silent = now - max(rec.updated, seen_since) > soft_timeout and rec.node_id in member_set
         for rank in rec.ranks:
             seen = max(_progress(rank, rec.updated), seen_since)
-            if rank.state == "running" and (now - seen > soft_timeout or agent_silent):
+            limit = rank.soft_timeout or soft_timeout  # the rank's own, where it says which it uses
+            if rank.state == "running" and (now - seen > limit or agent_silent):
                 stalled.append((rank.rank, rec.node_id))
-                oldest = min(oldest, seen)
+                if seen <= oldest:
+                    oldest, judged_by = seen, (soft_timeout if agent_silent else limit)
         if agent_silent and not rec.ranks:
             stalled.append((None, rec.node_id))
-            oldest = min(oldest, max(rec.updated, seen_since))
+            if max(rec.updated, seen_since) <= oldest:
+                oldest, judged_by = max(rec.updated, seen_since), soft_timeout
     stalled.sort(key=lambda s: (s[0] is None, s[0] or 0, s[1]))
-    return Evidence(step, step_time, tuple(stalled), now - oldest if stalled else 0.0, places)
+    return Evidence(step, step_time, tuple(stalled), now - oldest if stalled else 0.0, places,
+                    judged_by if stalled else None)
 
 
 def _progress(rank: RankReport, updated: float) -> float:

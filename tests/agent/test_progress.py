@@ -126,6 +126,15 @@ def test_progress_time_is_the_main_threads_last_progress_on_the_wall_clock() -> 
     assert rank.progress_time == pytest.approx(WALL - 10.0) and rank.step == 3
 
 
+def test_the_report_carries_the_soft_timeout_the_rank_uses() -> None:
+    # The operator judges a stall by it (a @restartable(soft_timeout=...) may differ from the spec's).
+    own = status(step=3).model_copy(update={"soft_timeout": 12.5})
+    (rank,) = observed(book(), [proc(own)], now=50.0, wall=WALL).ranks
+    assert rank.soft_timeout == 12.5
+    (unknown,) = observed(book(), [proc(status(step=3))], now=50.0, wall=WALL).ranks
+    assert unknown.soft_timeout is None
+
+
 # -- the reporter against a real etcd ------------------------------------------------------------------------
 
 

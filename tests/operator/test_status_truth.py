@@ -6,6 +6,7 @@ the next observation's), with the agents' reports as the agents write them.
 
 from __future__ import annotations
 
+import pytest
 from opbuild import JOB, NOW, etcd, job, observe, of, pod, progress, rank_report, status, stepping
 
 from stalwart.api.restart import FaultRecord, RankExit, RoundSummary
@@ -189,6 +190,27 @@ def test_no_progress_past_the_soft_timeout_is_stalled() -> None:
     stalled = condition(d.status, "Stalled")
     assert stalled is not None and stalled.status == ConditionStatus.FALSE
     assert d.status.phase == Phase.RUNNING and d.status.restarts == RestartCounts()
+
+
+@pytest.mark.parametrize(("own", "silent_for", "stalled"), [
+    (None, 45, False),  # the spec's 60 s: not yet
+    (30.0, 45, True),   # @restartable(soft_timeout=30): the rank's own limit, passed
+    (120.0, 70, False),  # a longer one of its own: 70 s is no stall for it, though past the spec's 60 s
+    (None, 70, True),
+], ids=["spec-not-yet", "own-shorter", "own-longer", "spec-passed"])
+def test_a_stall_is_judged_by_the_soft_timeout_the_rank_uses(own: float | None, silent_for: float,
+                                                              stalled: bool) -> None:
+    st = status(Phase.RUNNING, position=AT_START)
+    stuck = rank_report(1, step=50, step_time=NOW - silent_for, progress_time=NOW - silent_for)
+    stuck = stuck.model_copy(update={"soft_timeout": own})
+    view = etcd("worker-0", "worker-1", progress=(
+        stepping("worker-0", 0, step=50), progress("worker-1", ranks=(stuck,),
+                                                   history=(RoundSummary(round=1, epoch=7, stepped=0),))))
+    cond = condition(reconcile(observe(job(st), PODS, view)).status, "Stalled")  # the spec says 60 s
+    assert (cond is not None and cond.status == ConditionStatus.TRUE) is stalled
+    if stalled:
+        assert cond is not None and cond.message is not None
+        assert f"(soft timeout {own or 60:g}s) on rank 1 (pod {JOB}-worker-1)" in cond.message
 
 
 # -- 4. no false alarms ---------------------------------------------------------------------------------------
