@@ -29,7 +29,8 @@ def test_a_foreign_secret_holds_the_job_and_is_left_alone(start_operator: Operat
     cond = wait_for("the OwnershipConflict condition", lambda: _conflict(jobs, name), timeout=60)
     assert cond["reason"] == "NotOwned"
     assert cond["message"].startswith(f"Secret {naming.secret_name(name)} (no controller): exists and is not")
-    assert "NotOwned" in jobs.events(name)
+    # The Event is its own write after the status patch that carries the condition: waited for, not raced.
+    wait_for("the NotOwned Event", lambda: "NotOwned" in jobs.events(name), timeout=30)
     assert jobs.pods(name) == []  # no pod may mount a Secret that is not the job's
     after = jobs.core.read_namespaced_secret(naming.secret_name(name), jobs.ns)
     assert after.metadata.resource_version == before.metadata.resource_version and not after.metadata.owner_references
