@@ -189,7 +189,7 @@ def test_lose_and_restore_node_from_the_command_line(local_cluster: LocalCluster
     node = local_cluster.nodes[0]
     missing = subprocess.run([*run, "lose-node", "--dir", str(local_cluster.dir), "no-such-node"],
                              capture_output=True, text=True, timeout=60, check=False)
-    assert missing.returncode == 1 and "no node 'no-such-node'" in missing.stdout
+    assert missing.returncode == 1 and "no node 'no-such-node'" in missing.stderr and missing.stdout == ""
     lose = subprocess.run([*run, "lose-node", "--dir", str(local_cluster.dir), "--partition", node],
                           capture_output=True, text=True, timeout=60, check=False)
     try:

@@ -137,7 +137,8 @@ def test_cli_up_status_down_leaves_no_process(tmp_path: Path) -> None:
     run = [sys.executable, "-m", "stalwart", "local"]
     bad = subprocess.run([*run, "up", "--dir", str(d), "--node-cpu", "1x"], capture_output=True, text=True,
                          env=env, timeout=120, check=False)
-    assert bad.returncode == 2 and bad.stdout.startswith("--node-cpu: ") and "'1x'" in bad.stdout, bad.stdout
+    assert bad.returncode == 2 and bad.stderr.startswith("--node-cpu: ") and "'1x'" in bad.stderr, bad.stderr
+    assert bad.stdout == ""
     assert not (d / "state.json").exists()
     up = subprocess.run([*run, "up", "--dir", str(d), "--nodes", "1", "--node-cpu", "3", "--node-memory", "4Gi",
                          "--node-gpus", "2", "--node-monitor-grace-period", "5",
@@ -149,9 +150,9 @@ def test_cli_up_status_down_leaves_no_process(tmp_path: Path) -> None:
     try:
         again = subprocess.run([*run, "up", "--dir", str(d)], capture_output=True, text=True, env=env,
                                timeout=120, check=False)
-        assert again.returncode == 1 and "already runs" in again.stdout
-        status = subprocess.run([*run, "status", "--dir", str(d)], capture_output=True, text=True, env=env,
-                                timeout=60, check=False)
+        assert again.returncode == 1 and "already runs" in again.stderr
+        status = subprocess.run([*run, "status", "--dir", str(d), "-o", "json"], capture_output=True, text=True,
+                                env=env, timeout=60, check=False)
         assert status.returncode == 0 and '"ready": true' in status.stdout
         cluster.kubectl("apply", "-f", "-", input=(
             "apiVersion: v1\nkind: Pod\nmetadata: {name: sleeper}\nspec:\n  containers:\n"
@@ -174,7 +175,7 @@ def test_cli_up_status_down_leaves_no_process(tmp_path: Path) -> None:
         assert not Path(f"/proc/{gone}").exists() or "zombie" in Path(f"/proc/{gone}/status").read_text().lower()
     status = subprocess.run([*run, "status", "--dir", str(d)], capture_output=True, text=True, env=env,
                             timeout=60, check=False)
-    assert status.returncode == 1 and "not running" in status.stdout
+    assert status.returncode == 1 and "not running" in status.stderr
 
 
 def test_a_cluster_with_an_owner_stops_when_the_owner_is_gone(tmp_path: Path) -> None:
