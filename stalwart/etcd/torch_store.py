@@ -10,10 +10,13 @@ gives (never unpickled here), capped at the store adapter's :data:`~stalwart.etc
 from __future__ import annotations
 
 import builtins
+import contextlib
+import functools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -35,6 +38,33 @@ from stalwart.etcd.store import (
 #: How often a waiter re-checks that its round is still current while no key event arrives.
 _EPOCH_CHECK_INTERVAL = 1.0
 _CAS_ATTEMPTS = 1000
+#: How often a wait looks whether an interrupt is waiting for it to end (with a :class:`Shield`).
+_INTERRUPT_POLL = 0.05
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Shield(Protocol):
+    """Keeps asynchronous interrupts out of the etcd client (see :attr:`EtcdTorchStore.shield`).
+
+    ``atomic()``: a section an interrupt is not raised inside; one requested meanwhile is raised at its end.
+    ``pending()``: whether such an interrupt is waiting, so that a long wait gives up at once.
+    """
+
+    def atomic(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def pending(self) -> bool: ...
+
+
+def _shielded(method: F) -> F:
+    @functools.wraps(method)
+    def call(self: EtcdTorchStore, *args: Any, **kwargs: Any) -> Any:
+        shield = self.shield
+        if shield is None:
+            return method(self, *args, **kwargs)
+        with shield.atomic():
+            return method(self, *args, **kwargs)
+    return call  # type: ignore[return-value]
 
 
 def _bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
@@ -59,10 +89,18 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
     the restart wrapper sets it while it builds an iteration's process group, so that a group whose peers
     never arrive fails within the wrapper's deadline instead of the collective timeout (``deadline_hit``
     then tells that this was why).
+
+    ``shield``: set by the restart wrapper, whose process group is built (through this store) while a peer's
+    fault may interrupt the thread asynchronously. Such an exception raised inside gRPC's Python code can
+    land between one of its locks' acquire and the ``with`` that releases it, and every later call on the
+    channel then deadlocks. Each method runs inside ``shield.atomic()`` and a wait gives up with
+    ``DistStoreError`` as soon as ``shield.pending()``, so the interrupt is raised at the section's end,
+    between etcd calls.
     """
 
     deadline: float | None = None
     deadline_hit: bool = False
+    shield: Shield | None = None
 
     def __init__(self, store: Store, keys: JobKeys, epoch: int, *, holder: tuple[str, int] | None = None,
                  timeout: float = 300.0, scope: str = "") -> None:
@@ -107,9 +145,11 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
 
     # -- writes (fenced) -----------------------------------------------------------------------------------
 
+    @_shielded
     def set(self, key: str, value: str | bytes) -> None:
         self._txn(success=[Put(self._key(key), _bytes(value))])
 
+    @_shielded
     def add(self, key: str, amount: int) -> int:
         k = self._key(key)
         for attempt in range(_CAS_ATTEMPTS):
@@ -125,6 +165,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
             time.sleep(min(0.05, 0.001 * (attempt + 1)) * random.random())
         raise StoreError(f"add: key {key!r} changed under {_CAS_ATTEMPTS} attempts in a row")
 
+    @_shielded
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         k = self._key(key)
         exp, want = _bytes(expected), _bytes(desired)
@@ -135,10 +176,12 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
         current = res.responses[0]
         return current[0].value if current else exp
 
+    @_shielded
     def delete_key(self, key: str) -> bool:
         k = self._key(key)
         return self._txn([Compare(k, "create", "!=", 0)], [Delete(k)]).succeeded
 
+    @_shielded
     def append(self, key: str, value: str | bytes) -> None:
         k = self._key(key)
         for attempt in range(_CAS_ATTEMPTS):
@@ -150,6 +193,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
             time.sleep(min(0.05, 0.001 * (attempt + 1)) * random.random())
         raise StoreError(f"append: key {key!r} changed under {_CAS_ATTEMPTS} attempts in a row")
 
+    @_shielded
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
@@ -160,6 +204,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
 
     # -- reads ---------------------------------------------------------------------------------------------
 
+    @_shielded
     def get(self, key: str) -> bytes:
         self.wait([key])
         kv = self.etcd.get(self._key(key))
@@ -170,13 +215,16 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
                 raise dist.DistStoreError(f"key {key!r} vanished while being read")
         return kv.value
 
+    @_shielded
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
+    @_shielded
     def check(self, keys: list[str]) -> bool:
         self._check_epoch()
         return all(self.etcd.get(self._key(k)) is not None for k in keys)
 
+    @_shielded
     def num_keys(self) -> int:
         return self.etcd.count_prefix(self.prefix)
 
@@ -190,6 +238,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
     def timeout(self) -> timedelta:
         return timedelta(seconds=self._timeout)
 
+    @_shielded
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists (watch, not polling); ``DistStoreError`` after the timeout,
         :class:`StaleEpoch` as soon as the round is seen to be over."""
@@ -230,7 +279,12 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
                 if now >= next_check:
                     self._check_epoch()
                     next_check = now + _EPOCH_CHECK_INTERVAL
-                ev = w.next(min(deadline, next_check) - now)
+                until = min(deadline, next_check)
+                if self.shield is not None:
+                    if self.shield.pending():
+                        raise dist.DistStoreError("wait given up: the iteration is being interrupted")
+                    until = min(until, now + _INTERRUPT_POLL)
+                ev = w.next(until - now)
                 if ev is not None and ev.type == "put":
                     missing.discard(ev.kv.key)
 
@@ -247,4 +301,4 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
         return absent, revision or 0
 
 
-__all__ = ["EtcdTorchStore", "StaleEpoch"]
+__all__ = ["EtcdTorchStore", "Shield", "StaleEpoch"]

@@ -10,10 +10,12 @@ training function wherever it is. Three mechanisms, together:
   ``time.sleep``, so the pending exception is raised from inside it.
 
 An interrupt is delivered at most once per iteration and only while the main thread is inside the
-training function, outside :meth:`Interrupter.atomic` sections and outside ``import`` statements (an
-exception there would leave a half-initialised module in ``sys.modules`` for every later iteration); an
-interrupt requested during an atomic section is raised when the section ends, one requested during an
-import at the next monitor tick after it. Leaving the training function cancels a pending
+training function, outside :meth:`Interrupter.atomic` sections, outside ``import`` statements (an
+exception there would leave a half-initialised module in ``sys.modules`` for every later iteration) and
+outside gRPC's and logging's code (it could leave one of their locks held: every later etcd call or log line
+would deadlock); an interrupt requested during an atomic section is raised when the section ends, one
+requested during an import or such code at the next monitor tick after it. The iteration's torch Store
+runs its etcd calls in atomic sections and ends its waits when :meth:`Interrupter.pending`. Leaving the training function cancels a pending
 interrupt under the same lock, so the wrapper's own code never sees a stray one.
 """
 
@@ -53,14 +55,24 @@ def set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
     return int(ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), obj))
 
 
-def _importing(thread_id: int) -> bool:
-    """Whether the thread is executing an ``import`` (a frame of importlib's bootstrap is on its stack)."""
+#: Modules whose code takes locks from Python (``with condition:``, ``handler.acquire()``): an exception raised
+#: between such an acquire and its ``with``/``try`` leaves the lock held forever, and every later user of it
+#: deadlocks (gRPC's channel, so every etcd call; logging's handlers, so every log line).
+_LOCKING_MODULES = ("grpc", "logging")
+
+
+def _unsafe_to_raise(thread_id: int) -> str | None:
+    """Why an exception must not be raised in the thread now (it runs an ``import``, or code of
+    :data:`_LOCKING_MODULES`), or ``None``."""
     frame = sys._current_frames().get(thread_id)
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
+            return "import"
+        module = frame.f_globals.get("__name__", "")
+        if isinstance(module, str) and module.partition(".")[0] in _LOCKING_MODULES:
+            return module
         frame = frame.f_back
-    return False
+    return None
 
 
 class Interrupter:
@@ -93,6 +105,11 @@ class Interrupter:
         """Whether the training function is running (between enter and leave)."""
         return self._in_user_code
 
+    def pending(self) -> bool:
+        """Whether an interrupt was requested and waits to be raised (an atomic section or a deferral holds
+        it back): code that must not be interrupted asynchronously but waits long looks here to end early."""
+        return self._requested is not None and not self._delivered and self._in_user_code
+
     def enter_user_code(self) -> None:
         """Called by the wrapper (its own thread) just before the training function starts."""
         with self._lock:
@@ -117,8 +134,8 @@ class Interrupter:
     def _try_deliver(self) -> bool:
         if self._delivered or self._requested is None or not self._in_user_code or self._atomic_depth:
             return False
-        if _importing(self._thread_id):
-            return False  # an exception inside an import leaves a half-initialised module behind; retry
+        if _unsafe_to_raise(self._thread_id) is not None:
+            return False  # retried at the next monitor tick (nudge)
         self._delivered = True
         set_async_exc(self._thread_id, RestartInterrupt)
         if self._use_signal:

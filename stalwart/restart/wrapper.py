@@ -359,6 +359,8 @@ class _Session:
 
         timeout = getattr(self.config.initialize, "timeout", 1800.0)
         store = EtcdTorchStore(self.store, self.env.keys, self.env.epoch, scope=f"{iteration}/", timeout=timeout)
+        # The group is built through it inside the interruptible region: an interrupt must not land in gRPC.
+        store.shield = self.interrupter
         ctx = IterationContext(iteration=iteration, slot=self.env.slot, rank=rank, world_size=world_size,
                                store=store, local_rank=self.env.local_rank, keep_peers=self.keep_peers,
                                own_faults=self.own_faults, group_args=self.group_args)

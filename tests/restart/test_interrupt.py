@@ -103,3 +103,59 @@ def test_interrupt_waits_until_an_import_has_finished(tmp_path, monkeypatch) -> 
         it.close()
     module = sys.modules["slow_module_for_interrupt"]
     assert module.DONE is True  # the import ran to its end; the interrupt came after it
+
+
+def test_interrupt_waits_while_the_thread_is_inside_code_that_takes_locks() -> None:
+    # An exception raised inside logging (or gRPC) code can leave its lock held for good: the interrupt waits
+    # until the thread has left it, and comes at the next nudge after.
+    import logging
+
+    inside, release = threading.Event(), threading.Event()
+
+    class SlowHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            inside.set()
+            release.wait(30)
+
+    logger = logging.getLogger("test.interrupt.locking")
+    logger.propagate = False
+    handler = SlowHandler()
+    logger.addHandler(handler)
+    outcome: list[str] = []
+    holder: list[Interrupter] = []
+
+    def user_code() -> None:
+        it = Interrupter()
+        holder.append(it)
+        it.enter_user_code()
+        try:
+            try:
+                logger.warning("held")  # blocks in the handler until released
+                outcome.append("logged")
+                for _ in range(3000):  # not the main thread: no signal breaks a sleep, bytecodes between them do
+                    time.sleep(0.01)
+            finally:
+                it.leave_user_code()
+        except RestartInterrupt:
+            outcome.append("interrupted")
+
+    t = threading.Thread(target=user_code)
+    t.start()
+    try:
+        assert inside.wait(30)
+        [it] = holder
+        assert it.request("a peer failed") is False  # not delivered inside logging
+        assert it.pending()
+        release.set()
+        while t.is_alive() and it.pending():
+            it.nudge()
+            time.sleep(0.01)
+        t.join(30)
+    finally:
+        release.set()
+        logger.removeHandler(handler)
+        t.join(30)
+    assert not t.is_alive()
+    assert outcome == ["logged", "interrupted"]
+    assert handler.lock is not None and handler.lock.acquire(timeout=1)  # the handler's lock was not left held
+    handler.lock.release()
