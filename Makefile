@@ -6,14 +6,17 @@ BIN := $(VENV)/bin
 # pytest-xdist workers for `make test`: most tests wait on etcd, clusters and rank processes rather than compute,
 # so three are the default for two cores (not yet measured against 2 and 4). `make test WORKERS=0` runs serially.
 WORKERS ?= 3
+# Where torch's CPU build comes from; `make install TORCH_INDEX_URL=` uses only the indexes pip is configured with.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test lint install clean
 
 $(BIN)/stalwart: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# The CPU build of torch; any other torch requirement pulls gigabytes of CUDA packages.
-	$(BIN)/python -m pip install -q torch==2.13.0
+	# The CPU build of torch, from torch's index as the Dockerfile takes it: PyPI's torch for Linux is the CUDA
+	# build (gigabytes of packages). An index that cannot be reached costs one short try, then the others serve.
+	$(BIN)/python -m pip install -q --retries 1 --timeout 20 $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL)) torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[train,local,dev]'
 	touch $@
 

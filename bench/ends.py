@@ -1,7 +1,7 @@
 """Exit soak (issue 29): many short fault-free jobs on the local cluster, and for each whether it ended
 ``Succeeded`` and every agent and rank process of it was gone within 10 s of its last rank returning.
 
-Each job is the demo's, ``examples/minimal.yaml`` as ``stalwart demo`` builds it (2 workers + 1 hot spare, the
+Each job is the demo's, ``examples/minimal.yaml`` as ``stalwart demo`` builds it (2 workers + 1 spare, the
 example trainer) with no fault and a few seconds of training (``--steps`` at ``--step-delay``); a few run at once
 (``--concurrency``) on one local cluster with the operator installed by its Helm chart. Per pod it measures:
 

@@ -17,7 +17,7 @@ compare-and-set attempts on the TCPStore / N (torch-c10d, which has no etcd); ``
 anchors. A run whose nodes are not all through ``--cap`` seconds after the start signal is stopped and
 reported with ``"capped": true``, the cap as value and how many nodes were through (``nodes_done``).
 Also ``rerendezvous_seconds`` for stalwart at ``--rerdzv-nodes``: one member's lease expires; measured from
-etcd's deletion of its key (the expiry as the watch sees it) to the next round's manifest, with a hot spare
+etcd's deletion of its key (the expiry as the watch sees it) to the next round's manifest, with a spare
 standing by to take its place; ``rerendezvous_all_seconds`` is until every node has the new round.
 
 Prints one JSON object per line, e.g.

@@ -88,7 +88,7 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     impl = "stalwart"
     emit(impl, n, "rendezvous_seconds", first["seconds"], sealed=first["sealed"], error=first["error"],
          capped=(first["sealed"] and first["seconds"] is None) or None, goal="< 15 s at 10,000")
-    emit(impl, n, "writes_per_node", first["writes"] / (n + 1), goal="<= 3", note="the hot spare counts as a node")
+    emit(impl, n, "writes_per_node", first["writes"] / (n + 1), goal="<= 3", note="the spare counts as a node")
     emit(impl, n, "peak_requests_per_second", first["peak_requests_per_second"])
     emit(impl, n, "watch_events", first["watch_events"], bytes=first["watch_bytes"])
     if not first["sealed"]:
@@ -177,7 +177,7 @@ def draw(path: str, rows: dict[int, dict[str, float | None]], inproc: float, pro
              f"Measured: stalwart's in-process restart {inproc:.2f} s, torchrun's process restart {process:.2f} s "
              f"({source}); stalwart's restart barrier and re-rendezvous at each size from bench/scale.py's "
              "simulator (interpolated, linear past 10,000).",
-             f"A lost node: stalwart's lease TTL {a.lease_ttl:.0f} s then a hot spare; Kubernetes "
+             f"A lost node: stalwart's lease TTL {a.lease_ttl:.0f} s then a spare; Kubernetes "
              f"{a.pod_replacement_seconds:.0f} s (node grace 40 s + unreachable toleration 300 s + a new pod 60 s, "
              "assumed)."]
     plot(path, curves, [line for note in notes for line in textwrap.wrap(note, 170)])

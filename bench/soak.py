@@ -1,7 +1,7 @@
 """Status-oracle soak: random faults of every kind against the demo's job on the local cluster, each checked against
 what ``kubectl get tj`` then says, and the parameters at the end checked against a clean run's.
 
-The job is ``examples/minimal.yaml`` as ``stalwart demo`` runs it (2 workers + 1 hot spare, the example trainer),
+The job is ``examples/minimal.yaml`` as ``stalwart demo`` runs it (2 workers + 1 spare, the example trainer),
 with ``spec.faultInjection.enabled``. Faults, one after another, each once the job runs again:
 
 * through the job's agents (``stalwart drill``'s requests, signed with the job's Secret): ``rank-exception``,

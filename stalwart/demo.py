@@ -3,7 +3,7 @@
 1. start the local cluster (API emulator, process kubelet, real etcd);
 2. install the Helm chart with the real Helm library; the local cluster's Deployment controller runs the
    operator pod from the chart's template (its command line, environment and service account);
-3. apply ``examples/minimal.yaml`` (2 workers + 1 hot spare) with fault injection set: one rank raises an
+3. apply ``examples/minimal.yaml`` (2 workers + 1 spare) with fault injection set: one rank raises an
    exception at a step (recovered in process), and later the demo kills one worker pod (its ranks move to the
    spare);
 4. print ``kubectl get tj`` whenever it changes, and at the end the measured recovery times, read from the

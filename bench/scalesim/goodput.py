@@ -63,7 +63,7 @@ def designs(a: Assumptions, *, inprocess_seconds: float, barrier_seconds: Callab
     """stalwart's design (measured inputs) and the alternatives, all under the same assumptions."""
     half = a.checkpoint_interval / 2
     return [
-        Design("stalwart (in-process restart, hot spare)",
+        Design("stalwart (in-process restart, spare)",
                lambda n: (inprocess_seconds + barrier_seconds(n), a.step_seconds),
                lambda n: (a.lease_ttl + rerendezvous_seconds(n) + inprocess_seconds + barrier_seconds(n),
                           a.step_seconds)),

@@ -159,12 +159,12 @@ class _SealErrors(logging.Handler):
 
 @dataclass
 class RendezvousRun:
-    """A simulated job: N agents and a hot spare, one first round, then (optionally) one node lost."""
+    """A simulated job: N agents and a spare, one first round, then (optionally) one node lost."""
 
     n: int
     costs: Costs
     record_limit: int | None = None  # raise the record cap (a what-if); None: the project's own
-    spare: bool = True  # a hot spare stands by (it replaces the lost node in lose_one)
+    spare: bool = True  # a spare stands by (it replaces the lost node in lose_one)
     shared: bool = False  # every node in one process, one driver and one watch (bench/rendezvous.py)
     sim: Sim = field(init=False)
     procs: list[Proc] = field(init=False)

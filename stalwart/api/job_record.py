@@ -41,7 +41,7 @@ class JobRecord(ApiModel):
     members: list[str] = Field(
         description="Node ids (pod names) of the worker pods expected to join, in index order.")
     spares: list[str] = Field(
-        default_factory=list, description="Node ids (pod names) of the hot spare pods, in index order.")
+        default_factory=list, description="Node ids (pod names) of the spare pods, in index order.")
     min_nodes: int = Field(ge=1, description="Fewest nodes a round may have (spec.minReplicas).")
     max_nodes: int = Field(ge=1, description="Most nodes a round may have (spec.maxReplicas).")
     nproc_per_node: int = Field(ge=1, description="Rank processes per node (spec.nprocPerNode).")

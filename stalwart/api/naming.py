@@ -76,7 +76,7 @@ def worker_pod_name(job_name: str, index: int) -> str:
 
 
 def spare_pod_name(job_name: str, index: int) -> str:
-    """The name of hot-spare pod ``index`` of job ``job_name``: ``<job>-spare-<index>``."""
+    """The name of spare pod ``index`` of job ``job_name``: ``<job>-spare-<index>``."""
     return f"{check_job_name(job_name)}{SPARE_INFIX}{_check_index(index)}"
 
 

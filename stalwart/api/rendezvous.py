@@ -71,7 +71,7 @@ class NodeRecord(ApiModel):
                          description="Host or IP other nodes reach this node on (the pod IP).")
     nproc: int = Field(default=1, ge=1, le=1024, description="Rank processes this node runs.")
     spare: bool = Field(default=False,
-                        description="A hot spare: becomes a member only when no ordinary node is left.")
+                        description="A spare: becomes a member only when no ordinary node is left.")
     master_port: int | None = Field(default=None, ge=1, le=65535,
                                     description="Port this node offers as MASTER_PORT if it gets group rank 0.")
     rpc_port: int | None = Field(default=None, ge=1, le=65535,

@@ -370,7 +370,7 @@ class TrainingJobSpec(ApiModel):
         description="Elastic upper bound on worker pods in a round. Defaults to replicas.")
     spares: int = Field(
         default=0, ge=0, le=MAX_REPLICAS,
-        description=("Hot spare pods kept running beside the workers: when a worker is lost, a spare takes "
+        description=("Spare pods kept running beside the workers: when a worker is lost, a spare takes "
                      "over its ranks at the next in-process restart, without waiting for a new pod."))
     nproc_per_node: int = Field(
         default=1, ge=1, le=MAX_NPROC_PER_NODE,

@@ -169,7 +169,7 @@ class TrainingJobStatus(ApiModel):
         default=None, ge=0, description="metadata.generation of the spec that this status reflects.")
     replicas: int | None = Field(default=None, ge=0, description="Worker pods that exist.")
     ready_replicas: int | None = Field(default=None, ge=0, description="Worker pods that are ready.")
-    spare_replicas: int | None = Field(default=None, ge=0, description="Hot spare pods that are ready.")
+    spare_replicas: int | None = Field(default=None, ge=0, description="Spare pods that are ready.")
     world_size: int | None = Field(
         default=None, ge=0, description="Ranks in the current rendezvous round (nodes x nprocPerNode).")
     round: int | None = Field(default=None, ge=0, description="Current rendezvous round.")

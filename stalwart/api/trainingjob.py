@@ -52,7 +52,7 @@ class ObjectMeta(ApiModel):
 
 
 class TrainingJob(ApiModel):
-    """A fault-tolerant distributed PyTorch training job: worker pods (and hot spares) that meet in an etcd
+    """A fault-tolerant distributed PyTorch training job: worker pods (and spares) that meet in an etcd
     rendezvous and restart in process after faults."""
 
     api_version: Literal["stalwart.dev/v1alpha1"] = Field(

@@ -18,7 +18,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "demo", help="run the whole path on a local cluster: helm install, a TrainingJob, two faults, recovery",
         description="Start the local cluster, install the Helm chart, run examples/minimal.yaml (2 workers + "
-                    "1 hot spare), inject a rank exception and later kill a worker pod, show `kubectl get tj` "
+                    "1 spare), inject a rank exception and later kill a worker pod, show `kubectl get tj` "
                     "as it goes, and end with the job Succeeded and the measured recovery times.")
     p.add_argument("--dir", type=Path, default=None,
                    help="directory of the local cluster (default: a new temporary directory)")

@@ -5,7 +5,8 @@ and, with ``--destroy``, destroys it at its end. Decorated with ``@stalwart.rest
 process after a fault in any rank; the ``init_process_group`` call then returns the process group stalwart
 built for the iteration (see :mod:`stalwart.restart.user_group`). The model lives in the function, as in
 those examples, so a restart starts training again from step 0 (keep state outside the function, as
-:mod:`stalwart.examples.train` does, to resume instead).
+:mod:`stalwart.examples.train` does, to resume instead). The decorator passes a ``call_wrapper`` to a function
+that has such a parameter, in this style too: each optimizer step is an atomic section and each step pings.
 
 Fault injection (environment): ``STALWART_EXAMPLE_FAIL_AT_STEP=N`` makes rank ``STALWART_EXAMPLE_FAIL_RANK``
 (default 1) raise ``ValueError`` at step ``N``, once per process, or at every pass with
@@ -16,6 +17,7 @@ restart budget is spent). Prints one JSON object per line: ``start``, ``fault``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -62,7 +64,7 @@ def maybe_fail(rank: int, step: int) -> None:
 
 
 @stalwart.restartable()
-def train(args: argparse.Namespace) -> float:
+def train(args: argparse.Namespace, call_wrapper: stalwart.CallWrapper | None = None) -> float:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -76,7 +78,12 @@ def train(args: argparse.Namespace) -> float:
         optimizer.zero_grad()
         loss = model(x).pow(2).mean()
         loss.backward()
-        optimizer.step()
+        # The update as one unit: an interrupt (a peer's fault) waits for its end instead of leaving the
+        # parameters half-updated. Put a step counter kept outside the function in the same section.
+        with call_wrapper.atomic() if call_wrapper is not None else contextlib.nullcontext():
+            optimizer.step()
+        if call_wrapper is not None:
+            call_wrapper.ping(step=step + 1)  # progress: the soft timeout's clock and the status's step
     emit("done", rank=rank, step=args.steps, loss=round(float(loss), 6))
     if args.destroy:
         dist.destroy_process_group()

@@ -9,14 +9,14 @@ training function wherever it is. Three mechanisms, together:
 * a signal (``SIGUSR1``, only when nobody else handles it) breaks a blocking system call such as
   ``time.sleep``, so the pending exception is raised from inside it.
 
-An interrupt is delivered at most once per iteration and only while the main thread is inside the
-training function, outside :meth:`Interrupter.atomic` sections, outside ``import`` statements (an
-exception there would leave a half-initialised module in ``sys.modules`` for every later iteration) and
-outside gRPC's and logging's code (it could leave one of their locks held: every later etcd call or log line
-would deadlock); an interrupt requested during an atomic section is raised when the section ends, one
-requested during an import or such code at the next monitor tick after it. The iteration's torch Store
-runs its etcd calls in atomic sections and ends its waits when :meth:`Interrupter.pending`. Leaving the training function cancels a pending
-interrupt under the same lock, so the wrapper's own code never sees a stray one.
+An interrupt is delivered at most once per iteration and only while the main thread is inside the training
+function, outside :meth:`Interrupter.atomic` sections, outside ``import`` statements (an exception there would
+leave a half-initialised module in ``sys.modules`` for every later iteration) and outside gRPC's and logging's
+code (it could leave one of their locks held: every later etcd call or log line would deadlock); an interrupt
+requested during an atomic section is raised when the section ends, one requested during an import or such
+code at the next monitor tick after it. The iteration's torch Store runs its etcd calls in atomic sections and
+ends its waits when :meth:`Interrupter.pending`. Leaving the training function cancels a pending interrupt
+under the same lock, so the wrapper's own code never sees a stray one.
 """
 
 from __future__ import annotations

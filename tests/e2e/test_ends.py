@@ -1,4 +1,4 @@
-"""The exit soak in short (issue 29): a few fault-free demo jobs (2 workers + 1 hot spare) on a local cluster of
+"""The exit soak in short (issue 29): a few fault-free demo jobs (2 workers + 1 spare) on a local cluster of
 their own, through bench/ends.py's code. Every job must end Succeeded, and every pod's agent and rank processes
 must be gone, none left behind, within the bound of its last rank's return.
 

@@ -58,7 +58,7 @@ def test_nodes_beyond_max_are_spares(make_rdzv) -> None:
     handles = [r.node(record(f"n{i}")) for i in range(3)]
     spare = r.node(record("hot", spare=True))
     spare_result: queue.Queue[object] = queue.Queue()
-    # The hot spare registers first, so it is the oldest node (the sealer) and still ends up a spare.
+    # The spare registers first, so it is the oldest node (the sealer) and still ends up a spare.
     t = threading.Thread(target=lambda: spare_result.put(spare.join(timeout=JOIN_TIMEOUT)))
     t.start()
     while r.view().nodes.get("hot") is None:

@@ -22,7 +22,7 @@ The rules:
   So a node's registration is sent to one watcher instead of to every node, and a member's loss, which is a
   deletion, still reaches everyone. The two views judge a round alike (table and interleaving tests).
 * A new round is sealed when ``max_nodes`` are present (for the first round, ``max_nodes`` ordinary
-  nodes: hot spares do not count), or the expected set is present (and at least ``min_nodes``), or at least
+  nodes: spares do not count), or the expected set is present (and at least ``min_nodes``), or at least
   ``min_nodes`` are present and the last call has run out.
 * Membership (:func:`plan_round`): survivors of the previous round first, then ordinary nodes by age, then hot
   spares by age; the first ``max_nodes`` are members, the rest spares. A survivor keeps its group rank when it
@@ -131,7 +131,7 @@ def waiting_nodes(view: View) -> list[str]:
 def ready_to_seal(view: View, settings: RendezvousSettings) -> Literal["now", "last-call", "no"]:
     """Whether enough nodes are present for a new round: at once, after the last call, or not yet.
 
-    For the first round, hot spares do not count towards ``max_nodes`` (pods start together; a spare that
+    For the first round, spares do not count towards ``max_nodes`` (pods start together; a spare that
     registered first must not take an ordinary node's place). For later rounds they do: a spare replacing a
     lost member should bring the round back at once.
     """
