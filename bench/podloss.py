@@ -264,25 +264,34 @@ def failure(*logs: Path) -> str:
 
 
 def plot(path: Path, runs: dict[str, tuple[float, Events]], fault: str, params: int) -> None:
+    """One panel per implementation on one time axis. The ranks take the same steps at nearly the same
+    times, so rank 0 is drawn as rings under rank 1's dots (else one hides the other); the legend sits below
+    the panels, off the data."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.6), sharey=True, squeeze=False)
+    window = (-5.0, 20.0)
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.9), sharey=True, sharex=True, squeeze=False)
+    styles = {0: {"marker": "o", "ms": 5, "mfc": "none", "color": "tab:blue"},
+              1: {"marker": ".", "ms": 3, "color": "tab:orange"}}
     for ax, (impl, (t_fault, events)) in zip(axes[0], runs.items(), strict=True):
-        for rank, color in ((0, "tab:blue"), (1, "tab:orange")):
-            pts = sorted((e["time"] - t_fault, e["step"]) for e in events
-                         if e["event"] == "step" and e["rank"] == rank and -5 <= e["time"] - t_fault <= 20)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", ms=3, color=color, label=f"rank {rank}")
+        for rank, style in styles.items():
+            pts = sorted((e["time"] - t_fault, e["step"]) for e in events if e["event"] == "step"
+                         and e["rank"] == rank and window[0] <= e["time"] - t_fault <= window[1])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="none", label=f"rank {rank}", **style)
+        if not any(e["event"] == "step" and e["time"] > t_fault for e in events):
+            ax.text(0.5, 0.5, "no step after the fault", transform=ax.transAxes, ha="center", color="tab:red")
         ax.axvline(0, color="red", lw=1, label="fault")
         ax.set_title(impl)
+        ax.set_xlim(*window)
         ax.set_xlabel("seconds from the fault")
-        ax.legend(loc="lower right", fontsize=8)
     axes[0][0].set_ylabel("step")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(f"pod loss ({fault}), {params:,} parameters: each rank's steps around the fault")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 

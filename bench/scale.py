@@ -180,7 +180,8 @@ def draw(path: str, rows: dict[int, dict[str, float | None]], inproc: float, pro
              f"A lost node: stalwart's lease TTL {a.lease_ttl:.0f} s then a spare; Kubernetes "
              f"{a.pod_replacement_seconds:.0f} s (node grace 40 s + unreachable toleration 300 s + a new pod 60 s, "
              "assumed)."]
-    plot(path, curves, [line for note in notes for line in textwrap.wrap(note, 170)])
+    plot(path, curves, [line for note in notes for line in textwrap.wrap(note, 170)],
+         extrapolated=(ds[0].name, max(n for n, r in rows.items() if r.get("barrier") is not None)))
 
 
 def replot(path: str, saved: str) -> None:

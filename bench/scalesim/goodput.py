@@ -92,8 +92,14 @@ def interpolate(points: Sequence[tuple[int, float]]) -> Callable[[int], float]:
     return f
 
 
-def plot(path: str, curves: dict[str, list[tuple[int, float]]], notes: Sequence[str]) -> None:
+def plot(path: str, curves: dict[str, list[tuple[int, float]]], notes: Sequence[str],
+         extrapolated: tuple[str, int] | None = None) -> None:
+    """Time lost (100 % - goodput) on a log axis, where curves at 97 % and 75 % are visibly apart (on a
+    0-100 % goodput axis they were flat lines at the top). ``extrapolated``: (curve, GPUs): that curve's points
+    past that size (the largest simulated one) are hollow, over a shaded band: they come from the simulator's
+    times extended linearly. The other curves are the model alone at every size."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -101,14 +107,28 @@ def plot(path: str, curves: dict[str, list[tuple[int, float]]], notes: Sequence[
     fig, ax = plt.subplots(figsize=(9, 7))
     styles = [("o", "-"), ("s", ":"), ("^", "--"), ("x", "-.")]
     for (name, pts), (marker, line) in zip(curves.items(), itertools.cycle(styles), strict=False):
-        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=marker, linestyle=line, label=name)
+        xs = [p[0] for p in pts]
+        lost = [max(100 * (1 - p[1]), 0.01) for p in pts]
+        [drawn] = ax.plot(xs, lost, linestyle=line, label=name)
+        for x, y in zip(xs, lost, strict=True):
+            beyond = extrapolated is not None and name == extrapolated[0] and x > extrapolated[1]
+            ax.plot([x], [y], marker=marker, color=drawn.get_color(), markersize=9 if beyond else 6,
+                    markerfacecolor="white" if beyond else drawn.get_color(), zorder=4 if beyond else 2)
+    if extrapolated is not None:
+        right = max(p[0] for pts in curves.values() for p in pts)
+        ax.axvspan(extrapolated[1], right * 1.1, color="0.92", zorder=0)
+        ax.text(extrapolated[1] * 1.05, 0.98, f"hollow: {extrapolated[0]},\nextrapolated past the largest "
+                f"simulated size", transform=ax.get_xaxis_transform(), va="top", fontsize=7, color="0.3")
     ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g} %"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, _: f"{v:g} %" if str(round(v, 6))[0] in "25" else ""))
     ax.set_xlabel("GPUs in the job")
-    ax.set_ylabel("goodput (% of time making progress)")
-    ax.set_ylim(0, 100)
+    ax.set_ylabel("time lost: 100 % - goodput")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8)
-    ax.set_title("Goodput by recovery design (first-order model)")
+    ax.set_title("Time lost by recovery design (first-order model); lower is better")
     fig.text(0.01, 0.01, "\n".join(notes), fontsize=6, va="bottom")
     fig.subplots_adjust(bottom=0.22 + 0.025 * len(notes))
     fig.savefig(path, dpi=120)
