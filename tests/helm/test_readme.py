@@ -110,3 +110,11 @@ def test_the_columns_the_readme_shows_are_the_crds() -> None:
     crd = yaml.safe_load((REPO / "crds" / "trainingjob.yaml").read_text())
     columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
     assert shown == [c["name"].upper() for c in columns if c.get("priority", 0) == 0]
+
+
+def test_every_file_the_readme_commands_name_exists() -> None:
+    named = {path for cmd in shell_blocks()
+             for path in re.findall(r"(?<![\w/.-])((?:examples|helm|crds|bench|tests|tools)/[\w./-]*\w)", cmd)}
+    assert "helm/stalwart/crds/trainingjob.yaml" in named, sorted(named)
+    missing = sorted(path for path in named if not (REPO / path).exists())
+    assert not missing, missing
