@@ -42,6 +42,12 @@ LABEL_INDEX = "stalwart.dev/index"
 ROLE_WORKER = "worker"
 ROLE_SPARE = "spare"
 
+#: Kueue's plain-pod groups: a TrainingJob labelled with a queue has its pods queued as one group, each pod
+#: carrying the queue, the group's name and its size; Kueue's webhook gates them until the group is admitted.
+KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
+KUEUE_POD_GROUP_NAME = "kueue.x-k8s.io/pod-group-name"
+KUEUE_POD_GROUP_TOTAL_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+
 
 def job_name_problem(name: str) -> str | None:
     """``None`` when ``name`` is a valid TrainingJob name, else what is wrong with it."""

@@ -43,6 +43,17 @@ _SUFFIX_BYTES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10
 DEFAULT_SHM_SIZE = "1Gi"
 #: Below this a /dev/shm is no better than a container runtime's 64 MiB default.
 MIN_SHM_BYTES = 64 * 2**20
+#: ``spec.managedBy`` of a job this operator reconciles (the value, or the field left out), as Kubernetes' batch
+#: APIs name their own controller; any other value hands the job to that controller (e.g. Kueue's MultiKueue).
+MANAGED_BY_STALWART = "stalwart.dev/trainingjob-controller"
+#: A domain-prefixed path, as ``Job.spec.managedBy`` requires (e.g. ``kueue.x-k8s.io/multikueue``).
+MANAGED_BY_PATTERN = (r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+                      r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def managed_here(managed_by: object) -> bool:
+    """Whether stalwart's operator reconciles a job whose ``spec.managedBy`` is this (raw, as stored)."""
+    return managed_by is None or managed_by == MANAGED_BY_STALWART
 
 
 def quantity_bytes(text: str) -> int:
@@ -393,12 +404,28 @@ class TrainingJobSpec(ApiModel):
     fault_injection: FaultInjection = Field(
         default_factory=FaultInjection, description="Fault drills through the job's agents (stalwart drill).",
         json_schema_extra={"default": {}})
+    managed_by: str | None = Field(
+        default=None, max_length=63, json_schema_extra={
+            "pattern": MANAGED_BY_PATTERN,
+            "x-kubernetes-validations": [{"rule": "self == oldSelf", "message": "managedBy is immutable"}]},
+        description=(f"The controller that reconciles this job, as in Kubernetes' batch Job: left out or "
+                     f"{MANAGED_BY_STALWART!r}, stalwart's operator; any other domain-prefixed path (such as "
+                     "kueue.x-k8s.io/multikueue), that controller, and stalwart's operator leaves the job, its "
+                     "pods and its status alone. Immutable once set."))
     shm_size: str = Field(
         default=DEFAULT_SHM_SIZE, max_length=32, json_schema_extra={"pattern": QUANTITY_PATTERN},
         description=("Size limit of the memory-backed /dev/shm (an emptyDir with medium Memory) every pod gets "
                      "unless its template mounts /dev/shm itself: a Kubernetes quantity such as 1Gi or 8Gi, at "
                      "least 64Mi. It counts against the pod's memory. The RPC layer's shared-memory rings and "
                      "DataLoader workers need more than a container runtime's 64 MiB default."))
+
+    @field_validator("managed_by")
+    @classmethod
+    def _managed_by(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(MANAGED_BY_PATTERN, value):
+            raise RuleViolation([("", f"must be a domain-prefixed path such as {MANAGED_BY_STALWART!r}, "
+                                      f"got {value!r}")])
+        return value
 
     @field_validator("shm_size")
     @classmethod
@@ -435,6 +462,11 @@ class TrainingJobSpec(ApiModel):
         if self.max_replicas is None:
             self.max_replicas = self.replicas
         return self
+
+    @property
+    def managed_here(self) -> bool:
+        """Whether stalwart's operator reconciles the job (``managedBy`` left out or naming it)."""
+        return managed_here(self.managed_by)
 
     @property
     def min_nodes(self) -> int:

@@ -5,6 +5,7 @@ one pod at a time in priority and creation order, as the default scheduler does.
 - A pod that fits nowhere stays Pending with ``PodScheduled=False``, reason ``Unschedulable`` and
   kube-scheduler's message, and a ``FailedScheduling`` Event whenever that message changes. It is tried again
   whenever pods come or go or a node changes, and every few seconds.
+- Pods with ``spec.schedulingGates`` wait, unbound and Pending, until the last gate is removed.
 - Pods naming another ``schedulerName`` (Volcano, the coscheduling plugin's scheduler) are left to it: here
   nobody schedules them, as on a cluster without that scheduler.
 
@@ -38,7 +39,9 @@ def holds_resources(pod: JSON) -> bool:
 
 def wants_scheduling(pod: JSON) -> bool:
     spec = pod.get("spec") or {}
+    # A pod with scheduling gates (Kueue's admission gate, say) waits until every gate is removed.
     return (not spec.get("nodeName") and not pod["metadata"].get("deletionTimestamp")
+            and not spec.get("schedulingGates")
             and spec.get("schedulerName") in (None, "", COMPONENT)
             and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
 

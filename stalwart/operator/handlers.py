@@ -27,6 +27,7 @@ from typing import Any
 import kopf
 
 from stalwart.api import naming
+from stalwart.api.spec import managed_here
 from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
 from stalwart.etcd.client import EtcdCredentials
 from stalwart.etcd.keys import JobKeys
@@ -96,6 +97,11 @@ def _index_pod(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[s
 
 def _index_node(body: kopf.Body, name: str | None, **_: Any) -> dict[str, bool]:
     return {name: node_unreachable(body)} if name else {}
+
+
+def _managed_here(spec: kopf.Spec, **_: Any) -> bool:
+    # A job another controller manages (spec.managedBy) gets no daemon, no finalizer and no status from us.
+    return managed_here(spec.get("managedBy"))
 
 
 def _unreachable(nodes: kopf.Index[str, bool]) -> frozenset[str]:
@@ -185,7 +191,8 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
         if ctx is not None and name and namespace:
             ctx.wake(namespace, name)
 
-    @kopf.daemon(GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=15.0, registry=registry)
+    @kopf.daemon(GROUP, VERSION, PLURAL, id="reconcile", cancellation_timeout=15.0, when=_managed_here,
+                 registry=registry)
     async def reconcile_job(*, body: kopf.Body, name: str, namespace: str | None, uid: str,
                             stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
         ctx = state["ctx"]
@@ -227,7 +234,7 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
             runners.pop(key, None)
             runner.forget()
 
-    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.delete(GROUP, VERSION, PLURAL, when=_managed_here, registry=registry)
     async def delete_job(*, body: kopf.Body, name: str, namespace: str | None, uid: str,
                          runtime: datetime.timedelta, **kwargs: Any) -> None:
         ctx = state["ctx"]

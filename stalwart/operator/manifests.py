@@ -80,7 +80,8 @@ def pod_group_manifest(*, gang: str, job: str, namespace: str, uid: str, min_mem
 
 def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, name: str, role: str,
                  index: int, endpoints: Sequence[str], agent_command: Sequence[str] = AGENT_COMMAND,
-                 gang: str | None = None, credentials: tuple[str, bool] | None = None) -> dict[str, Any]:
+                 gang: str | None = None, credentials: tuple[str, bool] | None = None,
+                 queue: str | None = None) -> dict[str, Any]:
     """The pod ``name`` of the job: the template, with the first container's command wrapped by the agent,
     the stalwart environment on every container (the RPC token and the etcd credentials' mount on the first,
     the trainer, only), the job's labels, hostname/subdomain for DNS through the
@@ -88,7 +89,9 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
     itself; a pod that exits is replaced by the operator). ``agent_command`` is the entrypoint prefix (an
     empty one runs the user's command bare, for scale tests of the operator alone). With ``gang``, the pod
     names the job's PodGroup the way that scheduler expects (and its scheduler, for Volcano). ``credentials``:
-    the etcd credentials Secret to mount and whether etcd speaks TLS (default: the one the spec names)."""
+    the etcd credentials Secret to mount and whether etcd speaks TLS (default: the one the spec names).
+    ``queue``: the Kueue queue of the job; the pod then joins the job's Kueue pod group (every worker and
+    spare pod, replacements included, under the job's name)."""
     _check_gang(gang)
     if not endpoints:
         raise ValueError("endpoints: the job has no etcd endpoints (spec.rendezvous.endpoints) and the "
@@ -123,6 +126,10 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
         pod_spec["schedulerName"] = GANG_SCHEDULERS[gang][2]
     elif gang == "coscheduling":
         labels["scheduling.x-k8s.io/pod-group"] = job
+    if queue is not None:
+        labels[naming.KUEUE_QUEUE_NAME] = queue
+        labels[naming.KUEUE_POD_GROUP_NAME] = job
+        annotations[naming.KUEUE_POD_GROUP_TOTAL_COUNT] = str(spec.replicas + spec.spares)
     pod_spec = with_defaults(pod_spec, shm_size=spec.shm_size)
     pod_spec["restartPolicy"] = "Never"
     pod_spec["hostname"] = name

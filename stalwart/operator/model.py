@@ -119,6 +119,8 @@ class JobView:
     status: TrainingJobStatus
     spec_problem: tuple[str, str] | None = None
     deleting: bool = False
+    #: The Kueue queue the job's label names (``kueue.x-k8s.io/queue-name``): its pods are queued as a group.
+    queue_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

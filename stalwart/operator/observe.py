@@ -127,7 +127,8 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         status = TrainingJobStatus()
     return JobView(name=name, namespace=str(meta.get("namespace") or "default"), uid=str(meta.get("uid") or ""),
                    generation=int(meta.get("generation") or 0), spec=spec, status=status, spec_problem=problem,
-                   deleting=bool(meta.get("deletionTimestamp")))
+                   deleting=bool(meta.get("deletionTimestamp")),
+                   queue_name=(meta.get("labels") or {}).get(naming.KUEUE_QUEUE_NAME) or None)
 
 
 def etcd_view(keys: JobKeys, kvs: Iterable[KeyValue]) -> EtcdView:

@@ -390,6 +390,7 @@ class JobRunner:
         body = pod_manifest(job=self.name, namespace=self.namespace, uid=job.uid, spec=job.spec,
                             name=action.name, role=action.role, index=action.index, endpoints=endpoints,
                             agent_command=self.ctx.agent_command, gang=self.ctx.gang_scheduler,
+                            queue=job.queue_name,
                             credentials=(naming.secret_name(self.name), self.ctx.default_credentials.tls)
                             if uses_job_login(self.ctx, job) else None)
         self.deleted.pop(action.name, None)

@@ -34,7 +34,7 @@ from stalwart.api import (
 )
 from stalwart.api.naming import DNS1123_LABEL, MAX_LABEL_LENGTH, MAX_POD_INDEX
 from stalwart.api.restart import MAX_SEAL_SLOTS, SealRecord, rank_runs
-from stalwart.api.spec import MAX_REPLICAS, endpoint_problem
+from stalwart.api.spec import MANAGED_BY_STALWART, MAX_REPLICAS, endpoint_problem, managed_here
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -252,3 +252,23 @@ def test_bad_rank_runs_are_refused_by_name(runs: object, message: str) -> None:
         SealRecord.from_json_bytes(json.dumps(doc))
     with pytest.raises(ValidationError, match="either ranks or rankRuns"):
         SealRecord.from_json_bytes(json.dumps({**doc, "rankRuns": [[0, 1, 0]], "ranks": {"0": 0}}))
+
+
+@pytest.mark.parametrize(("managed_by", "here"), [
+    (None, True),
+    (MANAGED_BY_STALWART, True),
+    ("kueue.x-k8s.io/multikueue", False),
+    ("example.com/other-controller", False),
+])
+def test_managed_by_names_the_controller_that_reconciles_the_job(managed_by: str | None, here: bool) -> None:
+    spec = job() if managed_by is None else job(managedBy=managed_by)
+    assert spec.spec.managed_by == managed_by
+    assert spec.spec.managed_here is here and managed_here(managed_by) is here
+
+
+@pytest.mark.parametrize("bad", ["multikueue", "/path-only", "Example.com/x", "a.b/" + "x" * 64])
+def test_managed_by_must_be_a_domain_prefixed_path(bad: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        job(managedBy=bad)
+    [error] = raised.value.errors()
+    assert error["loc"][-1] == "managedBy", error

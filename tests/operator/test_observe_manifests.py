@@ -256,3 +256,29 @@ def test_pod_group_and_gang_pods(gang: str, api_version: str) -> None:
     assert ("scheduling.volcano.sh", "podgroups") not in rbac.required(peering=False, clusterwide=True)
     with pytest.raises(ValueError, match="gang scheduler"):
         pod_group_manifest(gang="kueue", job=JOB, namespace="ns", uid="u", min_member=1)
+
+
+def test_a_queued_job_puts_its_pods_in_one_kueue_pod_group() -> None:
+    s = TrainingJobSpec.model_validate(spec(replicas=2, spares=1))
+    pod = pod_manifest(job=JOB, namespace="ns", uid="u", spec=s, name=f"{JOB}-worker-3", role="worker", index=3,
+                       endpoints=["e1:2379"], queue="team-a")
+    meta = pod["metadata"]
+    assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == JOB  # replacements join the same group
+    assert meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "3"  # workers and spares
+    plain = pod_manifest(job=JOB, namespace="ns", uid="u", spec=s, name=f"{JOB}-worker-0", role="worker", index=0,
+                         endpoints=["e1:2379"])["metadata"]
+    assert not [k for k in {**plain["labels"], **plain["annotations"]} if k.startswith("kueue.x-k8s.io/")]
+
+
+@pytest.mark.parametrize(("labels", "queue"), [
+    ({"kueue.x-k8s.io/queue-name": "team-a"}, "team-a"),
+    ({"kueue.x-k8s.io/queue-name": ""}, None),
+    ({"other": "x"}, None),
+    (None, None),
+])
+def test_job_view_reads_the_kueue_queue_label(labels: dict[str, str] | None, queue: str | None) -> None:
+    meta: dict[str, object] = {"name": JOB, "namespace": "ns", "uid": "u"}
+    if labels is not None:
+        meta["labels"] = labels
+    assert job_view({"metadata": meta, "spec": spec()}).queue_name == queue

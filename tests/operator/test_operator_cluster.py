@@ -330,6 +330,44 @@ def test_gang_scheduler_pod_group(start_operator: OperatorFactory, jobs: Jobs, l
         "scheduling.x-k8s.io", "v1alpha1", jobs.ns, "podgroups", "gang")["spec"]["minMember"] == 3)
 
 
+def test_kueue_gated_pods_wait_and_a_job_managed_elsewhere_is_left_alone(start_operator: OperatorFactory,
+                                                                         jobs: Jobs) -> None:
+    start_operator(jobs.ns, agent_command=())
+    elsewhere = jobs.create(job_body("elsewhere", replicas=1, command=SLEEP, managedBy="kueue.x-k8s.io/multikueue"))
+    queued = job_body("queued", replicas=2, spares=1, command=SLEEP)
+    queued["metadata"]["labels"] = {naming.KUEUE_QUEUE_NAME: "team-a"}
+    # Kueue's webhook adds this gate to the pods of a queue; here the template carries it, as the webhook would.
+    queued["spec"]["template"]["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    jobs.create(queued)
+    pods = wait_for("three pods", lambda: ps if len(ps := jobs.pods("queued")) == 3 else None)
+    for pod in pods:
+        assert pod.metadata.labels[naming.KUEUE_QUEUE_NAME] == "team-a"
+        assert pod.metadata.labels[naming.KUEUE_POD_GROUP_NAME] == "queued"
+        assert pod.metadata.annotations[naming.KUEUE_POD_GROUP_TOTAL_COUNT] == "3"
+    # Gated, they stay unbound and Pending, and the job waits for them (it neither fails nor replaces them).
+    until = time.monotonic() + 4
+    while time.monotonic() < until:
+        assert all(p.spec.node_name is None and p.status.phase == "Pending" for p in jobs.pods("queued"))
+        assert jobs.status("queued").get("phase") in (None, "Pending")
+        time.sleep(0.5)
+    # Admitted: the gates go (as Kueue removes them) and the same pods run.
+    for pod in jobs.pods("queued"):
+        pod.spec.scheduling_gates = []
+        jobs.core.replace_namespaced_pod(pod.metadata.name, jobs.ns, pod)
+    wait_for("the same three pods running", lambda: sorted(p.metadata.name for p in jobs.live_pods("queued")
+                                                           if p.status.phase == "Running") == sorted(
+        p.metadata.name for p in pods))
+    # The job another controller manages got nothing from this operator: no pod, no status, no finalizer.
+    got = jobs.get("elsewhere")
+    assert jobs.pods("elsewhere") == [] and "status" not in got and not got["metadata"].get("finalizers")
+    assert got["metadata"]["resourceVersion"] == elsewhere["metadata"]["resourceVersion"]
+    with pytest.raises(k8s.ApiException) as refused:
+        jobs.patch_spec("elsewhere", {"managedBy": "stalwart.dev/trainingjob-controller"})
+    assert refused.value.status == 422 and "managedBy is immutable" in str(refused.value.body)
+    jobs.delete("elsewhere")
+    wait_for("elsewhere deleted without a finalizer", lambda: jobs.gone("elsewhere"), timeout=30)
+
+
 def test_a_foreign_pod_group_holds_the_job_and_is_left_alone(
         start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster) -> None:
     local_cluster.kubectl("apply", "-f", "-", input=PODGROUP_CRD)
