@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from stalwart.agent.rank_env import parked_env, rank_env
 from stalwart.agent.rendezvous import RoundInfo
@@ -16,8 +17,10 @@ from stalwart.api.job_record import JobRecord
 from stalwart.api.manifest import ManifestHeader
 from stalwart.api.pod_env import PodEnvError, TorchrunEnvironment, read_env
 from stalwart.api.rendezvous import Manifest, Member
+from stalwart.api.restart_settings import RESTART_SETTINGS
 from stalwart.api.spec import TrainingJobSpec
 from stalwart.operator.manifests import ETCD_SECRET_DIR, pod_manifest
+from stalwart.restart.config import RestartConfig
 from stalwart.restart.environment import RankEnvironment
 from stalwart.rpc.environment import RpcEnvironment
 
@@ -109,3 +112,32 @@ def test_every_bad_variable_is_named_at_once_with_what_was_expected() -> None:
         PodSettings.from_env({**_settings().etcd_env(), pod_env.JOB: "a/b", pod_env.JOB_UID: "u",
                               pod_env.NODE_ID: "n", pod_env.POD_IP: "10.0.0.1", pod_env.ETCD_ENDPOINTS: "e:1",
                               pod_env.MIN_NODES: "2", pod_env.MAX_NODES: "1"})
+
+
+def test_every_restart_setting_travels_from_the_spec_to_the_ranks_config(tmp_path: Path) -> None:
+    # One distinct value per row of the table (increasing, so the timeouts keep their order): whatever the table
+    # holds arrives, through the JobRecord, the agent's rank environment and the variables, in RestartConfig.
+    values = {setting.wire: 10 + 2 * i for i, setting in enumerate(RESTART_SETTINGS)}
+    s = _settings()
+    manifest = Manifest(round=1, members=[
+        Member(node_id="train-worker-1", address="10.0.0.7", group_rank=0, rank_offset=0, nproc=2)],
+        world_size=2, master_addr="10.0.0.7", master_port=29400, sealed_by="train-worker-1")
+    info = RoundInfo(node_id=s.node_id, epoch=5, role="member", header=ManifestHeader.of(manifest), node_revision=3,
+                     member=manifest.members[0])
+    job = TrainingJob.model_validate({"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
+                                     "metadata": {"name": "train", "namespace": "team", "uid": "uid-1"},
+                                     "spec": {**SPEC, "minReplicas": 1, "restartPolicy": {"inProcess": values}}})
+    record = JobRecord.from_job(job, ["train-worker-1"])
+    env = rank_env(s, info, 0, base_env={}, run_dir=tmp_path, master_port=1234, spare_ranks=False, restarts=0,
+                   job=record)
+    assert {setting.env for setting in RESTART_SETTINGS} <= set(env)
+    config = RestartConfig().for_job(RankEnvironment.from_env(env).job_settings(), frozenset())
+    assert {setting.wire: getattr(config, setting.option) for setting in RESTART_SETTINGS} == values
+    # The order the table keeps is checked at each step, naming the setting as that step's user knows it.
+    bad = {**values, "softTimeoutSeconds": values["hardTimeoutSeconds"]}
+    with pytest.raises(ValidationError, match="softTimeoutSeconds: must be less than hardTimeoutSeconds"):
+        TrainingJobSpec.model_validate({**SPEC, "restartPolicy": {"inProcess": bad}})
+    with pytest.raises(PodEnvError, match="STALWART_HARD_TIMEOUT: must exceed STALWART_SOFT_TIMEOUT"):
+        RankEnvironment.from_env({**env, pod_env.SOFT_TIMEOUT: env[pod_env.HARD_TIMEOUT]})
+    with pytest.raises(ValueError, match="hard_timeout: must exceed soft_timeout"):
+        RestartConfig().for_job({"soft_timeout": 30.0, "hard_timeout": 30.0}, frozenset())

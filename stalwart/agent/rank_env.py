@@ -16,12 +16,12 @@ from stalwart.agent.settings import PodSettings
 from stalwart.api import pod_env
 from stalwart.api.job_record import JobRecord
 from stalwart.api.pod_env import RankEnvironment, TorchrunEnvironment
+from stalwart.api.restart_settings import RESTART_SETTINGS
 
 __all__ = ["handover_file", "parked_env", "rank_env", "status_file"]
 
 #: RankEnvironment field -> JobRecord field: the job's in-process restart settings a rank gets.
-_JOB_SETTINGS = {"max_restarts": "max_restarts", "soft_timeout": "soft_timeout_seconds",
-                 "hard_timeout": "hard_timeout_seconds", "barrier_timeout": "barrier_timeout_seconds"}
+_JOB_SETTINGS = {setting.option: setting.field for setting in RESTART_SETTINGS}
 
 
 def handover_file(run_dir: Path, local_rank: int) -> Path:

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from stalwart.api.base import ApiModel, Rule, RuleViolation, check_rules
 from stalwart.api.failure_rules import FailureRule
+from stalwart.api.restart_settings import RESTART_SETTINGS, order_rules
 from stalwart.api.spec import SuccessPolicy
 from stalwart.api.trainingjob import TrainingJob
 
@@ -75,11 +76,7 @@ class JobRecord(ApiModel):
              message="minNodes must be less than or equal to maxNodes",
              check=lambda r: None if r.min_nodes <= r.max_nodes else
              f"must be less than or equal to maxNodes ({r.max_nodes}), got {r.min_nodes}"),
-        Rule(field="softTimeoutSeconds", cel="self.softTimeoutSeconds < self.hardTimeoutSeconds",
-             message="softTimeoutSeconds must be less than hardTimeoutSeconds",
-             check=lambda r: None if r.soft_timeout_seconds < r.hard_timeout_seconds else
-             f"must be less than hardTimeoutSeconds ({r.hard_timeout_seconds:g}), "
-             f"got {r.soft_timeout_seconds:g}"),
+        *order_rules(),
         Rule(field="spares", cel="!self.spares.exists(s, s in self.members)",
              message="a node cannot be both a member and a spare",
              check=lambda r: next((f"{name!r} is also in members" for name in r.spares
@@ -119,10 +116,7 @@ class JobRecord(ApiModel):
             join_timeout_seconds=spec.rendezvous.join_timeout_seconds,
             last_call_seconds=spec.rendezvous.last_call_seconds,
             lease_ttl_seconds=spec.rendezvous.lease_ttl_seconds,
-            max_restarts=in_process.max_restarts,
-            soft_timeout_seconds=in_process.soft_timeout_seconds,
-            hard_timeout_seconds=in_process.hard_timeout_seconds,
-            barrier_timeout_seconds=in_process.barrier_timeout_seconds,
+            **{s.field: getattr(in_process, s.field) for s in RESTART_SETTINGS},
             warm_spares=in_process.warm_spares,
             backoff_limit=spec.restart_policy.backoff_limit,
             rules=list(spec.restart_policy.rules),

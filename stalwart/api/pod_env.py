@@ -34,6 +34,8 @@ from pydantic import (
     model_validator,
 )
 
+from stalwart.api.restart_settings import RESTART_SETTINGS, by_option, order_problem
+
 __all__ = [
     "AGENT_VARIABLES",
     "ETCD_VARIABLES",
@@ -74,10 +76,10 @@ SLOTS = "STALWART_SLOTS"
 TARGET_WORLD = "STALWART_TARGET_WORLD"
 MIN_WORLD = "STALWART_MIN_WORLD"
 STATUS_FILE = "STALWART_STATUS_FILE"
-MAX_RESTARTS = "STALWART_MAX_RESTARTS"
-SOFT_TIMEOUT = "STALWART_SOFT_TIMEOUT"
-HARD_TIMEOUT = "STALWART_HARD_TIMEOUT"
-BARRIER_TIMEOUT = "STALWART_BARRIER_TIMEOUT"
+MAX_RESTARTS = by_option("max_restarts").env
+SOFT_TIMEOUT = by_option("soft_timeout").env
+HARD_TIMEOUT = by_option("hard_timeout").env
+BARRIER_TIMEOUT = by_option("barrier_timeout").env
 #: The agent's barrier relay (:mod:`stalwart.api.relay`): a Unix socket in its private run directory.
 RELAY_SOCKET = "STALWART_RELAY_SOCKET"
 #: The variable naming a rank process's handover file (:mod:`stalwart.api.handover`).
@@ -106,8 +108,8 @@ AGENT_VARIABLES = {
 RANK_VARIABLES = {
     ETCD_ENDPOINTS: "etcd_endpoints", JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", EPOCH: "epoch",
     SLOT: "slot", SLOTS: "slots", TARGET_WORLD: "target_world", MIN_WORLD: "min_world", SPARE: "spare",
-    STATUS_FILE: "status_file", LOCAL_RANK: "local_rank", MAX_RESTARTS: "max_restarts", SOFT_TIMEOUT: "soft_timeout",
-    HARD_TIMEOUT: "hard_timeout", BARRIER_TIMEOUT: "barrier_timeout", RELAY_SOCKET: "relay_socket",
+    STATUS_FILE: "status_file", LOCAL_RANK: "local_rank", RELAY_SOCKET: "relay_socket",
+    **{setting.env: setting.option for setting in RESTART_SETTINGS},
 }
 TORCHRUN_VARIABLES = {
     RANK: "rank", LOCAL_RANK: "local_rank", WORLD_SIZE: "world_size", LOCAL_WORLD_SIZE: "local_world_size",
@@ -348,10 +350,9 @@ class RankEnvironment(_Env):
             raise ValueError(f"{TARGET_WORLD} {self.target_world} exceeds {SLOTS} {self.slots}")
         if self.min_world is not None and self.min_world > self.target_world:
             raise ValueError(f"{MIN_WORLD} {self.min_world} exceeds {TARGET_WORLD} {self.target_world}")
-        if self.soft_timeout is not None and self.hard_timeout is not None \
-                and self.hard_timeout <= self.soft_timeout:
-            raise ValueError(f"{HARD_TIMEOUT} {self.hard_timeout:g} must exceed {SOFT_TIMEOUT} "
-                             f"{self.soft_timeout:g}")
+        problem = order_problem(lambda setting: getattr(self, setting.option), lambda setting: setting.env)
+        if problem is not None:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
         return self
 
     @property
@@ -360,8 +361,7 @@ class RankEnvironment(_Env):
 
     def job_settings(self) -> dict[str, float | int]:
         """The job's in-process restart settings that the agent passed, by RestartConfig option name."""
-        settings = {"max_restarts": self.max_restarts, "soft_timeout": self.soft_timeout,
-                    "hard_timeout": self.hard_timeout, "barrier_timeout": self.barrier_timeout}
+        settings = {setting.option: getattr(self, setting.option) for setting in RESTART_SETTINGS}
         return {name: value for name, value in settings.items() if value is not None}
 
     @classmethod

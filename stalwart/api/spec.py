@@ -25,6 +25,7 @@ from stalwart.api.naming import (
     MAX_LABEL_LENGTH,
     MAX_SUBDOMAIN_LENGTH,
 )
+from stalwart.api.restart_settings import order_rules
 
 #: Upper bound of ``replicas``/``maxReplicas``/``spares``, and of ``maxReplicas + spares``: far below
 #: naming.MAX_POD_INDEX, so replacement pods have indices to spare.
@@ -262,15 +263,7 @@ class InProcessRestart(ApiModel):
                      "training function wrapped with @stalwart.restartable; state comes from peers "
                      "(stalwart.restart.sync_from_peers)."))
 
-    __rules__: ClassVar[list[Rule]] = [
-        Rule(
-            field="softTimeoutSeconds",
-            cel="self.softTimeoutSeconds < self.hardTimeoutSeconds",
-            message="softTimeoutSeconds must be less than hardTimeoutSeconds",
-            check=lambda s: None if s.soft_timeout_seconds < s.hard_timeout_seconds else
-            f"must be less than hardTimeoutSeconds ({s.hard_timeout_seconds:g}), "
-            f"got {s.soft_timeout_seconds:g}"),
-    ]
+    __rules__: ClassVar[list[Rule]] = order_rules()
 
     @model_validator(mode="after")
     def _rules(self) -> InProcessRestart:

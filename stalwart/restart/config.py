@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from stalwart.api.base import positive_seconds
+from stalwart.api.restart_settings import RESTART_SETTINGS, order_problem
 from stalwart.restart.assignment import RankAssignment
 from stalwart.restart.policies import (
     Abort,
@@ -22,12 +23,7 @@ from stalwart.restart.policies import (
 __all__ = ["JOB_SETTINGS", "RestartConfig"]
 
 #: The options a TrainingJob's ``restartPolicy.inProcess`` sets (through the agent), by its field.
-JOB_SETTINGS: Mapping[str, str] = {
-    "max_restarts": "maxRestarts",
-    "soft_timeout": "softTimeoutSeconds",
-    "hard_timeout": "hardTimeoutSeconds",
-    "barrier_timeout": "barrierTimeoutSeconds",
-}
+JOB_SETTINGS: Mapping[str, str] = {setting.option: setting.wire for setting in RESTART_SETTINGS}
 
 
 @dataclass(frozen=True)
@@ -75,9 +71,9 @@ class RestartConfig:
         for name in ("soft_timeout", "hard_timeout", "barrier_timeout", "start_timeout", "completion_timeout",
                      "monitor_interval", "etcd_timeout", "coordination_timeout"):
             positive_seconds(name, getattr(self, name))
-        if self.hard_timeout <= self.soft_timeout:
-            raise ValueError(f"hard_timeout: must exceed soft_timeout ({self.soft_timeout}s), "
-                             f"got {self.hard_timeout}")
+        problem = order_problem(lambda setting: getattr(self, setting.option), lambda setting: setting.option)
+        if problem is not None:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
         if isinstance(self.heartbeat_ttl, bool) or not isinstance(self.heartbeat_ttl, int) or self.heartbeat_ttl < 2:
             raise ValueError(f"heartbeat_ttl: expected an int >= 2 seconds, got {self.heartbeat_ttl!r}")
         for name, kind in (("initialize", Initialize), ("abort", Abort), ("finalize", Finalize),
