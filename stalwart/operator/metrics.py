@@ -6,7 +6,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 JOBS = Gauge("stalwart_operator_jobs", "TrainingJobs this operator reconciles, by phase.", ["phase"])
 RESTARTS = Counter("stalwart_operator_restarts_total",
-                   "Recoveries and pod replacements across jobs, by kind: in_process, process, pod_replacement.",
+                   "Recoveries across jobs, by kind: in_process (every rank kept its process) or process (rank "
+                   "processes started again). Pod replacements are stalwart_operator_pod_replacements_total.",
                    ["kind"])
 POD_REPLACEMENTS = Counter("stalwart_operator_pod_replacements_total",
                            "Pods replaced after a failure or loss (counted against backoffLimit).")

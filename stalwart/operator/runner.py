@@ -449,7 +449,6 @@ class JobRunner:
             if dproc > 0:
                 metrics.RESTARTS.labels("process").inc(dproc)
             if dpr > 0:
-                metrics.RESTARTS.labels("pod_replacement").inc(dpr)
                 metrics.POD_REPLACEMENTS.inc(dpr)
         if new.phase is not None and new.phase.value != self.phase:
             if self.phase is not None:

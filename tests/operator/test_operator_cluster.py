@@ -200,6 +200,8 @@ def test_force_deleted_pod_counts_once_as_a_replacement(start_operator: Operator
     reasons = jobs.events("vanish")
     assert reasons.count("PodDisappeared") == 1 and "PodReplaced" in reasons
     assert (REGISTRY.get_sample_value("stalwart_operator_pod_replacements_total") or 0.0) == before + 1
+    # One metric per fact: a replacement is not also a restart kind.
+    assert REGISTRY.get_sample_value("stalwart_operator_restarts_total", {"kind": "pod_replacement"}) is None
     jobs.delete("vanish")
     wait_for("the job to go", lambda: jobs.gone("vanish"), timeout=90)
 
