@@ -48,12 +48,15 @@ def by_option(option: str) -> RestartSetting:
     raise KeyError(f"no restart setting named {option!r}")
 
 
+def _ordered_pairs() -> list[tuple[RestartSetting, RestartSetting]]:
+    return [(by_option(short), by_option(long)) for short, long in SHORTER_THAN]
+
+
 def order_problem(value: Callable[[RestartSetting], float | None],
                   name: Callable[[RestartSetting], str]) -> tuple[str, str] | None:
     """The first pair of :data:`SHORTER_THAN` out of order, as (the longer's name, what is wrong), where
     ``value`` reads a setting (``None``: not set) and ``name`` names one as the caller's users know it."""
-    for short_option, long_option in SHORTER_THAN:
-        short, long = by_option(short_option), by_option(long_option)
+    for short, long in _ordered_pairs():
         s, v = value(short), value(long)
         if s is not None and v is not None and v <= s:
             return name(long), f"must exceed {name(short)} ({s:g}), got {v:g}"
@@ -64,8 +67,7 @@ def order_rules() -> list[Rule]:
     """The CEL rules (with their Python checks) that keep :data:`SHORTER_THAN` on a model with the settings'
     fields (InProcessRestart, JobRecord)."""
     rules = []
-    for short_option, long_option in SHORTER_THAN:
-        short, long = by_option(short_option), by_option(long_option)
+    for short, long in _ordered_pairs():
 
         def check(model: object, short: RestartSetting = short, long: RestartSetting = long) -> str | None:
             s, v = getattr(model, short.field), getattr(model, long.field)

@@ -457,11 +457,6 @@ class TrainingJobSpec(ApiModel):
         return self
 
     @property
-    def managed_here(self) -> bool:
-        """Whether stalwart's operator reconciles the job (``managedBy`` left out or naming it)."""
-        return managed_here(self.managed_by)
-
-    @property
     def min_nodes(self) -> int:
         """``minReplicas`` with its default applied."""
         return self.min_replicas if self.min_replicas is not None else self.replicas
