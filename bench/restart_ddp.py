@@ -8,7 +8,8 @@ of each iteration the ranks adopt the state of the rank that committed the most 
 has none).
 
 Faults are injected once (a marker file records that it happened): ``--fault exception|sigkill|sigstop|hang``
-in rank ``--fault-rank`` at step ``--fault-step``. Stalls for the tests of bounded waits: ``--finalize-hang``
+in rank ``--fault-rank`` at step ``--fault-step``. Stalls for the tests of bounded waits: ``--teardown-hang R``
+(rank R blocks for good in the job's final teardown, after the training function returned), ``--finalize-hang``
 (after its fault, the rank hangs in its Finalize policy), ``--init-stall`` (in the first iteration the rank
 never reaches its process group: a Python loop in its Initialize policy), ``--silence-slot N`` (every etcd
 watch stream of slot N's process delivers nothing: a stuck watcher, injected on top of the real etcd; the
@@ -27,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -63,6 +65,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--min-world", type=int, default=1)
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--finalize-hang", action="store_true")
+    p.add_argument("--teardown-hang", type=int, default=None, metavar="RANK",
+                   help="this rank's process blocks for good in the collection that ends the job")
     p.add_argument("--init-stall", action="store_true")
     p.add_argument("--slow-assignment", type=float, default=0.0,
                    help="seconds the rank assignment takes (widens the moment between a seal and the run)")
@@ -292,7 +296,22 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
               "first_after_restart": STATE["first_after_restart"], "step_times": times, "cpu_marks": cpu}
     if args.self_init == "destroy":
         dist.destroy_process_group()
+    if args.teardown_hang == rank:
+        BlocksWhenCollected()
     return result
+
+
+class BlocksWhenCollected:
+    """An object in a reference cycle whose finaliser never returns: it stands for a destructor that blocks in
+    the garbage collector that the job's end runs."""
+
+    def __init__(self) -> None:
+        self.me = self
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def __del__(self) -> None:
+        self.lock.acquire()
 
 
 def write(args: argparse.Namespace, result: dict[str, Any] | None) -> None:

@@ -21,6 +21,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="process restarts this pod may do before it gives up (default 10)")
     p.add_argument("--term-grace", type=float, default=30.0,
                    help="seconds between SIGTERM and SIGKILL for the rank processes (default 30)")
+    p.add_argument("--finish-grace", type=float, default=60.0,
+                   help="seconds a rank process that returned from the training function may take to exit before "
+                        "it is killed, its work kept (default 60)")
     p.add_argument("--last-call", type=float, default=5.0,
                    help="seconds a round waits for more nodes once min nodes are present (default 5)")
     p.add_argument("--node-ttl", type=int, default=10,
@@ -50,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = PodSettings.from_env()
         options = AgentTuning(max_restarts=args.max_restarts, term_grace=args.term_grace,
+                              finish_grace=args.finish_grace,
                               last_call_timeout=args.last_call, node_ttl=args.node_ttl,
                               spare_ranks=args.spare_ranks, warm_spares=args.warm_spares,
                               **({} if args.relay_linger is None else {"relay_linger": args.relay_linger}))

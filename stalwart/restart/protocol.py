@@ -278,15 +278,19 @@ def join(view: EpochView, me: Participant) -> Join | WaitEnd | Finished | Exit:
         return Exit(ExitCode.WORLD_TOO_SMALL, seal.error)
     if latest + 1 in view.arrivals:
         return Join(latest + 1)
+    if latest in view.ended:
+        # Every active process returned and the end is recorded: a process that died afterwards (in its
+        # teardown), and a fault recorded for it, end nothing.
+        return Finished()
+    if latest in view.faults:
+        return Join(latest + 1)
+    if {int(s) for s in seal.ranks} <= view.done.get(latest, frozenset()):
+        return Finished()
     mine = str(me.slot)
-    if mine in seal.ranks and latest not in view.faults:
+    if mine in seal.ranks:
         # The process that held this slot died during the iteration: the iteration cannot finish.
         return Join(latest + 1, Report(latest, seal.ranks[mine], "process_died",
                                        "the process of this slot was restarted"))
-    if latest in view.faults:
-        return Join(latest + 1)
-    if latest in view.ended or {int(s) for s in seal.ranks} <= view.done.get(latest, frozenset()):
-        return Finished()
     return WaitEnd(latest, seal)
 
 

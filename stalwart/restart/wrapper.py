@@ -207,7 +207,6 @@ class _Session:
             done = self._run_iteration(fn, args, kwargs, inject, iteration=iteration, rank=place.rank,
                                        world_size=place.world_size, active=place.active)
             if isinstance(done, _Finished):
-                self.monitor.update_status(state="done")
                 return done.result
             iteration += 1
 
@@ -411,6 +410,9 @@ class _Session:
                 outcome = "fault"
             self.monitor.end()
             if outcome == "done":
+                # The job's outcome is decided: what is left is teardown, which the agent bounds as an exit
+                # (its finish grace), never as a hang of training to restart from.
+                self.monitor.update_status(state="done")
                 self._finish(ctx)
                 return _Finished(result)
             fault = RestartInterrupt("a peer failed before every rank returned")

@@ -43,7 +43,8 @@ def agent_env(etcd: EtcdServer, keys: JobKeys, *, pod: str, nproc: int, nodes: i
 
 def start_agent(etcd: EtcdServer, tmp: Path, *script_args: str, mode: str = "wrapped",
                 agent_args: tuple[str, ...] = (), keys: JobKeys | None = None, pod: str = "job-worker-0",
-                nproc: int = 2, nodes: int = 1, quit_ignored: bool = False) -> tuple[subprocess.Popen[str], JobKeys]:
+                nproc: int = 2, nodes: int = 1, quit_ignored: bool = False,
+                extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], JobKeys]:
     """Start ``stalwart agent`` as pod ``pod`` of job ``keys`` (a new job unless given); with ``quit_ignored``
     as a shell's background job starts it, with SIGQUIT ignored. Watched: after the test, the agent must have
     ended within the exit bound of its ``leaving with exit code`` line (stalwart.local.pytest_plugin)."""
@@ -52,7 +53,7 @@ def start_agent(etcd: EtcdServer, tmp: Path, *script_args: str, mode: str = "wra
            SCRIPT, "--mode", mode, "--marker-dir", str(tmp), "--out", str(tmp / "out.jsonl"), *script_args]
     if quit_ignored:
         cmd = ["sh", "-c", 'trap "" QUIT; exec "$@"', "sh", *cmd]
-    env = agent_env(etcd, keys, pod=pod, nproc=nproc, nodes=nodes)
+    env = {**agent_env(etcd, keys, pod=pod, nproc=nproc, nodes=nodes), **(extra_env or {})}
     return WatchedProcess(cmd, env=env, stderr=subprocess.PIPE, text=True), keys
 
 
@@ -174,6 +175,22 @@ def test_hang_beyond_the_soft_timeout_ends_with_the_hard_timeout_kill(etcd: Etcd
     assert sorted(r["rank"] for r in res) == [0, 1]
     reference = expected_checksum(steps=8)
     assert all(r["step"] == 8 and r["checksum"] == pytest.approx(reference, abs=1e-6) for r in res)
+
+
+def test_a_rank_that_blocks_in_the_final_teardown_is_ended_as_an_exit_and_the_job_succeeds(etcd: EtcdServer,
+                                                                                            tmp_path: Path) -> None:
+    # Every rank returned; rank 1's process then blocks for good in the collection that ends the job (a
+    # destructor that never returns). The outcome is decided: the agent ends that process after its finish grace
+    # and keeps its work, instead of taking it for a training hang (hard timeout) and restarting the slot.
+    agent, _ = start_agent(etcd, tmp_path, "--steps", "6", "--teardown-hang", "1", "--soft-timeout", "4",
+                           agent_args=("--finish-grace", "3"))
+    _, err = agent.communicate(timeout=TIMEOUT)
+    assert agent.returncode == 0, err[-3000:]
+    assert re.search(r"local rank 1 returned from the training function but its process has not exited in 3s: "
+                     r"killing it", err), err[-3000:]
+    assert "respawning" not in err and "hard timeout" not in err
+    assert [r["rank"] for r in results(tmp_path)] == [0]  # rank 1 never got past its teardown to write its line
+    assert results(tmp_path)[0]["step"] == 6
 
 
 def test_a_stopped_rank_is_killed_at_its_soft_timeout_and_the_job_recovers_in_process(etcd: EtcdServer,

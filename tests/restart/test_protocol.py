@@ -172,8 +172,15 @@ def test_the_last_completion_mark_writes_the_end(marks: int, ranks: dict[int, in
     (EpochView(seals={2: seal(2, {0: 0, 2: 1})}, done={2: frozenset({0, 2})}), Finished()),
     (EpochView(seals={2: seal(2, {0: 0, 2: 1})}, ended=frozenset({2})), Finished()),
     (EpochView(seals={2: seal(2, {0: 0, 2: 1})}), WaitEnd(2, seal(2, {0: 0, 2: 1}))),  # a spare: wait
+    # This slot's process died after every rank had returned (killed in its teardown): the job is over.
+    (EpochView(seals={2: seal(2, {0: 0, 1: 1})}, done={2: frozenset({0, 1})}), Finished()),
+    (EpochView(seals={2: seal(2, {0: 0, 1: 1})}, ended=frozenset({2})), Finished()),
+    (EpochView(seals={2: seal(2, {0: 0, 1: 1})}, ended=frozenset({2}), faults={2: ((5, fault(1, "hard_timeout", 2)),)}),
+     Finished()),  # its agent recorded the teardown's hang as a fault after the end: the job is still over
+    (EpochView(seals={2: seal(2, {0: 0, 1: 1})}, done={2: frozenset({1})}),
+     Join(3, Report(2, 1, "process_died", "the process of this slot was restarted"))),  # its own mark only
 ], ids=["start", "first-barrier", "too-small", "next-barrier", "died-running", "after-fault", "finished", "ended",
-        "spare"])
+        "spare", "died-after-all-done", "died-after-the-end", "fault-after-the-end", "died-after-own-mark"])
 def test_where_a_process_joins(the_view: EpochView, expected: object) -> None:
     assert join(the_view, ME) == expected
 
