@@ -19,7 +19,7 @@ from stalwart.api.pod_env import PodEnvError, TorchrunEnvironment, read_env
 from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.restart_settings import RESTART_SETTINGS
 from stalwart.api.spec import TrainingJobSpec
-from stalwart.operator.manifests import ETCD_SECRET_DIR, pod_manifest
+from stalwart.operator.manifests import AGENT_METRICS_PORT_NAME, ETCD_SECRET_DIR, pod_manifest
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.environment import RankEnvironment
 from stalwart.rpc.environment import RpcEnvironment
@@ -97,6 +97,21 @@ def test_a_job_minimum_above_the_rounds_world_is_refused_by_name() -> None:
            pod_env.TARGET_WORLD: "2", pod_env.MIN_WORLD: "3"}
     with pytest.raises(PodEnvError, match="STALWART_MIN_WORLD 3 exceeds STALWART_TARGET_WORLD 2"):
         RankEnvironment.from_env(env)
+
+
+def test_the_agents_metrics_port_travels_to_the_agent_and_is_the_trainers_named_port() -> None:
+    spec = TrainingJobSpec.model_validate(SPEC)
+    plain = pod_manifest(job="train", namespace="team", uid="uid-1", spec=spec, name="train-worker-1",
+                         role="worker", index=1, endpoints=["etcd:2379"])
+    assert "ports" not in plain["spec"]["containers"][0] and _settings().metrics_port is None
+    pod = pod_manifest(job="train", namespace="team", uid="uid-1", spec=spec, name="train-worker-1",
+                       role="worker", index=1, endpoints=["etcd:2379"], metrics_port=9400)
+    trainer = pod["spec"]["containers"][0]
+    assert trainer["ports"] == [{"name": AGENT_METRICS_PORT_NAME, "containerPort": 9400, "protocol": "TCP"}]
+    settings = PodSettings.from_env(_resolve(trainer["env"], "train-worker-1", "10.0.0.7", "tok"))
+    assert settings.metrics_port == 9400
+    with pytest.raises(PodEnvError, match=r"^STALWART_METRICS_PORT: Input should be less than or equal to 65535$"):
+        PodSettings.from_env({**_resolve(trainer["env"], "p", "10.0.0.7", "tok"), pod_env.METRICS_PORT: "70000"})
 
 
 def test_every_bad_variable_is_named_at_once_with_what_was_expected() -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, next_step, write_handover
+from stalwart.agent.metrics import AgentMetrics
 from stalwart.agent.processes import RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
@@ -137,6 +138,7 @@ class Agent:
                                       self.ranks.procs.values()) if p.slot >= 0 and p.exit_code is None}),
                                   linger=self.options.relay_linger, context=self._ctx)
         self.relay_socket: Path | None = None
+        self.metrics = AgentMetrics()
 
     # -- signals ------------------------------------------------------------------------------------------
 
@@ -167,6 +169,11 @@ class Agent:
         gone, before the rest of the clean-up (the command arms its exit's bound there: see stalwart.exits)."""
         self.drill.start()
         self.relay_socket = self.relay.path if self.relay.start() else None
+        if self.settings.metrics_port is not None:
+            try:
+                self.metrics.serve(self.settings.metrics_port)
+            except OSError as e:  # training matters more than its figures
+                log.warning("%s: cannot serve metrics on port %d: %s", self._ctx, self.settings.metrics_port, e)
         code = int(ExitCode.FAILED)
         try:
             code = self._run()
@@ -177,6 +184,7 @@ class Agent:
             if decided is not None:
                 decided(code)
             self.relay.stop()  # after the ranks: one still at a barrier while it stops is answered
+            self.metrics.close()
             with contextlib.suppress(Exception):
                 self.handle.leave()
             self.rdzv.shutdown()
@@ -467,5 +475,7 @@ class Agent:
 
     def _publish(self, state: NodeState, *, force: bool = False) -> None:
         ranks = [self._book_view(p) for p in self.ranks.procs.values() if p.slot >= 0]  # a parked one has no slot yet
-        self.reporter.book = book_.observed(self.reporter.book, ranks, now=time.monotonic(), wall=time.time())
+        wall = time.time()
+        self.reporter.book = book_.observed(self.reporter.book, ranks, now=time.monotonic(), wall=wall)
+        self.metrics.observe(self.reporter.book, wall=wall)
         self.reporter.publish(state, force=force)

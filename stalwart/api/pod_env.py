@@ -76,6 +76,8 @@ SLOTS = "STALWART_SLOTS"
 TARGET_WORLD = "STALWART_TARGET_WORLD"
 MIN_WORLD = "STALWART_MIN_WORLD"
 STATUS_FILE = "STALWART_STATUS_FILE"
+#: The port the agent serves its Prometheus metrics on (unset: none served).
+METRICS_PORT = "STALWART_METRICS_PORT"
 MAX_RESTARTS = by_option("max_restarts").env
 SOFT_TIMEOUT = by_option("soft_timeout").env
 HARD_TIMEOUT = by_option("hard_timeout").env
@@ -104,6 +106,7 @@ AGENT_VARIABLES = {
     JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", POD_IP: "pod_ip", SPARE: "spare",
     NPROC_PER_NODE: "nproc_per_node", MIN_NODES: "min_nodes", MAX_NODES: "max_nodes",
     ETCD_ENDPOINTS: "etcd_endpoints", RPC_TOKEN: "rpc_token", ETCD_TLS: "etcd_tls", ETCD_SECRET_DIR: "etcd_secret_dir",
+    METRICS_PORT: "metrics_port",
 }
 RANK_VARIABLES = {
     ETCD_ENDPOINTS: "etcd_endpoints", JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", EPOCH: "epoch",
@@ -272,6 +275,7 @@ class AgentEnvironment(_Env):
     #: The mounted etcd credentials Secret (stalwart.etcd.client); files, so no secret is in the environment.
     etcd_tls: bool = False
     etcd_secret_dir: str | None = None
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
 
     @model_validator(mode="after")
     def _bounds(self) -> AgentEnvironment:
@@ -292,10 +296,11 @@ class AgentEnvironment(_Env):
 
 def worker_env(*, job: str, namespace: str, uid: str, spare: bool, nproc_per_node: int, min_nodes: int,
                max_nodes: int, endpoints: Sequence[str], token_secret: str, token_key: str,
-               etcd_secret_dir: str | None = None, etcd_tls: bool = False) -> list[dict[str, Any]]:
+               etcd_secret_dir: str | None = None, etcd_tls: bool = False,
+               metrics_port: int | None = None) -> list[dict[str, Any]]:
     """The container ``env`` the operator writes for :class:`AgentEnvironment`: the node id and the pod IP from
     the downward API, the RPC token from the job's Secret (``token_secret``/``token_key``), the etcd
-    credentials' directory when a Secret is mounted there."""
+    credentials' directory when a Secret is mounted there, the agent's metrics port when it serves metrics."""
     def value(name: str, v: str) -> dict[str, Any]:
         return {"name": name, "value": v}
 
@@ -312,6 +317,8 @@ def worker_env(*, job: str, namespace: str, uid: str, spare: bool, nproc_per_nod
     if etcd_secret_dir is not None:
         env.append(value(ETCD_TLS, "true" if etcd_tls else "false"))
         env.append(value(ETCD_SECRET_DIR, etcd_secret_dir))
+    if metrics_port is not None:
+        env.append(value(METRICS_PORT, str(metrics_port)))
     return env
 
 

@@ -98,6 +98,9 @@ def register(sub: Any) -> None:
     p.add_argument("--health-host", default="0.0.0.0", help="address the health endpoint binds (default all)")
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--agent-metrics-port", type=_port, default=None,
+                   help="have every job's agents serve their Prometheus metrics on this port of their pod, a "
+                        "container port named agent-metrics (default: off)")
     p.add_argument("--concurrency", type=int, default=16,
                    help="Kubernetes API calls in flight at most (default 16)")
     p.add_argument("--agent-command", default=" ".join(AGENT_COMMAND_DEFAULT), metavar="CMD",
@@ -189,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         health_endpoint=f"http://{args.health_host}:{args.health_port}/healthz",
         agent_command=tuple(shlex.split(args.agent_command)),
         gang_scheduler=args.gang_scheduler,
+        agent_metrics_port=args.agent_metrics_port,
     )
     if args.metrics_port is not None:
         from prometheus_client import start_http_server

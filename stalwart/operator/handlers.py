@@ -77,6 +77,8 @@ class OperatorRunConfig:
     agent_command: tuple[str, ...] = AGENT_COMMAND
     #: "volcano" or "coscheduling" to gang-schedule each job's pods through a PodGroup; None: none.
     gang_scheduler: str | None = None
+    #: The port every job's agents serve their metrics on (``manifests.pod_manifest``); None: none.
+    agent_metrics_port: int | None = None
     #: This replica's name among its peers (default: kopf's, from $POD_ID or host and process).
     identity: str | None = None
     #: The key of the operator's mark on the Secrets it makes (:mod:`.provenance`), the same for every replica
@@ -141,7 +143,8 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
                               default_credentials=config.etcd_credentials, job_logins=config.job_etcd_users,
                               job_client=config.job_client,
                               agent_command=config.agent_command, gang_scheduler=config.gang_scheduler,
-                              adoption_key=adoption_key, loop=asyncio.get_running_loop())
+                              agent_metrics_port=config.agent_metrics_port, adoption_key=adoption_key,
+                              loop=asyncio.get_running_loop())
         ctx.etcd.on_change = ctx.wake_uid_threadsafe
         state["ctx"] = ctx
 

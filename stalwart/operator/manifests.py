@@ -29,6 +29,10 @@ AGENT_COMMAND = ("stalwart", "agent", "--")
 SERVICE_PORT = 29500
 
 
+#: The name of the trainer container's port the agent serves its metrics on (what a PodMonitor scrapes).
+AGENT_METRICS_PORT_NAME = "agent-metrics"
+
+
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
     """The controller owner reference to the TrainingJob: its pods, Service and Secret are garbage collected
     with it."""
@@ -43,14 +47,15 @@ def etcd_secret(spec: TrainingJobSpec) -> tuple[str, bool] | None:
 
 
 def stalwart_env(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, spare: bool,
-                 endpoints: Sequence[str], credentials: tuple[str, bool] | None = None) -> list[dict[str, Any]]:
+                 endpoints: Sequence[str], credentials: tuple[str, bool] | None = None,
+                 metrics_port: int | None = None) -> list[dict[str, Any]]:
     """The environment every worker/spare container gets (design: "What a worker pod gets"; the pod contract,
     :mod:`stalwart.api.pod_env`)."""
     return worker_env(job=job, namespace=namespace, uid=uid, spare=spare, nproc_per_node=spec.nproc_per_node,
                       min_nodes=spec.min_nodes, max_nodes=spec.max_nodes, endpoints=endpoints,
                       token_secret=naming.secret_name(job), token_key=RPC_TOKEN_KEY,
                       etcd_secret_dir=None if credentials is None else ETCD_SECRET_DIR,
-                      etcd_tls=credentials is not None and credentials[1])
+                      etcd_tls=credentials is not None and credentials[1], metrics_port=metrics_port)
 
 
 #: Gang schedulers the operator can make a PodGroup for: (apiVersion, plural, pod scheduler name or None).
@@ -81,7 +86,7 @@ def pod_group_manifest(*, gang: str, job: str, namespace: str, uid: str, min_mem
 def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, name: str, role: str,
                  index: int, endpoints: Sequence[str], agent_command: Sequence[str] = AGENT_COMMAND,
                  gang: str | None = None, credentials: tuple[str, bool] | None = None,
-                 queue: str | None = None) -> dict[str, Any]:
+                 queue: str | None = None, metrics_port: int | None = None) -> dict[str, Any]:
     """The pod ``name`` of the job: the template, with the first container's command wrapped by the agent,
     the stalwart environment on every container (the RPC token and the etcd credentials' mount on the first,
     the trainer, only), the job's labels, hostname/subdomain for DNS through the
@@ -91,7 +96,8 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
     names the job's PodGroup the way that scheduler expects (and its scheduler, for Volcano). ``credentials``:
     the etcd credentials Secret to mount and whether etcd speaks TLS (default: the one the spec names).
     ``queue``: the Kueue queue of the job; the pod then joins the job's Kueue pod group (every worker and
-    spare pod, replacements included, under the job's name)."""
+    spare pod, replacements included, under the job's name). ``metrics_port``: the agent serves its metrics
+    there (the trainer's container port named :data:`AGENT_METRICS_PORT_NAME`)."""
     _check_gang(gang)
     if not endpoints:
         raise ValueError("endpoints: the job has no etcd endpoints (spec.rendezvous.endpoints) and the "
@@ -103,7 +109,7 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
     annotations = dict(meta.get("annotations") or {})
     credentials = credentials or etcd_secret(spec)
     env = stalwart_env(job=job, namespace=namespace, uid=uid, spec=spec, spare=role == naming.ROLE_SPARE,
-                       endpoints=endpoints, credentials=credentials)
+                       endpoints=endpoints, credentials=credentials, metrics_port=metrics_port)
     ours = {e["name"] for e in env}
     sidecar_env = [e for e in env if e["name"] not in TRAINER_ONLY_ENV]
     for i, container in enumerate(pod_spec["containers"]):
@@ -111,6 +117,10 @@ def pod_manifest(*, job: str, namespace: str, uid: str, spec: TrainingJobSpec, n
             command = [*agent_command, *(container.get("command") or []), *(container.get("args") or [])]
             container["command"] = command
             container.pop("args", None)
+            if metrics_port is not None:
+                ports = [p for p in container.get("ports") or [] if p.get("name") != AGENT_METRICS_PORT_NAME]
+                container["ports"] = [*ports, {"name": AGENT_METRICS_PORT_NAME, "containerPort": metrics_port,
+                                               "protocol": "TCP"}]
         user_env = [e for e in container.get("env") or [] if e.get("name") not in ours]
         container["env"] = [*(env if i == 0 else sidecar_env), *user_env]
         if credentials is not None and i == 0:

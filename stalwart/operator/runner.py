@@ -81,6 +81,8 @@ class OperatorContext:
     agent_command: tuple[str, ...] = AGENT_COMMAND
     #: "volcano" or "coscheduling": create a PodGroup per job and point its pods at it; None: no gang scheduler.
     gang_scheduler: str | None = None
+    #: The port every job's agents serve their metrics on; None: they serve none.
+    agent_metrics_port: int | None = None
     #: The key of this operator's mark on the Secrets it makes (:mod:`.provenance`).
     adoption_key: bytes = field(default_factory=provenance.new_key, repr=False)
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
@@ -390,7 +392,7 @@ class JobRunner:
         body = pod_manifest(job=self.name, namespace=self.namespace, uid=job.uid, spec=job.spec,
                             name=action.name, role=action.role, index=action.index, endpoints=endpoints,
                             agent_command=self.ctx.agent_command, gang=self.ctx.gang_scheduler,
-                            queue=job.queue_name,
+                            queue=job.queue_name, metrics_port=self.ctx.agent_metrics_port,
                             credentials=(naming.secret_name(self.name), self.ctx.default_credentials.tls)
                             if uses_job_login(self.ctx, job) else None)
         self.deleted.pop(action.name, None)

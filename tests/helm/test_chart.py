@@ -65,8 +65,11 @@ def validate(doc: dict[str, Any]) -> None:
         return
     if doc["apiVersion"] == "monitoring.coreos.com/v1":
         # No schema of the Prometheus operator's CRDs is at hand; check the fields it requires.
-        assert kind == "ServiceMonitor"
-        assert doc["spec"]["selector"]["matchLabels"] and doc["spec"]["endpoints"]
+        assert kind in {"ServiceMonitor", "PodMonitor"}, kind
+        if kind == "ServiceMonitor":
+            assert doc["spec"]["selector"]["matchLabels"] and doc["spec"]["endpoints"]
+        else:
+            assert doc["spec"]["selector"]["matchExpressions"] and doc["spec"]["podMetricsEndpoints"]
         return
     for version in KUBE_VERSIONS:
         try:
@@ -426,3 +429,11 @@ def test_operator_command_line_is_what_stalwart_operator_accepts(render: Render,
     assert parsed.gang_scheduler == (operator.get("gangScheduler") or None)
     expected = "off" if operator.get("restrictPodSecurity") is False else operator.get("podSecurity", "restricted")
     assert parsed.pod_security == expected and parsed.restrict_pod_security is None
+
+
+def test_notes_tell_where_the_agents_serve_their_metrics(chart: helm_python.Chart) -> None:
+    notes = render_files(chart, {"metrics": {"enabled": True}})["stalwart/templates/NOTES.txt"]
+    assert "Agents' metrics: every job pod's container port agent-metrics (9400), path /metrics" in notes
+    assert "no PodMonitor was created" in notes  # the rendering here serves no monitoring.coreos.com/v1
+    off = render_files(chart, {"metrics": {"enabled": True, "agents": {"enabled": False}}})
+    assert "Agents' metrics" not in off["stalwart/templates/NOTES.txt"]

@@ -1,11 +1,13 @@
-"""The chart's Grafana dashboard and PrometheusRule: rendered only when asked for (the rule only where its API
-exists), and every query built on the metrics the operator serves (stalwart/operator/metrics.py): no metric name
-and no label that the operator does not expose."""
+"""The chart's Grafana dashboard, PrometheusRule and the agents' PodMonitor: rendered only when asked for (the rule
+and the PodMonitor only where their API exists), and every query built on the metrics the operator and the jobs'
+agents serve (stalwart/operator/metrics.py, stalwart/agent/metrics.py): no metric name and no label that they do
+not expose."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import helm_python
@@ -14,7 +16,11 @@ import pytest
 from helm_render import CHART_DIR, NAMESPACE, Render, find, one
 from prometheus_client.metrics import MetricWrapperBase
 
+from stalwart.agent.metrics import AgentMetrics
+from stalwart.api import naming
+from stalwart.cli import build_parser
 from stalwart.operator import metrics
+from stalwart.operator.manifests import AGENT_METRICS_PORT_NAME
 
 MONITORING = ["monitoring.coreos.com/v1"]
 DASHBOARD = CHART_DIR / "dashboards" / "stalwart.json"
@@ -24,17 +30,23 @@ ENABLED: dict[str, Any] = {"metrics": {"enabled": True, "dashboard": {"enabled":
 # to the Service's name and namespace to the target's). The alerts use them to select this release's operator; the
 # dashboard, which has no variable for them, does not.
 TARGET_LABELS = frozenset({"job", "namespace"})
+# The pods' job-name label as Prometheus names it once the PodMonitor's podTargetLabels copy it onto the agents'
+# series: a label name keeps only [a-zA-Z0-9_], anything else becomes "_".
+JOB_NAME_TARGET_LABEL = re.sub(r"[^a-zA-Z0-9_]", "_", naming.LABEL_JOB_NAME)
+# Labels every series the chart's PodMonitor scrapes carries besides its own: job (<PodMonitor namespace>/<its
+# name>), the pod's namespace and name, and the job-name label of podTargetLabels.
+AGENT_TARGET_LABELS = frozenset({"job", "namespace", "pod", JOB_NAME_TARGET_LABEL})
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 
-def exposed_series() -> dict[str, frozenset[str]]:
-    """Each series name the operator exposes -> its labels, from the collectors of stalwart.operator.metrics.
+def series_of(collectors: Iterable[object]) -> dict[str, frozenset[str]]:
+    """Each series name the given collectors expose -> its labels (objects that are no collector are skipped).
 
     prometheus_client keeps a Counter's name without ``_total`` and exposes ``<name>_total``; a Histogram
     ``<name>`` exposes ``<name>_bucket`` (with ``le``), ``<name>_sum`` and ``<name>_count`` (``_created``
     series, exposed too, are no use in a query and left out). The label names have no public accessor."""
     series: dict[str, frozenset[str]] = {}
-    for collector in vars(metrics).values():
+    for collector in collectors:
         if not isinstance(collector, MetricWrapperBase):
             continue
         (family,) = collector.describe()
@@ -44,8 +56,25 @@ def exposed_series() -> dict[str, frozenset[str]]:
     return series
 
 
+def agent_series() -> dict[str, frozenset[str]]:
+    """Each series name a job's agent exposes -> its labels, from the collectors of an AgentMetrics (each in the
+    instance's own registry)."""
+    return series_of(vars(AgentMetrics()).values())
+
+
+def exposed_series() -> dict[str, frozenset[str]]:
+    """Each series name the operator (the collectors of stalwart.operator.metrics) or an agent exposes -> its
+    labels."""
+    operator = series_of(vars(metrics).values())
+    agents = agent_series()
+    assert not operator.keys() & agents.keys(), "the operator and the agents expose a series of the same name"
+    return operator | agents
+
+
 SERIES = exposed_series()
-STALWART = re.compile(r"\bstalwart_[a-z_]+")
+AGENT_SERIES = frozenset(agent_series())
+# A series name: stalwart_..., except the job-name target label (stalwart_dev_job_name), which is none.
+STALWART = re.compile(rf"\b(?!{JOB_NAME_TARGET_LABEL}\b)stalwart_[a-z_]+")
 SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
 MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
 GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
@@ -173,14 +202,25 @@ def test_prometheus_rule_only_where_its_api_is_served(render: Render) -> None:
 
 
 def test_alerts_use_only_what_the_operator_exposes(render: Render) -> None:
-    alerts = rules(render(ENABLED, MONITORING))
+    docs = render(ENABLED, MONITORING)
+    alerts = rules(docs)
     assert [r["alert"] for r in alerts] == ["StalwartJobFailed", "StalwartJobRestartingTooLong",
                                             "StalwartHighRestartRate", "StalwartOperatorAPIErrors",
-                                            "StalwartOperatorEtcdErrors", "StalwartOperatorDown"]
-    service = one(render(ENABLED, MONITORING), "Service", "-operator-metrics")["metadata"]["name"]
+                                            "StalwartOperatorEtcdErrors", "StalwartOperatorDown",
+                                            "StalwartSlowRecovery"]
+    service = one(docs, "Service", "-operator-metrics")["metadata"]["name"]
     target = f'job="{service}", namespace="{NAMESPACE}"'
+    monitor = one(docs, "PodMonitor", "-agents")["metadata"]
+    agents_target = f'job="{monitor["namespace"]}/{monitor["name"]}"'
     for alert in alerts:
         expr = alert["expr"]
+        if alert["alert"] == "StalwartSlowRecovery":
+            # The agents' series, as the chart's PodMonitor scrapes them (job=<its namespace>/<its name>).
+            assert problems(expr, AGENT_TARGET_LABELS) == [], alert["alert"]
+            for name, matchers in SELECTOR.findall(expr):
+                assert name in AGENT_SERIES and matchers == agents_target, f"{name} is not this release's agents'"
+            assert STALWART.findall(expr) == [name for name, _ in SELECTOR.findall(expr)], alert["alert"]
+            continue
         if alert["alert"] == "StalwartOperatorDown":
             # The scrape's own series, of the Service the ServiceMonitor scrapes (its job label).
             assert expr == f"up{{{target}}} == 0"
@@ -188,6 +228,7 @@ def test_alerts_use_only_what_the_operator_exposes(render: Render) -> None:
         assert problems(expr, TARGET_LABELS) == [], alert["alert"]
         # Every series of the alert is this release's operator's.
         for name, matchers in SELECTOR.findall(expr):
+            assert name not in AGENT_SERIES, f"{alert['alert']}: {name} is an agent's series"
             assert target in matchers, f"{alert['alert']}: {name} is not scoped to this release's operator"
         assert STALWART.findall(expr) == [name for name, _ in SELECTOR.findall(expr)], alert["alert"]
 
@@ -233,5 +274,163 @@ def test_schema_refuses_bad_monitoring_values(chart: helm_python.Chart, values: 
 
 def test_lint_is_clean_with_dashboard_and_rule() -> None:
     report = helm_python.lint(CHART_DIR, ENABLED, strict=True, namespace=NAMESPACE, kube_version="v1.29.0")
+    problems_ = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems_ == [], problems_ or report["errors"]
+
+
+# ---- The jobs' agents: their metrics, the PodMonitor that scrapes them, their panels and alert. ----
+
+AGENTS: dict[str, Any] = {"metrics": {"enabled": True}}
+
+
+def agent_monitor(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "PodMonitor", "-agents")
+
+
+def operator_args(docs: list[dict[str, Any]]) -> list[str]:
+    (container,) = one(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"]
+    args: list[str] = container["args"]
+    return args
+
+
+def test_the_checker_knows_the_agents_series() -> None:
+    assert SERIES["stalwart_agent_rendezvous_rounds_total"] == {"kept"}
+    assert SERIES["stalwart_agent_restarts_total"] == {"tier"}
+    assert SERIES["stalwart_agent_recovery_seconds_bucket"] == {"kind", "le"}
+    assert SERIES["stalwart_agent_recovery_phase_seconds_bucket"] == {"kind", "phase", "le"}
+    assert SERIES["stalwart_agent_recovery_seconds_count"] == {"kind"}
+    assert {name for name in SERIES if name.startswith("stalwart_agent_")} == AGENT_SERIES
+    assert problems("sum by (tier) (rate(stalwart_agent_restarts_total[5m]))") == []
+    assert problems("sum by (kind) (rate(stalwart_agent_restarts_total[5m]))")  # the operator's label
+    assert problems("rate(stalwart_agent_restart_total[5m])")  # a misspelt name
+    assert problems("sum by (phase) (rate(stalwart_agent_recovery_seconds_bucket[5m]))")  # phase: the other one's
+    assert JOB_NAME_TARGET_LABEL == "stalwart_dev_job_name"
+    grouped = f"sum by (le, {JOB_NAME_TARGET_LABEL}) (rate(stalwart_agent_recovery_seconds_bucket[1h]))"
+    assert problems(grouped) and problems(grouped, AGENT_TARGET_LABELS) == []
+
+
+def test_dashboard_has_the_agents_panels() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert "Agents" in [panel["title"] for panel in dashboard["panels"] if panel["type"] == "row"]
+    exprs = " ".join(target["expr"] for _, target in dashboard_targets())
+    assert AGENT_SERIES & set(STALWART.findall(exprs)) == {
+        "stalwart_agent_restarts_total", "stalwart_agent_rendezvous_rounds_total",
+        "stalwart_agent_recovery_seconds_bucket", "stalwart_agent_recovery_phase_seconds_bucket"}
+    assert "sum by (tier) (rate(stalwart_agent_restarts_total[" in exprs
+    assert "sum by (kept) (rate(stalwart_agent_rendezvous_rounds_total[" in exprs
+    for quantile in ("0.5", "0.9"):
+        assert f"histogram_quantile({quantile}, sum by (le, kind) (rate(stalwart_agent_recovery_seconds_bucket[" \
+            in exprs
+    assert "histogram_quantile(0.9, sum by (le, phase) (rate(stalwart_agent_recovery_phase_seconds_bucket[" in exprs
+    # No two panels of the grid overlap.
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, panel["title"]
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]
+
+
+def test_agents_pod_monitor_scrapes_every_job_pod(render: Render) -> None:
+    values = {"metrics": {"enabled": True, "agents": {"podMonitor": {"labels": {"release": "prom"}}}}}
+    monitor = agent_monitor(render(values, MONITORING))
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["name"] == "demo-stalwart-agents" and monitor["metadata"]["namespace"] == NAMESPACE
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["metadata"]["labels"]["app.kubernetes.io/instance"] == "demo"
+    spec = monitor["spec"]
+    assert spec["selector"] == {"matchExpressions": [{"key": naming.LABEL_JOB_NAME, "operator": "Exists"}]}
+    # Every pod the operator makes for a job, worker or spare, carries the label the PodMonitor selects on.
+    for role in (naming.ROLE_WORKER, naming.ROLE_SPARE):
+        assert naming.LABEL_JOB_NAME in naming.pod_labels("train", role, 0)
+    # The operator watches every namespace: so does the PodMonitor.
+    assert spec["namespaceSelector"] == {"any": True}
+    assert spec["podTargetLabels"] == [naming.LABEL_JOB_NAME]
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert endpoint == {"port": AGENT_METRICS_PORT_NAME, "path": "/metrics", "interval": "30s",
+                        "scrapeTimeout": "10s"}
+
+
+def test_agents_pod_monitor_watches_the_operators_namespaces(render: Render) -> None:
+    values = {"metrics": {"enabled": True, "agents": {"podMonitor": {"interval": "1m", "scrapeTimeout": "20s"}}},
+              "operator": {"watchNamespaces": ["team-a", "team-b"]}}
+    spec = agent_monitor(render(values, MONITORING))["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert (endpoint["interval"], endpoint["scrapeTimeout"]) == ("1m", "20s")
+
+
+@pytest.mark.parametrize(("values", "api_versions"), [
+    ({"metrics": {"enabled": True, "agents": {"podMonitor": {"enabled": False}}}}, MONITORING),
+    ({"metrics": {"enabled": True, "agents": {"enabled": False}}}, MONITORING),
+    ({"metrics": {"enabled": False, "agents": {"enabled": True, "podMonitor": {"enabled": True}}}}, MONITORING),
+    (AGENTS, None),
+], ids=["podMonitor-off", "agents-off", "metrics-off", "no-monitoring-api"])
+def test_no_agents_pod_monitor_unless_everything_asks_for_it(render: Render, values: dict[str, Any],
+                                                              api_versions: list[str] | None) -> None:
+    assert find(render(values, api_versions), "PodMonitor") == []
+    # What the case changed is what removed it: with metrics, agents, the PodMonitor and the API it renders.
+    assert len(find(render(AGENTS, MONITORING), "PodMonitor")) == 1
+
+
+@pytest.mark.parametrize(("values", "port"), [
+    ({"metrics": {"enabled": True}}, 9400),
+    ({"metrics": {"enabled": True, "agents": {"port": 9555}}}, 9555),
+    ({"metrics": {"enabled": True, "agents": {"enabled": False}}}, None),
+    ({"metrics": {"enabled": False, "agents": {"enabled": True}}}, None),
+    ({}, None),
+], ids=["default", "own-port", "agents-off", "metrics-off", "defaults"])
+def test_operator_gets_the_agent_metrics_port_only_with_metrics_and_agents(render: Render, values: dict[str, Any],
+                                                                            port: int | None) -> None:
+    args = operator_args(render(values))
+    flags = [a for a in args if a.startswith("--agent-metrics-port")]
+    assert flags == ([] if port is None else [f"--agent-metrics-port={port}"])
+    assert build_parser().parse_args(args).agent_metrics_port == port
+
+
+def test_slow_recovery_alert_takes_its_bound_from_the_values(render: Render) -> None:
+    default = {r["alert"]: r for r in rules(render(ENABLED, MONITORING))}["StalwartSlowRecovery"]
+    assert default["expr"].startswith("histogram_quantile(0.9, ")
+    assert re.search(r"stalwart_agent_recovery_seconds_bucket\{[^}]*\}\[1h\]\)\)\) > 60$", default["expr"])
+    assert f"by (le, namespace, {JOB_NAME_TARGET_LABEL})" in default["expr"]
+    assert default["for"] == "5m" and "60 seconds" in default["annotations"]["summary"]
+    values = {"metrics": ENABLED["metrics"] | {"prometheusRule": {"enabled": True, "recoverySeconds": 12.5}}}
+    custom = {r["alert"]: r for r in rules(render(values, MONITORING))}["StalwartSlowRecovery"]
+    assert custom["expr"].endswith("[1h]))) > 12.5")
+    assert "12.5 seconds" in custom["annotations"]["summary"]
+
+
+def test_no_slow_recovery_alert_without_the_agents_metrics(render: Render) -> None:
+    values = {"metrics": ENABLED["metrics"] | {"agents": {"enabled": False}}}
+    names = [r["alert"] for r in rules(render(values, MONITORING))]
+    assert "StalwartSlowRecovery" not in names and "StalwartOperatorDown" in names
+    # Without the PodMonitor the agents still serve: another Prometheus may scrape them, so the alert stays.
+    values = {"metrics": ENABLED["metrics"] | {"agents": {"podMonitor": {"enabled": False}}}}
+    assert "StalwartSlowRecovery" in [r["alert"] for r in rules(render(values, MONITORING))]
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"metrics": {"agents": {"port": 0}}}, "/metrics/agents/port"),
+    ({"metrics": {"agents": {"port": 65536}}}, "/metrics/agents/port"),
+    ({"metrics": {"agents": {"enabled": "yes"}}}, "/metrics/agents/enabled"),
+    ({"metrics": {"agents": {"podMonitor": {"interval": "30 seconds"}}}}, "/metrics/agents/podMonitor/interval"),
+    ({"metrics": {"agents": {"podMonitor": {"scrapeTimeout": "10"}}}}, "/metrics/agents/podMonitor/scrapeTimeout"),
+    ({"metrics": {"agents": {"podMonitor": {"labels": {"release": 1}}}}}, "/metrics/agents/podMonitor/labels"),
+    ({"metrics": {"agents": {"podmonitor": {}}}}, "'podmonitor' not allowed"),
+    ({"metrics": {"prometheusRule": {"recoverySeconds": -1}}}, "/metrics/prometheusRule/recoverySeconds"),
+    ({"metrics": {"prometheusRule": {"recoverySeconds": "60s"}}}, "/metrics/prometheusRule/recoverySeconds"),
+])
+def test_schema_refuses_bad_agent_values(chart: helm_python.Chart, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError) as err:
+        chart.validate_schema(values)
+    assert message in str(err.value)
+
+
+def test_lint_is_clean_with_the_agents_pod_monitor() -> None:
+    values = {"metrics": {"enabled": True, "prometheusRule": {"enabled": True}},
+              "operator": {"watchNamespaces": ["team-a"]}}
+    report = helm_python.lint(CHART_DIR, values, strict=True, namespace=NAMESPACE, kube_version="v1.29.0")
     problems_ = [m for m in report["messages"] if m["severity"] >= 2]
     assert report["errors"] == [] and problems_ == [], problems_ or report["errors"]
