@@ -103,14 +103,12 @@ class RankAssignment:
             taken = set(kept.values())
             gaps = [r for r in range(target_world) if r not in taken]
             pool = [c.slot for c in others] + [c.slot for c in survivors if c.slot not in kept]
-            for rank in list(gaps):
-                if not pool:
-                    break
-                kept[pool.pop(0)] = rank
-                gaps.remove(rank)
+            # The pool's processes take the lowest gaps, in the pool's order, as many as there are of both.
+            kept.update(zip(pool, gaps, strict=False))
             # No one left to fill the gaps: the ranks above the new world size move down into them.
             n = len(kept)
-            low_gaps = sorted(r for r in range(n) if r not in set(kept.values()))
+            used = set(kept.values())
+            low_gaps = [r for r in range(n) if r not in used]
             movers = sorted((s for s in kept if kept[s] >= n), key=lambda s: kept[s])
             for slot, rank in zip(movers, low_gaps, strict=True):
                 kept[slot] = rank
