@@ -142,7 +142,8 @@ def exited(book: ProgressBook, proc: ProcView, *, now: float, hung: bool = False
                   exit_code=code if code is not None and code >= 0 else None, signal=signame, hung=hung, time=now)
     what = "no progress within its hard timeout" if hung else (f"killed by {signame}" if signame
                                                                 else f"exited {code}")
-    failure = FailureInfo(rank=ex.rank, pod=book.node_id, reason=f"local rank {proc.local_rank} {what}", time=now)
+    failure = FailureInfo(rank=ex.rank, pod=book.node_id, reason=f"local rank {proc.local_rank} {what}",
+                          kind="hard_timeout" if hung else "process_died", time=now)
     return replace(book, exits=(*book.exits, ex)[-MAX_EXITS:], last_failure=failure)
 
 

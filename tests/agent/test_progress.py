@@ -106,6 +106,9 @@ def test_a_respawned_process_is_recorded_at_the_iteration_it_joins() -> None:
     rec = record(b, "running", wall=WALL)
     assert rec.history[-1] == RoundSummary(round=1, epoch=7, stepped=0, respawned=[1], faulted=0)
     assert rec.last_failure is not None and "SIGKILL" in rec.last_failure.reason
+    assert rec.last_failure.kind == "process_died"  # what the status's reason and the recovery metric name
+    hung = exited(book(), proc(status(step=5), exit_code=-9), now=WALL, hung=True)
+    assert hung.last_failure is not None and hung.last_failure.kind == "hard_timeout"
     # What the operator reads is what was written.
     assert ProgressRecord.from_json_bytes(rec.to_json_bytes()) == rec
 
