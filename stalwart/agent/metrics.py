@@ -109,11 +109,10 @@ def events(state: MetricsState, book: ProgressBook, *, wall: float) -> tuple[Met
     stepped = [r.first_step_time for r in book.ranks if r.first_step_time is not None]
     if failure is not None and failure.time > recovered and stepped and max(stepped) > failure.time:
         first = min(t for t in stepped if t > failure.time)
-        seen = running[1] if running is not None else None
-        in_order = seen is not None and failure.time <= seen <= first
-        out.append(Recovered(kind=failure.kind or "unknown", seconds=first - failure.time,
-                             resume=seen - failure.time if in_order and seen is not None else None,
-                             first_step=first - seen if in_order and seen is not None else None))
+        recovery = Recovered(kind=failure.kind or "unknown", seconds=first - failure.time)
+        if running is not None and failure.time <= running[1] <= first:  # the phases, seen in order
+            recovery = replace(recovery, resume=running[1] - failure.time, first_step=first - running[1])
+        out.append(recovery)
         recovered = failure.time
         running = None
     new = replace(state, round=last.round if last is not None else state.round,
@@ -124,7 +123,8 @@ def events(state: MetricsState, book: ProgressBook, *, wall: float) -> tuple[Met
 
 class AgentMetrics:
     """The agent's counters, in a registry of their own (the agent's process serves nothing else), fed by
-    :meth:`observe` from the agent's supervision loop and served by :meth:`serve` until :meth:`close`."""
+    :meth:`observe` from the agent's supervision loop (its one thread) and served by :meth:`serve` until
+    :meth:`close`."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -143,13 +143,11 @@ class AgentMetrics:
                                "again), first_step (from there to the first step), by the fault's kind.",
                                ["kind", "phase"], buckets=BUCKETS, registry=self.registry)
         self.state = MetricsState()
-        self._lock = threading.Lock()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     def observe(self, book: ProgressBook, *, wall: float) -> tuple[Event, ...]:
-        with self._lock:
-            self.state, happened = events(self.state, book, wall=wall)
+        self.state, happened = events(self.state, book, wall=wall)
         for e in happened:
             self._count(e)
         return happened

@@ -265,6 +265,15 @@ def test_alert_thresholds_come_from_the_values(render: Render) -> None:
     ({"metrics": {"prometheusRule": {"restartRate": -1}}}, "/metrics/prometheusRule/restartRate"),
     ({"metrics": {"prometheusRule": {"enable": True}}}, "'enable' not allowed"),
     ({"metrics": {"dashboard": {"enabled": "yes"}}}, "/metrics/dashboard/enabled"),
+    ({"metrics": {"agents": {"port": 0}}}, "/metrics/agents/port"),
+    ({"metrics": {"agents": {"port": 65536}}}, "/metrics/agents/port"),
+    ({"metrics": {"agents": {"enabled": "yes"}}}, "/metrics/agents/enabled"),
+    ({"metrics": {"agents": {"podMonitor": {"interval": "30 seconds"}}}}, "/metrics/agents/podMonitor/interval"),
+    ({"metrics": {"agents": {"podMonitor": {"scrapeTimeout": "10"}}}}, "/metrics/agents/podMonitor/scrapeTimeout"),
+    ({"metrics": {"agents": {"podMonitor": {"labels": {"release": 1}}}}}, "/metrics/agents/podMonitor/labels"),
+    ({"metrics": {"agents": {"podmonitor": {}}}}, "'podmonitor' not allowed"),
+    ({"metrics": {"prometheusRule": {"recoverySeconds": -1}}}, "/metrics/prometheusRule/recoverySeconds"),
+    ({"metrics": {"prometheusRule": {"recoverySeconds": "60s"}}}, "/metrics/prometheusRule/recoverySeconds"),
 ])
 def test_schema_refuses_bad_monitoring_values(chart: helm_python.Chart, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmValuesError) as err:
@@ -410,22 +419,6 @@ def test_no_slow_recovery_alert_without_the_agents_metrics(render: Render) -> No
     values = {"metrics": ENABLED["metrics"] | {"agents": {"podMonitor": {"enabled": False}}}}
     assert "StalwartSlowRecovery" in [r["alert"] for r in rules(render(values, MONITORING))]
 
-
-@pytest.mark.parametrize(("values", "message"), [
-    ({"metrics": {"agents": {"port": 0}}}, "/metrics/agents/port"),
-    ({"metrics": {"agents": {"port": 65536}}}, "/metrics/agents/port"),
-    ({"metrics": {"agents": {"enabled": "yes"}}}, "/metrics/agents/enabled"),
-    ({"metrics": {"agents": {"podMonitor": {"interval": "30 seconds"}}}}, "/metrics/agents/podMonitor/interval"),
-    ({"metrics": {"agents": {"podMonitor": {"scrapeTimeout": "10"}}}}, "/metrics/agents/podMonitor/scrapeTimeout"),
-    ({"metrics": {"agents": {"podMonitor": {"labels": {"release": 1}}}}}, "/metrics/agents/podMonitor/labels"),
-    ({"metrics": {"agents": {"podmonitor": {}}}}, "'podmonitor' not allowed"),
-    ({"metrics": {"prometheusRule": {"recoverySeconds": -1}}}, "/metrics/prometheusRule/recoverySeconds"),
-    ({"metrics": {"prometheusRule": {"recoverySeconds": "60s"}}}, "/metrics/prometheusRule/recoverySeconds"),
-])
-def test_schema_refuses_bad_agent_values(chart: helm_python.Chart, values: dict[str, Any], message: str) -> None:
-    with pytest.raises(helm_python.HelmValuesError) as err:
-        chart.validate_schema(values)
-    assert message in str(err.value)
 
 
 def test_lint_is_clean_with_the_agents_pod_monitor() -> None:
