@@ -68,6 +68,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--teardown-hang", type=int, default=None, metavar="RANK",
                    help="this rank's process blocks for good in the collection that ends the job")
     p.add_argument("--init-stall", action="store_true")
+    p.add_argument("--late-rank", type=int, default=None, metavar="RANK",
+                   help="once, this rank reaches its first collective --late-seconds after the others (busy "
+                        "in Python meanwhile, as a respawned rank building its model is): its peers wait in C")
+    p.add_argument("--late-seconds", type=float, default=0.0)
     p.add_argument("--slow-assignment", type=float, default=0.0,
                    help="seconds the rank assignment takes (widens the moment between a seal and the run)")
     p.add_argument("--silence-slot", type=int, default=None,
@@ -241,6 +245,10 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
             and fault_due(argparse.Namespace(**{**vars(args), "fault_rank": rank, "fault_step": 0, "faults": 1,
                                                  "fault": args.second_fault}), "second", rank, 0):
         inject(args.second_fault)
+    if args.late_rank == rank and once(args, "late"):
+        until = time.monotonic() + args.late_seconds
+        while time.monotonic() < until:
+            time.sleep(0.05)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.hidden, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     device = torch.device("cpu")

@@ -245,7 +245,8 @@ class RankStatus(ApiModel):
     soft_timeout: float | None = Field(
         default=None, description="Seconds without progress after which the iteration is interrupted.")
     hard_timeout: float | None = Field(
-        default=None, description="Seconds without progress after which the agent kills the process.")
+        default=None, description=("Seconds without progress after which the agent kills the process: the hard "
+                                   "timeout, longer before an iteration's first ping by the startup allowance."))
     heartbeat: float = Field(
         description="CLOCK_MONOTONIC time of the last sign of progress of the process's main thread.")
     dumps_stacks: bool = Field(

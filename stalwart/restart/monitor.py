@@ -28,7 +28,7 @@ from stalwart.etcd.store import StoreError, Watch, WatchEvent, WatchRange
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
-from stalwart.restart.protocol import Report, better_cause, lost_peer_report, of_another, stall_limit
+from stalwart.restart.protocol import Report, better_cause, kill_limit, lost_peer_report, of_another, stall_limit
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +100,12 @@ class Monitor:
 
     def __init__(self, coord: Coordinator, interrupter: Interrupter, *, soft_timeout: float,
                  interval: float, status: StatusFile, watch_main_thread: bool,
-                 startup_timeout: float | None = None) -> None:
+                 startup_timeout: float | None = None, hard_timeout: float | None = None) -> None:
         self.coord = coord
         self.interrupter = interrupter
         self.soft_timeout = soft_timeout
+        #: What the agent is told (the status file's ``hard_timeout``): see :func:`~.protocol.kill_limit`.
+        self.hard_timeout = hard_timeout
         # Until an iteration's first ping its ranks may wait in the group's first collectives (DDP's parameter
         # broadcast) for a peer that is still starting: the main thread shows no progress there for as long as
         # the slowest peer takes, which the barrier timeout bounds, not the soft timeout.
@@ -123,7 +125,8 @@ class Monitor:
         self.last_progress = time.monotonic()
         self.pid = os.getpid()
         self.status = RankStatus(slot=coord.slot, pid=self.pid, state="starting", epoch=coord.epoch,
-                                 heartbeat=time.monotonic())
+                                 heartbeat=time.monotonic(), soft_timeout=soft_timeout,
+                                 hard_timeout=self._kill_limit())
         self._status_dirty = True
         self._status_written = 0.0
         self._step: int | None = None
@@ -315,6 +318,11 @@ class Monitor:
             self._report_and_interrupt(Report(iteration, ctx.rank, "soft_timeout", reason))
         self._flush_status()
 
+    def _kill_limit(self) -> float | None:
+        if self.hard_timeout is None:
+            return None
+        return kill_limit(self.soft_timeout, self.hard_timeout, self.startup_timeout, pinged=self._pinged)
+
     def _free_again(self) -> None:
         """Shut down the group's connections again while a delivered interrupt has not ended the training
         function: a connection opened after the first shutdown (the main thread was inside a C call that
@@ -335,7 +343,7 @@ class Monitor:
             # The first step belongs to the iteration it was taken in; the next one has none until it steps.
             first = self._first_step if self._first_step and self._first_step[0] == self.status.iteration else None
             self.status = self.status.model_copy(update={
-                "heartbeat": beat, "step": self._step, "step_time": self._step_time,
+                "heartbeat": beat, "hard_timeout": self._kill_limit(), "step": self._step, "step_time": self._step_time,
                 "first_step": first[1] if first else None, "first_step_time": first[2] if first else None})
             status = self.status
             self._status_written = now

@@ -59,6 +59,7 @@ __all__ = [
     "fault_report",
     "iteration_end",
     "join",
+    "kill_limit",
     "lost_peer_report",
     "missing_slots",
     "of_another",
@@ -505,4 +506,13 @@ def stall_limit(soft_timeout: float, startup_timeout: float, *, pinged: bool) ->
     """Seconds without progress after which a running iteration counts as hung: the soft timeout once the
     training code has pinged in this iteration, the longer startup allowance before."""
     return soft_timeout if pinged else max(soft_timeout, startup_timeout)
+
+
+def kill_limit(soft_timeout: float, hard_timeout: float, startup_timeout: float, *, pinged: bool) -> float:
+    """Seconds without progress after which the agent kills the process (the status file's ``hard_timeout``):
+    the hard timeout, lengthened before the iteration's first ping by as much as :func:`stall_limit` lengthens
+    the soft one. A rank that waits in its first collectives for a slower peer (a respawned one still building
+    its model) is not hung: its own monitor gives it the startup allowance, and its agent must not kill it
+    sooner."""
+    return hard_timeout + stall_limit(soft_timeout, startup_timeout, pinged=pinged) - soft_timeout
 

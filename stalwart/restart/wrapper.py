@@ -140,9 +140,9 @@ class _Session:
         main = threading.current_thread() is threading.main_thread()
         self.monitor = Monitor(self.coord, self.interrupter, soft_timeout=config.soft_timeout,
                                interval=config.monitor_interval, status=StatusFile(env.status_file),
-                               watch_main_thread=main, startup_timeout=config.barrier_timeout)
-        self.monitor.update_status(soft_timeout=config.soft_timeout, hard_timeout=config.hard_timeout,
-                                   dumps_stacks=stacks.install())
+                               watch_main_thread=main, startup_timeout=config.barrier_timeout,
+                               hard_timeout=config.hard_timeout)
+        self.monitor.update_status(dumps_stacks=stacks.install())
         drill.install(env.status_file, lambda: self.monitor.status.state == "running")
         # The job's minimum holds whatever the decorator asked for (README: the world never shrinks below it).
         self.assignment = config.rank_assignment.at_least(env.min_world)

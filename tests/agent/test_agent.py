@@ -204,7 +204,9 @@ def test_a_stopped_rank_is_killed_at_its_soft_timeout_and_the_job_recovers_in_pr
     _, err = agent.communicate(timeout=TIMEOUT)
     assert agent.returncode == 0, err[-3000:]
     assert "local rank 1 (pid" in err and "is stopped and made no progress within its soft timeout" in err
-    assert "respawning local rank 0" not in err
+    # The peer's stack, dumped by its agent before a hard-timeout kill, says where it was held.
+    hung = max(err.find("made no progress within its hard timeout"), 0)
+    assert "respawning local rank 0" not in err, err[max(hung - 1500, 0):hung + 6000]
     stopped = float((tmp_path / "fault-0").read_text())
     fault = restart_records(etcd, keys, "fault")["0/1"]
     assert (fault["kind"], fault["rank"]) == ("stopped", 1)
@@ -214,6 +216,25 @@ def test_a_stopped_rank_is_killed_at_its_soft_timeout_and_the_job_recovers_in_pr
     assert sorted(r["rank"] for r in res) == [0, 1]
     assert all(r["step"] == 8 and r["restarts"] == 1 and r["checksum"] == pytest.approx(reference, abs=1e-6)
                for r in res)
+
+
+def test_a_rank_waiting_in_its_first_collective_for_a_late_peer_is_not_killed(etcd: EtcdServer,
+                                                                             tmp_path: Path) -> None:
+    # Rank 1 reaches the iteration's first collective 14 s after rank 0 (busy in Python, as a respawned rank
+    # building its model is), and rank 0 waits there in C, without progress, for longer than its hard timeout
+    # (8 s). Before an iteration's first ping a rank's own monitor allows the barrier timeout (60 s), and its
+    # agent as much more: rank 0 is neither interrupted nor killed (before, its agent killed it at 8 s and
+    # respawned it), and the job ends without a fault.
+    agent, keys = start_agent(etcd, tmp_path, "--steps", "4", "--late-rank", "1", "--late-seconds", "14",
+                              "--soft-timeout", "4")
+    _, err = agent.communicate(timeout=TIMEOUT)
+    assert agent.returncode == 0, err[-3000:]
+    assert "within its hard timeout" not in err and "respawning" not in err, err[-3000:]
+    assert restart_records(etcd, keys, "fault") == {}
+    res = results(tmp_path)
+    assert sorted(r["rank"] for r in res) == [0, 1]
+    assert all(r["step"] == 4 and r["restarts"] == 0 for r in res)
+    assert (tmp_path / "late").exists()  # the delay was injected
 
 
 def test_a_rank_hung_in_the_wrappers_own_step_is_killed_at_its_hard_timeout(etcd: EtcdServer,

@@ -34,6 +34,7 @@ from stalwart.restart.protocol import (
     fault_report,
     iteration_end,
     join,
+    kill_limit,
     lost_peer_report,
     missing_slots,
     of_another,
@@ -340,6 +341,15 @@ def test_the_cause_of_an_iteration(faults: list[tuple[int, FaultRecord]], cause:
 ])
 def test_stall_limit(soft: float, startup: float, pinged: bool, limit: float) -> None:
     assert stall_limit(soft, startup, pinged=pinged) == limit
+
+
+@pytest.mark.parametrize(("soft", "hard", "startup", "pinged", "limit"), [
+    (4.0, 8.0, 60.0, True, 8.0),     # training has stepped: the hard timeout
+    (4.0, 8.0, 60.0, False, 64.0),   # waiting for a slower peer: the agent gives as much more as the rank does
+    (90.0, 120.0, 60.0, False, 120.0),  # the startup allowance shorter than the soft timeout adds nothing
+])
+def test_kill_limit(soft: float, hard: float, startup: float, pinged: bool, limit: float) -> None:
+    assert kill_limit(soft, hard, startup, pinged=pinged) == limit
 
 
 @pytest.mark.parametrize(("slot", "pid", "other"), [
