@@ -10,7 +10,8 @@ holds a round when the real ``_round_info`` (what ``join`` returns) gives it one
 node in one process with one driver and one watch, as ``bench/rendezvous.py`` does (the validation rows).
 
 Sharing, not shortcuts: every process that is sent one manifest decodes the same bytes into the same immutable
-round, so the simulator decodes it once per epoch and hands every process that result.
+round, so the simulator decodes it once per epoch and hands every process that result, charging each the CPU
+the decode took (see :mod:`.sim`: a process's driver steps are charged their CPU time, ``driver``).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class SharedManifests:
     """``view._sealed`` computed once per epoch and set of buckets held: one manifest per revision, and the
     same header and buckets decode to the same round for every process."""
 
-    def __init__(self) -> None:
-        self.rounds: dict[tuple[int, bool, frozenset[tuple[str, int]]], SealedRound] = {}
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.rounds: dict[tuple[int, bool, frozenset[tuple[str, int]]], tuple[SealedRound, float]] = {}
         self.decoded = 0
 
     def sealed(self, ev: KeyPut, parts: Any, *, whole: bool) -> SealedRound:
@@ -50,10 +52,12 @@ class SharedManifests:
                else frozenset())
         got = self.rounds.get(key)
         if got is None:
-            got = self._real(ev, parts, whole=whole)  # raises while buckets are missing: nothing is kept then
-            self.rounds[key] = got
+            # Raises while buckets are missing: nothing is kept then.
+            got = self.rounds[key] = self.sim.measured(lambda: self._real(ev, parts, whole=whole))
             self.decoded += 1
-        return got
+        else:
+            self.sim.charge(got[1])  # this process decodes the same bytes itself
+        return got[0]
 
     _real = staticmethod(views._sealed)
 
@@ -74,8 +78,9 @@ class Node:
     roles: dict[int, str] = field(default_factory=dict)
 
     def register(self) -> None:
-        self.handle._register(math.inf)
-        self.proc.after()
+        with self.proc.sim.working(self.proc, "driver"):
+            self.handle._register(math.inf)
+            self.proc.after()
 
 
 @dataclass
@@ -94,7 +99,8 @@ class Proc:
 
     def start(self) -> None:
         """The driver's first read; pods start together, so every read is sent at once."""
-        self.load()
+        with self.sim.working(self, "driver"):
+            self.load()
         for node in self.nodes:
             self.sim.at(self.sim.now, node.register)
 
@@ -104,7 +110,7 @@ class Proc:
             self.sim.unsubscribe(self.sub)
         loaded, ranges = self.rdzv.load()
         self.loads += 1
-        self.sub = self.sim.subscribe(ranges, loaded.view.revision + 1, self.deliver)
+        self.sub = self.sim.subscribe(ranges, loaded.view.revision + 1, self.sim.serial(self, self.deliver))
         self.rdzv._feed(replace(loaded, now=self.sim.now))
         self.rdzv.read_buckets()
         self.after()
@@ -114,9 +120,10 @@ class Proc:
             return
         self.sim.now = when
         self.node_puts += sum(1 for ev in events if ev.type == "put" and ev.kv.key.startswith(PREFIX + NODES))
-        self.rdzv._feed(Observed(tuple(_to_event(PREFIX, ev) for ev in events), when))
-        self.rdzv.read_buckets()
-        self.after()
+        with self.sim.working(self, "driver"):
+            self.rdzv._feed(Observed(tuple(_to_event(PREFIX, ev) for ev in events), self.sim.now))
+            self.rdzv.read_buckets()
+            self.after()
 
     def after(self) -> None:
         """What the driver's thread and the nodes' ``join`` would do next."""
@@ -144,8 +151,9 @@ class Proc:
 
     def _feed_at(self, kind: type[SealFailed] | type[ClaimFailed] | type[Tick]) -> None:
         if self.alive:
-            self.rdzv._feed(kind(self.sim.now))
-            self.after()
+            with self.sim.working(self, "driver"):
+                self.rdzv._feed(kind(self.sim.now))
+                self.after()
 
 
 class _SealErrors(logging.Handler):
@@ -166,14 +174,15 @@ class RendezvousRun:
     record_limit: int | None = None  # raise the record cap (a what-if); None: the project's own
     spare: bool = True  # a spare stands by (it replaces the lost node in lose_one)
     shared: bool = False  # every node in one process, one driver and one watch (bench/rendezvous.py)
+    cpu: bool = True  # charge the project's code its CPU time (see .sim)
     sim: Sim = field(init=False)
     procs: list[Proc] = field(init=False)
     agents: list[Node] = field(init=False)
     errors: _SealErrors = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sim = Sim(self.costs)
-        self.shared_manifests = SharedManifests()
+        self.sim = Sim(self.costs, cpu=self.cpu)
+        self.shared_manifests = SharedManifests(self.sim)
         store = TimedStore(self.sim)
         settings = RendezvousSettings(min_nodes=self.n, max_nodes=self.n, node_ttl=30, join_timeout=600)
         self.procs = []

@@ -65,30 +65,34 @@ class _Reads:
         self.sim = sim
         self.kvs: dict[tuple[str, int], tuple[list[KeyValue], int]] = {}
         self.cost: dict[tuple[str, int], float] = {}
-        self.parsed: dict[tuple[Any, ...], EpochView] = {}
+        self.parsed: dict[tuple[Any, ...], tuple[EpochView, float]] = {}  # the view, the CPU its parse took
 
     def get_prefix(self, store: TimedStore, prefix: str) -> tuple[list[KeyValue], int]:
-        key = (prefix, self.sim.mem.revision_now)
-        hit = self.kvs.get(key)
-        if hit is None:
-            hit = self.kvs[key] = self.sim.mem.get_prefix(prefix)
-            self.cost[key] = store._read_cost(hit[0])
-            if len(self.kvs) > 4:
-                old = next(iter(self.kvs))
-                del self.kvs[old], self.cost[old]
-        else:
-            self.sim.mem.counters.reads += 1
-        return self.sim.request(self.cost[key], lambda: hit)
+        with self.sim.untimed():
+            key = (prefix, self.sim.mem.revision_now)
+            hit = self.kvs.get(key)
+            if hit is None:
+                hit = self.kvs[key] = self.sim.mem.get_prefix(prefix)
+                self.cost[key] = store._read_cost(hit[0])
+                if len(self.kvs) > 4:
+                    old = next(iter(self.kvs))
+                    del self.kvs[old], self.cost[old]
+            else:
+                self.sim.mem.counters.reads += 1
+            return self.sim.request(self.cost[key], lambda: hit)
 
     def parse(self, real: Any, coord: Coordinator, kvs: list[KeyValue], revision: int) -> EpochView:
         # A few keys (a rank's read of the seal's key with its arrival) are the same bytes at many revisions.
         key: tuple[Any, ...] = (coord.base, tuple((kv.key, kv.mod_revision) for kv in kvs)) if len(kvs) <= 8 else \
             (coord.base, revision, len(kvs), kvs[0].key, kvs[-1].key)
-        view = self.parsed.get(key)
-        if view is None:
+        hit = self.parsed.get(key)
+        if hit is None:
             if len(self.parsed) > 64:
                 self.parsed.clear()
-            view = self.parsed[key] = real(coord, kvs, revision)
+            hit = self.parsed[key] = self.sim.measured(lambda: real(coord, kvs, revision))
+        else:
+            self.sim.charge(hit[1])  # this rank parses the same bytes itself
+        view = hit[0]
         return view if view.revision == revision else replace(view, revision=revision)
 
 
@@ -96,15 +100,17 @@ class _Applied:
     """Watch events applied to a view, once per (view, batch): the ranks that wait for the seal's key hold the
     same view (but for its revision) and are sent the same batch."""
 
-    def __init__(self) -> None:
-        self.last: tuple[EpochView, int, EpochView] | None = None
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.last: tuple[EpochView, int, EpochView, float] | None = None
 
     def __call__(self, coord: Coordinator, view: EpochView, events: list[WatchEvent]) -> EpochView:
         bare = replace(view, revision=0)
         if self.last is not None and self.last[1] == id(events) and self.last[0] == bare:
+            self.sim.charge(self.last[3])  # this rank applies the same batch itself
             return self.last[2]
-        new = coord._apply(view, events)
-        self.last = (bare, id(events), new)
+        new, took = self.sim.measured(lambda: coord._apply(view, events))
+        self.last = (bare, id(events), new, took)
         return new
 
 
@@ -134,12 +140,15 @@ class NodeRelay:
         if self.sim.now < self.busy_until:
             self.sim.at(self.busy_until, self._consider)
             return
-        if not due(self.waiting, self.clients, self.served, self.sim.now, self.linger):
+        with self.sim.working(self, "relay"):
+            go = due(self.waiting, self.clients, self.served, self.sim.now, self.linger)
+        if not go:
             return
         batch, self.waiting = self.waiting, []
         self.transactions += 1
-        # Each connection is its rank's own: the client is the slot the relay bound it to.
-        answers = execute(self.store, KEYS, [w.request for w in batch], [w.client for w in batch])  # type: ignore[arg-type]
+        with self.sim.working(self, "relay"):
+            # Each connection is its rank's own: the client is the slot the relay bound it to.
+            answers = execute(self.store, KEYS, [w.request for w in batch], [w.client for w in batch])  # type: ignore[arg-type]
         self.busy_until = self.sim.now
         for w, answer in zip(batch, answers, strict=True):
             assert answer.ok, answer.reason
@@ -172,14 +181,18 @@ class Rank:
 
     def take_cause(self) -> None:
         if self.relay is None:
-            self.coord.faults(0).cause(0)
+            with self.sim.working(self, "cause"):
+                self.coord.faults(0).cause(0)
             self.sim.at(self.sim.now, self.arrive)
             return
 
         def answered(answer: RelayAnswer) -> None:
-            self.coord.answered(answer).cause(0)
+            with self.sim.working(self, "cause"):
+                self.coord.answered(answer).cause(0)
             self.arrive()
-        self.relay.submit(self.coord.slot, self.coord.faults_request(0), answered)
+        with self.sim.working(self, "cause"):
+            request = self.coord.faults_request(0)
+        self.relay.submit(self.coord.slot, request, answered)
 
     def arrive(self) -> None:
         """The arrival, with the read of what this rank's wait looks at, in one request (the pod's relay's; the
@@ -188,13 +201,24 @@ class Rank:
         parts = None if self.sealer else (WatchRange(f"{SEAL}1"),)
         rec = ArrivalRecord(slot=self.coord.slot, node_id=self.coord.node_id)
         if self.relay is None:
-            self.arrived(self.coord.arrive(1, rec, parts), parts)
+            with self.sim.working(self, self.phase):
+                view = self.coord.arrive(1, rec, parts)
+            self.arrived(view, parts)
             return
 
         def answered(answer: RelayAnswer) -> None:
             # The sealer reads the whole prefix itself after its arrival, as ``Coordinator.arrive`` does.
-            self.arrived(self.coord.answered(answer) if parts is not None else self.coord.view(), parts)
-        self.relay.submit(self.coord.slot, self.coord.arrival_request(1, rec, parts or ()), answered)
+            with self.sim.working(self, self.phase):
+                view = self.coord.answered(answer) if parts is not None else self.coord.view()
+            self.arrived(view, parts)
+        with self.sim.working(self, "arrive"):
+            request = self.coord.arrival_request(1, rec, parts or ())
+        self.relay.submit(self.coord.slot, request, answered)
+
+    @property
+    def phase(self) -> str:
+        """What this rank's work at the barrier is charged as: the sealer's is the job's critical path."""
+        return "sealer" if self.sealer else "wait"
 
     def arrived(self, view: EpochView, parts: tuple[WatchRange, ...] | None) -> None:
         self.view = view
@@ -203,7 +227,7 @@ class Rank:
             return
         ranges = tuple(WatchRange(self.coord.base + p.key, prefix=p.prefix, no_put=p.no_put)
                        for p in (parts or (WatchRange("", prefix=True),)))
-        self.watch = self.sim.subscribe(ranges, self.view.revision + 1, self.on_barrier)
+        self.watch = self.sim.subscribe(ranges, self.view.revision + 1, self.sim.serial(self, self.on_barrier))
 
     def on_barrier(self, events: list[WatchEvent], when: float) -> None:
         assert self.view is not None
@@ -211,19 +235,21 @@ class Rank:
         if self.state != "waiting" or not fresh:
             return
         self.sim.now = when
-        self.view = self.applied(self.coord, self.view, fresh)
+        with self.sim.working(self, self.phase):
+            self.view = self.applied(self.coord, self.view, fresh)
         self.check()
 
     def check(self) -> bool:
         assert self.view is not None
-        if self.sealer:
-            result = barrier_state(self.view, 1, self.slots)
-            if isinstance(result, Arrived):
-                me = Participant(slot=self.coord.slot, node_id=self.coord.node_id, slots=self.slots,
-                                 target_world=self.slots)
-                result = self.coord.try_seal(plan_seal(self.view, 1, me, RankAssignment(), timed_out=False))
-        else:
-            result = self.view.seals.get(1)
+        with self.sim.working(self, self.phase):
+            if self.sealer:
+                result = barrier_state(self.view, 1, self.slots)
+                if isinstance(result, Arrived):
+                    me = Participant(slot=self.coord.slot, node_id=self.coord.node_id, slots=self.slots,
+                                     target_world=self.slots)
+                    result = self.coord.try_seal(plan_seal(self.view, 1, me, RankAssignment(), timed_out=False))
+            else:
+                result = self.view.seals.get(1)
         if result is None:
             return False
         assert isinstance(result, SealRecord)
@@ -250,12 +276,14 @@ class RestartRun:
     relay: bool = True
     linger: float = DEFAULT_LINGER
     hop: float = 0.0001
+    #: Charge the project's code its CPU time (see :mod:`.sim`).
+    cpu: bool = True
     sim: Sim = field(init=False)
     ranks: list[Rank] = field(init=False)
     seal0: SealRecord | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.sim = Sim(self.costs)
+        self.sim = Sim(self.costs, cpu=self.cpu)
         self.reads = _Reads(self.sim)
         self.store = TimedStore(self.sim)
         self.store.get_prefix = lambda prefix, **_: self.reads.get_prefix(self.store, prefix)  # type: ignore[method-assign]
@@ -263,7 +291,7 @@ class RestartRun:
                                                      rank_offset=0, nproc=self.n)],
                             world_size=self.n, master_addr="10.0.0.1", sealed_by="trainjob-worker-0")
         epoch = self.sim.mem.put(KEYS.rendezvous + MANIFEST, manifest.to_json_bytes())
-        applied = _Applied()
+        applied = _Applied(self.sim)
         per = self.ranks_per_node
         self.relays = [NodeRelay(self.sim, self.store, frozenset(range(k, min(k + per, self.n))), linger=self.linger,
                                  hop=self.hop) for k in range(0, self.n, per)] if self.relay else []
@@ -319,14 +347,18 @@ class RestartRun:
             sim.run(start + limit, stop=lambda: all(r.state == "released" for r in self.ranks))
         released = [r.released_at for r in self.ranks if r.released_at is not None]
         written = {ev.kv.key for ev in sim.mem.log[position:] if ev.type == "put"}
-        seals = [ev for ev in sim.mem.log if ev.type == "put" and ev.kv.key == self.ranks[0].coord.round_keys.seal(1)]
+        seal_key = self.ranks[0].coord.round_keys.seal(1)
+        seals = [ev for ev in sim.mem.log if ev.type == "put" and ev.kv.key == seal_key]
+        sealed_at = next((sim.committed_at[i] for i, ev in enumerate(sim.mem.log)
+                          if ev.type == "put" and ev.kv.key == seal_key), None)
         return {"seconds": max(released) - fault_at if len(released) == self.n else None,
+                "seal_seconds": None if sealed_at is None else sealed_at - fault_at,
                 "released": len(released), "seals": len(seals),
                 "relay_transactions": sum(r.transactions for r in self.relays), "keys_written": len(written),
                 "writes": sim.mem.counters.proposals - writes0, "reads": sim.mem.counters.reads - reads0,
                 "requests": len(sim.server.done_at) - requests0,
                 "watch_events": sim.events_sent, "watch_bytes": sim.event_bytes_sent,
-                "peak_requests_per_second": sim.server.peak_rate()}
+                "peak_requests_per_second": sim.server.peak_rate(), "cpu_seconds": dict(sim.cpu_seconds)}
 
     def complete(self, limit: float = 600.0) -> dict[str, Any]:
         """Every rank's function returns in iteration 0 at once; run until every rank knows the iteration
@@ -343,14 +375,18 @@ class RestartRun:
         ended_at: dict[int, float] = {}
 
         def returned(r: Rank) -> None:
-            if r.coord.mark_done(seal):
+            with sim.working(r, "done"):
+                last = r.coord.mark_done(seal)
+            if last:
                 ended_at[r.coord.slot] = sim.now
                 return
             sim.at(sim.now, lambda: wait(r))
 
         def wait(r: Rank) -> None:
-            view = r.coord.view(parts)
-            if completion_known(view, 0) is not None:
+            with sim.working(r, "end"):
+                view = r.coord.view(parts)
+                known = completion_known(view, 0)
+            if known is not None:
                 ended_at[r.coord.slot] = sim.now
                 return
             holder: list[Any] = [view, None]
@@ -360,11 +396,13 @@ class RestartRun:
                 if not fresh or r.coord.slot in ended_at:
                     return
                 sim.now = when
-                holder[0] = r.applied(r.coord, holder[0], fresh)
-                if completion_known(holder[0], 0) is not None:
-                    ended_at[r.coord.slot] = when
+                with sim.working(r, "end"):
+                    holder[0] = r.applied(r.coord, holder[0], fresh)
+                    known = completion_known(holder[0], 0)
+                if known is not None:
+                    ended_at[r.coord.slot] = sim.now
                     sim.unsubscribe(holder[1])
-            holder[1] = sim.subscribe(ranges, view.revision + 1, deliver)
+            holder[1] = sim.subscribe(ranges, view.revision + 1, sim.serial(r, deliver))
 
         for r in self.ranks:
             sim.at(start, lambda r=r: returned(r))  # type: ignore[misc]
@@ -372,4 +410,4 @@ class RestartRun:
             sim.run(start + limit, stop=lambda: len(ended_at) == self.n)
         return {"seconds": max(ended_at.values()) - start if len(ended_at) == self.n else None,
                 "ended": len(ended_at), "writes": sim.mem.counters.proposals - writes0,
-                "watch_events": sim.events_sent}
+                "watch_events": sim.events_sent, "cpu_seconds": dict(sim.cpu_seconds)}

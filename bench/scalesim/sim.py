@@ -14,13 +14,26 @@ a real etcd server of this machine first (:mod:`.calibrate`):
   holds the batch half a round trip after the server finished sending it to all.
 
 Answers (revisions, compares, watch events) are those of :class:`.memetcd.MemEtcd`.
+
+The project's own code costs what it takes (``cpu=True``, the default): a simulated process's work (a
+rank's barrier step, an agent's driver step, a relay's transaction) runs inside :meth:`Sim.working`, which
+measures its thread CPU time and advances the clock by it, in order (computation before a request delays the
+request), with the simulator's own work (the model etcd, the fan-out) left out. A process does one thing at a
+time: its next work starts when its last ended, and the watch batches that arrive while it computes wait and
+are handled as one (:meth:`Sim.serial`), as the real loop takes what arrived since and decides once. The CPU
+is this machine's, one simulated process at a time: each real process would have a core of its own. Work the
+simulator shares between processes that would each do it (a parse of the same bytes) is charged to each, at
+the CPU it took once (:meth:`Sim.charge`). Not charged: the Python interpreter's start, imports, garbage
+collection pauses, the gRPC client's (de)serialisation and the kernel's network stack.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -65,6 +78,12 @@ class Subscription:
     active: bool = True
 
 
+@dataclass
+class _Scope:
+    phase: str
+    mark: float
+
+
 @dataclass(order=True)
 class _Job:
     at: float
@@ -103,11 +122,18 @@ class Server:
 class Sim:
     """A discrete-event loop over simulated seconds, one model etcd server and its watch fan-out."""
 
-    def __init__(self, costs: Costs, mem: MemEtcd | None = None) -> None:
+    def __init__(self, costs: Costs, mem: MemEtcd | None = None, *, cpu: bool = True) -> None:
         self.costs = costs
         self.mem = mem or MemEtcd()
         self.server = Server(costs)
         self.now = 0.0
+        #: Charge the project's code its CPU time (see the module's doc); off, it runs in no simulated time.
+        self.cpu = cpu
+        #: CPU seconds measured per phase (charged or not), and per simulated process: when it is free.
+        self.cpu_seconds: dict[str, float] = {}
+        self.busy: dict[int, float] = {}
+        self._scope: _Scope | None = None
+        self._untimed = 0
         self._queue: list[_Job] = []
         self._seq = itertools.count()
         #: Commit time of each entry of ``mem.log`` (same index).
@@ -142,22 +168,101 @@ class Sim:
             self.now = job.at
             job.fn()
 
+    # -- the project's CPU ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def working(self, owner: object, phase: str) -> Iterator[None]:
+        """The block is ``owner``'s work (one simulated process): it starts when the process is free (not
+        before ``now``), and its CPU time, up to each request and after the last, advances the clock."""
+        assert self._scope is None, "a simulated process's work does not nest"
+        self.now = max(self.now, self.busy.get(id(owner), 0.0))
+        self._scope = _Scope(phase, time.thread_time())
+        try:
+            yield
+        finally:
+            self._charge()
+            self._scope = None
+            self.busy[id(owner)] = self.now
+
+    def charge(self, seconds: float) -> None:
+        """Charge the work under way ``seconds`` more: what it would have computed itself, had the simulator
+        not shared the result of another process's same computation."""
+        if self._scope is not None:
+            self._account(self._scope.phase, seconds)
+
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """The simulator's own work inside a process's (the model etcd answering): charged to nobody."""
+        self._charge()
+        self._untimed += 1
+        try:
+            yield
+        finally:
+            self._untimed -= 1
+            if self._scope is not None and not self._untimed:
+                self._scope.mark = time.thread_time()
+
+    def measured(self, fn: Callable[[], T]) -> tuple[T, float]:
+        """``fn()`` and the thread CPU seconds it took (for :meth:`charge` of a shared result)."""
+        t0 = time.thread_time()
+        result = fn()
+        return result, time.thread_time() - t0
+
+    def serial(self, owner: object, handle: Callable[[list[WatchEvent], float], None]) \
+            -> Callable[[list[WatchEvent], float], None]:
+        """A watch's ``deliver`` for ``owner``, which handles one batch at a time: a batch that arrives while
+        the process computes waits, with every batch after it, until the process is free, and goes as one."""
+        pending: list[WatchEvent] = []
+
+        def flush() -> None:
+            free = self.busy.get(id(owner), 0.0)
+            if free > self.now:
+                self.at(free, flush)
+                return
+            batch = pending[:]
+            pending.clear()
+            handle(batch, self.now)
+
+        def deliver(events: list[WatchEvent], when: float) -> None:
+            free = self.busy.get(id(owner), 0.0)
+            if not pending and (not self.cpu or free <= when):
+                handle(events, when)
+                return
+            if not pending:
+                self.at(max(free, when), flush)
+            pending.extend(events)
+        return deliver
+
+    def _charge(self) -> None:
+        scope = self._scope
+        if scope is None or self._untimed:
+            return
+        t = time.thread_time()
+        spent, scope.mark = t - scope.mark, t
+        self._account(scope.phase, spent)
+
+    def _account(self, phase: str, seconds: float) -> None:
+        self.cpu_seconds[phase] = self.cpu_seconds.get(phase, 0.0) + seconds
+        if self.cpu:
+            self.now += seconds
+
     # -- requests ----------------------------------------------------------------------------------------
 
     def request(self, cost: float | Callable[[], float], call: Callable[[], T]) -> T:
         """Run ``call`` on the model etcd as a request sent at ``now``; ``now`` becomes the answer's time.
         ``cost`` may be a function, asked after the call (a transaction costs a proposal only if it wrote)."""
-        before = len(self.mem.log)
-        arrive = self.now + self.costs.rtt / 2
-        try:
-            result = call()
-        finally:
-            done = self.server.serve(arrive, cost if isinstance(cost, float) else cost())
-            new = len(self.mem.log) - before
-            if new:
-                self.committed_at.extend([done] * new)
-                self._schedule_pump(done)
-            self.now = done + self.costs.rtt / 2
+        with self.untimed():
+            before = len(self.mem.log)
+            arrive = self.now + self.costs.rtt / 2
+            try:
+                result = call()
+            finally:
+                done = self.server.serve(arrive, cost if isinstance(cost, float) else cost())
+                new = len(self.mem.log) - before
+                if new:
+                    self.committed_at.extend([done] * new)
+                    self._schedule_pump(done)
+                self.now = done + self.costs.rtt / 2
         return result
 
     # -- watch fan-out -----------------------------------------------------------------------------------
@@ -244,13 +349,15 @@ class TimedStore:
         return c.read + c.read_key * len(kvs) + c.read_byte * sum(len(kv.key) + len(kv.value) for kv in kvs)
 
     def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
-        kv = self.mem.get(key)
-        return self.sim.request(self._read_cost([kv] if kv else []), lambda: kv)
+        with self.sim.untimed():
+            kv = self.mem.get(key)
+            return self.sim.request(self._read_cost([kv] if kv else []), lambda: kv)
 
     def get_prefix(self, prefix: str, *, keys_only: bool = False,
                    timeout: float | None = None) -> tuple[list[KeyValue], int]:
-        kvs, rev = self.mem.get_prefix(prefix)
-        return self.sim.request(self._read_cost(kvs), lambda: (kvs, rev))
+        with self.sim.untimed():
+            kvs, rev = self.mem.get_prefix(prefix)
+            return self.sim.request(self._read_cost(kvs), lambda: (kvs, rev))
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
             *, timeout: float | None = None) -> TxnResult:

@@ -171,6 +171,13 @@ def test_the_quick_benchmark_prints_every_metric_within_the_write_budgets() -> N
         assert got[("stalwart-per-rank", n, "writes_per_rank_per_restart")]["value"] == \
             pytest.approx((n + 2) / n, abs=1e-6)
         assert got[("anchor-cas", n, "writes_per_node")]["value"] == pytest.approx((n + 1) / 2)
+        # The project's code is charged its CPU, phase by phase; the run without the charge is printed beside.
+        phases = {(r["what"], r["phase"]): r["value"] for r in rows if r["metric"] == "cpu_seconds" and r["nodes"] == n}
+        assert set(phases) == {("rendezvous", "driver"), *(("restart", p) for p in
+                                                          ("cause", "arrive", "relay", "sealer", "wait"))}
+        assert all(v > 0 for v in phases.values()), phases
+        assert got[("stalwart", n, "restart_barrier_seconds")]["cpu_charged"] is True
+        assert got[("stalwart-cpu-free", n, "restart_barrier_seconds")]["cpu_charged"] is False
     # The model counts the writes the real driver makes on the real server (a retried seal at most apart).
     real = got[("validate-real-etcd", 50, "writes_per_node")]["value"]
     assert got[("validate-sim", 50, "writes_per_node")]["value"] == pytest.approx(101 / 50)

@@ -1,0 +1,88 @@
+"""The scale simulator charges the project's code its CPU time: a simulated process's work advances the clock
+by what it took, before the requests it then makes, one piece of work at a time per process; the simulator's
+own work (the model etcd) costs nobody anything."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.scalesim.sim import Costs, Sim, TimedStore
+from stalwart.etcd.store import WatchEvent, WatchRange
+
+COSTS = Costs(rtt=0.001, write=0.002, read=0.001, event=0.0001)
+
+
+def burn(seconds: float) -> None:
+    """A deliberately slow function: ``seconds`` of this thread's CPU."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+def test_a_slow_function_costs_what_it_took_and_delays_the_request_after_it() -> None:
+    sim = Sim(COSTS)
+    store, owner = TimedStore(sim), object()
+    sim.now = 5.0
+    with sim.working(owner, "plan"):
+        burn(0.05)
+        store.put("k", b"v")
+    took = sim.cpu_seconds["plan"]
+    assert 0.05 <= took < 0.5
+    # The put was sent after the computation: it reached the server half a round trip later and took a write.
+    assert sim.committed_at[-1] >= 5.0 + 0.05 + COSTS.rtt / 2 + COSTS.write - 1e-9
+    assert sim.now >= sim.committed_at[-1] + COSTS.rtt / 2 - 1e-9
+    # The process is one: its next work, due before it was free, starts when it is.
+    free = sim.now
+    sim.now = 5.0
+    with sim.working(owner, "plan"):
+        pass
+    assert sim.now >= free
+
+
+def test_without_charging_the_same_work_takes_no_simulated_time_but_is_still_measured() -> None:
+    sim = Sim(COSTS, cpu=False)
+    store = TimedStore(sim)
+    with sim.working(object(), "plan"):
+        burn(0.03)
+        store.put("k", b"v")
+    assert sim.cpu_seconds["plan"] >= 0.03
+    assert sim.committed_at[-1] == COSTS.rtt / 2 + COSTS.write
+
+
+def test_the_model_etcds_own_work_is_not_charged() -> None:
+    sim = Sim(COSTS)
+    for i in range(20000):
+        sim.mem.put(f"p/{i:06d}", b"x" * 40)
+    store = TimedStore(sim)
+    start = time.thread_time()
+    with sim.working(object(), "read"):
+        kvs, _ = store.get_prefix("p/")
+    spent = time.thread_time() - start
+    assert len(kvs) == 20000
+    # Reading 20,000 keys from the model costs the simulator CPU, and the process only the modelled read.
+    assert spent > 0.002 and sim.cpu_seconds["read"] < spent / 4
+
+
+def test_batches_that_arrive_while_a_process_computes_are_handled_as_one_when_it_is_free() -> None:
+    sim = Sim(COSTS)
+    owner = object()
+    handled: list[tuple[list[str], float]] = []
+
+    def handle(events: list[WatchEvent], when: float) -> None:
+        handled.append(([ev.kv.key for ev in events], when))
+    deliver = sim.serial(owner, handle)
+    sim.subscribe((WatchRange("k", prefix=True),), 1, deliver)
+    store = TimedStore(sim)
+    with sim.working(owner, "busy"):
+        burn(0.05)
+    free = sim.now
+    sim.now = 0.0
+    for key in ("k1", "k2", "k3"):  # committed while the owner computes
+        store.put(key, b"v")
+    sim.run(10.0)
+    assert [keys for keys, _ in handled] == [["k1", "k2", "k3"]]
+    assert handled[0][1] >= free
