@@ -45,7 +45,7 @@ from bench.scalesim.calibrate import calibrate  # noqa: E402
 from bench.scalesim.goodput import Assumptions, Design, designs, goodput, interpolate, plot  # noqa: E402
 from bench.scalesim.rendezvous import PREFIX, RendezvousRun  # noqa: E402
 from bench.scalesim.restart import RestartRun  # noqa: E402
-from bench.scalesim.sim import Costs  # noqa: E402
+from bench.scalesim.sim import Background, Costs  # noqa: E402
 from stalwart.api.base import MAX_RECORD_BYTES  # noqa: E402
 from stalwart.api.manifest import MAX_MANIFEST_BYTES  # noqa: E402
 from stalwart.local.etcd import EtcdServer  # noqa: E402
@@ -89,8 +89,15 @@ def validate(costs: Costs, n: int, endpoint: str) -> None:
 
 def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
+    # The running job's steady requests (the first rendezvous has none: nothing runs yet): for the restart rows n
+    # ranks, 8 a pod; for the re-rendezvous n nodes of 8 ranks.
+    load, nodes_load = Background(ranks=n, nodes=-(-n // 8)), Background(ranks=8 * n, nodes=n)
+    for what, bg in (("restart", load), ("rerendezvous", nodes_load)):
+        emit("stalwart", n, "background_requests_per_second", sum(bg.rates().values()), what=what,
+             **{k: round(v, 1) for k, v in bg.rates().items()},
+             server_busy_fraction=round(bg.busy_per_second(costs), 4), ranks=bg.ranks, pods=bg.nodes)
     t0 = time.process_time()
-    run = RendezvousRun(n, costs)
+    run = RendezvousRun(n, costs, background=nodes_load)
     first = run.first_round(LIMIT)
     impl = "stalwart"
     emit(impl, n, "rendezvous_seconds", first["seconds"], sealed=first["sealed"], error=first["error"],
@@ -122,20 +129,23 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     # "stalwart-per-rank": every rank asks etcd itself (a rank without an agent; the protocol before the relay).
     # "stalwart-aborts-50ms-apart": with the relays, the ranks' aborts ending up to 50 ms apart (a loaded machine),
     # so that a pod's requests come further apart than the relay's linger.
-    # "stalwart-cpu-free": as "stalwart", the project's code run in no simulated time (the model before it was
-    # charged its CPU): what the charge adds.
-    for impl, relay, spread, cpu in (("stalwart", True, 0.0, True), ("stalwart-per-rank", False, 0.0, True),
-                                     ("stalwart-aborts-50ms-apart", True, 0.05, True),
-                                     ("stalwart-cpu-free", True, 0.0, False)):
+    # Charged, as every row above: the project's CPU and the running job's background requests. Beside them,
+    # "stalwart-no-background" (the CPU only) and "stalwart-uncharged" (neither: the model as published before).
+    for impl, relay, spread, cpu, bg in (("stalwart", True, 0.0, True, True),
+                                         ("stalwart-per-rank", False, 0.0, True, True),
+                                         ("stalwart-aborts-50ms-apart", True, 0.05, True, True),
+                                         ("stalwart-no-background", True, 0.0, True, False),
+                                         ("stalwart-uncharged", True, 0.0, False, False)):
         t0 = time.process_time()
-        restart = RestartRun(n, costs, relay=relay, abort_spread=spread, cpu=cpu).restart(LIMIT)
+        restart = RestartRun(n, costs, relay=relay, abort_spread=spread, cpu=cpu,
+                             background=load if bg else None).restart(LIMIT)
         if impl == "stalwart":
             out["barrier"] = restart["seconds"]
             cpu_rows(impl, n, "restart", restart["cpu_seconds"])
         emit(impl, n, "restart_barrier_seconds", restart["seconds"], ranks=n, released=restart["released"],
-             seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu,
+             seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu, background=bg,
              goal="< 0.5 s at 16,384")
-        if not cpu:
+        if impl in ("stalwart-no-background", "stalwart-uncharged"):
             continue
         emit(impl, n, "writes_per_rank_per_restart", restart["writes"] / n, goal="<= 2",
              keys_written_per_rank=restart["keys_written"] / n,

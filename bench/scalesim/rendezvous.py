@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from unittest import mock
 
-from bench.scalesim.sim import Costs, Sim, Subscription, TimedStore
+from bench.scalesim.sim import Background, Costs, Sim, Subscription, TimedStore
 from stalwart.agent.rendezvous import view as views
 from stalwart.agent.rendezvous.driver import NodeHandle, Rendezvous, _to_event
 from stalwart.agent.rendezvous.protocol import ClaimFailed, KeyPut, Observed, SealedRound, SealFailed, Tick
@@ -175,6 +175,9 @@ class RendezvousRun:
     spare: bool = True  # a spare stands by (it replaces the lost node in lose_one)
     shared: bool = False  # every node in one process, one driver and one watch (bench/rendezvous.py)
     cpu: bool = True  # charge the project's code its CPU time (see .sim)
+    #: The running job's steady requests (.sim.Background) during a re-rendezvous (the first round has none:
+    #: no rank runs yet, and the nodes' leases are granted as they register). None: none.
+    background: Background | None = None
     sim: Sim = field(init=False)
     procs: list[Proc] = field(init=False)
     agents: list[Node] = field(init=False)
@@ -254,6 +257,9 @@ class RendezvousRun:
         epoch = victim.last_epoch
         writes0 = self.sim.mem.counters.proposals
         start = max(self.sim.now, self.sim.server.busy_until) + 1.0
+        if self.background is not None:
+            self.sim.background(self.background, start - 1.0, start + limit)
+            self.sim.run(start - 1e-9)
         self.sim.now = start
         if not self.shared:
             # The pod is gone with its process; in one shared process only its node goes.

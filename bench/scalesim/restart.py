@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from unittest import mock
 
-from bench.scalesim.sim import Costs, Sim, Subscription, TimedStore
+from bench.scalesim.sim import Background, Costs, Sim, Subscription, TimedStore
 from stalwart.agent.relay import DEFAULT_LINGER, Step, Waiting, due, execute
 from stalwart.api.relay import RelayAnswer, RelayRequest
 from stalwart.api.rendezvous import Manifest, Member
@@ -278,6 +278,9 @@ class RestartRun:
     hop: float = 0.0001
     #: Charge the project's code its CPU time (see :mod:`.sim`).
     cpu: bool = True
+    #: The running job's steady requests beside the barrier's (:class:`.sim.Background`), from a second before
+    #: the fault; ``None``: none.
+    background: Background | None = None
     sim: Sim = field(init=False)
     ranks: list[Rank] = field(init=False)
     seal0: SealRecord | None = field(init=False, default=None)
@@ -327,6 +330,9 @@ class RestartRun:
         self.setup()
         sim = self.sim
         start = sim.server.busy_until + 1.0
+        if self.background is not None:
+            sim.background(self.background, start - 1.0, start + limit)
+            sim.run(start)
         sim.now = start
         writes0, reads0, requests0 = sim.mem.counters.proposals, sim.mem.counters.reads, len(sim.server.done_at)
         base = self.ranks[0].coord.base
@@ -358,7 +364,8 @@ class RestartRun:
                 "writes": sim.mem.counters.proposals - writes0, "reads": sim.mem.counters.reads - reads0,
                 "requests": len(sim.server.done_at) - requests0,
                 "watch_events": sim.events_sent, "watch_bytes": sim.event_bytes_sent,
-                "peak_requests_per_second": sim.server.peak_rate(), "cpu_seconds": dict(sim.cpu_seconds)}
+                "peak_requests_per_second": sim.server.peak_rate(), "cpu_seconds": dict(sim.cpu_seconds),
+                "background_requests": sim.background_requests}
 
     def complete(self, limit: float = 600.0) -> dict[str, Any]:
         """Every rank's function returns in iteration 0 at once; run until every rank knows the iteration

@@ -119,6 +119,33 @@ class Server:
         return best / window
 
 
+@dataclass(frozen=True, slots=True)
+class Background:
+    """The steady requests a running job sends etcd beside the protocol's, as the project's code sends them:
+    each rank's heartbeat lease and each node's lease refreshed every third of its TTL
+    (``stalwart/etcd/leases.py``: ``heartbeat_ttl`` 10 s, ``node_ttl`` 10 s by default), and each node's
+    agent's progress record, a fenced put every ``progress_interval`` (1 s by default). A refresh costs the
+    server a read (etcd's leader renews a lease without a raft proposal), a progress write a proposal. The
+    operator's reads (one of the job's prefix per resync) and the watches' own keep-alives are not counted."""
+
+    ranks: int
+    nodes: int
+    rank_ttl: float = 10.0
+    node_ttl: float = 10.0
+    progress_interval: float = 1.0
+
+    def rates(self) -> dict[str, float]:
+        """Requests per second, by kind."""
+        return {"rank_lease_refresh": self.ranks / (self.rank_ttl / 3),
+                "node_lease_refresh": self.nodes / (self.node_ttl / 3),
+                "progress_write": self.nodes / self.progress_interval}
+
+    def busy_per_second(self, costs: Costs) -> float:
+        """Seconds of the server's time each second these take (its utilisation before the protocol's)."""
+        r = self.rates()
+        return (r["rank_lease_refresh"] + r["node_lease_refresh"]) * costs.read + r["progress_write"] * costs.write
+
+
 class Sim:
     """A discrete-event loop over simulated seconds, one model etcd server and its watch fan-out."""
 
@@ -134,6 +161,8 @@ class Sim:
         self.busy: dict[int, float] = {}
         self._scope: _Scope | None = None
         self._untimed = 0
+        #: Requests of the background load served so far (see :meth:`background`).
+        self.background_requests = 0.0
         self._queue: list[_Job] = []
         self._seq = itertools.count()
         #: Commit time of each entry of ``mem.log`` (same index).
@@ -167,6 +196,19 @@ class Sim:
             # all shared one connection and called one after another). The server stays one FIFO queue.
             self.now = job.at
             job.fn()
+
+    def background(self, load: Background, start: float, until: float, tick: float = 0.005) -> None:
+        """Serve ``load`` from ``start`` to ``until``: every ``tick`` its requests of that tick join the
+        server's queue (a steady flow, spread evenly: refreshes are jittered, progress timers free-running)."""
+        per_tick = sum(load.rates().values()) * tick
+        busy = load.busy_per_second(self.costs) * tick
+
+        def step() -> None:
+            self.server.serve(self.now, busy, request=False)
+            self.background_requests += per_tick
+            if self.now + tick <= until:
+                self.at(self.now + tick, step)
+        self.at(start, step)
 
     # -- the project's CPU ---------------------------------------------------------------------------------
 

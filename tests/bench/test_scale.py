@@ -176,8 +176,16 @@ def test_the_quick_benchmark_prints_every_metric_within_the_write_budgets() -> N
         assert set(phases) == {("rendezvous", "driver"), *(("restart", p) for p in
                                                           ("cause", "arrive", "relay", "sealer", "wait"))}
         assert all(v > 0 for v in phases.values()), phases
-        assert got[("stalwart", n, "restart_barrier_seconds")]["cpu_charged"] is True
-        assert got[("stalwart-cpu-free", n, "restart_barrier_seconds")]["cpu_charged"] is False
+        charged = got[("stalwart", n, "restart_barrier_seconds")]
+        assert charged["cpu_charged"] is True and charged["background"] is True
+        assert got[("stalwart-no-background", n, "restart_barrier_seconds")]["background"] is False
+        uncharged = got[("stalwart-uncharged", n, "restart_barrier_seconds")]
+        assert uncharged["cpu_charged"] is False and uncharged["background"] is False
+        # The background: every rank's lease every TTL/3 (10 s), every pod's too, and a progress write a second.
+        bg = next(r for r in rows if r["metric"] == "background_requests_per_second" and r["nodes"] == n
+                  and r["what"] == "restart")
+        assert bg["rank_lease_refresh"] == pytest.approx(n * 0.3, abs=0.05)
+        assert bg["value"] == pytest.approx(n * 0.3 + pods * 0.3 + pods, abs=0.1)
     # The model counts the writes the real driver makes on the real server (a retried seal at most apart).
     real = got[("validate-real-etcd", 50, "writes_per_node")]["value"]
     assert got[("validate-sim", 50, "writes_per_node")]["value"] == pytest.approx(101 / 50)

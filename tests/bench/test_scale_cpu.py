@@ -10,7 +10,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.scalesim.sim import Costs, Sim, TimedStore
+import pytest
+
+from bench.scalesim.sim import Background, Costs, Sim, TimedStore
 from stalwart.etcd.store import WatchEvent, WatchRange
 
 COSTS = Costs(rtt=0.001, write=0.002, read=0.001, event=0.0001)
@@ -86,3 +88,28 @@ def test_batches_that_arrive_while_a_process_computes_are_handled_as_one_when_it
     sim.run(10.0)
     assert [keys for keys, _ in handled] == [["k1", "k2", "k3"]]
     assert handled[0][1] >= free
+
+
+def test_the_background_load_is_served_at_its_rate() -> None:
+    # 3,000 ranks and 375 pods: 900 + 112.5 lease refreshes and 375 progress writes a second.
+    load = Background(ranks=3000, nodes=375)
+    assert load.rates() == {"rank_lease_refresh": 900.0, "node_lease_refresh": 112.5, "progress_write": 375.0}
+    sim = Sim(COSTS)
+    sim.background(load, 0.0, 10.0)
+    sim.run(10.0)
+    assert sim.background_requests / 10.0 == pytest.approx(900 + 112.5 + 375, rel=0.01)
+    # They occupy the server as they would: a request sent now waits behind what the load has queued.
+    assert sim.server.busy_total == pytest.approx(10.0 * load.busy_per_second(COSTS), rel=0.01)
+    assert load.busy_per_second(COSTS) == pytest.approx((900 + 112.5) * COSTS.read + 375 * COSTS.write)
+
+
+def test_a_barrier_under_background_load_takes_longer_than_without() -> None:
+    from bench.scalesim.restart import RestartRun
+
+    quiet = RestartRun(200, COSTS, cpu=False).restart()
+    # The server busy 59% of the time with the load alone (1,000 ranks' and 125 pods' requests at these costs).
+    load = Background(ranks=1000, nodes=125)
+    assert load.busy_per_second(COSTS) == pytest.approx(0.5875)
+    busy = RestartRun(200, COSTS, cpu=False, background=load).restart()
+    assert quiet["released"] == busy["released"] == 200
+    assert busy["seconds"] > quiet["seconds"]
