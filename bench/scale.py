@@ -21,6 +21,11 @@ The anchor, ``impl: "anchor-cas"``: one shared record updated by compare-and-swa
 DynamicRendezvousHandler's shape), up to ``--anchor-max`` nodes. ``validate`` rows: a real run of
 ``bench/rendezvous.py`` (one process, one watch) next to the simulator configured alike.
 
+Charged in every ``stalwart`` row: the project's code its measured CPU (``cpu_seconds`` per phase) and, for the
+restart and the re-rendezvous, the running job's background requests (``background_requests_per_second``;
+a load that takes the whole etcd is not simulated and the row says ``saturated``). ``stalwart-no-background``
+and ``stalwart-uncharged`` give the barrier without the load, and without either (see :mod:`.scalesim.sim`).
+
 Also a goodput curve (``--plot``) from this run's figures and ``bench/restart.py``'s measured in-process
 and process restart times (run here unless ``--restart-results`` names its saved output).
 Usage: ``python bench/scale.py [--nodes 1000 4000 10000] [--quick]``.
