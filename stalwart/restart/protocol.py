@@ -518,4 +518,3 @@ def kill_limit(soft_timeout: float, hard_timeout: float, startup_timeout: float,
     its model) is not hung: its own monitor gives it the startup allowance, and its agent must not kill it
     sooner."""
     return hard_timeout + stall_limit(soft_timeout, startup_timeout, pinged=pinged) - soft_timeout
-
