@@ -25,7 +25,9 @@ from stalwart.local.apiserver.objects import ApiError, ObjectStore
 from stalwart.local.processes import CLUSTER_MARKER, CONTAINER_MARKER, POD_MARKER, cluster_id, container_id
 
 JSON = dict[str, Any]
-_PASSTHROUGH = ("LANG", "LC_ALL", "TZ", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "STALWART_ETCD_BIN")
+# Every node of the local cluster is this one machine: a thread cap set for it (OMP_NUM_THREADS) holds for its pods
+# too, or each rank of each pod would start a thread per core and spin them on a shared CPU.
+_PASSTHROUGH = ("LANG", "LC_ALL", "TZ", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "STALWART_ETCD_BIN", "OMP_NUM_THREADS")
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
 
 

@@ -28,3 +28,27 @@ def test_a_pods_environment_does_not_name_the_directory_of_the_admin_kubeconfig(
     assert "KUBECONFIG" not in env
     named = {k: v for k, v in env.items() if str(cluster.resolve()) in v or str(cluster) in v}
     assert named == {}, f"variables naming the cluster's directory: {sorted(named)}"
+
+
+@pytest.mark.parametrize(("host", "manifest", "expected"), [
+    ("1", None, "1"),  # the machine's cap reaches the pod
+    (None, None, None),  # no cap: torch's own default, as on a node
+    ("1", "4", "4"),  # the pod's own setting wins
+])
+def test_a_thread_cap_set_for_the_machine_holds_for_its_pods(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: str | None, manifest: str | None,
+        expected: str | None) -> None:
+    """Every node of the local cluster is this machine: without the cap each rank of each pod would start a thread
+    per core."""
+    if host is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", host)
+    container: dict[str, Any] = {"name": "c"}
+    if manifest is not None:
+        container["env"] = [{"name": "OMP_NUM_THREADS", "value": manifest}]
+    pod: dict[str, Any] = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+                           "spec": {"containers": [container]}}
+    where = Placement(uid="u1", node="node-0", ip="10.0.0.2", home=tmp_path / "pods" / "ns_p_u1")
+    env = PodEnvironment(cast(ObjectStore, None), tmp_path, 6443).build(pod, where, container)
+    assert env.get("OMP_NUM_THREADS") == expected
