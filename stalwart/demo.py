@@ -141,6 +141,12 @@ def latest_step(events: Iterable[JSON]) -> int:
     return max((int(e["step"]) for e in events if e["event"] == "step"), default=0)
 
 
+def finished_by(events: Iterable[JSON], at: float) -> int | None:
+    """The step a rank had finished the job at, if one had by ``at`` (its ``done`` event): a fault injected after
+    that finds nothing to interrupt."""
+    return min((int(e["step"]) for e in events if e["event"] == "done" and float(e["time"]) <= at), default=None)
+
+
 # --- the shell -------------------------------------------------------------------------------------------------
 
 
@@ -305,8 +311,8 @@ class Demo:
         self.cluster.kubectl("delete", "pod", victim, "-n", JOB_NAMESPACE, "--grace-period=0", "--force",
                              "--wait=false")
         self.say(f"killed worker pod {victim} at step {step_at_kill}")
-        rec = self.wait_for("training to go on after the pod loss", lambda: recovery_after(
-            self.events(), "a worker pod killed", killed_at), 180)
+        rec = self.wait_for("training to go on after the pod loss", lambda: self.recovered_from_kill(victim, killed_at),
+                            180)
         self.say(f"training went on {rec.seconds:.2f}s after the pod was killed (step {rec.resumed_at_step})")
         recoveries.append(rec)
 
@@ -316,6 +322,17 @@ class Demo:
         self.say(f"job {self.job_name}: {phase}")
         print(self.cluster.kubectl("get", "tj", "-n", JOB_NAMESPACE).stdout, file=self.out, flush=True)
         return DemoResult(phase=str(phase), recoveries=recoveries, final_status=status)
+
+    def recovered_from_kill(self, victim: str, killed_at: float) -> Recovery | None:
+        events = self.events()
+        rec = recovery_after(events, "a worker pod killed", killed_at)
+        done = finished_by(events, killed_at)
+        if rec is None and done is not None:
+            # The job outran the demo's polling: waiting for a recovery that cannot come would only time out.
+            raise DemoError(f"the job had finished (step {done}) when worker pod {victim} was killed: nothing to "
+                            f"recover from; give it more steps than {self.opts.steps} or a kill_at_step earlier than "
+                            f"{self.opts.kill_at_step}")
+        return rec
 
     # -- observations -----------------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from stalwart.demo import EXAMPLE, DemoOptions, demo_job, latest_step, parse_events, recovery_after
+from stalwart.demo import EXAMPLE, DemoOptions, demo_job, finished_by, latest_step, parse_events, recovery_after
 from stalwart.examples.train import FAIL_AT_STEP_ENV, FAIL_RANK_ENV
 
 
@@ -65,3 +65,13 @@ def test_recovery_is_from_the_fault_to_the_first_step_after_the_resume() -> None
     assert rec is not None and rec.seconds == 1.5 and rec.resumed_at_step == 61
     assert recovery_after(events[:4], "a rank exception", 10.0) is None  # resumed, but no step yet
     assert recovery_after(events[:3], "a rank exception", 10.0) is None  # not resumed yet
+
+
+@pytest.mark.parametrize(("at", "expected"), [
+    (12.0, None),  # still training when the pod was killed
+    (13.0, 120),  # one rank had finished: the kill came too late to interrupt anything
+    (14.0, 120),
+])
+def test_a_kill_after_the_job_finished_is_told_apart_from_a_slow_recovery(at: float, expected: int | None) -> None:
+    events = [ev("step", 11.0, step=119), ev("done", 13.0, step=120), ev("done", 13.5, step=120)]
+    assert finished_by(events, at) == expected
