@@ -26,8 +26,9 @@ restart and the re-rendezvous, the running job's background requests (``backgrou
 a load that takes the whole etcd is not simulated and the row says ``saturated``). ``stalwart-no-background``
 and ``stalwart-uncharged`` give the barrier without the load, and without either (see :mod:`.scalesim.sim`).
 
-Also a goodput curve (``--plot``) from this run's figures and ``bench/restart.py``'s measured in-process
-and process restart times (run here unless ``--restart-results`` names its saved output).
+Also a goodput curve (``--plot``) from this run's figures, ``bench/restart.py``'s measured in-process
+and process restart times (run here unless ``--restart-results`` names its saved output) and, for a lost node,
+a warm spare's pod-loss recovery from a saved ``bench/podloss.py`` run (``--podloss-results``).
 Usage: ``python bench/scale.py [--nodes 1000 4000 10000] [--quick]``.
 """
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -197,17 +199,35 @@ def restart_times(path: str | None) -> tuple[float, float, str]:
     return seconds["stalwart"], seconds["torchrun"], source
 
 
-def draw(path: str, rows: dict[int, dict[str, float | None]], inproc: float, process: float, source: str) -> None:
+def pod_loss_time(path: str) -> tuple[float, str]:
+    """The median seconds of stalwart's warm-spare recovery from a force-deleted pod in a saved run of
+    bench/podloss.py (from the fault to the first full step, less a step), and where it came from."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.startswith("{")]
+    seconds = [r["value"] for r in rows if r.get("bench") == "podloss" and r.get("impl") == "stalwart"
+               and r.get("metric") == "seconds" and r.get("fault") == "force-delete" and r.get("value") is not None]
+    if not seconds:
+        raise SystemExit(f"--podloss-results {path}: no row of bench/podloss.py with impl stalwart, fault "
+                         "force-delete and a value (its 'seconds' metric)")
+    params = sorted({r.get("params") for r in rows if r.get("bench") == "podloss"} - {None})
+    resolved = Path(path).resolve()
+    shown = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else Path(path).name  # no machine's paths
+    return statistics.median(seconds), f"{shown} (bench/podloss.py, {'/'.join(f'{p:,}' for p in params)} parameters)"
+
+
+def draw(path: str, rows: dict[int, dict[str, float | None]], inproc: float, process: float, source: str, *,
+         pod_loss: tuple[float, str] | None = None) -> None:
     a = Assumptions()
-    emit("goodput-inputs", 0, "restart_seconds", inproc, process_restart_seconds=process, source=source)
+    lost, lost_source = pod_loss if pod_loss is not None else (None, None)
+    emit("goodput-inputs", 0, "restart_seconds", inproc, process_restart_seconds=process, source=source,
+         pod_loss_seconds=lost, pod_loss_source=lost_source)
     barrier = interpolate([(n, v) for n, r in rows.items() if (v := r.get("barrier")) is not None])
     # The re-rendezvous runs over nodes; the barrier over ranks (GPUs).
     rerdzv_pts = [(n, v) for n, r in rows.items() if (v := r.get("rerendezvous")) is not None]
     rerdzv = interpolate(rerdzv_pts) if rerdzv_pts else (lambda n: 0.0)
     ds = designs(a, inprocess_seconds=inproc, barrier_seconds=lambda nodes: barrier(nodes * a.gpus_per_node),
-                 rerendezvous_seconds=rerdzv, process_restart_seconds=process)
+                 rerendezvous_seconds=rerdzv, process_restart_seconds=process, pod_loss_seconds=lost)
     goals = designs(a, inprocess_seconds=inproc, barrier_seconds=lambda n: 2.0, rerendezvous_seconds=lambda n: 2.0,
-                    process_restart_seconds=process)[0]
+                    process_restart_seconds=process, pod_loss_seconds=lost)[0]
     ds.insert(1, Design(goals.name.replace("(", "with the 2 s goals met, a what-if (", 1), goals.rank_fault,
                         goals.node_loss))
     sizes = [1000, 2000, 4000, 8000, 16000, 32000, 64000, 100000]
@@ -222,15 +242,18 @@ def draw(path: str, rows: dict[int, dict[str, float | None]], inproc: float, pro
              f"Measured: stalwart's in-process restart {inproc:.2f} s, torchrun's process restart {process:.2f} s "
              f"({source}); stalwart's restart barrier and re-rendezvous at each size from bench/scale.py's "
              "simulator (interpolated, linear past 10,000).",
-             f"A lost node: stalwart's lease TTL {a.lease_ttl:.0f} s then a spare; Kubernetes "
+             f"A lost node: stalwart's lease TTL {a.lease_ttl:.0f} s, then "
+             + (f"a warm spare's recovery as measured for a lost pod, {lost:.2f} s ({lost_source}), + re-rendezvous "
+                "and barrier at the size" if lost is not None else "a spare (the in-process restart's time)")
+             + f"; Kubernetes "
              f"{a.pod_replacement_seconds:.0f} s (node grace 40 s + unreachable toleration 300 s + a new pod 60 s, "
              "assumed)."]
     plot(path, curves, [line for note in notes for line in textwrap.wrap(note, 170)],
          extrapolated=(ds[0].name, max(n for n, r in rows.items() if r.get("barrier") is not None)))
 
 
-def replot(path: str, saved: str) -> None:
-    """Draw the goodput curve again from a saved run's output."""
+def replot(path: str, saved: str, pod_loss: tuple[float, str] | None) -> None:
+    """Draw the goodput curve again from a saved run's output (its own pod-loss time first, else ``pod_loss``)."""
     rows: dict[int, dict[str, float | None]] = {}
     inproc = process = None
     source = saved
@@ -242,9 +265,11 @@ def replot(path: str, saved: str) -> None:
             rows.setdefault(r["nodes"], {})["rerendezvous"] = r["value"]
         elif r["metric"] == "restart_seconds" and r["impl"] == "goodput-inputs":
             inproc, process, source = r["value"], r["process_restart_seconds"], r["source"]
+            if r.get("pod_loss_seconds") is not None:
+                pod_loss = (r["pod_loss_seconds"], r["pod_loss_source"])
     if inproc is None or process is None:
         raise SystemExit(f"{saved}: no goodput-inputs row (a run with a plot writes one)")
-    draw(path, rows, inproc, process, source)
+    draw(path, rows, inproc, process, source, pod_loss=pod_loss)
 
 
 def main() -> int:
@@ -256,10 +281,13 @@ def main() -> int:
     p.add_argument("--anchor-max", type=int, default=1000)
     p.add_argument("--plot", default=str(ROOT / "docs" / "scale_goodput.png"))
     p.add_argument("--restart-results", help="saved output of bench/restart.py (else it runs here)")
+    p.add_argument("--podloss-results", default=str(ROOT / "docs" / "podloss_run.jsonl"),
+                   help="saved output of bench/podloss.py: its warm-spare time stands for a lost node's recovery in "
+                        "the goodput plot (default: the saved run in docs/; empty: the in-process restart's time)")
     p.add_argument("--replot", metavar="FILE", help="only draw the plot again from this saved output")
     args = p.parse_args()
     if args.replot:
-        replot(args.plot, args.replot)
+        replot(args.plot, args.replot, pod_loss_time(args.podloss_results) if args.podloss_results else None)
         return 0
     if args.quick:
         args.nodes, args.validate_nodes, args.plot = [50, 200], 50, ""
@@ -274,7 +302,8 @@ def main() -> int:
         etcd.cleanup()
     rows = {n: scale_rows(n, costs, args.anchor_max) for n in args.nodes}
     if args.plot:
-        draw(args.plot, rows, *restart_times(args.restart_results))
+        draw(args.plot, rows, *restart_times(args.restart_results),
+             pod_loss=pod_loss_time(args.podloss_results) if args.podloss_results else None)
     return 0
 
 

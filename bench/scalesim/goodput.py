@@ -59,13 +59,20 @@ def goodput(design: Design, gpus: int, a: Assumptions) -> float:
 
 
 def designs(a: Assumptions, *, inprocess_seconds: float, barrier_seconds: Callable[[int], float],
-            rerendezvous_seconds: Callable[[int], float], process_restart_seconds: float) -> list[Design]:
-    """stalwart's design (measured inputs) and the alternatives, all under the same assumptions."""
+            rerendezvous_seconds: Callable[[int], float], process_restart_seconds: float,
+            pod_loss_seconds: float | None = None) -> list[Design]:
+    """stalwart's design (measured inputs) and the alternatives, all under the same assumptions.
+
+    ``pod_loss_seconds``: a lost pod's recovery measured end to end with a warm spare (bench/podloss.py: from the
+    fault to the first full step, the spare's promotion and the state's copy from a peer included), which then
+    stands for a lost node's recovery in place of the in-process restart; the lease TTL (a node that vanishes
+    tells no one) and the re-rendezvous and the barrier at the job's size come on top of it."""
     half = a.checkpoint_interval / 2
+    recover = inprocess_seconds if pod_loss_seconds is None else pod_loss_seconds
     return [
         Design("stalwart (in-process restart, spare)",
                lambda n: (inprocess_seconds + barrier_seconds(n), a.step_seconds),
-               lambda n: (a.lease_ttl + rerendezvous_seconds(n) + inprocess_seconds + barrier_seconds(n),
+               lambda n: (a.lease_ttl + rerendezvous_seconds(n) + recover + barrier_seconds(n),
                           a.step_seconds)),
         Design("process restart + checkpoint reload",
                lambda n: (process_restart_seconds + a.checkpoint_load_seconds, half),
