@@ -2,7 +2,11 @@
 
 The file (``build/test-durations.json`` under the root directory unless ``--durations-file`` names another; an
 empty name writes none) holds, per test node id, the seconds of its setup, call and teardown, its outcome and the
-xdist worker that ran it, plus the run's wall time, its arguments and the worker count. A session fixture's start
+xdist worker that ran it, plus the run's wall time, its arguments and the worker count; and its ``cpu``: the
+CPU seconds of its three phases spent by the process that ran it and by every process it started and waited
+for (with their own children that were waited for): rank processes, agents, CLI calls. Not counted: the pods of
+a local cluster (the control plane's children, waited for when the cluster stops) and servers a session fixture
+started. The suite is bound by CPU on two cores, so this is the figure to cut. A session fixture's start
 is in the setup of the first test that used it, on each worker. Under xdist only the controller writes (the
 workers' reports reach it with their durations). ``tools/slowest.py`` prints the slowest tests and the time per
 directory from it.
@@ -14,7 +18,9 @@ import datetime
 import json
 import os
 import re
+import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +28,44 @@ import pytest
 
 DEFAULT = "build/test-durations.json"
 GROUP_SUFFIX = re.compile(r"@[\w.-]+$")
+CPU = pytest.StashKey[dict[str, float]]()
+
+
+def cpu_seconds() -> float:
+    """This process's CPU seconds and those of its children it waited for (theirs included, recursively)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _phase_cpu(item: pytest.Item, when: str) -> Iterator[None]:
+    start = cpu_seconds()
+    try:
+        yield
+    finally:
+        item.stash.setdefault(CPU, {})[when] = cpu_seconds() - start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    return (yield from _phase_cpu(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from _phase_cpu(item, "call"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    return (yield from _phase_cpu(item, "teardown"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    # A plain attribute travels with the report from an xdist worker to the controller (its JSON form keeps it).
+    report.cpu_seconds = round(item.stash.get(CPU, {}).get(call.when, 0.0), 4)  # type: ignore[attr-defined]
+    return report
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -41,6 +85,7 @@ class Durations:
         nodeid = GROUP_SUFFIX.sub("", report.nodeid)  # xdist's loadgroup appends "@group" to the node id
         entry = self.tests.setdefault(nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0})
         entry[report.when] = round(entry[report.when] + float(report.duration), 4)
+        entry["cpu"] = round(entry.get("cpu", 0.0) + float(getattr(report, "cpu_seconds", 0.0)), 4)
         node = getattr(report, "node", None)  # xdist: the WorkerController the report came from
         worker = getattr(node, "gateway", None)
         if worker is not None:

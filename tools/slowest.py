@@ -4,11 +4,13 @@ Reads the file every pytest run writes (``build/test-durations.json``, see ``tes
 
     python tools/slowest.py                 # the 30 slowest tests, then the seconds per directory
     python tools/slowest.py -n 50 --phase setup
+    python tools/slowest.py --phase cpu       # the tests that cost the most CPU (the suite's limit on two cores)
     python tools/slowest.py other-run.json
 
 A test's time is its setup, call and teardown together (a session fixture's start is in the setup of the first
 test that used it on each worker). Under xdist the per-directory sums add up the workers' time, so their total
-is larger than the run's wall time.
+is larger than the run's wall time. ``cpu`` is a test's CPU seconds, its own process's and those of the
+processes it started and waited for (not a local cluster's pods: see ``tests/durations_plugin.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def directory(nodeid: str) -> str:
 
 
 def seconds(entry: dict[str, Any], phase: str) -> float:
+    if phase == "cpu":
+        return float(entry.get("cpu", 0.0))
     if phase == "total":
         return sum(float(entry.get(p, 0.0)) for p in PHASES)
     return float(entry.get(phase, 0.0))
@@ -41,27 +45,32 @@ def report(data: dict[str, Any], top: int, phase: str) -> str:
     tests: dict[str, dict[str, Any]] = data.get("tests", {})
     lines = []
     total = sum(seconds(e, "total") for e in tests.values())
+    cpu = sum(seconds(e, "cpu") for e in tests.values())
     workers = data.get("workers") or 0
-    lines.append(f"{len(tests)} tests, {total:.1f}s of test time, {data.get('wall_seconds', 0.0):.1f}s wall"
+    lines.append(f"{len(tests)} tests, {total:.1f}s of test time, {cpu:.1f} CPU-s counted, "
+                 f"{data.get('wall_seconds', 0.0):.1f}s wall"
                  f" ({workers or 'no'} xdist workers), started {data.get('started', '?')}, exit status "
                  f"{data.get('exitstatus', '?')}")
     lines.append("")
     lines.append(f"{top} slowest by {phase}:")
-    lines.append(f"{'total':>8} {'setup':>8} {'call':>8} {'teardown':>8}  {'worker':<6} {'outcome':<8} test")
+    lines.append(f"{'total':>8} {'setup':>8} {'call':>8} {'teardown':>8} {'cpu':>8}  {'worker':<6} {'outcome':<8} "
+                 "test")
     ranked = sorted(tests.items(), key=lambda kv: seconds(kv[1], phase), reverse=True)
     for nodeid, e in ranked[:top]:
         lines.append(f"{seconds(e, 'total'):8.1f} {seconds(e, 'setup'):8.1f} {seconds(e, 'call'):8.1f} "
-                     f"{seconds(e, 'teardown'):8.1f}  {e.get('worker', '-'):<6} {e.get('outcome', '?'):<8} "
+                     f"{seconds(e, 'teardown'):8.1f} {seconds(e, 'cpu'):8.1f}  {e.get('worker', '-'):<6} "
+                     f"{e.get('outcome', '?'):<8} "
                      f"{nodeid}")
     lines.append("")
     lines.append("per directory:")
-    lines.append(f"{'seconds':>8} {'share':>6} {'tests':>6}  directory")
-    per: dict[str, list[float]] = {}
+    lines.append(f"{'seconds':>8} {'share':>6} {'cpu':>8} {'tests':>6}  directory")
+    per: dict[str, list[tuple[float, float]]] = {}
     for nodeid, e in tests.items():
-        per.setdefault(directory(nodeid), []).append(seconds(e, "total"))
-    for name, times in sorted(per.items(), key=lambda kv: sum(kv[1]), reverse=True):
-        share = 100.0 * sum(times) / total if total else 0.0
-        lines.append(f"{sum(times):8.1f} {share:5.1f}% {len(times):6d}  {name}")
+        per.setdefault(directory(nodeid), []).append((seconds(e, "total"), seconds(e, "cpu")))
+    for name, times in sorted(per.items(), key=lambda kv: sum(t for t, _ in kv[1]), reverse=True):
+        wall = sum(t for t, _ in times)
+        share = 100.0 * wall / total if total else 0.0
+        lines.append(f"{wall:8.1f} {share:5.1f}% {sum(c for _, c in times):8.1f} {len(times):6d}  {name}")
     return "\n".join(lines)
 
 
@@ -70,8 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("path", nargs="?", type=Path, default=DEFAULT,
                         help=f"the durations file (default: {DEFAULT.relative_to(ROOT)})")
     parser.add_argument("-n", "--top", type=int, default=30, help="how many tests to list (default: 30)")
-    parser.add_argument("--phase", choices=("total", *PHASES), default="total",
-                        help="rank by this phase's seconds (default: all three together)")
+    parser.add_argument("--phase", choices=("total", *PHASES, "cpu"), default="total",
+                        help="rank by this phase's seconds (default: all three together; cpu: CPU seconds)")
     args = parser.parse_args(argv)
     try:
         data = json.loads(args.path.read_text())
