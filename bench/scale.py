@@ -3,7 +3,10 @@
 What runs (see docs/scale.md): the real rendezvous driver and pure protocol, one driver per simulated pod,
 and the real restart ``Coordinator`` per simulated rank, against an in-memory etcd model
 (``bench/scalesim/memetcd.py``, checked against the real server by ``tests/bench``) whose time is a cost
-model measured first on a real etcd server of this machine (``bench/scalesim/calibrate.py``). Simulated
+model measured first on real etcd servers of this machine (``bench/scalesim/calibrate.py``: ``--calibrations``
+``plain-1`` one member without fsync, TLS or login; ``fsync-1``; ``tls-1`` fsync, TLS with client certificates
+and authentication; ``tls-3`` the same in a raft group of three; each a ``calibration`` row, the one the
+simulation uses ``published``, by default ``tls-3``; ``--quick`` calibrates on ``plain-1`` only). Simulated
 seconds, exact etcd write and watch-event counts. One process, one thread; its CPU time is reported.
 
 Per N (``--nodes``): ``rendezvous_seconds`` (every node holds round 1), ``writes_per_node``,
@@ -48,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.scalesim.anchor import CasRun  # noqa: E402
-from bench.scalesim.calibrate import calibrate  # noqa: E402
+from bench.scalesim.calibrate import CALIBRATIONS, CalibrationError, calibrate, started  # noqa: E402
 from bench.scalesim.goodput import Assumptions, Design, designs, goodput, interpolate, plot  # noqa: E402
 from bench.scalesim.rendezvous import PREFIX, RendezvousRun  # noqa: E402
 from bench.scalesim.restart import RestartRun  # noqa: E402
@@ -85,7 +88,8 @@ def validate(costs: Costs, n: int, endpoint: str) -> None:
     if real is None or real.get("capped"):
         emit("validate-real-etcd", n, "rendezvous_seconds", None, note=(out.stdout + out.stderr)[-300:])
         return
-    emit("validate-real-etcd", n, "rendezvous_seconds", real["seconds"], watch="one per process")
+    emit("validate-real-etcd", n, "rendezvous_seconds", real["seconds"], watch="one per process",
+         etcd="one member, no fsync, no TLS (plain-1)")
     emit("validate-real-etcd", n, "writes_per_node", real["writes_per_node"], source="etcd proposals")
     t0 = time.process_time()
     run = RendezvousRun(n, costs, spare=False, shared=True)
@@ -277,6 +281,10 @@ def main() -> int:
     p.add_argument("--nodes", type=int, nargs="+", default=[1000, 4000, 10000])
     p.add_argument("--quick", action="store_true", help="CI-sized: 50 and 200 nodes, no plot")
     p.add_argument("--costs", help="a JSON object of Costs fields: skip the calibration")
+    p.add_argument("--calibrations", nargs="+", choices=sorted(CALIBRATIONS), default=None,
+                   help="the etcds to calibrate on, each a row (default: all; --quick: plain-1)")
+    p.add_argument("--publish", choices=sorted(CALIBRATIONS), default=None,
+                   help="the calibration the simulation uses (default: tls-3 when measured, else the last)")
     p.add_argument("--validate-nodes", type=int, default=200)
     p.add_argument("--anchor-max", type=int, default=1000)
     p.add_argument("--plot", default=str(ROOT / "docs" / "scale_goodput.png"))
@@ -291,15 +299,33 @@ def main() -> int:
         return 0
     if args.quick:
         args.nodes, args.validate_nodes, args.plot = [50, 200], 50, ""
-    etcd = EtcdServer()
-    etcd.start()
-    try:
-        costs = Costs(**json.loads(args.costs)) if args.costs else calibrate(etcd.endpoint)
-        emit("calibration", 0, "costs", None, **{k: round(v, 9) for k, v in costs.as_dict().items()})
-        if args.validate_nodes:
+    names = args.calibrations or (["plain-1"] if args.quick else list(CALIBRATIONS))
+    if args.publish is not None and args.publish not in names:
+        raise SystemExit(f"--publish {args.publish}: not among --calibrations {' '.join(names)}")
+    if args.costs:
+        costs = Costs(**json.loads(args.costs))
+        emit("calibration", 0, "costs", None, calibration="given",
+             **{k: round(v, 9) for k, v in costs.as_dict().items()})
+    else:
+        measured = {}
+        try:
+            for name in names:
+                with started(CALIBRATIONS[name]) as target:
+                    measured[name] = calibrate(target)
+        except CalibrationError as e:  # before any row: a run that cannot calibrate prints none
+            print(e, file=sys.stderr)
+            return 2
+        publish = args.publish or ("tls-3" if "tls-3" in measured else names[-1])
+        for name, c in measured.items():
+            kind = CALIBRATIONS[name]
+            emit("calibration", 0, "costs", None, calibration=name, published=name == publish, members=kind.members,
+                 fsync=kind.fsync, tls=kind.tls, auth=kind.auth, **{k: round(v, 9) for k, v in c.as_dict().items()})
+        costs = measured[publish]
+    if args.validate_nodes:
+        # bench/rendezvous.py's worker speaks to an etcd without TLS or login: the validation runs on plain-1's
+        # kind of etcd, with the published costs, and its rows say so.
+        with EtcdServer() as etcd:
             validate(costs, args.validate_nodes, etcd.endpoint)
-    finally:
-        etcd.cleanup()
     rows = {n: scale_rows(n, costs, args.anchor_max) for n in args.nodes}
     if args.plot:
         draw(args.plot, rows, *restart_times(args.restart_results),

@@ -10,6 +10,15 @@ bound of etcd's own cost (the client's time is counted as the server's): the sim
 * ``event``, ``event_byte``: 4 watchers (``etcdctl watch``, etcd's Go client) replaying 3,000 changes of
   one prefix, small values then 16 KiB values: wall seconds until every watcher holds every event, per event
   per watcher, solved the same way.
+
+Each figure comes from one of the etcds of :data:`CALIBRATIONS`, started here on loopback: ``plain-1`` (one
+member without fsync, TLS or authentication: what the tests and the local cluster run), ``fsync-1`` (etcd's
+default, every write on disk before it is acknowledged), ``tls-1`` (and TLS with client certificates and
+authentication on, as the chart runs it) and ``tls-3`` (and three members in one raft group: a write is
+acknowledged once two have it on disk). The client reaches one member (the first), as an agent given that
+member's endpoint would: stalwart's client cannot yet reach several endpoints over TLS (see
+:mod:`stalwart.local.etcd_cluster`). An etcd that cannot be reached, or that refuses the TLS settings, raises
+:class:`CalibrationError` naming the endpoint and the cause.
 """
 
 from __future__ import annotations
@@ -19,13 +28,71 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.scalesim.sim import Costs
-from stalwart.etcd.client import connect
+from stalwart.etcd.client import EtcdCredentials, connect
+from stalwart.etcd.errors import StoreError
 from stalwart.etcd.store import Compare, Put, Store
-from stalwart.local.etcd import find_etcd_binary
+from stalwart.local.etcd import EtcdServer, find_etcd_binary
+from stalwart.local.etcd_cluster import EtcdCluster
+
+
+class CalibrationError(Exception):
+    """A calibration's etcd cannot be reached or refuses the client; the message names its endpoint and why."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One kind of etcd to measure: its members, and whether it writes to disk, speaks TLS and logs clients in."""
+
+    name: str
+    members: int
+    fsync: bool
+    tls: bool
+    auth: bool
+
+
+CALIBRATIONS = {c.name: c for c in (Calibration("plain-1", 1, fsync=False, tls=False, auth=False),
+                                    Calibration("fsync-1", 1, fsync=True, tls=False, auth=False),
+                                    Calibration("tls-1", 1, fsync=True, tls=True, auth=True),
+                                    Calibration("tls-3", 3, fsync=True, tls=True, auth=True))}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a calibration measures: the endpoint, the client's credentials, and etcdctl's flags for the same."""
+
+    endpoint: str
+    credentials: EtcdCredentials | None = None
+    etcdctl_flags: tuple[str, ...] = ()
+
+
+@contextmanager
+def started(calibration: Calibration) -> Iterator[Target]:
+    """The etcd of ``calibration`` on loopback for the block's time; every process of it ended after."""
+    if calibration.members == 1:
+        server = EtcdServer(tls=calibration.tls, auth=calibration.auth, fsync=calibration.fsync)
+        server.start()
+        members, stop = [server], server.cleanup
+    else:
+        group = EtcdCluster(calibration.members, tls=calibration.tls, auth=calibration.auth, fsync=calibration.fsync)
+        group.start()
+        members, stop = group.members, group.cleanup
+    try:
+        first = members[0]
+        flags: list[str] = []
+        if calibration.tls:
+            flags += ["--cacert", str(first.pki_dir / "ca.crt"), "--cert", str(first.pki_dir / "tls.crt"),
+                      "--key", str(first.pki_dir / "tls.key")]
+        if calibration.auth:
+            flags += ["--user", f"root:{first.root_password}"]
+        yield Target(first.endpoint, first.credentials(), tuple(flags))
+    finally:
+        stop()
 
 
 def _timed(fn: Callable[[], object], repeat: int) -> float:
@@ -55,7 +122,7 @@ def _writes(store: Store, prefix: str, threads: int, each: int) -> float:
     return (time.perf_counter() - t0) / (threads * each)
 
 
-def _fanout(endpoint: str, store: Store, prefix: str, *, watchers: int, events: int, size: int) -> float:
+def _fanout(target: Target, store: Store, prefix: str, *, watchers: int, events: int, size: int) -> float:
     """Wall seconds per event per watcher for etcd to send ``events`` changes to each of ``watchers``
     watchers. The changes are written first and the watchers replay them from their revision, so only the
     sending is timed; the watchers are etcd's own Go client (``etcdctl watch``), so it is etcd's sending,
@@ -73,8 +140,8 @@ def _fanout(endpoint: str, store: Store, prefix: str, *, watchers: int, events: 
                 return
             lines[w] += chunk.count(b"\n")
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([etcdctl(), "--endpoints", endpoint, "watch", "--prefix", prefix,
-                               "--rev", str(start)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    procs = [subprocess.Popen([etcdctl(), "--endpoints", target.endpoint, *target.etcdctl_flags, "watch", "--prefix",
+                               prefix, "--rev", str(start)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
              for _ in range(watchers)]
     ts = [threading.Thread(target=count, args=(w, p)) for w, p in enumerate(procs)]
     for t in ts:
@@ -94,29 +161,41 @@ def etcdctl() -> str:
     return str(Path(find_etcd_binary()).with_name("etcdctl"))
 
 
-def calibrate(endpoint: str) -> Costs:
-    store = connect([endpoint], timeout=30)
-    base = f"/calibrate/{uuid.uuid4().hex[:8]}/"
+def calibrate(target: Target | str) -> Costs:
+    """Measure the cost model on the etcd at ``target`` (an endpoint alone: no TLS, no login)."""
+    if isinstance(target, str):
+        target = Target(target)
     try:
-        rtt = _timed(store.revision, 300)
-        write = _writes(store, base + "w/", 16, 60)
-        small, large = 40, 2048
-        _fill(store, base + "rs/", 1000, small)
-        _fill(store, base + "rl/", 1000, large)
-        read = max(0.0, _timed(lambda: store.get(base + "rs/000000"), 100) - rtt)
-        t_small = _timed(lambda: store.get_prefix(base + "rs/"), 10) - rtt - read
-        t_large = _timed(lambda: store.get_prefix(base + "rl/"), 10) - rtt - read
-        key_bytes = len(base) + 9
-        b_small, b_large = 1000 * (key_bytes + small), 1000 * (key_bytes + large)
-        read_byte = max(0.0, (t_large - t_small) / (b_large - b_small))
-        read_key = max(0.0, (t_small - read_byte * b_small) / 1000)
-        e_small = _fanout(endpoint, store, base + "fs/", watchers=4, events=3000, size=small)
-        # Values of 16 KiB, so that the per-byte part stands out of the noise of a shared machine.
-        e_large = _fanout(endpoint, store, base + "fl/", watchers=4, events=3000, size=16 * 1024)
-        event_byte = max(0.0, (e_large - e_small) / (16 * 1024 - small))
-        event = max(0.0, e_small - event_byte * (key_bytes + small))
-        store.delete_prefix(base)
-        return Costs(rtt=rtt, write=write, read=read, read_key=read_key, read_byte=read_byte, event=event,
-                     event_byte=event_byte)
+        store = connect([target.endpoint], target.credentials, timeout=30)
+    except StoreError as e:
+        raise CalibrationError(f"calibration: etcd at {target.endpoint}: {e}") from None
+    try:
+        return _measure(target, store)
+    except StoreError as e:  # without a login, connect() asks nothing: the first read finds a closed port
+        raise CalibrationError(f"calibration: etcd at {target.endpoint}: {e}") from None
     finally:
         store.close()
+
+
+def _measure(target: Target, store: Store) -> Costs:
+    base = f"/calibrate/{uuid.uuid4().hex[:8]}/"
+    rtt = _timed(store.revision, 300)
+    write = _writes(store, base + "w/", 16, 60)
+    small, large = 40, 2048
+    _fill(store, base + "rs/", 1000, small)
+    _fill(store, base + "rl/", 1000, large)
+    read = max(0.0, _timed(lambda: store.get(base + "rs/000000"), 100) - rtt)
+    t_small = _timed(lambda: store.get_prefix(base + "rs/"), 10) - rtt - read
+    t_large = _timed(lambda: store.get_prefix(base + "rl/"), 10) - rtt - read
+    key_bytes = len(base) + 9
+    b_small, b_large = 1000 * (key_bytes + small), 1000 * (key_bytes + large)
+    read_byte = max(0.0, (t_large - t_small) / (b_large - b_small))
+    read_key = max(0.0, (t_small - read_byte * b_small) / 1000)
+    e_small = _fanout(target, store, base + "fs/", watchers=4, events=3000, size=small)
+    # Values of 16 KiB, so that the per-byte part stands out of the noise of a shared machine.
+    e_large = _fanout(target, store, base + "fl/", watchers=4, events=3000, size=16 * 1024)
+    event_byte = max(0.0, (e_large - e_small) / (16 * 1024 - small))
+    event = max(0.0, e_small - event_byte * (key_bytes + small))
+    store.delete_prefix(base)
+    return Costs(rtt=rtt, write=write, read=read, read_key=read_key, read_byte=read_byte, event=event,
+                 event_byte=event_byte)

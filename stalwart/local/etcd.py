@@ -68,7 +68,8 @@ class EtcdServer:
     def __init__(self, data_dir: str | Path | None = None, *, host: str = "127.0.0.1",
                  client_port: int | None = None, peer_port: int | None = None,
                  log_path: str | Path | None = None, tls: bool = False, auth: bool = False,
-                 auth_token_ttl: int | None = None, bcrypt_cost: int | None = BCRYPT_COST) -> None:
+                 auth_token_ttl: int | None = None, bcrypt_cost: int | None = BCRYPT_COST, fsync: bool = False,
+                 name: str = "stalwart-local") -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="stalwart-etcd-"))
         self.host = host
@@ -88,6 +89,13 @@ class EtcdServer:
         self.bcrypt_cost = bcrypt_cost
         self.root_password = secrets.token_urlsafe(16) if auth else None
         self._auth_on = False
+        #: etcd's default, a write on disk before it is acknowledged; off (the default here) for tests and the
+        #: local cluster, whose many small writes it would slow.
+        self.fsync = fsync
+        self.name = name
+        #: ``--initial-cluster``: this member alone, unless a :class:`~stalwart.local.etcd_cluster.EtcdCluster` sets
+        #: every member of its raft group.
+        self.initial_cluster: str | None = None
 
     @property
     def metrics_endpoint(self) -> str:
@@ -139,15 +147,15 @@ class EtcdServer:
             security += ["--auth-token-ttl", str(self.auth_token_ttl)]
         return [
             find_etcd_binary(),
-            "--name", "stalwart-local",
+            "--name", self.name,
             "--data-dir", str(self.data_dir / "data"),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"stalwart-local={peer}",
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
             "--initial-cluster-state", "new",
             "--log-level", "warn",
             # Tests and the local cluster make many small writes; keep the WAL off the critical path.
-            "--unsafe-no-fsync",
+            *([] if self.fsync else ["--unsafe-no-fsync"]),
             "--auto-compaction-mode", "revision", "--auto-compaction-retention", "100000",
             *security,
         ]
@@ -155,6 +163,18 @@ class EtcdServer:
     def start(self, timeout: float = 20.0) -> None:
         if self.process is not None and self.process.poll() is None:
             return
+        self.launch()
+        self.wait_ready(timeout)
+        if self.auth and not self._auth_on:
+            from stalwart.etcd.admin import enable_auth
+            from stalwart.etcd.client import connect
+
+            with connect([self.endpoint], self.credentials(user="", password=""), timeout=timeout) as store:
+                enable_auth(store, self.root_password or "")
+            self._auth_on = True
+
+    def launch(self) -> None:
+        """Start the process (its certificates first, with TLS) without waiting for it to serve."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.tls and not (self.pki_dir / "ca.crt").exists():
             from stalwart.local.etcd_pki import LocalCA
@@ -166,14 +186,6 @@ class EtcdServer:
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             logf.close()
-        self.wait_ready(timeout)
-        if self.auth and not self._auth_on:
-            from stalwart.etcd.admin import enable_auth
-            from stalwart.etcd.client import connect
-
-            with connect([self.endpoint], self.credentials(user="", password=""), timeout=timeout) as store:
-                enable_auth(store, self.root_password or "")
-            self._auth_on = True
 
     def wait_ready(self, timeout: float) -> None:
         from stalwart.etcd.store import Store, StoreError
