@@ -37,7 +37,7 @@ from bench.scalesim.sim import Costs
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.errors import StoreError
 from stalwart.etcd.store import Compare, Put, Store
-from stalwart.local.etcd import EtcdServer, find_etcd_binary
+from stalwart.local.etcd import find_etcd_binary
 from stalwart.local.etcd_cluster import EtcdCluster
 
 
@@ -74,16 +74,10 @@ class Target:
 @contextmanager
 def started(calibration: Calibration) -> Iterator[Target]:
     """The etcd of ``calibration`` on loopback for the block's time; every process of it ended after."""
-    if calibration.members == 1:
-        server = EtcdServer(tls=calibration.tls, auth=calibration.auth, fsync=calibration.fsync)
-        server.start()
-        members, stop = [server], server.cleanup
-    else:
-        group = EtcdCluster(calibration.members, tls=calibration.tls, auth=calibration.auth, fsync=calibration.fsync)
-        group.start()
-        members, stop = group.members, group.cleanup
+    group = EtcdCluster(calibration.members, tls=calibration.tls, auth=calibration.auth, fsync=calibration.fsync)
+    group.start()
     try:
-        first = members[0]
+        first = group.members[0]
         flags: list[str] = []
         if calibration.tls:
             flags += ["--cacert", str(first.pki_dir / "ca.crt"), "--cert", str(first.pki_dir / "tls.crt"),
@@ -92,7 +86,7 @@ def started(calibration: Calibration) -> Iterator[Target]:
             flags += ["--user", f"root:{first.root_password}"]
         yield Target(first.endpoint, first.credentials(), tuple(flags))
     finally:
-        stop()
+        group.cleanup()
 
 
 def _timed(fn: Callable[[], object], repeat: int) -> float:
@@ -161,10 +155,8 @@ def etcdctl() -> str:
     return str(Path(find_etcd_binary()).with_name("etcdctl"))
 
 
-def calibrate(target: Target | str) -> Costs:
-    """Measure the cost model on the etcd at ``target`` (an endpoint alone: no TLS, no login)."""
-    if isinstance(target, str):
-        target = Target(target)
+def calibrate(target: Target) -> Costs:
+    """Measure the cost model on the etcd at ``target``."""
     try:
         store = connect([target.endpoint], target.credentials, timeout=30)
     except StoreError as e:

@@ -44,7 +44,7 @@ class EtcdCluster:
         return self.members[0].credentials()
 
     def start(self, timeout: float = 60.0) -> None:
-        """Start every member, then wait until each serves and the group has elected a leader; raises
+        """Start every member, then wait until each serves (which it does once the group has a leader); raises
         ``TimeoutError`` naming the member that did not (and its log) after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         if self.tls:
@@ -57,14 +57,17 @@ class EtcdCluster:
         try:
             for m in self.members:
                 m.launch()
+            # A member serves its clients only once it has joined the group through raft: all serving, the group
+            # has a leader.
             for m in self.members:
                 m.wait_ready(max(0.1, deadline - time.monotonic()))
-            self._wait_for_leader(deadline)
             if self.auth:
                 from stalwart.etcd.admin import enable_auth
                 from stalwart.etcd.client import connect
 
                 anon = self.members[0].credentials(user="", password="")
+                # Through one member: stalwart's Store cannot reach several endpoints over TLS (it dials them as
+                # one "ipv4:" target, whose name no member's certificate holds), nor several given by host name.
                 with connect(self.endpoints[:1], anon, timeout=max(1.0, deadline - time.monotonic())) as store:
                     enable_auth(store, self.members[0].root_password or "")
                 for m in self.members:
@@ -72,24 +75,6 @@ class EtcdCluster:
         except BaseException:
             self.cleanup()
             raise
-
-    def _wait_for_leader(self, deadline: float) -> None:
-        from stalwart.etcd.store import Store, StoreError
-
-        creds = self.members[0].credentials(user="", password="")
-        # One member's endpoint: stalwart's Store cannot reach several endpoints over TLS (it dials them as one
-        # "ipv4:" target, whose name no member's certificate holds), nor several given by host name.
-        with Store(self.endpoints[:1], timeout=1.0, ca_cert=creds.ca_cert, client_cert=creds.client_cert,
-                   client_key=creds.client_key) as store:
-            while True:
-                try:
-                    store.revision()  # a linearizable read: answered only once the group has a leader
-                    return
-                except StoreError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"the etcd group {self.endpoints} elected no leader; see "
-                                           f"{self.members[0].log_path}") from None
-                    time.sleep(0.1)
 
     def cleanup(self) -> None:
         """Stop every member (each within its grace, then killed) and remove the group's directory."""

@@ -24,7 +24,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("fsync", [True, False])
-def test_fsync_is_etcds_default_unless_turned_off(fsync: bool) -> None:
+def test_without_fsync_the_server_is_told_so_and_with_it_not(fsync: bool) -> None:
     server = EtcdServer(fsync=fsync)
     try:
         assert ("--unsafe-no-fsync" in server.command()) is not fsync
@@ -50,3 +50,4 @@ def test_three_members_with_tls_and_auth_replicate_a_write_and_end() -> None:
         group.cleanup()
     assert [pid for pid in pids if alive(pid)] == []
     assert not group.dir.exists()
+
