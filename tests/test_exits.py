@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent('''
         def request_stream():
             while (r := requests.get()) is not None:
                 yield r
-        stream = store._lease.LeaseKeepAlive(request_stream())
+        stream = store._members.current().lease.LeaseKeepAlive(request_stream())
         requests.put(rpc.LeaseKeepAliveRequest(ID=lease))
         next(stream)
         held = threading.Event()

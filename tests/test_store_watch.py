@@ -50,9 +50,10 @@ def test_a_silent_watch_raises_within_the_idle_check_and_the_timeout(etcd: EtcdS
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(watch_module, "WATCH_IDLE_CHECK", 1.0)
     with Store([etcd.endpoint], timeout=2.0) as s:
-        inner = s._watch_stub.Watch
+        stub = s._members.current().watch
+        inner = stub.Watch
         muted_from = time.monotonic() + 0.5  # after the watch is created
-        monkeypatch.setattr(s._watch_stub, "Watch", lambda *a, **kw: Muted(inner(*a, **kw), muted_from))
+        monkeypatch.setattr(stub, "Watch", lambda *a, **kw: Muted(inner(*a, **kw), muted_from))
         with s.watch(prefix, prefix=True) as w:
             time.sleep(0.6)
             s.put(prefix + "lost", b"v")  # never delivered

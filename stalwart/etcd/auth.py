@@ -99,6 +99,15 @@ class Login:
         with self._lock:
             self._token = str(resp.token)
 
+    def ensure(self) -> None:
+        """Log in unless this channel has a token already; raises ``grpc.RpcError`` on failure."""
+        with self._lock:
+            if self._token:
+                return
+            resp = self._stub.Authenticate(rpc.AuthenticateRequest(name=self.user, password=self._password),
+                                           timeout=self._timeout)
+            self._token = str(resp.token)
+
     def metadata(self) -> list[tuple[str, str]]:
         with self._lock:
             return [("token", self._token)]

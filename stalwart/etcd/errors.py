@@ -65,7 +65,9 @@ def map_error(e: grpc.RpcError, what: str) -> StoreError:
         return StoreSecurityError(f"etcd {what}: {store_auth.EXPLAIN[refused]} ({details})")
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in str(details):
         return LeaseNotFound(f"etcd {what}: {details}")
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.INTERNAL and "Stream removed" in str(details)):
+        # gRPC reports a stream whose server went away mid-answer ("Stream removed") as INTERNAL: it is the
+        # connection that failed, as with UNAVAILABLE, and another member may serve.
         return StoreUnavailable(f"etcd unavailable during {what}: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return StoreTimeout(f"etcd {what} timed out")

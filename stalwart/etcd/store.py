@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 from pyetcd.etcdrpc import rpc_pb2 as rpc
-from pyetcd.etcdrpc import rpc_pb2_grpc as rpc_grpc
 
 from stalwart import exits
-from stalwart.etcd import auth as store_auth
 from stalwart.etcd.errors import (
     MAX_VALUE_BYTES,
     LeaseNotFound,
@@ -46,6 +44,7 @@ from stalwart.etcd.errors import (
     map_error,
 )
 from stalwart.etcd.leases import KeepAlive
+from stalwart.etcd.members import Member, Members
 from stalwart.etcd.records import (
     Compare,
     Delete,
@@ -77,7 +76,9 @@ DEFAULT_TIMEOUT = 5.0
 class Store:
     """A connection to an etcd v3 cluster.
 
-    ``endpoints`` are ``host:port`` strings; gRPC balances over them (round robin) and reconnects by itself.
+    ``endpoints`` are ``host:port`` strings, the members of one etcd cluster: the Store speaks to one of them
+    at a time and moves to the next when it fails (:mod:`stalwart.etcd.members`); each channel reconnects by
+    itself.
     Every unary call has a deadline of ``timeout`` seconds unless the call names its own.
     Thread-safe: one Store may be shared by all threads of a process.
     """
@@ -103,9 +104,7 @@ class Store:
             raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
         self.endpoints = list(endpoints)
         self.timeout = timeout
-        target = endpoints[0] if len(endpoints) == 1 else "ipv4:" + ",".join(endpoints)
         options = [
-            ("grpc.lb_policy_name", "round_robin"),
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
@@ -116,52 +115,74 @@ class Store:
             # restart records are about 300 bytes per rank); etcd itself sends answers of any size.
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
-        if ca_cert is not None or client_cert is not None:
-            creds = grpc.ssl_channel_credentials(ca_cert, client_key, client_cert)
-            self._channel = grpc.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
-        self._kv = rpc_grpc.KVStub(self._channel)
-        self._lease = rpc_grpc.LeaseStub(self._channel)
-        self._watch_stub = rpc_grpc.WatchStub(self._channel)
-        self._maint = rpc_grpc.MaintenanceStub(self._channel)
-        login: store_auth.Login | None = None
+        creds = grpc.ssl_channel_credentials(ca_cert, client_key, client_cert) \
+            if ca_cert is not None or client_cert is not None else None
+        self._members = Members(endpoints, options=options, credentials=creds, user=user, password=password,
+                                timeout=timeout)
         self._closed = False
         self._keepalive: KeepAlive | None = None
         self._keepalive_lock = threading.Lock()
-        #: The watches open on this channel: :meth:`close` cancels them, so no stream outlives the Store.
+        #: The watches open on this store: :meth:`close` cancels them, so no stream outlives the Store.
         self._watches: set[Watch] = set()
         if user is not None:
-            login = store_auth.Login(self._channel, user, password or "", self.timeout)
             try:
-                login.login()
-            except grpc.RpcError as e:
-                self._channel.close()
-                raise map_error(e, f"login as {user!r}") from e
-        self._calls = _AuthedCalls(login)
+                self._members.login()
+            except BaseException:
+                self._members.close()
+                raise
         exits.track(self)
 
     # -- plumbing ---------------------------------------------------------------------------------------
 
-    def _call(self, fn: Any, req: Any, what: str, timeout: float | None) -> Any:
+    def _call(self, method: Callable[[Member], Any], req: Any, what: str, timeout: float | None, *,
+              repeatable: bool = False) -> Any:
+        """One unary call to the member in use. A member that cannot be reached or does not answer in time is
+        left for the next; a ``repeatable`` call (a read) that found it unreachable is made once more there,
+        since nothing was applied. Other calls raise, as the caller alone knows whether they are safe to
+        repeat."""
         if self._closed:
             raise StoreError("store is closed")
-        return self._calls.call(fn, req, what, timeout or self.timeout)
+        member = self._members.current()
+        try:
+            return member.calls.call(method(member), req, what, timeout or self.timeout)
+        except StoreError as e:
+            self._members.failed(member, e)
+            if not (repeatable and isinstance(e, StoreUnavailable)) or self._members.current() is member:
+                raise
+        member = self._members.current()
+        try:
+            return member.calls.call(method(member), req, what, timeout or self.timeout)
+        except StoreError as e:
+            self._members.failed(member, e)
+            raise
+
+    def _metadata(self, member: Member, what: str) -> list[tuple[str, str]] | None:
+        """The login token for a stream to ``member``; a member that cannot log us in is left for the next."""
+        try:
+            return member.calls.metadata(what)
+        except StoreError as e:
+            self._members.failed(member, e)
+            raise
+
+    def _stream_failed(self, member: Member, error: StoreError) -> None:
+        """A watch stream to ``member`` broke or fell silent: the next one goes to another member."""
+        self._members.failed(member, error)
 
     @property
     def token_renewals(self) -> int:
         """How often this store logged in again after its auth token went stale."""
-        return self._calls.renewals
+        return self._members.renewals
 
     def auth(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """Call one method of etcd's Auth service (``UserAdd``, ``RoleGrantPermission``, ...) with this
         store's login; for :mod:`stalwart.etcd.admin`."""
-        return self._call(getattr(rpc_grpc.AuthStub(self._channel), method), request, f"auth {method}", timeout)
+        return self._call(lambda m: getattr(m.auth_stub(), method), request, f"auth {method}", timeout)
 
     # -- key-value ------------------------------------------------------------------------------------
 
     def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
-        resp = self._call(self._kv.Range, rpc.RangeRequest(key=as_bytes(key)), f"get {key}", timeout)
+        resp = self._call(lambda m: m.kv.Range, rpc.RangeRequest(key=as_bytes(key)), f"get {key}", timeout,
+                          repeatable=True)
         return KeyValue._from_pb(resp.kvs[0]) if resp.kvs else None
 
     def get_prefix(self, prefix: str, *, keys_only: bool = False,
@@ -169,23 +190,24 @@ class Store:
         """Every key under ``prefix`` (sorted by key) and the store revision they were read at."""
         p = as_bytes(prefix)
         req = rpc.RangeRequest(key=p, range_end=prefix_range_end(p), keys_only=keys_only)
-        resp = self._call(self._kv.Range, req, f"get prefix {prefix}", timeout)
+        resp = self._call(lambda m: m.kv.Range, req, f"get prefix {prefix}", timeout, repeatable=True)
         return [KeyValue._from_pb(kv) for kv in resp.kvs], resp.header.revision
 
     def count_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
         p = as_bytes(prefix)
         req = rpc.RangeRequest(key=p, range_end=prefix_range_end(p), count_only=True)
-        return int(self._call(self._kv.Range, req, f"count prefix {prefix}", timeout).count)
+        return int(self._call(lambda m: m.kv.Range, req, f"count prefix {prefix}", timeout, repeatable=True).count)
 
     def put(self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None) -> int:
         """Write ``value`` and return the new store revision (which is the key's mod_revision)."""
         check_value_size(key, value)
-        resp = self._call(self._kv.Put, rpc.PutRequest(key=as_bytes(key), value=value, lease=lease),
+        resp = self._call(lambda m: m.kv.Put, rpc.PutRequest(key=as_bytes(key), value=value, lease=lease),
                           f"put {key}", timeout)
         return int(resp.header.revision)
 
     def delete(self, key: str, *, timeout: float | None = None) -> bool:
-        resp = self._call(self._kv.DeleteRange, rpc.DeleteRangeRequest(key=as_bytes(key)), f"delete {key}", timeout)
+        resp = self._call(lambda m: m.kv.DeleteRange, rpc.DeleteRangeRequest(key=as_bytes(key)), f"delete {key}",
+                          timeout)
         return bool(resp.deleted)
 
     def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
@@ -193,7 +215,7 @@ class Store:
             raise ValueError("prefix: refusing to delete the whole keyspace")
         p = as_bytes(prefix)
         req = rpc.DeleteRangeRequest(key=p, range_end=prefix_range_end(p))
-        return int(self._call(self._kv.DeleteRange, req, f"delete prefix {prefix}", timeout).deleted)
+        return int(self._call(lambda m: m.kv.DeleteRange, req, f"delete prefix {prefix}", timeout).deleted)
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
             *, timeout: float | None = None) -> TxnResult:
@@ -201,7 +223,7 @@ class Store:
         req = rpc.TxnRequest(compare=[c._to_pb() for c in compare],
                              success=[self._op(o) for o in success],
                              failure=[self._op(o) for o in failure])
-        resp = self._call(self._kv.Txn, req, "txn", timeout)
+        resp = self._call(lambda m: m.kv.Txn, req, "txn", timeout)
         reads: list[list[KeyValue]] = []
         counts: list[int] = []
         for r in resp.responses:
@@ -231,16 +253,17 @@ class Store:
 
     def revision(self, *, timeout: float | None = None) -> int:
         """The store's current revision."""
-        resp = self._call(self._kv.Range, rpc.RangeRequest(key=b"\0", limit=1), "revision", timeout)
+        resp = self._call(lambda m: m.kv.Range, rpc.RangeRequest(key=b"\0", limit=1), "revision", timeout,
+                          repeatable=True)
         return int(resp.header.revision)
 
     def compact(self, revision: int, *, timeout: float | None = None) -> None:
-        self._call(self._kv.Compact, rpc.CompactionRequest(revision=revision, physical=True), "compact",
+        self._call(lambda m: m.kv.Compact, rpc.CompactionRequest(revision=revision, physical=True), "compact",
                    timeout)
 
     def status(self, *, timeout: float | None = None) -> str:
         """The server's version string; raises when no member answers."""
-        resp = self._call(self._maint.Status, rpc.StatusRequest(), "status", timeout)
+        resp = self._call(lambda m: m.maint.Status, rpc.StatusRequest(), "status", timeout, repeatable=True)
         return str(resp.version)
 
     # -- watches ------------------------------------------------------------------------------------------
@@ -261,7 +284,7 @@ class Store:
             return Watch(self, specs, start_revision)
         except StorePermissionDenied:
             # etcd reports a stale token on a watch as a plain denial: log in again once and see.
-            if not self._calls.renew(f"watch {ranges[0].key}"):
+            if not self._members.current().calls.renew(f"watch {ranges[0].key}"):
                 raise
             return Watch(self, specs, start_revision)
 
@@ -271,7 +294,7 @@ class Store:
         """Grant a lease of ``ttl`` seconds and, unless told not to, keep it alive until revoked or closed."""
         if ttl < 1:
             raise ValueError(f"ttl: a lease needs at least 1 second, got {ttl}")
-        resp = self._call(self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl), "lease grant", timeout)
+        resp = self._call(lambda m: m.lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl), "lease grant", timeout)
         if resp.error:
             raise StoreError(f"lease grant failed: {resp.error}")
         lease_id = int(resp.ID)
@@ -284,29 +307,32 @@ class Store:
         if self._keepalive is not None:
             self._keepalive.remove(lease_id)
         try:
-            self._call(self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id), "lease revoke", timeout)
+            self._call(lambda m: m.lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id), "lease revoke", timeout)
         except StoreError as e:
             if "requested lease not found" not in str(e):
                 raise
 
     def lease_ttl(self, lease_id: int, *, timeout: float | None = None) -> int:
         """Seconds left on a lease; -1 once it has expired or was revoked."""
-        resp = self._call(self._lease.LeaseTimeToLive, rpc.LeaseTimeToLiveRequest(ID=lease_id), "lease ttl",
-                          timeout)
+        resp = self._call(lambda m: m.lease.LeaseTimeToLive, rpc.LeaseTimeToLiveRequest(ID=lease_id), "lease ttl",
+                          timeout, repeatable=True)
         return int(resp.TTL)
 
     def lease_refresh(self, lease_id: int, *, timeout: float | None = None) -> int:
         """Send one keep-alive for a lease; returns the TTL granted (0 or less if the lease is gone)."""
+        member = self._members.current()
         for attempt in (0, 1):
-            metadata = self._calls.metadata()
-            call = self._lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
-                                              timeout=timeout or self.timeout, metadata=metadata)
+            metadata = self._metadata(member, "lease keep-alive")
+            call = member.lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                                               timeout=timeout or self.timeout, metadata=metadata)
             try:
                 for resp in call:
                     return int(resp.TTL)
             except grpc.RpcError as e:
-                if attempt or not self._calls.renewed(e, metadata, "lease keep-alive"):
-                    raise map_error(e, "lease keep-alive") from e
+                if attempt or not member.calls.renewed(e, metadata, "lease keep-alive"):
+                    failure = map_error(e, "lease keep-alive")
+                    self._members.failed(member, failure)
+                    raise failure from e
             finally:
                 # The stream has given its one answer; ended here, not whenever the collector gets to it
                 # (at interpreter exit that is where it can deadlock: see stalwart.exits).
@@ -337,7 +363,7 @@ class Store:
             watch.cancel()
         if self._keepalive is not None:
             self._keepalive.stop()
-        self._channel.close()
+        self._members.close()
         exits.untrack(self)
 
     def _opened(self, watch: Watch) -> None:
@@ -355,51 +381,3 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _AuthedCalls:
-    """Unary calls with the login's token; a call refused for a stale token logs in again and is made once
-    more (etcd refuses it unapplied, so the retry cannot apply it twice). Thread-safe."""
-
-    def __init__(self, login: store_auth.Login | None) -> None:
-        self._login = login
-
-    @property
-    def renewals(self) -> int:
-        return 0 if self._login is None else self._login.renewals
-
-    def call(self, fn: Any, req: Any, what: str, timeout: float) -> Any:
-        metadata = self.metadata()
-        try:
-            return fn(req, timeout=timeout, metadata=metadata)
-        except grpc.RpcError as e:
-            if not self.renewed(e, metadata, what):
-                raise map_error(e, what) from e
-        try:
-            return fn(req, timeout=timeout, metadata=self.metadata())
-        except grpc.RpcError as e:
-            raise map_error(e, what) from e
-
-    def metadata(self) -> list[tuple[str, str]] | None:
-        return None if self._login is None else self._login.metadata()
-
-    def renew(self, what: str) -> bool:
-        """Log in again (etcd reports a stale token on a watch as a plain denial); False without a login."""
-        if self._login is None:
-            return False
-        try:
-            self._login.renew(None)
-        except grpc.RpcError as e:
-            raise map_error(e, f"{what} (renewing the login of {self._login.user!r})") from e
-        return True
-
-    def renewed(self, e: grpc.RpcError, stale: list[tuple[str, str]] | None, what: str) -> bool:
-        """Log in again when ``e`` says the token went stale; False when it did not (or there is no login)."""
-        if self._login is None or not store_auth.token_is_stale(e):
-            return False
-        try:
-            self._login.renew(stale)
-        except grpc.RpcError as err:
-            raise map_error(err, f"{what} (renewing the login of {self._login.user!r})") from err
-        log.info("etcd auth token of %r renewed (%s)", self._login.user, what)
-        return True

@@ -62,8 +62,12 @@ class Watch:
         key = ranges[0][0]
         self._store = store
         store._opened(self)  # the Store cancels this watch when it closes, if its owner has not
+        self._member = store._members.current()
         try:
-            self._call = store._watch_stub.Watch(self._request_iter(), metadata=store._calls.metadata())
+            # "hasleader": the member ends the stream when it loses its raft leader, as etcd's own client
+            # asks, instead of keeping a watch that a minority member can no longer feed.
+            metadata = [*(store._metadata(self._member, "watch") or []), ("hasleader", "true")]
+            self._call = self._member.watch.Watch(self._request_iter(), metadata=metadata)
         except BaseException:
             store._ended(self)
             raise
@@ -72,7 +76,9 @@ class Watch:
         self._thread.start()
         if not self._created.wait(store.timeout):
             self.cancel()
-            raise StoreTimeout(f"watch on {key!r} was not created within {store.timeout}s")
+            late = StoreTimeout(f"watch on {key!r} was not created within {store.timeout}s")
+            store._stream_failed(self._member, late)
+            raise late
         if self._create_error is not None:
             self.cancel()
             raise self._create_error
@@ -133,6 +139,7 @@ class Watch:
             raise StoreError("watch has ended")
         if isinstance(item, StoreError):
             self._queue.put(self._END)
+            self._store._stream_failed(self._member, item)
             raise item
         assert isinstance(item, WatchEvent)
         return item
@@ -148,7 +155,9 @@ class Watch:
                 self._requests.put(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
             return
         if now - asked > self._answer_within:
-            raise StoreTimeout(f"watch silent: no answer to a progress request within {self._answer_within:g}s")
+            silent = StoreTimeout(f"watch silent: no answer to a progress request within {self._answer_within:g}s")
+            self._store._stream_failed(self._member, silent)
+            raise silent
 
     def __iter__(self) -> Iterator[WatchEvent]:
         while True:

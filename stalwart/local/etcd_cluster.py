@@ -66,9 +66,7 @@ class EtcdCluster:
                 from stalwart.etcd.client import connect
 
                 anon = self.members[0].credentials(user="", password="")
-                # Through one member: stalwart's Store cannot reach several endpoints over TLS (it dials them as
-                # one "ipv4:" target, whose name no member's certificate holds), nor several given by host name.
-                with connect(self.endpoints[:1], anon, timeout=max(1.0, deadline - time.monotonic())) as store:
+                with connect(self.endpoints, anon, timeout=max(1.0, deadline - time.monotonic())) as store:
                     enable_auth(store, self.members[0].root_password or "")
                 for m in self.members:
                     m._auth_on = True  # on for the group: a member restarted alone must not enable it again
