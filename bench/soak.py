@@ -2,7 +2,9 @@
 what ``kubectl get tj`` then says, and the parameters at the end checked against a clean run's.
 
 The job is ``examples/minimal.yaml`` as ``stalwart demo`` runs it (2 workers + 1 spare, the example trainer),
-with ``spec.faultInjection.enabled``. Faults, one after another, each once the job runs again:
+with ``spec.faultInjection.enabled`` and ``restartPolicy.inProcess.warmSpares: false``: a lost pod is recovered
+by restarting the rank processes, whose counters the oracle predicts (in process, the job's default, is tested
+by ``tests/operator/test_warm_spares.py``). Faults, one after another, each once the job runs again:
 
 * through the job's agents (``stalwart drill``'s requests, signed with the job's Secret): ``rank-exception``,
   ``rank-kill`` (SIGKILL), ``rank-hang`` (the process frozen until its heartbeat lease runs out);
@@ -209,8 +211,12 @@ class Soak:
         args = container["args"]
         args[args.index("--log-every") + 1] = "50"  # a step line every 50 steps is plenty for the pods' logs
         job["spec"]["faultInjection"] = {"enabled": True}
-        # The example trainer's own soft timeout; the operator judges stalls with the same.
-        job["spec"]["restartPolicy"] = {"inProcess": {"softTimeoutSeconds": 30, "hardTimeoutSeconds": 60},
+        # The example trainer's own soft timeout; the operator judges stalls with the same. Warm spares off: the
+        # counters DELTAS predicts for a lost pod are those of process restart (the opt-out). In process, the
+        # default for this job, a loss's counters depend on whether the replacement spare had parked its
+        # processes before the next fault; tests/operator/test_warm_spares.py checks that path.
+        job["spec"]["restartPolicy"] = {"inProcess": {"softTimeoutSeconds": 30, "hardTimeoutSeconds": 60,
+                                                      "warmSpares": False},
                                         "backoffLimit": 1000}
         self.job = job["metadata"]["name"]
         self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(job))

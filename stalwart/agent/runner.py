@@ -33,7 +33,7 @@ from pathlib import Path
 
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
-from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, next_step, write_handover
+from stalwart.agent.handover import NextStep, grow_due, handover_env, keep_at_round_end, next_step, write_handover
 from stalwart.agent.metrics import AgentMetrics
 from stalwart.agent.processes import RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
@@ -49,6 +49,7 @@ from stalwart.agent.rendezvous import (
 )
 from stalwart.agent.settings import PodSettings
 from stalwart.agent.supervision import fault_for, supervise
+from stalwart.agent.warm_spares import WrapperProbe, keeps_processes, park_now
 from stalwart.api import pod_env
 from stalwart.api.base import positive_seconds
 from stalwart.api.exit_codes import ExitCode
@@ -132,6 +133,7 @@ class Agent:
         self._grow_asked = 0  # the epoch of the round this node asked to end to grow the world
         self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
                                          interval=self.options.progress_interval, context=self._ctx)
+        self._wrapper = WrapperProbe(self.store, settings.keys, context=self._ctx)
         self.drill = DrillListener(self.store, settings, self._drill_targets, context=self._ctx)
         self.relay = BarrierRelay(self.store, settings.keys, socket_path(self.run_dir),  # bound by peer pid
                                   slot_of=slot_of_ranks(lambda: {p.popen.pid: p.slot for p in list(
@@ -210,12 +212,11 @@ class Agent:
                 self.ranks.stop_all(grace=self.options.term_grace)
             self._kept = False
             if step in ("park", "wait"):
-                if step == "park" and not self._parked:
-                    self._launch_parked()
+                self._maybe_park(step)
                 self._publish("joining", force=True)
                 with contextlib.suppress(RendezvousCancelled):
                     while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
-                        pass
+                        self._maybe_park(step)
                 self.ranks.poll()
                 self._kept = keep_at_round_end(self.ranks.views(), parked=self._parked,
                                                warm=step == "park")
@@ -288,7 +289,11 @@ class Agent:
             self.handle.request_rerendezvous("growing the world back")
 
     def _warm(self) -> bool:
-        return self.options.warm_spares or (self.job is not None and self.job.warm_spares)
+        return keeps_processes(self.options.warm_spares, self.job, spare_ranks=self.options.spare_ranks)
+
+    def _maybe_park(self, step: NextStep) -> None:
+        if step == "park" and not self._parked and park_now(self.options.warm_spares, self.job, self._wrapper):
+            self._launch_parked()
 
     def _read_job(self) -> JobRecord | None:
         """The operator's record of the job (its timeouts), or ``None``: a job run without the operator, or

@@ -53,7 +53,8 @@ class JobRecord(ApiModel):
     soft_timeout_seconds: float = Field(gt=0, description="restartPolicy.inProcess.softTimeoutSeconds.")
     hard_timeout_seconds: float = Field(gt=0, description="restartPolicy.inProcess.hardTimeoutSeconds.")
     barrier_timeout_seconds: float = Field(gt=0, description="restartPolicy.inProcess.barrierTimeoutSeconds.")
-    warm_spares: bool = Field(default=False, description="restartPolicy.inProcess.warmSpares.")
+    warm_spares: bool | None = Field(
+        default=None, description="restartPolicy.inProcess.warmSpares as the job sets it (None: unset).")
     backoff_limit: int = Field(ge=0, description="restartPolicy.backoffLimit.")
     rules: list[FailureRule] = Field(default_factory=list, description="restartPolicy.rules, in order.")
     success_policy: SuccessPolicy = Field(

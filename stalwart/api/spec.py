@@ -255,13 +255,17 @@ class InProcessRestart(ApiModel):
         description=("How long the ranks wait for each other at a restart barrier before the ranks that "
                      "have not arrived are declared failed, and how long building an iteration's process "
                      "group may take."))
-    warm_spares: bool = Field(
-        default=False,
-        description=("Recover a lost pod in process: spare pods start their rank processes at once and wait "
+    warm_spares: bool | None = Field(
+        default=None,
+        description=("Recover a lost pod in process: spare pods start their rank processes early and wait "
                      "inside the restart wrapper; when a pod is lost, the surviving pods keep their processes "
                      "and continue in the new rendezvous round, a spare taking the lost ranks. Needs a "
                      "training function wrapped with @stalwart.restartable; state comes from peers "
-                     "(stalwart.restart.sync_from_peers)."))
+                     "(stalwart.restart.sync_from_peers) or the script's checkpoint. Unset (the default): on "
+                     "for a job with spares, and a spare starts its processes once a worker's ranks have shown "
+                     "they run the restart wrapper (a script without it restarts its processes, as with false). "
+                     "true: spares start their processes at once. false: every pod loss restarts the rank "
+                     "processes."))
 
     __rules__: ClassVar[list[Rule]] = order_rules()
 
@@ -269,6 +273,12 @@ class InProcessRestart(ApiModel):
     def _rules(self) -> InProcessRestart:
         check_rules(self, self.__rules__)
         return self
+
+
+def warm_spares_on(setting: bool | None, spares: int) -> bool:
+    """Whether pod loss is recovered in process: ``restartPolicy.inProcess.warmSpares`` where it is set, else
+    whether the job has spares. Pure."""
+    return setting if setting is not None else spares > 0
 
 
 class RestartPolicy(ApiModel):

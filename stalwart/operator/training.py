@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stalwart.api.spec import TrainingJobSpec
+from stalwart.api.spec import TrainingJobSpec, warm_spares_on
 from stalwart.api.status import ConditionStatus, ConditionType, Phase, Progress
 from stalwart.operator.culprits import Peer
 from stalwart.operator.failures import Fact
@@ -54,8 +54,9 @@ def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Seq
         st.progress = Progress(step=a.evidence.step, updated=to_time(a.evidence.step_time or w.now))
     for type_, reason, message in a.events:
         w.event(type_, reason, message)
+    warm = warm_spares_on(spec.restart_policy.in_process.warm_spares, spec.spares)
     took = takeovers(w.obs.job.status.round, manifest, w.obs.etcd.record, w.obs.etcd.progress, st.last_failure,
-                     warm=spec.restart_policy.in_process.warm_spares, announced=st.promoted_spares or ())
+                     warm=warm, announced=st.promoted_spares or ())
     for _, message in took:
         w.event("Normal", REASON_SPARE_TOOK_OVER, message)
     if took:

@@ -129,6 +129,12 @@ def test_an_agent_that_loses_its_lease_on_a_healthy_node_is_replaced(
     created = jobs.create(requesting(job_body("silent", replicas=2, spares=1, command=SLEEP), "3"))
     keys = JobKeys(jobs.ns, created["metadata"]["uid"])
     wait_for("Running", phase_is(jobs, "silent", "Running"), timeout=240)
+    # The job has a spare and says nothing of warm spares (on by default), but its script runs no restart
+    # wrapper (its ranks write no status file): the spare starts no process before a round takes it.
+    spare = next(p for p in jobs.pods("silent") if p.metadata.name == "silent-spare-0")
+    for _ in range(8):  # the spare's agent reads the workers' reports every 2 s
+        assert len(pod_pids(spare.metadata.uid)) == 1, "the spare started its script early"
+        time.sleep(0.5)
     victim = next(p for p in jobs.pods("silent") if p.metadata.name == "silent-worker-1")
     paused = pod_pids(victim.metadata.uid)
     for pid in paused:

@@ -124,15 +124,20 @@ def assert_fault_free(logs: list[list[dict[str, Any]]], steps: int, world: int) 
     assert len({d["params_sha256"] for d in done.values()}) == 1, done
 
 
-@pytest.mark.parametrize("fault", ["force-delete", "sigkill", "delete"])
-def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, start_operator: OperatorFactory,
-                                                            jobs: Jobs, local_cluster: LocalCluster) -> None:
+@pytest.mark.parametrize(("fault", "in_process"), [
+    ("force-delete", {"warmSpares": True}),
+    ("sigkill", {"warmSpares": True}),
+    ("delete", {}),  # nothing said of warm spares: on by default for a job with spares and a wrapped script
+])
+def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, in_process: dict[str, bool],
+                                                            start_operator: OperatorFactory, jobs: Jobs,
+                                                            local_cluster: LocalCluster) -> None:
     name = f"warm-{fault.replace('-', '')}"
     start_operator(jobs.ns)
     jobs.create(job_body(name, replicas=2, spares=1,
                          command=[*TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--checkpoint-every", "1000",
                                   "--log-every", "1"],
-                         restartPolicy={"inProcess": {"warmSpares": True}}))
+                         restartPolicy={"inProcess": in_process}))
     survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
     try:
         wait_for("the spare's parked processes", lambda: len(pod_pids(jobs.ns, spare)) >= 2, timeout=240)
