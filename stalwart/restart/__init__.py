@@ -63,6 +63,7 @@ from stalwart.restart.policies import (
     IterationContext,
     Unhealthy,
 )
+from stalwart.restart.snapshots import PeerSnapshots
 from stalwart.restart.wrapper import (
     CallWrapper,
     NonRetryable,
@@ -87,6 +88,7 @@ __all__ = [
     "Initialize",
     "IterationContext",
     "NonRetryable",
+    "PeerSnapshots",
     "ProcessGroupConflict",
     "RankAssignment",
     "RestartConfig",

@@ -1,0 +1,302 @@
+"""Peer snapshots of sharded state (stalwart/restart/snapshots.py, snapshot_plan.py).
+
+The placement and the restore plan as tables; then four real torch processes on gloo, two "pods" of two ranks,
+training a small MLP sharded with FSDP2 (``fully_shard``) and Adam, with a snapshot after every step. In one
+run of those processes, each scenario against a fault-free run of the same script: pod 1's ranks lose their
+whole state (as the spares that take their places hold none) while pod 0's ranks are a step ahead; the same,
+with the newest snapshot torn (its copies had not landed on the buddies); a snapshot whose layout differs from
+the model (every rank refuses, naming the tensor, and nothing is restored); both a rank and its buddy lost (no
+snapshot: the checkpoint's turn, with the reason); every rank on one pod (no buddy possible)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import socket
+from typing import Any
+
+import pytest
+
+from stalwart.restart.snapshot_plan import (
+    Holding,
+    Move,
+    NoSnapshot,
+    RestorePlan,
+    buddies,
+    decode_holdings,
+    encode_holding,
+    plan_restore,
+)
+
+
+@pytest.mark.parametrize(("pods", "expected"), [
+    (["a", "a", "b", "b"], [2, 3, 0, 1]),              # two pods of two: each rank's twin on the other pod
+    (["a", "b"], [1, 0]),
+    (["a", "a", "b", "b", "c", "c"], [2, 3, 4, 5, 0, 1]),
+    (["a", "a", "a", "a", "b", "b"], [4, 5, 4, 5, 0, 1]),  # uneven pods: the ranks of a big pod spread
+    (["a", "b", "a", "b"], [1, 0, 3, 2]),              # a pod's ranks need not be contiguous
+])
+def test_buddies(pods: list[str], expected: list[int]) -> None:
+    got = buddies(pods)
+    assert got == expected
+    assert all(pods[b] != pods[r] for r, b in enumerate(got)), "a buddy on its own pod"
+
+
+def test_buddies_need_two_pods() -> None:
+    with pytest.raises(ValueError, match=r"need ranks on at least two pods.*all 2 rank.s. are on pod 'a'"):
+        buddies(["a", "a"])
+
+
+def own(shard: int, *steps: int) -> tuple[int, tuple[int, ...]]:
+    return (shard, tuple(steps))
+
+
+@pytest.mark.parametrize(("holdings", "expected"), [
+    # Pod 1 (ranks 2, 3) lost; its spares hold nothing. Pod 0 holds its own shards and its wards' at 4 and 5.
+    ([Holding(own(0, 4, 5), (own(2, 4, 5),)), Holding(own(1, 4, 5), (own(3, 4, 5),)), Holding(), Holding()],
+     RestorePlan(5, (Move(0, 0, 0, True), Move(1, 1, 1, True), Move(0, 2, 2, False), Move(1, 3, 3, False)))),
+    # The newest copy of shard 3 never landed on its buddy: the step before it, every shard rolled back to it.
+    ([Holding(own(0, 4, 5), (own(2, 4, 5),)), Holding(own(1, 4, 5), (own(3, 4),)), Holding(), Holding()],
+     RestorePlan(4, (Move(0, 0, 0, True), Move(1, 1, 1, True), Move(0, 2, 2, False), Move(1, 3, 3, False)))),
+    # A survivor whose rank changed: its own shard goes to the rank that has it now, before a ward's copy.
+    ([Holding(own(1, 5), (own(3, 5),)), Holding(None, (own(0, 5),)), Holding(own(2, 5)), Holding(own(3, 5))],
+     RestorePlan(5, (Move(1, 0, 0, False), Move(0, 1, 1, True), Move(2, 2, 2, True), Move(3, 3, 3, True)))),
+])
+def test_plan_restore(holdings: list[Holding], expected: RestorePlan) -> None:
+    assert plan_restore(holdings) == expected
+
+
+@pytest.mark.parametrize(("holdings", "reason"), [
+    ([Holding(), Holding()], "shard 0 has no copy on any rank"),
+    # The world shrank from 4 to 2 ranks: the copies are shards of another sharding.
+    ([Holding(own(0, 5), (own(2, 5),), 4), Holding(own(1, 5), (own(3, 5),), 4)],
+     "sharded over 4 ranks, and this iteration has 2: another sharding"),
+    ([Holding(own(0, 5)), Holding(None, (own(0, 5),))], "shard 1 has no copy on any rank: its rank and its buddy"),
+    ([Holding(own(0, 5), (own(1, 4),)), Holding()], "no snapshot step has a copy of every shard"),
+])
+def test_no_snapshot(holdings: list[Holding], reason: str) -> None:
+    got = plan_restore(holdings)
+    assert isinstance(got, NoSnapshot) and reason in got.reason
+
+
+@pytest.mark.parametrize("holding", [
+    Holding(), Holding(own(3, 1, 2), world=4), Holding(None, (own(1, 7), own(2, 6, 7)), 8),
+    Holding(own(0), (own(5),), 6),
+])
+def test_a_holding_survives_its_encoding_padded(holding: Holding) -> None:
+    assert decode_holdings([[*encode_holding(holding), 0, 0, 0]]) == [holding]
+
+
+def test_a_truncated_holding_is_refused() -> None:
+    with pytest.raises(ValueError, match="ends early or is malformed"):
+        decode_holdings([encode_holding(Holding(own(1, 4, 5), world=2))[:4]])
+
+
+def test_every_must_be_a_positive_number_of_steps() -> None:
+    from torch import nn
+
+    from stalwart.restart.snapshots import PeerSnapshots
+
+    with pytest.raises(ValueError, match="every: expected a whole number of steps >= 1, got 0"):
+        PeerSnapshots(nn.Linear(2, 2), every=0)
+
+
+# --- four real processes ---------------------------------------------------------------------------------------
+
+WORLD, STEPS, LOSE_AT = 4, 10, 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank: int, port: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from stalwart.restart import snapshots as snap
+    from stalwart.restart.peers import StateMismatch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    pod = f"pod-{rank // 2}"
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+        h = hashlib.sha256()
+        for _, t in snap._state(model, opt):
+            h.update(t.detach().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def lose_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        """What a spare that takes this rank's place holds: other weights, no optimizer state, no snapshot."""
+        with torch.no_grad():
+            for p in model.parameters():
+                snap._local(p).normal_()
+        opt.state.clear()
+        snap.forget()
+
+    result: dict[str, Any] = {"rank": rank}
+    # Fault-free, with snapshots taken (they do not change the training).
+    model, opt = build()
+    snaps = snap.PeerSnapshots(model, opt, pod=pod)
+    result["first_restore"] = snaps.restore()
+    for step in range(STEPS):
+        train(model, opt, step)
+        snaps.commit(step)
+    snaps.close()
+    result["clean"] = digest(model, opt)
+    result["held_bytes"] = snaps.held_bytes()
+
+    for scenario in ("lose-pod", "torn"):
+        snap.forget()
+        model, opt = build()
+        snaps = snap.PeerSnapshots(model, opt, pod=pod)
+        for step in range(LOSE_AT + 1):
+            train(model, opt, step)
+            snaps.commit(step)
+        train(model, opt, LOSE_AT + 1)  # the step in flight when pod 1 is lost: pod 0 is ahead of every snapshot
+        snaps._land()
+        if scenario == "torn" and rank < 2:
+            # The newest copies of pod 1's shards had not landed on their buddies here.
+            for copies in snap._HELD.wards.values():
+                copies.pop(LOSE_AT, None)
+        if rank >= 2:
+            lose_state(model, opt)
+        snaps.close()
+        snaps = snap.PeerSnapshots(model, opt, pod=pod)  # the next iteration
+        start = snaps.restore()
+        assert start is not None
+        result[f"{scenario}_start"] = start
+        for step in range(start + 1, STEPS):
+            train(model, opt, step)
+            snaps.commit(step)
+        snaps.close()
+        result[scenario] = digest(model, opt)
+
+    # A snapshot whose layout is not the model's: refused on every rank before anything is restored.
+    snap.forget()
+    model, opt = build()
+    snaps = snap.PeerSnapshots(model, opt, pod=pod)
+    for step in range(3):
+        train(model, opt, step)
+        snaps.commit(step)
+    snaps._land()
+    if rank == 0:
+        for copies in snap._HELD.wards.values():
+            for c in copies.values():
+                bad = c.layout[1]
+                c.layout[1] = snap.TensorSpec(bad.name, (bad.shape[0] + 1, *bad.shape[1:]), bad.dtype)
+    if rank >= 2:
+        lose_state(model, opt)
+    before = digest(model, opt) if rank < 2 else None
+    try:
+        snaps.restore()
+        result["mismatch"] = None
+    except StateMismatch as e:
+        result["mismatch"] = str(e)
+        result["mismatch_unchanged"] = before is None or digest(model, opt) == before
+    snaps.close()
+
+    # Rank and buddy both lost: no snapshot covers every shard; the reason says so and nothing is restored.
+    snaps = snap.PeerSnapshots(model, opt, pod=pod)
+    if rank < 2:
+        snap._HELD.wards.clear()
+    else:
+        snap.forget()
+    result["both_lost"] = snaps.restore()
+    result["both_lost_reason"] = snaps.fallback_reason
+    snaps.close()
+
+    try:
+        snap.PeerSnapshots(model, opt, pod="one-pod")
+        result["one_pod"] = None
+    except ValueError as e:
+        result["one_pod"] = str(e)
+    out.put(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        for _ in procs:
+            rec = json.loads(out.get(timeout=240))
+            results[rec["rank"]] = rec
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    assert [p.exitcode for p in procs] == [0] * WORLD
+    return results
+
+
+@pytest.mark.integration
+def test_a_lost_pods_shards_come_back_from_their_buddies_bit_for_bit(runs: dict[int, dict[str, Any]]) -> None:
+    for rank, r in runs.items():
+        assert r["first_restore"] is None  # nothing held yet: the job's first iteration
+        # Pod 0 was a step ahead: rolled back to the newest snapshot, with the others, and went on from there.
+        assert r["lose-pod_start"] == LOSE_AT, r
+        assert r["lose-pod"] == r["clean"], f"rank {rank}: the recovered run differs from the fault-free one"
+        assert r["held_bytes"] > 0
+
+
+@pytest.mark.integration
+def test_a_torn_snapshot_is_passed_over_for_the_one_before(runs: dict[int, dict[str, Any]]) -> None:
+    for rank, r in runs.items():
+        assert r["torn_start"] == LOSE_AT - 1, r
+        assert r["torn"] == r["clean"], f"rank {rank}: the recovered run differs from the fault-free one"
+
+
+@pytest.mark.integration
+def test_a_snapshot_unlike_the_model_is_refused_on_every_rank_naming_the_tensor(
+        runs: dict[int, dict[str, Any]]) -> None:
+    assert "model.0.bias" in runs[2]["mismatch"] and "shape" in runs[2]["mismatch"], runs[2]
+    for rank, r in runs.items():
+        assert r["mismatch"] is not None, f"rank {rank} went on"
+        assert r["mismatch_unchanged"], f"rank {rank} restored part of a refused snapshot"
+
+
+@pytest.mark.integration
+def test_rank_and_buddy_both_lost_leaves_it_to_the_checkpoint_with_the_reason(
+        runs: dict[int, dict[str, Any]]) -> None:
+    for r in runs.values():
+        assert r["both_lost"] is None
+        assert "shard 2 has no copy on any rank: its rank and its buddy were both lost" in r["both_lost_reason"]
+
+
+@pytest.mark.integration
+def test_snapshots_with_every_rank_on_one_pod_are_refused(runs: dict[int, dict[str, Any]]) -> None:
+    for r in runs.values():
+        assert r["one_pod"] is not None and "PeerSnapshots: peer snapshots need ranks on at least two pods" \
+            in r["one_pod"]
