@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerSnapshots"]
+__all__ = ["PeerSnapshots", "ensure_optimizer_state", "forget"]
 
 #: Snapshot steps kept per shard: the newest, and the one before it (in use while the newest is in flight).
 KEEP = 2
@@ -126,7 +126,7 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tu
     return out
 
 
-def _ensure_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def ensure_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Give every parameter its optimizer state (a new process has none before its first step), by one step on
     zero gradients; what it sets is overwritten by the restore."""
     import torch
@@ -252,6 +252,7 @@ class PeerSnapshots:
                 continue
             _HELD.wards.setdefault(shard, {})[copy.step] = copy
         _HELD.sending, _HELD.receiving = [], []
+        _HELD.prune()
 
     def _send(self, mine: _Copy) -> None:
         """Exchange the step and layouts with buddy and wards (small, at once), then start the data (in the
@@ -304,7 +305,7 @@ class PeerSnapshots:
                 log.warning("rank %d: no peer snapshot to restore from: %s", self.rank, plan.reason)
             return None
         self.fallback_reason = None
-        _ensure_optimizer_state(self.model, self.optimizer)
+        ensure_optimizer_state(self.model, self.optimizer)
         entries = _state(self.model, self.optimizer)
         incoming = self._exchange(plan, entries)
         with torch.no_grad():

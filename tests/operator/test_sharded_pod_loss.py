@@ -1,0 +1,96 @@
+"""A sharded job loses a pod and recovers from peer snapshots, on the local cluster with the operator, real
+agents and real torch: FSDP2 over gloo (stalwart/examples/train_fsdp.py), 2 workers of 2 ranks and a spare,
+no warm-spare setting (on by default for a job with spares). A worker pod is force-deleted mid-run; the
+survivor's processes continue in process, the spare's parked processes take the lost ranks, their shards come
+from their buddies' memory (not from the checkpoint, which is never written in this run), and the job ends
+with the parameters of a fault-free run of the same script, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_operator_cluster import Jobs, OperatorFactory, job_body, phase_is, wait_for
+from test_warm_spares import events, pod_pids, story, wait_for_steps
+
+from stalwart.local.cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+STEPS = 300
+SCRIPT = ["python", "-m", "stalwart.examples.train_fsdp", "--steps", str(STEPS), "--log-every", "1",
+          "--checkpoint-every", "100000"]
+
+
+@pytest.fixture
+def jobs(kube_api: Any, k8s_namespace: str) -> Jobs:
+    return Jobs(kube_api, k8s_namespace)
+
+
+def fault_free_digest(tmp: Path) -> str:
+    """The same script as four plain processes on this machine, two "pods" (GROUP_RANK) of two, no faults."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "GROUP_RANK": str(rank // 2), "OMP_NUM_THREADS": "1"}
+        env.pop("STALWART_JOB", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "stalwart.examples.train_fsdp", "--steps", str(STEPS), "--log-every", "1000",
+             "--checkpoint-every", "100000", "--checkpoint-dir", str(tmp / "reference")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    digests = {json.loads(line)["params_sha256"] for out in outs for line in out.splitlines()
+               if line.startswith('{"event": "done"')}
+    assert len(digests) == 1, digests
+    return digests.pop()
+
+
+def test_a_sharded_job_recovers_a_lost_pod_from_peer_snapshots_bit_for_bit(
+        start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster, tmp_path: Path) -> None:
+    expected = fault_free_digest(tmp_path)
+    name = "sharded"
+    start_operator(jobs.ns)
+    jobs.create(job_body(name, replicas=2, spares=1, nprocPerNode=2,
+                         command=[*SCRIPT, "--step-delay", "0.05"]))
+    survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
+    # The spare parks its two rank processes once the workers' ranks showed the restart wrapper.
+    wait_for("the spare's parked processes", lambda: len(pod_pids(jobs.ns, spare)) >= 3, timeout=240)
+    at = wait_for_steps(local_cluster, jobs.ns, survivor, 20)
+    assert at < STEPS - 100, f"the job reached step {at} of {STEPS} before the fault: too late to inject it"
+    local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
+
+    st = wait_for("Succeeded", phase_is(jobs, name, "Succeeded", "Failed"), timeout=300)
+    assert st["phase"] == "Succeeded", (st, story(local_cluster, jobs.ns, survivor, spare))
+    survivor_log, spare_log = events(local_cluster, jobs.ns, survivor), events(local_cluster, jobs.ns, spare)
+    # The survivor's two processes are the ones it started with.
+    assert [e["event"] for e in survivor_log].count("start") == 2, story(local_cluster, jobs.ns, survivor)
+    # Every rank of the new round took its shard from the snapshots: the spare's from their buddies.
+    resumed = [e for e in survivor_log + spare_log if e["event"] == "resume" and e["source"] == "peers"]
+    assert {e["rank"] for e in resumed} == {0, 1, 2, 3}, story(local_cluster, jobs.ns, survivor, spare)
+    step = {e["step"] for e in resumed}
+    assert len(step) == 1 and step.pop() > 0, resumed
+    assert not any(e["event"] == "resume" and e["source"] == "checkpoint" for e in survivor_log + spare_log)
+    done = [e for e in survivor_log + spare_log if e["event"] == "done"]
+    assert {e["rank"] for e in done} == {0, 1, 2, 3}, done
+    assert {e["params_sha256"] for e in done} == {expected}, "the recovered run differs from the fault-free one"
+    jobs.delete(name)
+    wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
