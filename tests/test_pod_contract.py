@@ -156,3 +156,29 @@ def test_every_restart_setting_travels_from_the_spec_to_the_ranks_config(tmp_pat
         RankEnvironment.from_env({**env, pod_env.SOFT_TIMEOUT: env[pod_env.HARD_TIMEOUT]})
     with pytest.raises(ValueError, match="hard_timeout: must exceed soft_timeout"):
         RestartConfig().for_job({"soft_timeout": 30.0, "hard_timeout": 30.0}, frozenset())
+
+
+@pytest.mark.parametrize(("policy", "read"), [
+    ({}, pod_env.SnapshotEnvironment(enabled=True, every=1, memory_limit=None)),
+    ({"every": 5, "memoryLimit": "2Gi"}, pod_env.SnapshotEnvironment(enabled=True, every=5, memory_limit=2 * 2**30)),
+    ({"enabled": False}, pod_env.SnapshotEnvironment(enabled=False, every=1, memory_limit=None)),
+])
+def test_the_peer_snapshot_policy_travels_from_the_spec_to_the_ranks(policy: dict[str, Any],
+                                                                    read: pod_env.SnapshotEnvironment,
+                                                                    tmp_path: Path) -> None:
+    s = _settings()
+    manifest = Manifest(round=1, members=[
+        Member(node_id="train-worker-1", address="10.0.0.7", group_rank=0, rank_offset=0, nproc=2)],
+        world_size=2, master_addr="10.0.0.7", master_port=29400, sealed_by="train-worker-1")
+    info = RoundInfo(node_id=s.node_id, epoch=5, role="member", header=ManifestHeader.of(manifest), node_revision=3,
+                     member=manifest.members[0])
+    job = TrainingJob.model_validate({"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
+                                     "metadata": {"name": "train", "namespace": "team", "uid": "uid-1"},
+                                     "spec": {**SPEC, "restartPolicy": {"inProcess": {"peerSnapshots": policy}}}})
+    env = rank_env(s, info, 0, base_env={}, run_dir=tmp_path, master_port=1234, spare_ranks=False, restarts=0,
+                   job=JobRecord.from_job(job, ["train-worker-1"]))
+    assert pod_env.SnapshotEnvironment.from_env(env) == read
+    # A plain torchrun rank has none of these: no policy, the training function's arguments alone.
+    assert pod_env.SnapshotEnvironment.from_env({}) == pod_env.SnapshotEnvironment()
+    with pytest.raises(PodEnvError, match="STALWART_SNAPSHOT_EVERY"):
+        pod_env.SnapshotEnvironment.from_env({pod_env.SNAPSHOT_EVERY: "0"})

@@ -15,7 +15,7 @@ from stalwart.agent.rendezvous import RoundInfo
 from stalwart.agent.settings import PodSettings
 from stalwart.api import pod_env
 from stalwart.api.job_record import JobRecord
-from stalwart.api.pod_env import RankEnvironment, TorchrunEnvironment
+from stalwart.api.pod_env import RankEnvironment, SnapshotEnvironment, TorchrunEnvironment
 from stalwart.api.restart_settings import RESTART_SETTINGS
 
 __all__ = ["handover_file", "parked_env", "rank_env", "status_file"]
@@ -71,6 +71,10 @@ def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapp
                            local_rank=local_rank, relay_socket=str(relay_socket) if relay_socket else None,
                            **settings)
     env.update(renv.to_env())
+    if job is not None:
+        policy = job.peer_snapshots
+        env.update(SnapshotEnvironment(enabled=policy.enabled, every=policy.every,
+                                       memory_limit=policy.memory_limit_bytes()).to_env())
     env[pod_env.HANDOVER_FILE] = str(handover_file(run_dir, local_rank))
     env.update(_secrets(s))
     return env

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from stalwart.api.base import ApiModel, Rule, RuleViolation, check_rules
 from stalwart.api.failure_rules import FailureRule
 from stalwart.api.restart_settings import RESTART_SETTINGS, order_rules
-from stalwart.api.spec import SuccessPolicy
+from stalwart.api.spec import PeerSnapshotPolicy, SuccessPolicy
 from stalwart.api.trainingjob import TrainingJob
 
 RECORD_VERSION = 1
@@ -55,6 +55,8 @@ class JobRecord(ApiModel):
     barrier_timeout_seconds: float = Field(gt=0, description="restartPolicy.inProcess.barrierTimeoutSeconds.")
     warm_spares: bool | None = Field(
         default=None, description="restartPolicy.inProcess.warmSpares as the job sets it (None: unset).")
+    peer_snapshots: PeerSnapshotPolicy = Field(
+        default_factory=PeerSnapshotPolicy, description="restartPolicy.inProcess.peerSnapshots.")
     backoff_limit: int = Field(ge=0, description="restartPolicy.backoffLimit.")
     rules: list[FailureRule] = Field(default_factory=list, description="restartPolicy.rules, in order.")
     success_policy: SuccessPolicy = Field(
@@ -119,6 +121,7 @@ class JobRecord(ApiModel):
             lease_ttl_seconds=spec.rendezvous.lease_ttl_seconds,
             **{s.field: getattr(in_process, s.field) for s in RESTART_SETTINGS},
             warm_spares=in_process.warm_spares,
+            peer_snapshots=in_process.peer_snapshots,
             backoff_limit=spec.restart_policy.backoff_limit,
             rules=list(spec.restart_policy.rules),
             success_policy=spec.success_policy,

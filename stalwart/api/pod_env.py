@@ -43,6 +43,7 @@ __all__ = [
     "PARKED",
     "RANK_VARIABLES",
     "RPC_VARIABLES",
+    "SNAPSHOT_VARIABLES",
     "TORCHRUN_VARIABLES",
     "AgentEnvironment",
     "EtcdEndpoints",
@@ -51,6 +52,7 @@ __all__ = [
     "PodEnvError",
     "RankEnvironment",
     "RpcVariables",
+    "SnapshotEnvironment",
     "TorchrunEnvironment",
     "read_env",
     "worker_env",
@@ -61,6 +63,10 @@ __all__ = [
 JOB = "STALWART_JOB"
 JOB_UID = "STALWART_JOB_UID"
 NODE_ID = "STALWART_NODE_ID"
+#: The job's peer-snapshot policy (restartPolicy.inProcess.peerSnapshots), for stalwart.restart.PeerSnapshots.
+SNAPSHOTS = "STALWART_SNAPSHOTS"
+SNAPSHOT_EVERY = "STALWART_SNAPSHOT_EVERY"
+SNAPSHOT_MEMORY_LIMIT = "STALWART_SNAPSHOT_MEMORY_LIMIT"
 POD_IP = "STALWART_POD_IP"
 SPARE = "STALWART_SPARE"
 NPROC_PER_NODE = "STALWART_NPROC_PER_NODE"
@@ -120,6 +126,7 @@ TORCHRUN_VARIABLES = {
     MASTER_ADDR: "master_addr", MASTER_PORT: "master_port", RESTART_COUNT: "restart_count", RUN_ID: "run_id",
 }
 RPC_VARIABLES = {RANK: "rank", WORLD_SIZE: "world_size", POD_IP: "pod_ip", RPC_TOKEN: "rpc_token"}
+SNAPSHOT_VARIABLES = {SNAPSHOTS: "enabled", SNAPSHOT_EVERY: "every", SNAPSHOT_MEMORY_LIMIT: "memory_limit"}
 ETCD_VARIABLES = {ETCD_TLS: "tls", ETCD_SECRET_DIR: "secret_dir"}
 
 #: Who sets the variables, for the "is required" message.
@@ -379,6 +386,24 @@ class RankEnvironment(_Env):
     def to_env(self) -> dict[str, str]:
         """The variables that reproduce this environment (the agent uses this to launch ranks)."""
         return to_env(self, RANK_VARIABLES)
+
+
+class SnapshotEnvironment(_Env):
+    """The job's peer-snapshot policy as its ranks read it; every variable unset (a plain torchrun rank): no
+    policy, the training function's own arguments alone."""
+
+    enabled: bool = True
+    every: int | None = Field(default=None, ge=1)
+    #: Bytes.
+    memory_limit: int | None = Field(default=None, ge=1)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        """Read the variables; raises :class:`PodEnvError` naming each bad one."""
+        return read_env(cls, SNAPSHOT_VARIABLES, environ)
+
+    def to_env(self) -> dict[str, str]:
+        return to_env(self, SNAPSHOT_VARIABLES)
 
 
 class TorchrunEnvironment(_Env):

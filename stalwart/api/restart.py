@@ -251,6 +251,12 @@ class RankStatus(ApiModel):
         description="CLOCK_MONOTONIC time of the last sign of progress of the process's main thread.")
     dumps_stacks: bool = Field(
         default=False, description="The process writes its threads' stacks to stderr on STACKS_SIGNAL.")
+    snapshot_step: int | None = Field(
+        default=None, ge=0, description="The newest step of this rank's peer snapshot that landed on its buddy.")
+    snapshot_time: float | None = Field(default=None, description="Wall-clock time that copy landed.")
+    snapshot_fallback: str | None = Field(
+        default=None, max_length=300,
+        description="Why the last restore of peer snapshots found none to use (the checkpoint's turn).")
     exiting: float | None = Field(
         default=None, description="CLOCK_MONOTONIC time the process's interpreter began to exit (its script "
                                   "ended); the agent bounds the exit from then on.")
@@ -279,6 +285,11 @@ class RankReport(ApiModel):
     first_step_time: float | None = Field(default=None, description="Wall-clock time of that first step.")
     progress_time: float | None = Field(
         default=None, description="Wall-clock time of the last progress of its main thread (None: unknown).")
+    snapshot_step: int | None = Field(
+        default=None, ge=0, description="The newest step of its peer snapshot that landed on its buddy.")
+    snapshot_time: float | None = Field(default=None, description="Wall-clock time that copy landed.")
+    snapshot_fallback: str | None = Field(
+        default=None, max_length=300, description="Why its last restore found no peer snapshot to use.")
     soft_timeout: float | None = Field(
         default=None, gt=0, description=("The soft timeout the process itself uses (a @restartable(soft_timeout=...) "
                                          "may differ from the spec's); None: unknown, the spec's applies."))

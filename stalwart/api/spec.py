@@ -229,6 +229,39 @@ class RendezvousSpec(ApiModel):
 # Restart policy: in-process restarts first, then pod replacement, with rules to pick per failure.
 
 
+class PeerSnapshotPolicy(ApiModel):
+    """Peer snapshots of each rank's shard of the state (``stalwart.restart.PeerSnapshots`` in the training
+    function): what the job allows them."""
+
+    enabled: bool = Field(
+        default=True,
+        description=("Whether PeerSnapshots in the training function takes snapshots; false: it takes none and "
+                     "its restore() always leaves the state to the checkpoint."))
+    every: int = Field(
+        default=1, ge=1, le=1_000_000,
+        description=("Steps between snapshots, where the training function does not pass every=... itself: "
+                     "a lost pod costs at most this many steps."))
+    memory_limit: str | None = Field(
+        default=None, max_length=32, json_schema_extra={"pattern": QUANTITY_PATTERN},
+        description=("The most memory one rank may hold in snapshots (its own shard's two newest and those of "
+                     "the ranks it keeps them for), a Kubernetes quantity such as 8Gi; a rank whose snapshots "
+                     "need more fails at its first snapshot, naming this setting. Unset: no limit."))
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _memory_limit(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            quantity_bytes(value)
+        except ValueError as e:
+            raise RuleViolation([("", str(e))]) from None
+        return value
+
+    def memory_limit_bytes(self) -> int | None:
+        return None if self.memory_limit is None else quantity_bytes(self.memory_limit)
+
+
 class InProcessRestart(ApiModel):
     """In-process restart: after a fault every healthy rank re-runs the training function in the same
     process, without restarting pods."""
@@ -266,6 +299,10 @@ class InProcessRestart(ApiModel):
                      "they run the restart wrapper (a script without it restarts its processes, as with false). "
                      "true: spares start their processes at once. false: every pod loss restarts the rank "
                      "processes."))
+
+    peer_snapshots: PeerSnapshotPolicy = Field(
+        default_factory=PeerSnapshotPolicy, json_schema_extra={"default": {}},
+        description="Peer snapshots of sharded state (stalwart.restart.PeerSnapshots): on, how often, how much memory.")
 
     __rules__: ClassVar[list[Rule]] = order_rules()
 

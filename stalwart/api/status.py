@@ -156,6 +156,20 @@ class Progress(ApiModel):
     updated: datetime | None = Field(default=None, description="When that step completed.")
 
 
+class PeerSnapshotStatus(ApiModel):
+    """The job's peer snapshots (stalwart.restart.PeerSnapshots), as its ranks report them."""
+
+    step: int | None = Field(
+        default=None, ge=0,
+        description="The newest step of which every rank's snapshot has landed on its buddy: a lost pod costs "
+                    "the steps since. None: not every rank has one yet.")
+    time: datetime | None = Field(default=None, description="When the last of those copies landed.")
+    fallback: str | None = Field(
+        default=None, max_length=300,
+        description="Why the ranks' last restore found no peer snapshot covering every shard and left the state "
+                    "to the checkpoint (a rank and its buddy both lost, another world size).")
+
+
 class TrainingJobStatus(ApiModel):
     """The observed state of a TrainingJob."""
 
@@ -180,6 +194,8 @@ class TrainingJobStatus(ApiModel):
                      "column (derived from restarts by the model)."))
     last_failure: FailureRecord | None = Field(default=None, description="The most recent failure.")
     progress: Progress | None = Field(default=None, description="Training progress.")
+    peer_snapshot: PeerSnapshotStatus | None = Field(
+        default=None, description="Peer snapshots of the ranks' state, when the training function takes them.")
     position: Position | None = Field(
         default=None,
         description=("Round and in-process iteration up to which the restart counters account for what the "

@@ -79,11 +79,14 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                         "directory per job under the temporary directory)")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--snapshot-every", type=int, default=1,
-                   help="steps between peer snapshots (default 1: a lost pod costs at most the step in flight)")
+                   help="steps between peer snapshots (default 1: a lost pod costs at most the step in flight; "
+                        "0: none, the state comes from the checkpoint)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (default 0)")
     a = p.parse_args(argv)
-    for name in ("steps", "batch_size", "hidden", "layers", "checkpoint_every", "snapshot_every", "log_every"):
+    if a.snapshot_every < 0:
+        raise ValueError(f"--snapshot-every must be >= 0 (0: no snapshots), got {a.snapshot_every}")
+    for name in ("steps", "batch_size", "hidden", "layers", "checkpoint_every", "log_every"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(a, name)}")
     if not a.lr > 0:
@@ -204,8 +207,9 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     global _started
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer = build(opts)
-    snapshots = PeerSnapshots(model, optimizer, every=opts.snapshot_every, pod=_pod())
-    restored = snapshots.restore()
+    snapshots = PeerSnapshots(model, optimizer, every=opts.snapshot_every, pod=_pod()) if opts.snapshot_every \
+        else None
+    restored = snapshots.restore() if snapshots is not None else None
     if restored is not None:
         step, source = restored, "peers"
     else:
@@ -214,7 +218,8 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     if not _started:
         emit("start", rank=rank, world_size=world, step=step)
         _started = True
-    emit("resume", rank=rank, world_size=world, step=step, source=source, reason=snapshots.fallback_reason,
+    emit("resume", rank=rank, world_size=world, step=step, source=source,
+         reason=snapshots.fallback_reason if snapshots is not None else None,
          iteration=call_wrapper.iteration if call_wrapper is not None else 0)
     loss = torch.tensor(float("nan"))
     while step < opts.steps:
@@ -226,7 +231,8 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-        snapshots.commit(step)
+        if snapshots is not None:
+            snapshots.commit(step)
         if call_wrapper is not None:
             call_wrapper.ping(step)
         if step % opts.checkpoint_every == 0 or step == opts.steps:
@@ -235,9 +241,10 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
             emit("step", rank=rank, step=step, loss=round(float(loss.detach()), 6))
         if opts.step_delay:
             time.sleep(opts.step_delay)
-    snapshots.close()
+    if snapshots is not None:
+        snapshots.close()
     emit("done", rank=rank, world_size=world, step=step, loss=round(float(loss.detach()), 6),
-         params_sha256=params_digest(model), snapshot_bytes=snapshots.held_bytes())
+         params_sha256=params_digest(model), snapshot_bytes=snapshots.held_bytes() if snapshots is not None else 0)
     return float(loss.detach())
 
 

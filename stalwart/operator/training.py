@@ -12,6 +12,7 @@ from stalwart.operator.culprits import Peer
 from stalwart.operator.failures import Fact
 from stalwart.operator.incidents import assess
 from stalwart.operator.model import PodView
+from stalwart.operator.snapshot_status import peer_snapshot
 from stalwart.operator.takeover import REASON_SPARE_TOOK_OVER, takeovers
 from stalwart.operator.work import REASON_UNSCHEDULABLE, Work, condition, to_time
 
@@ -52,6 +53,9 @@ def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Seq
     st.position = a.position
     if a.evidence.step is not None:
         st.progress = Progress(step=a.evidence.step, updated=to_time(a.evidence.step_time or w.now))
+    if manifest is not None:
+        st.peer_snapshot = peer_snapshot(w.obs.etcd.progress, members, w.obs.etcd.epoch,
+                                         manifest.world_size) or st.peer_snapshot
     for type_, reason, message in a.events:
         w.event(type_, reason, message)
     warm = warm_spares_on(spec.restart_policy.in_process.warm_spares, spec.spares)

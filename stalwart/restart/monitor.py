@@ -25,6 +25,7 @@ import time
 from stalwart.api.restart import FaultRecord, RankStatus, failure_info
 from stalwart.etcd.keys import ALIVE, FAULT
 from stalwart.etcd.store import StoreError, Watch, WatchEvent, WatchRange
+from stalwart.restart import snapshots
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
@@ -342,9 +343,12 @@ class Monitor:
             beat = self.last_progress if self._running or self._probe is not None else now
             # The first step belongs to the iteration it was taken in; the next one has none until it steps.
             first = self._first_step if self._first_step and self._first_step[0] == self.status.iteration else None
+            snapshot = snapshots.published()
             self.status = self.status.model_copy(update={
                 "heartbeat": beat, "hard_timeout": self._kill_limit(), "step": self._step, "step_time": self._step_time,
-                "first_step": first[1] if first else None, "first_step_time": first[2] if first else None})
+                "first_step": first[1] if first else None, "first_step_time": first[2] if first else None,
+                "snapshot_step": snapshot.step, "snapshot_time": snapshot.time,
+                "snapshot_fallback": snapshot.fallback})
             status = self.status
             self._status_written = now
         self.status_file.write(status)

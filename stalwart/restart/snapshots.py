@@ -29,11 +29,14 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from stalwart.api import pod_env
+from stalwart.api.pod_env import PodEnvError, SnapshotEnvironment
+from stalwart.restart.errors import NonRetryable
 from stalwart.restart.peers import StateMismatch, TensorSpec, first_difference
 from stalwart.restart.snapshot_plan import (
     Holding,
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerSnapshots", "ensure_optimizer_state", "forget"]
+__all__ = ["PeerSnapshots", "Published", "ensure_optimizer_state", "forget", "published"]
 
 #: Snapshot steps kept per shard: the newest, and the one before it (in use while the newest is in flight).
 KEEP = 2
@@ -69,6 +72,16 @@ class _Copy:
         return sum(f.numel() * f.element_size() for f in self.flats.values())
 
 
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What a rank tells its agent of its snapshots (through its status file): the newest step of its own
+    shard that landed on its buddy, when, and why its last restore found none to use."""
+
+    step: int | None = None
+    time: float | None = None
+    fallback: str | None = None
+
+
 @dataclass(slots=True)
 class _Held:
     """What this process holds, across the training function's iterations and rounds."""
@@ -80,22 +93,42 @@ class _Held:
     #: Copies on their way, from the last commit (of whichever iteration): sends, and receives per ward.
     sending: list[Any] = field(default_factory=list)
     receiving: list[tuple[int, _Copy, list[Any]]] = field(default_factory=list)
+    #: The step of the copy being sent, and what this rank tells its agent (:func:`published`).
+    sending_step: int | None = None
+    landed: Published = field(default_factory=Published)
 
     def holding(self) -> Holding:
         own = None if self.own_shard is None or not self.own else (self.own_shard, tuple(sorted(self.own)))
         wards = tuple((s, tuple(sorted(c))) for s, c in sorted(self.wards.items()) if c)
         return Holding(own, wards, self.world if own is not None or wards else 0)
 
+    #: Buffers of dropped copies, by (dtype, elements), for the next copies: a snapshot every step would
+    #: otherwise allocate (and the kernel zero) the whole shard's memory twice a step.
+    free: dict[tuple[str, int], list[torch.Tensor]] = field(default_factory=dict)
+
     def prune(self) -> None:
         for copies in (self.own, *self.wards.values()):
             for step in sorted(copies)[:-KEEP]:
-                del copies[step]
+                for dtype, flat in copies.pop(step).flats.items():
+                    pool = self.free.setdefault((dtype, flat.numel()), [])
+                    if len(pool) < KEEP:
+                        pool.append(flat)
+
+    def buffer(self, dtype: str, n: int) -> torch.Tensor:
+        """An uninitialised CPU buffer of ``n`` elements: a dropped copy's, else new."""
+        import torch
+
+        pool = self.free.get((dtype, n))
+        return pool.pop() if pool else torch.empty(n, dtype=getattr(torch, dtype))
 
     def find(self, shard: int, step: int, from_own: bool) -> _Copy:
         return self.own[step] if from_own else self.wards[shard][step]
 
 
 _HELD = _Held()
+
+#: The job's setting a memory limit comes from, as its users name it.
+_LIMIT_SETTING = "restartPolicy.inProcess.peerSnapshots.memoryLimit"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -152,8 +185,12 @@ def _flatten(entries: list[tuple[TensorSpec, torch.Tensor]], step: int) -> _Copy
     by_dtype: dict[str, list[torch.Tensor]] = {}
     for spec, t in entries:
         by_dtype.setdefault(spec.dtype, []).append(t.detach().reshape(-1))
+    flats = {}
     with torch.no_grad():
-        flats = {d: torch.cat(ts).cpu() if len(ts) > 1 else ts[0].clone().cpu() for d, ts in sorted(by_dtype.items())}
+        for d, ts in sorted(by_dtype.items()):
+            out = _HELD.buffer(d, sum(t.numel() for t in ts))
+            torch.cat([t.cpu() for t in ts], out=out)
+            flats[d] = out
     return _Copy(step, [s for s, _ in entries], flats)
 
 
@@ -175,6 +212,12 @@ def _layout_from(data: bytes) -> list[TensorSpec]:
     return [TensorSpec(str(n), tuple(int(x) for x in shape), str(d)) for n, shape, d in json.loads(data)]
 
 
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return int(torch.empty((), dtype=getattr(torch, dtype)).element_size())
+
+
 def _wait(works: list[Any]) -> None:
     for work in works:
         work.wait()
@@ -189,14 +232,32 @@ class PeerSnapshots:
     on another pod. Construct it inside the training function, in every iteration (all ranks of the default
     process group take part); ``pod`` names this rank's pod (default: the pod stalwart runs it in)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, every: int = 1,
-                 pod: str | None = None, timeout: float = 300.0) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 every: int | None = None, memory_limit: int | None = None, pod: str | None = None,
+                 timeout: float = 300.0) -> None:
         import torch
         import torch.distributed as dist
 
-        if not isinstance(every, int) or every < 1:
+        if every is not None and (not isinstance(every, int) or every < 1):
             raise ValueError(f"every: expected a whole number of steps >= 1, got {every!r}")
-        self.model, self.optimizer, self.every = model, optimizer, every
+        if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit < 1):
+            raise ValueError(f"memory_limit: expected a number of bytes >= 1, got {memory_limit!r}")
+        try:
+            policy = SnapshotEnvironment.from_env()
+        except PodEnvError as e:
+            raise ValueError(f"PeerSnapshots: {e}") from None
+        self.model, self.optimizer = model, optimizer
+        self.every = every if every is not None else policy.every or 1
+        #: The tightest limit, and who set it (the argument, or the job).
+        self._limit = min(((b, n) for b, n in ((memory_limit, "the memory_limit argument"),
+                                               (policy.memory_limit, _LIMIT_SETTING)) if b is not None),
+                          default=None)
+        self.enabled = policy.enabled
+        #: Why the last restore found no snapshot to use (None: it used one, or none was ever taken).
+        self.fallback_reason: str | None = None
+        if not self.enabled:
+            # The job turned them off: no group, no copies; restore() leaves the state to the checkpoint.
+            return
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pod = pod if pod is not None else os.environ.get(pod_env.NODE_ID) or os.uname().nodename
         keys = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
@@ -211,8 +272,7 @@ class PeerSnapshots:
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self._sent_layout: bytes = b""
         self._ward_layouts: dict[int, bytes] = {}
-        #: Why the last restore found no snapshot to use (None: it used one, or none was ever taken).
-        self.fallback_reason: str | None = None
+        self._limit_checked = False
 
     # -- commit ---------------------------------------------------------------------------------------------
 
@@ -220,7 +280,7 @@ class PeerSnapshots:
         """The state now is that after ``step``: snapshot it (every ``every`` steps; a no-op otherwise)."""
         if step < 0:
             raise ValueError(f"step: expected >= 0, got {step}")
-        if step % self.every:
+        if not self.enabled or step % self.every:
             return
         self._land()
         mine = _flatten(_state(self.model, self.optimizer), step)
@@ -237,11 +297,15 @@ class PeerSnapshots:
         """Wait for the copies the last commit started (in this iteration or the one a fault ended); a ward's
         copy whose every part arrived becomes a snapshot held for it. One that failed (its sender went with
         its pod, or the group was aborted under it) never landed."""
+        sent = bool(_HELD.sending)
         for work in _HELD.sending:
             try:
                 work.wait()
             except RuntimeError as e:
                 log.info("rank %d: a snapshot copy sent to the buddy was lost: %s", self.rank, e)
+                sent = False
+        if sent and _HELD.sending_step is not None:
+            _HELD.landed = Published(_HELD.sending_step, time.time(), _HELD.landed.fallback)
         for shard, copy, works in _HELD.receiving:
             try:
                 for work in works:
@@ -276,13 +340,35 @@ class PeerSnapshots:
         _wait(works)
         for w, b in bufs.items():
             self._ward_layouts[w] = bytes(b.numpy().tobytes())
+        if not self._limit_checked:
+            self._check_limit(mine)
         _HELD.sending = [dist.isend(mine.flats[d], self.buddy, group=self._group) for d in sorted(mine.flats)]
+        _HELD.sending_step = mine.step
         for w in self.wards:
             ward_layout = _layout_from(self._ward_layouts[w])
             copy = _Copy(int(heads[w][0]), ward_layout,
-                         {d: torch.empty(n, dtype=getattr(torch, d)) for d, n in sorted(_sizes(ward_layout).items())})
+                         {d: _HELD.buffer(d, n) for d, n in sorted(_sizes(ward_layout).items())})
             _HELD.receiving.append((w, copy, [dist.irecv(copy.flats[d], w, group=self._group)
                                               for d in sorted(copy.flats)]))
+
+    def _check_limit(self, mine: _Copy) -> None:
+        """At the first snapshot, when its size is known: what a rank will hold (the two newest of its own
+        shard and of each ward's) against the limit, agreed by every rank, so that all fail together."""
+        import torch
+        import torch.distributed as dist
+
+        self._limit_checked = True
+        if self._limit is None:
+            return
+        limit, setting = self._limit
+        layouts = [_layout_from(self._ward_layouts[w]) for w in self.wards]
+        wards = sum(n * _itemsize(d) for layout in layouts for d, n in _sizes(layout).items())
+        need = torch.tensor([KEEP * (mine.nbytes() + wards)], dtype=torch.int64)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self._group)
+        if int(need.item()) > limit:
+            raise NonRetryable(f"peer snapshots need {int(need.item()):,} bytes on a rank (the two newest of its "
+                               f"own shard and of each shard it keeps for another rank), above {setting} "
+                               f"({limit:,} bytes)")
 
     # -- restore --------------------------------------------------------------------------------------------
 
@@ -295,16 +381,21 @@ class PeerSnapshots:
         import torch
         import torch.distributed as dist
 
+        if not self.enabled:
+            self.fallback_reason = "peer snapshots are off (restartPolicy.inProcess.peerSnapshots.enabled: false)"
+            return None
         self._land()
         holdings = self._gather(_HELD.holding())
         plan = plan_restore(holdings)
         if isinstance(plan, NoSnapshot):
             anything = any(h.own is not None or h.wards for h in holdings)
             self.fallback_reason = plan.reason if anything else None
+            _HELD.landed = Published(None, None, self.fallback_reason)
             if anything:
                 log.warning("rank %d: no peer snapshot to restore from: %s", self.rank, plan.reason)
             return None
         self.fallback_reason = None
+        _HELD.landed = Published(plan.step, time.time(), None)
         ensure_optimizer_state(self.model, self.optimizer)
         entries = _state(self.model, self.optimizer)
         incoming = self._exchange(plan, entries)
@@ -394,6 +485,8 @@ class PeerSnapshots:
         """Finish the copies in flight and end this iteration's snapshot group."""
         import torch.distributed as dist
 
+        if not self.enabled:
+            return
         self._land()
         dist.destroy_process_group(self._group)
 
@@ -401,6 +494,11 @@ class PeerSnapshots:
         """Bytes of snapshots this process holds (its own shard's and its wards')."""
         return sum(c.nbytes() for c in _HELD.own.values()) + sum(
             c.nbytes() for copies in _HELD.wards.values() for c in copies.values())
+
+
+def published() -> Published:
+    """What this process's rank tells its agent of its snapshots (none taken: all None)."""
+    return _HELD.landed
 
 
 def forget() -> None:

@@ -18,7 +18,7 @@ def test_defaults_and_the_checkpoint_directory_per_job() -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--steps", "0"], "--steps must be a positive integer, got 0"),
-    (["--snapshot-every", "0"], "--snapshot-every must be a positive integer, got 0"),
+    (["--snapshot-every", "-1"], "--snapshot-every must be >= 0 \\(0: no snapshots\\), got -1"),
     (["--layers", "-1"], "--layers must be a positive integer, got -1"),
     (["--lr", "0"], "--lr must be > 0, got 0.0"),
     (["--step-delay", "-1"], "--step-delay must be >= 0, got -1.0"),

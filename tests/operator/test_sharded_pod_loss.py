@@ -75,6 +75,10 @@ def test_a_sharded_job_recovers_a_lost_pod_from_peer_snapshots_bit_for_bit(
     # The spare parks its two rank processes once the workers' ranks showed the restart wrapper.
     wait_for("the spare's parked processes", lambda: len(pod_pids(jobs.ns, spare)) >= 3, timeout=240)
     at = wait_for_steps(local_cluster, jobs.ns, survivor, 20)
+    # The status says how far the snapshots are: the newest step every rank's copy has landed for.
+    snap = wait_for("status.peerSnapshot", lambda: (s := jobs.status(name).get("peerSnapshot") or {}).get(
+        "step", 0) >= 10 and s, timeout=120)
+    assert snap["time"] and not snap.get("fallback"), snap
     assert at < STEPS - 100, f"the job reached step {at} of {STEPS} before the fault: too late to inject it"
     local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
 
@@ -86,11 +90,13 @@ def test_a_sharded_job_recovers_a_lost_pod_from_peer_snapshots_bit_for_bit(
     # Every rank of the new round took its shard from the snapshots: the spare's from their buddies.
     resumed = [e for e in survivor_log + spare_log if e["event"] == "resume" and e["source"] == "peers"]
     assert {e["rank"] for e in resumed} == {0, 1, 2, 3}, story(local_cluster, jobs.ns, survivor, spare)
-    step = {e["step"] for e in resumed}
-    assert len(step) == 1 and step.pop() > 0, resumed
+    steps = {e["step"] for e in resumed}
+    assert len(steps) == 1 and min(steps) > 0, resumed
+    resumed_at = min(steps)
     assert not any(e["event"] == "resume" and e["source"] == "checkpoint" for e in survivor_log + spare_log)
     done = [e for e in survivor_log + spare_log if e["event"] == "done"]
     assert {e["rank"] for e in done} == {0, 1, 2, 3}, done
     assert {e["params_sha256"] for e in done} == {expected}, "the recovered run differs from the fault-free one"
+    assert st["peerSnapshot"]["step"] >= resumed_at, st["peerSnapshot"]  # the new round's ranks report theirs too
     jobs.delete(name)
     wait_for("the job to go", lambda: jobs.gone(name), timeout=90)

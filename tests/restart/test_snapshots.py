@@ -6,7 +6,8 @@ run of those processes, each scenario against a fault-free run of the same scrip
 whole state (as the spares that take their places hold none) while pod 0's ranks are a step ahead; the same,
 with the newest snapshot torn (its copies had not landed on the buddies); a snapshot whose layout differs from
 the model (every rank refuses, naming the tensor, and nothing is restored); both a rank and its buddy lost (no
-snapshot: the checkpoint's turn, with the reason); every rank on one pod (no buddy possible)."""
+snapshot: the checkpoint's turn, with the reason); a memory limit below a rank's snapshots; snapshots turned off
+by the job; every rank on one pod (no buddy possible)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from stalwart.restart import snapshots as snap
+    from stalwart.restart.errors import NonRetryable
     from stalwart.restart.peers import StateMismatch
 
     torch.set_num_threads(1)
@@ -228,6 +230,27 @@ def _rank(rank: int, port: int, out: Any) -> None:
     result["both_lost_reason"] = snaps.fallback_reason
     snaps.close()
 
+    # A memory limit below what one rank's snapshots need: every rank fails at its first snapshot, naming it.
+    snap.forget()
+    model, opt = build()
+    snaps = snap.PeerSnapshots(model, opt, pod=pod, memory_limit=1000)
+    train(model, opt, 0)
+    try:
+        snaps.commit(1)
+        result["limit"] = None
+    except NonRetryable as e:
+        result["limit"] = str(e)
+    snaps.close()
+
+    # The job turned snapshots off (restartPolicy.inProcess.peerSnapshots.enabled: false).
+    snap.forget()
+    os.environ["STALWART_SNAPSHOTS"] = "false"
+    snaps = snap.PeerSnapshots(model, opt, pod=pod)
+    snaps.commit(1)
+    result["off"] = [snaps.restore(), snaps.fallback_reason, snaps.held_bytes()]
+    snaps.close()
+    del os.environ["STALWART_SNAPSHOTS"]
+
     try:
         snap.PeerSnapshots(model, opt, pod="one-pod")
         result["one_pod"] = None
@@ -300,3 +323,19 @@ def test_snapshots_with_every_rank_on_one_pod_are_refused(runs: dict[int, dict[s
     for r in runs.values():
         assert r["one_pod"] is not None and "PeerSnapshots: peer snapshots need ranks on at least two pods" \
             in r["one_pod"]
+
+
+@pytest.mark.integration
+def test_a_memory_limit_below_a_ranks_snapshots_fails_every_rank_at_the_first_naming_it(
+        runs: dict[int, dict[str, Any]]) -> None:
+    for r in runs.values():
+        assert r["limit"] is not None and "above the memory_limit argument (1,000 bytes)" in r["limit"], r["limit"]
+
+
+@pytest.mark.integration
+def test_snapshots_turned_off_by_the_job_take_nothing_and_leave_it_to_the_checkpoint(
+        runs: dict[int, dict[str, Any]]) -> None:
+    for r in runs.values():
+        restored, reason, held = r["off"]
+        assert restored is None and held == 0
+        assert "peerSnapshots.enabled: false" in reason

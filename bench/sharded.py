@@ -1,0 +1,226 @@
+"""Sharded pod-loss benchmark: FSDP2 on the local cluster, a worker pod force-deleted, recovered two ways.
+
+The job: ``stalwart.examples.train_fsdp`` (FSDP2 ``fully_shard`` over gloo, Adam), 2 workers of 2 ranks and one
+spare pod (4 ranks), a checkpoint every ``--checkpoint-every`` steps in both cases, the fault after
+``--warmup`` steps.
+
+* ``stalwart``: peer snapshots after every step (``--snapshot-every 1``), warm spares as a job with spares has
+  them by default: the survivor keeps its processes, the spare's parked processes take the lost ranks, each
+  rank's shard comes from its own memory or its buddy's;
+* ``checkpoint``: the anchor, what a sharded job does without peer state: no snapshots, warm spares off
+  (``warmSpares: false``): every rank process is started again in the new round and loads its shard of the
+  last checkpoint, and the steps since are computed again.
+
+Rows per size and implementation (``params``: the model's parameters; Adam's state doubles them):
+
+* ``raw_seconds``: from the fault to the first step completed after it by every rank at full world size;
+  ``net_seconds``: that, minus one fault-free step (the step time, also printed as ``step_seconds``, the
+  median of the steps before the fault);
+* ``steps_recomputed``: steps done before the fault that were done again;
+* ``seconds``: what the fault cost, back to where training was: ``net_seconds`` plus a ``step_seconds`` for
+  each step recomputed;
+* ``snapshot_overhead``: the stalwart run's step time over the checkpoint run's, minus one (the snapshots' cost
+  as a fraction of a step; the two runs are consecutive, not interleaved, on this noisy machine);
+* ``snapshot_bytes_per_rank``: the snapshots one rank holds at the end (its own shard's two newest and its
+  wards').
+
+Usage: ``python bench/sharded.py [--params 25000000 100000000] [--plot docs/sharded.png] [--save-events F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from podloss import Events, parse  # noqa: E402
+
+from stalwart.examples.train_fsdp import IN_FEATURES, OUT_FEATURES  # noqa: E402
+from stalwart.local.cluster import LocalCluster  # noqa: E402
+
+NS = "sharded"
+WORLD = 4
+
+
+def hidden_for(params: int, layers: int = 2) -> int:
+    """The hidden width whose model (``layers`` hidden layers) has about ``params`` parameters."""
+    h = 1
+    while True:
+        n = (IN_FEATURES + 1) * h + (layers - 1) * (h + 1) * h + (h + 1) * OUT_FEATURES
+        if n >= params:
+            return h
+        h = max(h + 1, int(h * 1.01))
+
+
+def case(cluster: LocalCluster, args: argparse.Namespace, impl: str, params: int) -> tuple[float, Events]:
+    name = f"sh-{uuid.uuid4().hex[:6]}"
+    script = ["python", "-m", "stalwart.examples.train_fsdp", "--steps", str(args.steps), "--hidden",
+              str(hidden_for(params)), "--checkpoint-every", str(args.checkpoint_every), "--log-every", "1",
+              "--snapshot-every", "1" if impl == "stalwart" else "0", "--batch-size", str(args.batch_size)]
+    body = {"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"replicas": 2, "spares": 1, "nprocPerNode": 2, "rendezvous": {"lastCallSeconds": 1},
+                     "restartPolicy": {"inProcess": {"warmSpares": impl == "stalwart"}},
+                     "template": {"spec": {"containers": [{
+                         "name": "trainer", "image": "stalwart/trainer", "command": script,
+                         "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]}]}}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    victim = f"{name}-worker-1"
+    logs: dict[str, str] = {}
+
+    def status() -> dict[str, Any]:
+        got = cluster.kubectl("get", "tj", name, "-n", NS, "-o", "json", check=False)
+        return (json.loads(got.stdout).get("status") or {}) if got.returncode == 0 else {}
+
+    def wait(what: str, check: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not (result := check()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: timed out waiting for {what}; status {status()}")
+            time.sleep(0.2)
+        return result
+
+    def pod_log(pod: str) -> None:
+        got = cluster.kubectl("logs", pod, "-n", NS, check=False)
+        if got.returncode == 0:
+            logs[pod] = got.stdout
+
+    wait("warm-up steps", lambda: (status().get("progress") or {}).get("step", 0) >= args.warmup, 1800)
+    pod_log(victim)
+    t_fault = time.time()
+    cluster.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force", "--wait=false")
+    st = wait("the end", lambda: (s := status()).get("phase") in ("Succeeded", "Failed") and s, 3600)
+    if st["phase"] != "Succeeded":
+        raise RuntimeError(f"{name} failed: {st}")
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-o", "json").stdout)["items"]
+    for p in pods:
+        if p["metadata"]["name"].startswith(name):
+            pod_log(p["metadata"]["name"])
+    cluster.kubectl("delete", "tj", name, "-n", NS, "--wait=false", check=False)
+    return t_fault, [e for text in logs.values() for e in parse(text)]
+
+
+def step_seconds(events: Events, t_fault: float) -> float:
+    before = sorted(e["time"] for e in events if e["event"] == "step" and e["time"] < t_fault and e["rank"] == 0)
+    gaps = [b - a for a, b in itertools.pairwise(before)]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def measure(impl: str, params: int, t_fault: float, events: Events) -> list[dict[str, Any]]:
+    steps = [e for e in events if e["event"] == "step"]
+    step_s = step_seconds(events, t_fault)
+    done_before = max((e["step"] for e in steps if e["time"] < t_fault), default=0)
+    firsts = []
+    for r in range(WORLD):
+        resumes = [e["time"] for e in events if e["event"] == "resume" and e["rank"] == r and e["time"] >= t_fault]
+        after = [e["time"] for e in steps if e["rank"] == r and resumes and e["time"] > min(resumes)]
+        firsts.append(min(after, default=float("nan")))
+    resumed = [e for e in events if e["event"] == "resume" and e["time"] >= t_fault]
+    restart_from = min((e["step"] for e in resumed), default=done_before)
+    raw = max(firsts) - t_fault
+    base = {"bench": "sharded", "impl": impl, "params": params}
+    sources = sorted({e["source"] for e in resumed})
+    recomputed = max(0, done_before - restart_from)
+    lost = None if math.isnan(raw) else raw - step_s
+    rows: list[dict[str, Any]] = [
+        {**base, "metric": "raw_seconds", "value": None if math.isnan(raw) else round(raw, 3)},
+        {**base, "metric": "net_seconds", "value": None if lost is None else round(lost, 3), "sources": sources},
+        {**base, "metric": "steps_recomputed", "value": recomputed},
+        {**base, "metric": "seconds", "value": None if lost is None else round(lost + recomputed * step_s, 3)},
+        {**base, "metric": "step_seconds", "value": round(step_s, 4)},
+    ]
+    held = [e.get("snapshot_bytes", 0) for e in events if e["event"] == "done"]
+    if impl == "stalwart":
+        rows.append({**base, "metric": "snapshot_bytes_per_rank", "value": max(held, default=0)})
+    return rows
+
+
+def plot(path: Path, runs: dict[tuple[str, int], tuple[float, Events]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({p for _, p in runs})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), squeeze=False)
+    for ax, params in zip(axes[0], sizes, strict=True):
+        for (impl, p), (t_fault, events) in sorted(runs.items()):
+            if p != params:
+                continue
+            pts = sorted((e["time"] - t_fault, e["step"]) for e in events if e["event"] == "step" and e["rank"] == 0)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], ".", ms=3, label=impl)
+        ax.axvline(0, color="red", lw=1, label="pod force-deleted")
+        ax.set_title(f"{params / 1e6:g} M parameters (FSDP2, 4 ranks, Adam)")
+        ax.set_xlabel("seconds from the fault")
+        ax.set_ylabel("step (rank 0)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", nargs="+", type=int, default=[25_000_000, 100_000_000])
+    p.add_argument("--impls", nargs="+", default=["stalwart", "checkpoint"], choices=["stalwart", "checkpoint"])
+    p.add_argument("--steps", type=int, default=110)
+    p.add_argument("--warmup", type=int, default=75, help="steps before the fault")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--save-events", type=Path, default=None,
+                   help="write every case's rank events (and the fault's time) to this file, one JSON line a case")
+    args = p.parse_args()
+    from stalwart.operator.embedded import EmbeddedOperator
+    from stalwart.operator.handlers import OperatorRunConfig
+    from stalwart.operator.model import ReconcileSettings
+
+    cluster = LocalCluster.up(Path(tempfile.mkdtemp(prefix="sharded-cluster-")), nodes=3, timeout=120.0)
+    runs: dict[tuple[str, int], tuple[float, Events]] = {}
+    try:
+        cluster.kubectl("apply", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
+        cluster.kubectl("create", "namespace", NS)
+        op = EmbeddedOperator(OperatorRunConfig(namespaces=(NS,), default_endpoints=(str(cluster.etcd_endpoint),),
+                                             settings=ReconcileSettings(status_interval=0.5)),
+                              str(cluster.kubeconfig)).start()
+        try:
+            for params in args.params:
+                steps: dict[str, float] = {}
+                for impl in args.impls:
+                    t_fault, events = case(cluster, args, impl, params)
+                    runs[(impl, params)] = (t_fault, events)
+                    if args.save_events is not None:
+                        with args.save_events.open("a") as f:
+                            f.write(json.dumps({"impl": impl, "params": params, "t_fault": t_fault,
+                                                "events": events}) + "\n")
+                    steps[impl] = step_seconds(events, t_fault)
+                    for row in measure(impl, params, t_fault, events):
+                        print(json.dumps(row), flush=True)
+                if steps.get("checkpoint") and "stalwart" in steps:
+                    print(json.dumps({"bench": "sharded", "impl": "stalwart", "params": params,
+                                      "metric": "snapshot_overhead",
+                                      "value": round(steps["stalwart"] / steps["checkpoint"] - 1, 4),
+                                      "step_seconds": {k: round(v, 4) for k, v in steps.items()}}), flush=True)
+        finally:
+            op.stop()
+        if args.plot is not None and runs:
+            plot(args.plot, runs)
+    finally:
+        cluster.down()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
