@@ -24,7 +24,8 @@ Rows per size and implementation (``params``: the model's parameters; Adam's sta
 * ``snapshot_bytes_per_rank``: the snapshots one rank holds at the end (its own shard's two newest and its
   wards').
 
-Usage: ``python bench/sharded.py [--params 25000000 100000000] [--plot docs/sharded.png] [--save-events F]``.
+Usage: ``python bench/sharded.py [--params 25000000 100000000] [--plot docs/sharded.png] [--save-events F]``;
+``--replot F... --plot PNG`` draws saved runs again.
 """
 
 from __future__ import annotations
@@ -182,7 +183,14 @@ def main() -> int:
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--save-events", type=Path, default=None,
                    help="write every case's rank events (and the fault's time) to this file, one JSON line a case")
+    p.add_argument("--replot", type=Path, nargs="+", default=None,
+                   help="draw --plot from files --save-events wrote, running nothing")
     args = p.parse_args()
+    if args.replot:
+        saved = [json.loads(line) for path in args.replot for line in path.read_text().splitlines() if line]
+        plot(args.plot or ROOT / "docs" / "sharded.png",
+             {(d["impl"], d["params"]): (d["t_fault"], d["events"]) for d in saved})
+        return 0
     from stalwart.operator.embedded import EmbeddedOperator
     from stalwart.operator.handlers import OperatorRunConfig
     from stalwart.operator.model import ReconcileSettings

@@ -23,11 +23,11 @@ from dataclasses import dataclass, replace
 from typing import Literal
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stalwart.agent.progress import ProgressBook
 
-__all__ = ["AgentMetrics", "MetricsState", "Recovered", "Restarted", "RoundJoined", "events"]
+__all__ = ["AgentMetrics", "MetricsState", "Recovered", "Restarted", "RoundJoined", "events", "pod_snapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,14 @@ class MetricsState:
     process_restarts: int = 0
     recovered: float = 0.0
     running: tuple[tuple[int, int], float] | None = None
+
+
+def pod_snapshot(book: ProgressBook) -> tuple[int, float] | None:
+    """(step, time) of the oldest peer snapshot of the pod's ranks, when every rank has one. Pure."""
+    if not book.ranks or any(r.snapshot_step is None or r.snapshot_time is None for r in book.ranks):
+        return None
+    oldest = min(book.ranks, key=lambda r: (r.snapshot_step or 0, r.snapshot_time or 0.0))
+    return (oldest.snapshot_step or 0, oldest.snapshot_time or 0.0)
 
 
 def _faults(faulted: int | None) -> int:
@@ -142,6 +150,13 @@ class AgentMetrics:
                                "A recovery's phases: resume (fault to the ranks running the training function "
                                "again), first_step (from there to the first step), by the fault's kind.",
                                ["kind", "phase"], buckets=BUCKETS, registry=self.registry)
+        self.snapshot_step = Gauge("stalwart_agent_peer_snapshot_step",
+                                   "The newest step of which every rank of this pod has a peer snapshot landed on "
+                                   "its buddy (stalwart.restart.PeerSnapshots); 0 until there is one.",
+                                   registry=self.registry)
+        self.snapshot_time = Gauge("stalwart_agent_peer_snapshot_timestamp_seconds",
+                                   "When that snapshot's last copy landed (its age: time() minus this).",
+                                   registry=self.registry)
         self.state = MetricsState()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -150,6 +165,10 @@ class AgentMetrics:
         self.state, happened = events(self.state, book, wall=wall)
         for e in happened:
             self._count(e)
+        snap = pod_snapshot(book)
+        if snap is not None:
+            self.snapshot_step.set(snap[0])
+            self.snapshot_time.set(snap[1])
         return happened
 
     def _count(self, e: Event) -> None:

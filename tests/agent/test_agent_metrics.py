@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.agent.metrics import AgentMetrics, MetricsState, Recovered, Restarted, RoundJoined, events
+from stalwart.agent.metrics import (
+    AgentMetrics,
+    MetricsState,
+    Recovered,
+    Restarted,
+    RoundJoined,
+    events,
+    pod_snapshot,
+)
 from stalwart.agent.progress import ProgressBook, joined, respawned
 from stalwart.api.restart import FailureInfo, RankReport, RoundSummary
 from stalwart.local.etcd import EtcdServer
@@ -144,3 +152,24 @@ def test_a_running_agent_serves_its_recovery_and_stops_serving_when_it_exits(etc
     assert agent.returncode == 0, err[-3000:]
     with pytest.raises(urllib.error.URLError):
         scrape(port)
+
+
+def snapshotted(slot: int, step: int | None, at: float | None) -> RankReport:
+    return RankReport(local_rank=slot, slot=slot, rank=slot, pid=100 + slot, state="running",
+                      snapshot_step=step, snapshot_time=at)
+
+
+@pytest.mark.parametrize(("ranks", "expected"), [
+    ((), None),
+    ((snapshotted(0, 40, T + 5), snapshotted(1, 39, T + 4)), (39, T + 4)),  # the oldest: every rank has it
+    ((snapshotted(0, 40, T + 5), snapshotted(1, None, None)), None),        # a rank without one yet
+])
+def test_the_pods_peer_snapshot_is_its_oldest_ranks(ranks: tuple[RankReport, ...],
+                                                    expected: tuple[int, float] | None) -> None:
+    the_book = replace(book(), ranks=ranks)
+    assert pod_snapshot(the_book) == expected
+    metrics = AgentMetrics()
+    metrics.observe(the_book, wall=T + 6)
+    step = metrics.registry.get_sample_value("stalwart_agent_peer_snapshot_step")
+    when = metrics.registry.get_sample_value("stalwart_agent_peer_snapshot_timestamp_seconds")
+    assert (step, when) == ((float(expected[0]), expected[1]) if expected else (0.0, 0.0))
