@@ -222,9 +222,9 @@ class SilentStream:
 
 def silence_watches() -> None:
     """Fault injection on top of the real etcd: every watch stream of this process delivers nothing."""
-    from stalwart.etcd import store
+    from stalwart.etcd import members
 
-    base = store.rpc_grpc.WatchStub
+    base = members.rpc_grpc.WatchStub
 
     class Stub(base):  # type: ignore[misc,valid-type]
         def __init__(self, channel: Any) -> None:
@@ -232,7 +232,7 @@ def silence_watches() -> None:
             inner = self.Watch
             self.Watch = lambda *a, **kw: SilentStream(inner(*a, **kw))
 
-    store.rpc_grpc.WatchStub = Stub
+    members.rpc_grpc.WatchStub = Stub
 
 
 def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:

@@ -64,6 +64,7 @@ def fault_free_digest(tmp: Path) -> str:
     return digests.pop()
 
 
+@pytest.mark.timeout(900)  # a reference run of four processes, then a job of six rank processes, on two cores
 def test_a_sharded_job_recovers_a_lost_pod_from_peer_snapshots_bit_for_bit(
         start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster, tmp_path: Path) -> None:
     expected = fault_free_digest(tmp_path)
@@ -82,7 +83,7 @@ def test_a_sharded_job_recovers_a_lost_pod_from_peer_snapshots_bit_for_bit(
     assert at < STEPS - 100, f"the job reached step {at} of {STEPS} before the fault: too late to inject it"
     local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
 
-    st = wait_for("Succeeded", phase_is(jobs, name, "Succeeded", "Failed"), timeout=300)
+    st = wait_for("Succeeded", phase_is(jobs, name, "Succeeded", "Failed"), timeout=600)
     assert st["phase"] == "Succeeded", (st, story(local_cluster, jobs.ns, survivor, spare))
     survivor_log, spare_log = events(local_cluster, jobs.ns, survivor), events(local_cluster, jobs.ns, spare)
     # The survivor's two processes are the ones it started with.
