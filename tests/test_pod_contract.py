@@ -43,6 +43,15 @@ def _resolve(env: list[dict[str, Any]], pod: str, ip: str, token: str) -> dict[s
     return out
 
 
+def _first_round(s: PodSettings) -> RoundInfo:
+    """Round 1 (epoch 5) with ``s``'s pod its one member, ranks 0-1."""
+    manifest = Manifest(round=1, members=[
+        Member(node_id="train-worker-1", address="10.0.0.7", group_rank=0, rank_offset=0, nproc=2)],
+        world_size=2, master_addr="10.0.0.7", master_port=29400, sealed_by="train-worker-1")
+    return RoundInfo(node_id=s.node_id, epoch=5, role="member", header=ManifestHeader.of(manifest), node_revision=3,
+                     member=manifest.members[0])
+
+
 def _settings() -> PodSettings:
     spec = TrainingJobSpec.model_validate(SPEC)
     pod = pod_manifest(job="train", namespace="team", uid="uid-1", spec=spec, name="train-worker-1",
@@ -134,11 +143,7 @@ def test_every_restart_setting_travels_from_the_spec_to_the_ranks_config(tmp_pat
     # holds arrives, through the JobRecord, the agent's rank environment and the variables, in RestartConfig.
     values = {setting.wire: 10 + 2 * i for i, setting in enumerate(RESTART_SETTINGS)}
     s = _settings()
-    manifest = Manifest(round=1, members=[
-        Member(node_id="train-worker-1", address="10.0.0.7", group_rank=0, rank_offset=0, nproc=2)],
-        world_size=2, master_addr="10.0.0.7", master_port=29400, sealed_by="train-worker-1")
-    info = RoundInfo(node_id=s.node_id, epoch=5, role="member", header=ManifestHeader.of(manifest), node_revision=3,
-                     member=manifest.members[0])
+    info = _first_round(s)
     job = TrainingJob.model_validate({"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
                                      "metadata": {"name": "train", "namespace": "team", "uid": "uid-1"},
                                      "spec": {**SPEC, "minReplicas": 1, "restartPolicy": {"inProcess": values}}})
@@ -167,11 +172,7 @@ def test_the_peer_snapshot_policy_travels_from_the_spec_to_the_ranks(policy: dic
                                                                     read: pod_env.SnapshotEnvironment,
                                                                     tmp_path: Path) -> None:
     s = _settings()
-    manifest = Manifest(round=1, members=[
-        Member(node_id="train-worker-1", address="10.0.0.7", group_rank=0, rank_offset=0, nproc=2)],
-        world_size=2, master_addr="10.0.0.7", master_port=29400, sealed_by="train-worker-1")
-    info = RoundInfo(node_id=s.node_id, epoch=5, role="member", header=ManifestHeader.of(manifest), node_revision=3,
-                     member=manifest.members[0])
+    info = _first_round(s)
     job = TrainingJob.model_validate({"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
                                      "metadata": {"name": "train", "namespace": "team", "uid": "uid-1"},
                                      "spec": {**SPEC, "restartPolicy": {"inProcess": {"peerSnapshots": policy}}}})
