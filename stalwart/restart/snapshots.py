@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,12 @@ __all__ = ["PeerSnapshots", "Published", "ensure_optimizer_state", "forget", "pu
 
 #: Snapshot steps kept per shard: the newest, and the one before it (in use while the newest is in flight).
 KEEP = 2
+
+#: How long the copies of an iteration that ended may take to settle. Its connections were shut down when it
+#: was interrupted, so nothing of them progresses any more: a copy that had landed reports so at once, and one
+#: that had not fails or never reports at all (gloo leaves a send that waits for its receiver pending after
+#: its connection is shut down, and forever once the group is destroyed).
+SETTLE_SECONDS = 2.0
 
 
 @dataclass(slots=True)
@@ -95,6 +102,8 @@ class _Held:
     receiving: list[tuple[int, _Copy, list[Any]]] = field(default_factory=list)
     #: The step of the copy being sent, and what this rank tells its agent (:func:`published`).
     sending_step: int | None = None
+    #: The snapshot group those copies travel on (an earlier iteration's, once a fault ended it).
+    group: Any = None
     landed: Published = field(default_factory=Published)
 
     def holding(self) -> Holding:
@@ -223,6 +232,18 @@ def _wait(works: list[Any]) -> None:
         work.wait()
 
 
+def _wait_one(work: Any) -> None:
+    work.wait()
+
+
+def _settling_wait(deadline: float) -> Callable[[Any], None]:
+    """A wait for each of an ended iteration's copies, all within one deadline (RuntimeError past it)."""
+    def wait(work: Any) -> None:
+        # A work that completed returns at once even with no time left; gloo reads a zero timeout as none.
+        work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    return wait
+
+
 def _pod_key(pod: str) -> int:
     return int.from_bytes(hashlib.sha256(pod.encode()).digest()[:7], "big")
 
@@ -296,11 +317,14 @@ class PeerSnapshots:
     def _land(self) -> None:
         """Wait for the copies the last commit started (in this iteration or the one a fault ended); a ward's
         copy whose every part arrived becomes a snapshot held for it. One that failed (its sender went with
-        its pod, or the group was aborted under it) never landed."""
+        its pod, or the group was aborted under it) never landed; nor did one of an ended iteration that has
+        not settled within :data:`SETTLE_SECONDS`."""
+        settle = _HELD.group is not None and _HELD.group is not self._group
+        wait = _settling_wait(time.monotonic() + SETTLE_SECONDS) if settle else _wait_one
         sent = bool(_HELD.sending)
         for work in _HELD.sending:
             try:
-                work.wait()
+                wait(work)
             except RuntimeError as e:
                 log.info("rank %d: a snapshot copy sent to the buddy was lost: %s", self.rank, e)
                 sent = False
@@ -309,13 +333,13 @@ class PeerSnapshots:
         for shard, copy, works in _HELD.receiving:
             try:
                 for work in works:
-                    work.wait()
+                    wait(work)
             except RuntimeError as e:
                 log.info("rank %d: the snapshot of step %d from rank %d did not land: %s", self.rank, copy.step,
                          shard, e)
                 continue
             _HELD.wards.setdefault(shard, {})[copy.step] = copy
-        _HELD.sending, _HELD.receiving = [], []
+        _HELD.sending, _HELD.receiving, _HELD.group = [], [], None
         _HELD.prune()
 
     def _send(self, mine: _Copy) -> None:
@@ -343,7 +367,7 @@ class PeerSnapshots:
         if not self._limit_checked:
             self._check_limit(mine)
         _HELD.sending = [dist.isend(mine.flats[d], self.buddy, group=self._group) for d in sorted(mine.flats)]
-        _HELD.sending_step = mine.step
+        _HELD.sending_step, _HELD.group = mine.step, self._group
         for w in self.wards:
             ward_layout = _layout_from(self._ward_layouts[w])
             copy = _Copy(int(heads[w][0]), ward_layout,
