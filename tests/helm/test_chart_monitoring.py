@@ -36,6 +36,8 @@ JOB_NAME_TARGET_LABEL = re.sub(r"[^a-zA-Z0-9_]", "_", naming.LABEL_JOB_NAME)
 # Labels every series the chart's PodMonitor scrapes carries besides its own: job (<PodMonitor namespace>/<its
 # name>), the pod's namespace and name, and the job-name label of podTargetLabels.
 AGENT_TARGET_LABELS = frozenset({"job", "namespace", "pod", JOB_NAME_TARGET_LABEL})
+#: The alerts on the agents' series (rendered with metrics.agents.enabled).
+AGENT_ALERTS = ("StalwartSlowRecovery", "StalwartPeerSnapshotStale")
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 
@@ -207,14 +209,14 @@ def test_alerts_use_only_what_the_operator_exposes(render: Render) -> None:
     assert [r["alert"] for r in alerts] == ["StalwartJobFailed", "StalwartJobRestartingTooLong",
                                             "StalwartHighRestartRate", "StalwartOperatorAPIErrors",
                                             "StalwartOperatorEtcdErrors", "StalwartOperatorDown",
-                                            "StalwartSlowRecovery"]
+                                            "StalwartSlowRecovery", "StalwartPeerSnapshotStale"]
     service = one(docs, "Service", "-operator-metrics")["metadata"]["name"]
     target = f'job="{service}", namespace="{NAMESPACE}"'
     monitor = one(docs, "PodMonitor", "-agents")["metadata"]
     agents_target = f'job="{monitor["namespace"]}/{monitor["name"]}"'
     for alert in alerts:
         expr = alert["expr"]
-        if alert["alert"] == "StalwartSlowRecovery":
+        if alert["alert"] in AGENT_ALERTS:
             # The agents' series, as the chart's PodMonitor scrapes them (job=<its namespace>/<its name>).
             assert problems(expr, AGENT_TARGET_LABELS) == [], alert["alert"]
             for name, matchers in SELECTOR.findall(expr):
@@ -274,6 +276,7 @@ def test_alert_thresholds_come_from_the_values(render: Render) -> None:
     ({"metrics": {"agents": {"podmonitor": {}}}}, "'podmonitor' not allowed"),
     ({"metrics": {"prometheusRule": {"recoverySeconds": -1}}}, "/metrics/prometheusRule/recoverySeconds"),
     ({"metrics": {"prometheusRule": {"recoverySeconds": "60s"}}}, "/metrics/prometheusRule/recoverySeconds"),
+    ({"metrics": {"prometheusRule": {"snapshotAgeSeconds": -1}}}, "/metrics/prometheusRule/snapshotAgeSeconds"),
 ])
 def test_schema_refuses_bad_monitoring_values(chart: helm_python.Chart, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmValuesError) as err:
@@ -324,7 +327,10 @@ def test_dashboard_has_the_agents_panels() -> None:
     exprs = " ".join(target["expr"] for _, target in dashboard_targets())
     assert AGENT_SERIES & set(STALWART.findall(exprs)) == {
         "stalwart_agent_restarts_total", "stalwart_agent_rendezvous_rounds_total",
-        "stalwart_agent_recovery_seconds_bucket", "stalwart_agent_recovery_phase_seconds_bucket"}
+        "stalwart_agent_recovery_seconds_bucket", "stalwart_agent_recovery_phase_seconds_bucket",
+        "stalwart_agent_peer_snapshot_step", "stalwart_agent_peer_snapshot_timestamp_seconds"}
+    # A pod without snapshots reports 0: shown as no snapshot, not as one taken in 1970.
+    assert "time() - (stalwart_agent_peer_snapshot_timestamp_seconds > 0)" in exprs
     assert "sum by (tier) (rate(stalwart_agent_restarts_total[" in exprs
     assert "sum by (kept) (rate(stalwart_agent_rendezvous_rounds_total[" in exprs
     for quantile in ("0.5", "0.9"):
@@ -411,13 +417,25 @@ def test_slow_recovery_alert_takes_its_bound_from_the_values(render: Render) -> 
     assert "12.5 seconds" in custom["annotations"]["summary"]
 
 
-def test_no_slow_recovery_alert_without_the_agents_metrics(render: Render) -> None:
+def test_stale_snapshot_alert_takes_its_bound_from_the_values_and_skips_jobs_without_snapshots(
+        render: Render) -> None:
+    default = {r["alert"]: r for r in rules(render(ENABLED, MONITORING))}["StalwartPeerSnapshotStale"]
+    # The job's complete snapshot is its oldest pod's; a pod that has none (0) is left out, not taken as 1970.
+    assert re.fullmatch(rf"time\(\) - min by \(namespace, {JOB_NAME_TARGET_LABEL}\) "
+                        r"\(stalwart_agent_peer_snapshot_timestamp_seconds\{[^}]*\} > 0\) > 600", default["expr"])
+    assert default["for"] == "5m" and "600 seconds" in default["annotations"]["summary"]
+    values = {"metrics": ENABLED["metrics"] | {"prometheusRule": {"enabled": True, "snapshotAgeSeconds": 90}}}
+    custom = {r["alert"]: r for r in rules(render(values, MONITORING))}["StalwartPeerSnapshotStale"]
+    assert custom["expr"].endswith("> 0) > 90") and "90 seconds" in custom["annotations"]["summary"]
+
+
+def test_no_agent_alert_without_the_agents_metrics(render: Render) -> None:
     values = {"metrics": ENABLED["metrics"] | {"agents": {"enabled": False}}}
     names = [r["alert"] for r in rules(render(values, MONITORING))]
-    assert "StalwartSlowRecovery" not in names and "StalwartOperatorDown" in names
-    # Without the PodMonitor the agents still serve: another Prometheus may scrape them, so the alert stays.
+    assert not set(AGENT_ALERTS) & set(names) and "StalwartOperatorDown" in names
+    # Without the PodMonitor the agents still serve: another Prometheus may scrape them, so the alerts stay.
     values = {"metrics": ENABLED["metrics"] | {"agents": {"podMonitor": {"enabled": False}}}}
-    assert "StalwartSlowRecovery" in [r["alert"] for r in rules(render(values, MONITORING))]
+    assert set(AGENT_ALERTS) <= {r["alert"] for r in rules(render(values, MONITORING))}
 
 
 
