@@ -4,9 +4,9 @@ The job: ``stalwart.examples.train_fsdp`` (FSDP2 ``fully_shard`` over gloo, Adam
 spare pod (4 ranks), a checkpoint every ``--checkpoint-every`` steps in both cases, the fault after
 ``--warmup`` steps.
 
-* ``stalwart``: peer snapshots after every step (``--snapshot-every 1``), warm spares as a job with spares has
-  them by default: the survivor keeps its processes, the spare's parked processes take the lost ranks, each
-  rank's shard comes from its own memory or its buddy's;
+* ``stalwart``: peer snapshots after every step (``--snapshot-every 1``; several values, one case each), warm
+  spares as a job with spares has them by default: the survivor keeps its processes, the spare's parked
+  processes take the lost ranks, each rank's shard comes from its own memory or its buddy's;
 * ``checkpoint``: the anchor, what a sharded job does without peer state: no snapshots, warm spares off
   (``warmSpares: false``): every rank process is started again in the new round and loads its shard of the
   last checkpoint, and the steps since are computed again.
@@ -21,10 +21,12 @@ Rows per size and implementation (``params``: the model's parameters; Adam's sta
   each step recomputed;
 * ``snapshot_overhead``: the stalwart run's step time over the checkpoint run's, minus one (the snapshots' cost
   as a fraction of a step; the two runs are consecutive, not interleaved, on this noisy machine);
+  the stalwart rows carry ``snapshot_every``;
 * ``snapshot_bytes_per_rank``: the snapshots one rank holds at the end (its own shard's two newest and its
   wards').
 
-Usage: ``python bench/sharded.py [--params 25000000 100000000] [--plot docs/sharded.png] [--save-events F]``;
+Usage: ``python bench/sharded.py [--params 25000000 100000000] [--snapshot-every 1 2] [--plot docs/sharded.png]
+[--save-events F]``;
 ``--replot F... --plot PNG`` draws saved runs again.
 """
 
@@ -65,11 +67,11 @@ def hidden_for(params: int, layers: int = 2) -> int:
         h = max(h + 1, int(h * 1.01))
 
 
-def case(cluster: LocalCluster, args: argparse.Namespace, impl: str, params: int) -> tuple[float, Events]:
+def case(cluster: LocalCluster, args: argparse.Namespace, impl: str, params: int, every: int) -> tuple[float, Events]:
     name = f"sh-{uuid.uuid4().hex[:6]}"
     script = ["python", "-m", "stalwart.examples.train_fsdp", "--steps", str(args.steps), "--hidden",
               str(hidden_for(params)), "--checkpoint-every", str(args.checkpoint_every), "--log-every", "1",
-              "--snapshot-every", "1" if impl == "stalwart" else "0", "--batch-size", str(args.batch_size)]
+              "--snapshot-every", str(every) if impl == "stalwart" else "0", "--batch-size", str(args.batch_size)]
     body = {"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
             "metadata": {"name": name, "namespace": NS},
             "spec": {"replicas": 2, "spares": 1, "nprocPerNode": 2, "rendezvous": {"lastCallSeconds": 1},
@@ -172,6 +174,10 @@ def plot(path: Path, runs: dict[tuple[str, int], tuple[float, Events]]) -> None:
     fig.savefig(path, dpi=110)
 
 
+def label(impl: str, every: int) -> str:
+    return f"{impl} (snapshot every {every} steps)" if impl == "stalwart" and every != 1 else impl
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", nargs="+", type=int, default=[25_000_000, 100_000_000])
@@ -179,6 +185,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=110)
     p.add_argument("--warmup", type=int, default=75, help="steps before the fault")
     p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--snapshot-every", type=int, nargs="+", default=[1],
+                   help="steps between peer snapshots in the stalwart case (several: a case each)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--save-events", type=Path, default=None,
@@ -189,7 +197,7 @@ def main() -> int:
     if args.replot:
         saved = [json.loads(line) for path in args.replot for line in path.read_text().splitlines() if line]
         plot(args.plot or ROOT / "docs" / "sharded.png",
-             {(d["impl"], d["params"]): (d["t_fault"], d["events"]) for d in saved})
+             {(label(d["impl"], d.get("snapshot_every", 1)), d["params"]): (d["t_fault"], d["events"]) for d in saved})
         return 0
     from stalwart.operator.embedded import EmbeddedOperator
     from stalwart.operator.handlers import OperatorRunConfig
@@ -205,22 +213,28 @@ def main() -> int:
                               str(cluster.kubeconfig)).start()
         try:
             for params in args.params:
-                steps: dict[str, float] = {}
-                for impl in args.impls:
-                    t_fault, events = case(cluster, args, impl, params)
-                    runs[(impl, params)] = (t_fault, events)
+                steps: dict[tuple[str, int], float] = {}
+                cases = [(impl, every) for impl in args.impls
+                         for every in (args.snapshot_every if impl == "stalwart" else [0])]
+                for impl, every in cases:
+                    t_fault, events = case(cluster, args, impl, params, every)
+                    runs[(label(impl, every), params)] = (t_fault, events)
                     if args.save_events is not None:
                         with args.save_events.open("a") as f:
-                            f.write(json.dumps({"impl": impl, "params": params, "t_fault": t_fault,
-                                                "events": events}) + "\n")
-                    steps[impl] = step_seconds(events, t_fault)
+                            f.write(json.dumps({"impl": impl, "snapshot_every": every, "params": params,
+                                                "t_fault": t_fault, "events": events}) + "\n")
+                    steps[(impl, every)] = step_seconds(events, t_fault)
                     for row in measure(impl, params, t_fault, events):
-                        print(json.dumps(row), flush=True)
-                if steps.get("checkpoint") and "stalwart" in steps:
-                    print(json.dumps({"bench": "sharded", "impl": "stalwart", "params": params,
-                                      "metric": "snapshot_overhead",
-                                      "value": round(steps["stalwart"] / steps["checkpoint"] - 1, 4),
-                                      "step_seconds": {k: round(v, 4) for k, v in steps.items()}}), flush=True)
+                        print(json.dumps(row | ({"snapshot_every": every} if impl == "stalwart" else {})),
+                              flush=True)
+                anchor = steps.get(("checkpoint", 0))
+                for (impl, every), step_s in steps.items():
+                    if anchor and impl == "stalwart":
+                        print(json.dumps({"bench": "sharded", "impl": "stalwart", "params": params,
+                                          "snapshot_every": every, "metric": "snapshot_overhead",
+                                          "value": round(step_s / anchor - 1, 4),
+                                          "step_seconds": {"stalwart": round(step_s, 4),
+                                                           "checkpoint": round(anchor, 4)}}), flush=True)
         finally:
             op.stop()
         if args.plot is not None and runs:
