@@ -51,13 +51,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cluster_job import ClusterJob, Events, operated_cluster, parse  # noqa: E402
 
 from stalwart.examples.train import IN_FEATURES, OUT_FEATURES  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
 from stalwart.net import free_port  # noqa: E402
 
 NS = "podloss"
-Events = list[dict[str, Any]]
 
 
 def hidden_for(params: int) -> int:
@@ -68,17 +70,6 @@ def train_args(args: argparse.Namespace, params: int) -> list[str]:
     return ["--steps", str(args.steps), "--hidden", str(hidden_for(params)), "--checkpoint-every",
             str(args.checkpoint_every), "--log-every", "1", "--step-delay", str(args.step_delay),
             "--momentum", str(args.momentum)]
-
-
-def parse(text: str) -> Events:
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
 
 
 def pod_pids(pod: str) -> set[int]:
@@ -157,29 +148,10 @@ def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, p
                          "name": "trainer", "image": "stalwart/trainer",
                          "command": ["python", "-m", "stalwart.examples.train", *train_args(args, params)],
                          "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]}]}}}}
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    job = ClusterJob(cluster, NS, body)
     survivor, victim = f"{name}-worker-0", f"{name}-worker-1"
-    logs: dict[str, str] = {}
-
-    def status() -> dict[str, Any]:
-        got = cluster.kubectl("get", "tj", name, "-n", NS, "-o", "json", check=False)
-        return (json.loads(got.stdout).get("status") or {}) if got.returncode == 0 else {}
-
-    def wait(what: str, check: Any, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while not (result := check()):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: timed out waiting for {what}; status {status()}")
-            time.sleep(0.2)
-        return result
-
-    def pod_log(pod: str) -> None:
-        got = cluster.kubectl("logs", pod, "-n", NS, check=False)
-        if got.returncode == 0:
-            logs[pod] = got.stdout
-
-    wait("warm-up steps", lambda: (status().get("progress") or {}).get("step", 0) >= args.warmup, 600)
-    pod_log(victim)
+    job.wait_for_step(args.warmup, 600)
+    job.keep_log(victim)
     t_fault = time.time()
     if fault == "force-delete":
         cluster.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force", "--wait=false")
@@ -188,16 +160,8 @@ def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, p
             os.kill(pid, signal.SIGKILL)
     else:
         cluster.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
-    st = wait("the end", lambda: (s := status()).get("phase") in ("Succeeded", "Failed") and s, 900)
-    if st["phase"] != "Succeeded":
-        raise RuntimeError(f"{name} failed: {st}")
-    pods = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-o", "json").stdout)["items"]
-    for p in pods:
-        if p["metadata"]["name"].startswith(name):
-            pod_log(p["metadata"]["name"])
-    cluster.kubectl("delete", "tj", name, "-n", NS, "--wait=false", check=False)
-    events = [e for text in logs.values() for e in parse(text)]
-    return t_fault, events, parse(logs.get(survivor, ""))
+    job.finish(900)
+    return t_fault, job.events(), job.events(survivor)
 
 
 # -- torchrun -----------------------------------------------------------------------------------------------------
@@ -310,20 +274,10 @@ def main() -> int:
     p.add_argument("--momentum", type=float, default=0.9, help="the script's SGD momentum (optimizer state)")
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args()
-    cluster = None
     runs: dict[str, tuple[float, Events]] = {}
-    try:
-        if any(i.startswith("stalwart") for i in args.impls):
-            from stalwart.operator.embedded import EmbeddedOperator
-            from stalwart.operator.handlers import OperatorRunConfig
-            from stalwart.operator.model import ReconcileSettings
-
-            cluster = LocalCluster.up(Path(tempfile.mkdtemp(prefix="podloss-cluster-")), nodes=3, timeout=120.0)
-            cluster.kubectl("apply", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
-            cluster.kubectl("create", "namespace", NS)
-            op = EmbeddedOperator(OperatorRunConfig(namespaces=(NS,), default_endpoints=(str(cluster.etcd_endpoint),),
-                                                 settings=ReconcileSettings(status_interval=0.5)),
-                                  str(cluster.kubeconfig)).start()
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(operated_cluster(NS, "podloss-cluster-")) \
+            if any(i.startswith("stalwart") for i in args.impls) else None
         for params in args.params:
             for fault in args.faults:
                 for impl in args.impls:
@@ -339,12 +293,8 @@ def main() -> int:
                         print(json.dumps(row), flush=True)
                     if fault == args.faults[0] and params == args.params[0]:
                         runs[impl] = (t_fault, events)
-        if args.plot is not None and runs:
-            plot(args.plot, runs, args.faults[0], args.params[0])
-    finally:
-        if cluster is not None:
-            op.stop()
-            cluster.down()
+    if args.plot is not None and runs:
+        plot(args.plot, runs, args.faults[0], args.params[0])
     return 0
 
 

@@ -38,7 +38,6 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -48,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from podloss import Events, parse  # noqa: E402
+from cluster_job import ClusterJob, Events, operated_cluster  # noqa: E402
 
 from stalwart.examples.train_fsdp import IN_FEATURES, OUT_FEATURES  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
@@ -79,40 +78,14 @@ def case(cluster: LocalCluster, args: argparse.Namespace, impl: str, params: int
                      "template": {"spec": {"containers": [{
                          "name": "trainer", "image": "stalwart/trainer", "command": script,
                          "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]}]}}}}
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    job = ClusterJob(cluster, NS, body)
     victim = f"{name}-worker-1"
-    logs: dict[str, str] = {}
-
-    def status() -> dict[str, Any]:
-        got = cluster.kubectl("get", "tj", name, "-n", NS, "-o", "json", check=False)
-        return (json.loads(got.stdout).get("status") or {}) if got.returncode == 0 else {}
-
-    def wait(what: str, check: Any, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while not (result := check()):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: timed out waiting for {what}; status {status()}")
-            time.sleep(0.2)
-        return result
-
-    def pod_log(pod: str) -> None:
-        got = cluster.kubectl("logs", pod, "-n", NS, check=False)
-        if got.returncode == 0:
-            logs[pod] = got.stdout
-
-    wait("warm-up steps", lambda: (status().get("progress") or {}).get("step", 0) >= args.warmup, 1800)
-    pod_log(victim)
+    job.wait_for_step(args.warmup, 1800)
+    job.keep_log(victim)
     t_fault = time.time()
     cluster.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force", "--wait=false")
-    st = wait("the end", lambda: (s := status()).get("phase") in ("Succeeded", "Failed") and s, 3600)
-    if st["phase"] != "Succeeded":
-        raise RuntimeError(f"{name} failed: {st}")
-    pods = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-o", "json").stdout)["items"]
-    for p in pods:
-        if p["metadata"]["name"].startswith(name):
-            pod_log(p["metadata"]["name"])
-    cluster.kubectl("delete", "tj", name, "-n", NS, "--wait=false", check=False)
-    return t_fault, [e for text in logs.values() for e in parse(text)]
+    job.finish(3600)
+    return t_fault, job.events()
 
 
 def step_seconds(events: Events, t_fault: float) -> float:
@@ -199,48 +172,32 @@ def main() -> int:
         plot(args.plot or ROOT / "docs" / "sharded.png",
              {(label(d["impl"], d.get("snapshot_every", 1)), d["params"]): (d["t_fault"], d["events"]) for d in saved})
         return 0
-    from stalwart.operator.embedded import EmbeddedOperator
-    from stalwart.operator.handlers import OperatorRunConfig
-    from stalwart.operator.model import ReconcileSettings
-
-    cluster = LocalCluster.up(Path(tempfile.mkdtemp(prefix="sharded-cluster-")), nodes=3, timeout=120.0)
     runs: dict[tuple[str, int], tuple[float, Events]] = {}
-    try:
-        cluster.kubectl("apply", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
-        cluster.kubectl("create", "namespace", NS)
-        op = EmbeddedOperator(OperatorRunConfig(namespaces=(NS,), default_endpoints=(str(cluster.etcd_endpoint),),
-                                             settings=ReconcileSettings(status_interval=0.5)),
-                              str(cluster.kubeconfig)).start()
-        try:
-            for params in args.params:
-                steps: dict[tuple[str, int], float] = {}
-                cases = [(impl, every) for impl in args.impls
-                         for every in (args.snapshot_every if impl == "stalwart" else [0])]
-                for impl, every in cases:
-                    t_fault, events = case(cluster, args, impl, params, every)
-                    runs[(label(impl, every), params)] = (t_fault, events)
-                    if args.save_events is not None:
-                        with args.save_events.open("a") as f:
-                            f.write(json.dumps({"impl": impl, "snapshot_every": every, "params": params,
-                                                "t_fault": t_fault, "events": events}) + "\n")
-                    steps[(impl, every)] = step_seconds(events, t_fault)
-                    for row in measure(impl, params, t_fault, events):
-                        print(json.dumps(row | ({"snapshot_every": every} if impl == "stalwart" else {})),
-                              flush=True)
-                anchor = steps.get(("checkpoint", 0))
-                for (impl, every), step_s in steps.items():
-                    if anchor and impl == "stalwart":
-                        print(json.dumps({"bench": "sharded", "impl": "stalwart", "params": params,
-                                          "snapshot_every": every, "metric": "snapshot_overhead",
-                                          "value": round(step_s / anchor - 1, 4),
-                                          "step_seconds": {"stalwart": round(step_s, 4),
-                                                           "checkpoint": round(anchor, 4)}}), flush=True)
-        finally:
-            op.stop()
-        if args.plot is not None and runs:
-            plot(args.plot, runs)
-    finally:
-        cluster.down()
+    with operated_cluster(NS, "sharded-cluster-") as cluster:
+        for params in args.params:
+            steps: dict[tuple[str, int], float] = {}
+            cases = [(impl, every) for impl in args.impls
+                     for every in (args.snapshot_every if impl == "stalwart" else [0])]
+            for impl, every in cases:
+                t_fault, events = case(cluster, args, impl, params, every)
+                runs[(label(impl, every), params)] = (t_fault, events)
+                if args.save_events is not None:
+                    with args.save_events.open("a") as f:
+                        f.write(json.dumps({"impl": impl, "snapshot_every": every, "params": params,
+                                            "t_fault": t_fault, "events": events}) + "\n")
+                steps[(impl, every)] = step_seconds(events, t_fault)
+                for row in measure(impl, params, t_fault, events):
+                    print(json.dumps(row | ({"snapshot_every": every} if impl == "stalwart" else {})), flush=True)
+            anchor = steps.get(("checkpoint", 0))
+            for (impl, every), step_s in steps.items():
+                if anchor and impl == "stalwart":
+                    print(json.dumps({"bench": "sharded", "impl": "stalwart", "params": params,
+                                      "snapshot_every": every, "metric": "snapshot_overhead",
+                                      "value": round(step_s / anchor - 1, 4),
+                                      "step_seconds": {"stalwart": round(step_s, 4),
+                                                       "checkpoint": round(anchor, 4)}}), flush=True)
+    if args.plot is not None and runs:
+        plot(args.plot, runs)
     return 0
 
 

@@ -1,0 +1,107 @@
+"""The benchmarks' TrainingJobs on a local cluster with the operator: the cluster brought up (and down), a job
+applied, its status read and waited on, every pod's log kept, the rank events parsed from them.
+
+Shared by bench/podloss.py and bench/sharded.py, whose cases differ only in the job and the fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from stalwart.local.cluster import LocalCluster
+
+ROOT = Path(__file__).resolve().parent.parent
+Events = list[dict[str, Any]]
+
+
+def parse(text: str) -> Events:
+    """The JSON event lines of a log (a rank's ``{"event": ...}`` lines among the agent's own)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+@contextlib.contextmanager
+def operated_cluster(namespace: str, prefix: str) -> Iterator[LocalCluster]:
+    """A local cluster of three nodes with the CRD, ``namespace`` and an embedded operator watching it (its
+    status every 0.5 s); all of it stopped at the end."""
+    from stalwart.operator.embedded import EmbeddedOperator
+    from stalwart.operator.handlers import OperatorRunConfig
+    from stalwart.operator.model import ReconcileSettings
+
+    cluster = LocalCluster.up(Path(tempfile.mkdtemp(prefix=prefix)), nodes=3, timeout=120.0)
+    try:
+        cluster.kubectl("apply", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
+        cluster.kubectl("create", "namespace", namespace)
+        op = EmbeddedOperator(OperatorRunConfig(namespaces=(namespace,),
+                                                default_endpoints=(str(cluster.etcd_endpoint),),
+                                                settings=ReconcileSettings(status_interval=0.5)),
+                              str(cluster.kubeconfig)).start()
+        try:
+            yield cluster
+        finally:
+            op.stop()
+    finally:
+        cluster.down()
+
+
+class ClusterJob:
+    """One TrainingJob, applied at construction; the logs of its pods as :meth:`keep_log` and :meth:`finish`
+    took them (a pod's log is gone with the pod, so the victim's is kept before the fault)."""
+
+    def __init__(self, cluster: LocalCluster, namespace: str, body: dict[str, Any]) -> None:
+        self.cluster, self.namespace, self.name = cluster, namespace, str(body["metadata"]["name"])
+        self.logs: dict[str, str] = {}
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+    def status(self) -> dict[str, Any]:
+        got = self.cluster.kubectl("get", "tj", self.name, "-n", self.namespace, "-o", "json", check=False)
+        return (json.loads(got.stdout).get("status") or {}) if got.returncode == 0 else {}
+
+    def wait(self, what: str, check: Callable[[], Any], timeout: float) -> Any:
+        """``check()``'s first truthy result, polled every 0.2 s; RuntimeError naming ``what`` after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not (result := check()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: timed out waiting for {what}; status {self.status()}")
+            time.sleep(0.2)
+        return result
+
+    def wait_for_step(self, step: int, timeout: float) -> None:
+        self.wait(f"step {step}", lambda: (self.status().get("progress") or {}).get("step", 0) >= step, timeout)
+
+    def keep_log(self, pod: str) -> None:
+        got = self.cluster.kubectl("logs", pod, "-n", self.namespace, check=False)
+        if got.returncode == 0:
+            self.logs[pod] = got.stdout
+
+    def finish(self, timeout: float) -> dict[str, Any]:
+        """Wait for the job to end, keep every pod's log and delete the job; its final status. RuntimeError
+        when it failed."""
+        st: dict[str, Any] = self.wait(
+            "the end", lambda: (s := self.status()).get("phase") in ("Succeeded", "Failed") and s, timeout)
+        if st["phase"] != "Succeeded":
+            raise RuntimeError(f"{self.name} failed: {st}")
+        pods = json.loads(self.cluster.kubectl("get", "pods", "-n", self.namespace, "-o", "json").stdout)["items"]
+        for p in pods:
+            if p["metadata"]["name"].startswith(self.name):
+                self.keep_log(p["metadata"]["name"])
+        self.cluster.kubectl("delete", "tj", self.name, "-n", self.namespace, "--wait=false", check=False)
+        return st
+
+    def events(self, pod: str | None = None) -> Events:
+        """The rank events of one pod's log, or of every kept log."""
+        if pod is not None:
+            return parse(self.logs.get(pod, ""))
+        return [e for text in self.logs.values() for e in parse(text)]
