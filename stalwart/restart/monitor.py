@@ -30,6 +30,7 @@ from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
 from stalwart.restart.protocol import Report, better_cause, kill_limit, lost_peer_report, of_another, stall_limit
+from stalwart.restart.sockets import connection_states
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +317,9 @@ class Monitor:
             which = "soft timeout" if limit == self.soft_timeout else "startup timeout, before the first ping"
             reason = f"no progress for {now - self.last_progress:.1f}s ({which} {limit}s)"
             log.warning("slot %d iteration %d: %s", self.coord.slot, iteration, reason)
+            if ctx is not None and ctx.group.sockets_before is not None:
+                log.warning("slot %d iteration %d: its process groups' connections: %s", self.coord.slot, iteration,
+                            "; ".join(connection_states(ctx.group.sockets_before)) or "none")
             self._report_and_interrupt(Report(iteration, ctx.rank, "soft_timeout", reason))
         self._flush_status()
 

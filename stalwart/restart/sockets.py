@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SocketSnapshot", "shutdown_sockets_since", "socket_inodes"]
+__all__ = ["SocketSnapshot", "connection_states", "shutdown_sockets_since", "socket_inodes"]
 
 _FD_DIR = "/proc/self/fd"
 
@@ -97,3 +97,31 @@ def shutdown_sockets_since(snapshot: SocketSnapshot, *, keep_peers: Iterable[tup
         finally:
             sock.detach()
     return count
+
+
+
+#: /proc/net/tcp's state codes (include/net/tcp_states.h).
+_TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2",
+               "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN",
+               "0B": "CLOSING"}
+
+
+def connection_states(snapshot: SocketSnapshot) -> list[str]:
+    """Each TCP socket opened since ``snapshot``, as the kernel has it: descriptor, state, local and remote
+    address (hex, as /proc/net/tcp), bytes queued to send and to read. For the log of a rank that makes no
+    progress: a connection still ESTABLISHED after its shutdown, or one with bytes queued, says where it waits."""
+    fds = {inode[len("socket:["):-1]: fd for fd, inode in socket_inodes().items() if inode not in snapshot.inodes}
+    out = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[9] in fds:
+                tx, _, rx = cols[4].partition(":")
+                out.append(f"fd {fds[cols[9]]} {_TCP_STATES.get(cols[3], cols[3])} {cols[1]} -> {cols[2]} "
+                           f"queued {int(tx, 16)}/{int(rx, 16)}")
+    return sorted(out, key=lambda line: int(line.split()[1]))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 
-from stalwart.restart.sockets import SocketSnapshot, shutdown_sockets_since, socket_inodes
+from stalwart.restart.sockets import SocketSnapshot, connection_states, shutdown_sockets_since, socket_inodes
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -72,6 +74,35 @@ def test_listening_and_excluded_sockets_are_left_alone() -> None:
         other = socket.create_connection(listener.getsockname())
         other.close()
         assert len(socket_inodes()) >= 3
+    finally:
+        for s in (client, server_side, listener):
+            s.close()
+
+
+def _states_until(before: SocketSnapshot, done: Callable[[list[str]], bool]) -> list[str]:
+    deadline = time.monotonic() + 10
+    while not done(states := connection_states(before)):
+        assert time.monotonic() < deadline, states
+        time.sleep(0.01)
+    return states
+
+
+def test_connection_states_name_each_new_connection_and_what_waits_in_it() -> None:
+    before = SocketSnapshot()
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server_side, _ = listener.accept()
+    try:
+        client.sendall(b"x" * 100)  # not read: 100 bytes wait in the accepted side's queue
+        states = _states_until(before, lambda st: any(line.endswith("queued 0/100") for line in st))
+        fds = {listener.fileno(): "LISTEN", client.fileno(): "ESTABLISHED", server_side.fileno(): "ESTABLISHED"}
+        assert [line.split()[:3] for line in states] == [["fd", str(fd), st] for fd, st in sorted(fds.items())]
+        assert states[[*sorted(fds)].index(server_side.fileno())].endswith("queued 0/100")
+        # A connection shut down on one side: the other side's state says the peer has closed it.
+        server_side.shutdown(socket.SHUT_RDWR)
+        _states_until(before, lambda st: any(line.split()[1:3] == [str(client.fileno()), "CLOSE_WAIT"]
+                                             for line in st))
+        assert connection_states(SocketSnapshot()) == []  # none opened since now
     finally:
         for s in (client, server_side, listener):
             s.close()
