@@ -9,7 +9,7 @@ WORKERS ?= 3
 # Where torch's CPU build comes from; `make install TORCH_INDEX_URL=` uses only the indexes pip is configured with.
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean bench-anchors
 
 $(BIN)/stalwart: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ lint: install
 # Each test's seconds go to build/test-durations.json; `python tools/slowest.py` prints the slowest.
 test: lint
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup
+
+# The anchors some benchmarks compare with, not dependencies of stalwart: torchft 0.2.0 for bench/torchft_copy.py.
+# --no-deps: its requirement on torch would otherwise replace the venv's CPU build; its other requirements follow.
+bench-anchors: install
+	$(BIN)/python -m pip install -q --no-deps torchft==0.2.0
+	$(BIN)/python -m pip install -q opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-http numpy
 
 clean:
 	rm -rf $(VENV) build *.egg-info
