@@ -315,7 +315,7 @@ def free_blocked_peers(ctx: IterationContext) -> int:
         return 0
     n = shutdown_sockets_since(group.sockets_before, keep_peers=ctx.keep_peers)
     if n:
-        log.info("iteration %d: shut down %d process-group connection(s)", ctx.iteration, n)
+        log.info("rank %d iteration %d: shut down %d process-group connection(s)", ctx.rank, ctx.iteration, n)
     if "nccl" in (group.backend or "") and not group.nccl_aborted:
         group.nccl_aborted = True
         try:
