@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -61,12 +62,22 @@ def test_shutdown_frees_a_rank_blocked_in_allreduce() -> None:
     assert pg1 is not None
 
 
-def test_listening_and_excluded_sockets_are_left_alone() -> None:
-    before = SocketSnapshot()
+@contextlib.contextmanager
+def _connection() -> Iterator[tuple[socket.socket, socket.socket, socket.socket]]:
+    """A listener on loopback, a client connected to it and the accepted side; all closed at the end."""
     listener = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(listener.getsockname())
     server_side, _ = listener.accept()
     try:
+        yield listener, client, server_side
+    finally:
+        for s in (client, server_side, listener):
+            s.close()
+
+
+def test_listening_and_excluded_sockets_are_left_alone() -> None:
+    before = SocketSnapshot()
+    with _connection() as (listener, _client, server_side):
         kept = [listener.getsockname()]
         assert shutdown_sockets_since(before, keep_peers=kept) == 1  # only the accepted side (peer = client)
         assert server_side.recv(1) == b""  # that side was shut down: end of stream at once
@@ -74,9 +85,6 @@ def test_listening_and_excluded_sockets_are_left_alone() -> None:
         other = socket.create_connection(listener.getsockname())
         other.close()
         assert len(socket_inodes()) >= 3
-    finally:
-        for s in (client, server_side, listener):
-            s.close()
 
 
 def _states_until(before: SocketSnapshot, done: Callable[[list[str]], bool]) -> list[str]:
@@ -89,10 +97,7 @@ def _states_until(before: SocketSnapshot, done: Callable[[list[str]], bool]) -> 
 
 def test_connection_states_name_each_new_connection_and_what_waits_in_it() -> None:
     before = SocketSnapshot()
-    listener = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(listener.getsockname())
-    server_side, _ = listener.accept()
-    try:
+    with _connection() as (listener, client, server_side):
         client.sendall(b"x" * 100)  # not read: 100 bytes wait in the accepted side's queue
         states = _states_until(before, lambda st: any(line.endswith("queued 0/100") for line in st))
         fds = {listener.fileno(): "LISTEN", client.fileno(): "ESTABLISHED", server_side.fileno(): "ESTABLISHED"}
@@ -103,6 +108,3 @@ def test_connection_states_name_each_new_connection_and_what_waits_in_it() -> No
         _states_until(before, lambda st: any(line.split()[1:3] == [str(client.fileno()), "CLOSE_WAIT"]
                                              for line in st))
         assert connection_states(SocketSnapshot()) == []  # none opened since now
-    finally:
-        for s in (client, server_side, listener):
-            s.close()
