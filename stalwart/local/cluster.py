@@ -242,7 +242,8 @@ class LocalCluster:
     def restore_node(self, node: str) -> None:
         """Bring a lost node back: paused processes resume, its kubelet reports Ready again and stops whatever
         the API no longer has (a node that was down restarts its pods' containers, or fails pods whose
-        restartPolicy is Never)."""
+        restartPolicy is Never). Returns once the node is Ready and the node lifecycle controller has taken its
+        taints off, so the scheduler places pods on it again."""
         self._admin("POST", f"/stalwart/nodes/{node}/restore")
 
     def status(self) -> dict[str, Any]:

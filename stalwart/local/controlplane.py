@@ -61,7 +61,7 @@ def kubeconfig(api_url: str, token: str, ca_pem: bytes, name: str = "stalwart-lo
     }
 
 
-def _add_admin_routes(app: web.Application, kubelet: ProcessKubelet) -> None:
+def _add_admin_routes(app: web.Application, kubelet: ProcessKubelet, controller: NodeLifecycleController) -> None:
     async def lose(request: web.Request) -> web.Response:
         node = request.match_info["node"]
         partition = request.query.get("partition", "false") == "true"
@@ -77,6 +77,12 @@ def _add_admin_routes(app: web.Application, kubelet: ProcessKubelet) -> None:
             await kubelet.restore_node(node)
         except KeyError as exc:
             return web.json_response({"error": str(exc.args[0])}, status=404)
+        # The controller looks now rather than at its next period: whoever restored the node (a test, the CLI)
+        # gets it back Ready and untainted, so the next pod it creates is scheduled as on a healthy cluster.
+        try:
+            controller.tick()
+        except Exception:
+            log.exception("node lifecycle controller failed")
         return web.json_response({"node": node, "state": kubelet.nodes[node]})
 
     async def nodes(request: web.Request) -> web.Response:
@@ -127,7 +133,7 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
     node_controller = NodeLifecycleController(store, settings)
     clock: asyncio.Task[None] | None = None
     server = ApiServer(store, security, kubelet)
-    _add_admin_routes(server.app, kubelet)
+    _add_admin_routes(server.app, kubelet, node_controller)
     runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=pki.server_context())
