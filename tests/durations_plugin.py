@@ -1,17 +1,16 @@
 """Where a test run's time goes: every pytest run writes each test's durations to a JSON file.
 
-The file (``build/test-durations.json`` under the root directory unless ``--durations-file`` names another; an
-empty name writes none) holds, per test node id, the seconds of its setup, call and teardown, its outcome and the
-xdist worker that ran it, plus the run's wall time, its arguments and the worker count; and its ``cpu``: the
-CPU seconds of its three phases spent by the process that ran it and by every process it started and waited
-for (with their own children that were waited for): rank processes, agents, CLI calls. Not counted: the pods of
-a local cluster (the control plane's children, waited for when the cluster stops). A server a module or session
-fixture started (an etcd, a local cluster) is charged whole, its lifetime's CPU, to the teardown of the test
-that ended it (measured: 318 CPU-s on a test of 8 s): read a large ``cpu`` with a small call as that. The
-suite is bound by CPU on two cores, so this is the figure to cut. A session fixture's start
-is in the setup of the first test that used it, on each worker. Under xdist only the controller writes (the
-workers' reports reach it with their durations). ``tools/slowest.py`` prints the slowest tests and the time per
-directory from it.
+The file (``build/test-durations.json`` under the root directory unless ``--durations-file`` names another; an empty
+name writes none) holds, per test node id, the seconds of its setup, call and teardown, its outcome and the xdist
+worker that ran it and when it ended (seconds into the run), plus the run's wall time, its arguments and the worker
+count; and its ``cpu``: the CPU seconds of its three phases spent by the process that ran it and by every process it
+started and waited for (with their own children that were waited for): rank processes, agents, CLI calls. Not
+counted: the pods of a local cluster (the control plane's children, waited for when the cluster stops). A server a
+module or session fixture started (an etcd, a local cluster) is charged whole, its lifetime's CPU, to the teardown
+of the test that ended it (measured: 318 CPU-s on a test of 8 s): read a large ``cpu`` with a small call as that.
+The suite is bound by CPU on two cores, so this is the figure to cut. A session fixture's start is in the setup of
+the first test that used it, on each worker. Under xdist only the controller writes (the workers' reports reach it
+with their durations). ``tools/slowest.py`` prints the slowest tests and the time per directory from it.
 """
 
 from __future__ import annotations
@@ -92,6 +91,8 @@ class Durations:
         worker = getattr(node, "gateway", None)
         if worker is not None:
             entry["worker"] = str(worker.id)
+        if report.when == "teardown":  # when the test ended, in seconds of the run: each worker's tail shows
+            entry["ended"] = round(time.time() - self.started, 1)
         if report.failed:  # a failed setup or teardown is an error, as pytest counts it
             entry["outcome"] = "failed" if report.when == "call" else "error"
         elif report.skipped and entry.get("outcome") not in ("failed", "error"):

@@ -41,6 +41,7 @@ def test_each_test_gets_its_wall_and_cpu_seconds_through_xdist(tmp_path: Path) -
     assert sleeps["call"] >= 0.4 and sleeps["cpu"] < 0.2, sleeps  # waiting is not CPU
     assert busy["cpu"] >= 0.5, busy  # the child's half second, counted on the test that waited for it
     assert {sleeps["worker"], busy["worker"]} <= {"gw0", "gw1"}
+    assert sleeps["ended"] >= 0.4 and busy["ended"] > 0.0  # seconds into the run
 
 
 def test_the_report_ranks_by_cpu_and_sums_each_directory() -> None:
@@ -58,3 +59,14 @@ def test_the_report_ranks_by_cpu_and_sums_each_directory() -> None:
     assert per_dir[1].split() == ["1.0", "7.7%", "0.0", "1", "tests/b"]
     by_wall = report(data, 1, "total").splitlines()
     assert by_wall[4].split()[-1] == "tests/a/test_x.py::test_waits"
+
+
+def test_the_report_shows_each_workers_busy_time_and_its_last_end() -> None:
+    data = {"tests": {
+        "tests/a/test_x.py::test_early": {"call": 2.0, "worker": "gw0", "ended": 2.5},
+        "tests/a/test_x.py::test_late_and_long": {"call": 9.0, "worker": "gw1", "ended": 30.0},
+        "tests/a/test_x.py::test_short": {"call": 1.0, "worker": "gw1", "ended": 12.0},
+    }}
+    lines = report(data, 1, "total").splitlines()
+    rows = lines[lines.index("per worker:") + 2:]
+    assert [r.split() for r in rows] == [["2.0", "2.5", "1", "gw0"], ["10.0", "30.0", "2", "gw1"]]

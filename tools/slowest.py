@@ -71,7 +71,25 @@ def report(data: dict[str, Any], top: int, phase: str) -> str:
         wall = sum(t for t, _ in times)
         share = 100.0 * wall / total if total else 0.0
         lines.append(f"{wall:8.1f} {share:5.1f}% {sum(c for _, c in times):8.1f} {len(times):6d}  {name}")
+    lines.extend(per_worker(tests))
     return "\n".join(lines)
+
+
+def per_worker(tests: dict[str, dict[str, Any]]) -> list[str]:
+    """Each xdist worker's busy seconds and when its last test ended: the run's wall time is the latest end, so
+    a worker that ends long after the others shows a long test started too late."""
+    workers: dict[str, list[dict[str, Any]]] = {}
+    for e in tests.values():
+        if "worker" in e:
+            workers.setdefault(str(e["worker"]), []).append(e)
+    if not workers:
+        return []
+    lines = ["", "per worker:", f"{'busy':>8} {'last end':>8} {'tests':>6}  worker"]
+    for name, entries in sorted(workers.items()):
+        busy = sum(seconds(e, "total") for e in entries)
+        last = max((float(e.get("ended", 0.0)) for e in entries), default=0.0)
+        lines.append(f"{busy:8.1f} {last:8.1f} {len(entries):6d}  {name}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
