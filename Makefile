@@ -31,8 +31,15 @@ lint: install
 	$(BIN)/mypy tools
 
 # Each test's seconds go to build/test-durations.json; `python tools/slowest.py` prints the slowest.
-test: lint
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup
+# The lint runs beside the tests (most of which wait rather than compute), its output after theirs; either failing
+# fails the target.
+test: install
+	@mkdir -p build
+	@$(MAKE) --no-print-directory lint > build/lint.log 2>&1 & lint=$$!; \
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup; tests=$$?; \
+	wait $$lint; linted=$$?; cat build/lint.log; \
+	if [ $$linted -ne 0 ]; then echo "make test: the lint failed (above)"; fi; \
+	[ $$tests -eq 0 ] && [ $$linted -eq 0 ]
 
 # The anchors some benchmarks compare with, not dependencies of stalwart: torchft 0.2.0 for bench/torchft_copy.py.
 # --no-deps: its requirement on torch would otherwise replace the venv's CPU build; its other requirements follow.

@@ -15,4 +15,7 @@ GROUP_MODULES = {
     **{f"tests/operator/{m}.py": RBAC_GROUP for m in (
         "test_adoption", "test_operator_cluster", "test_secure_etcd", "test_job_etcd_policy", "test_zz_rbac")},
     **{f"tests/e2e/{m}.py": "e2e-install" for m in ("test_e2e", "test_drill", "test_zz_peering")},
+    # Its module fixture runs four FSDP2 rank processes through every scenario at once (about 30 s): once, on
+    # one worker, not once on each worker that draws one of its tests.
+    "tests/restart/test_snapshots.py": "snapshots",
 }

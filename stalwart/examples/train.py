@@ -98,6 +98,8 @@ class Options:
     fail_times: int = 1
     hidden: int = HIDDEN
     momentum: float = 0.0
+    #: the step delay applies to the steps before this one only (None: to every step)
+    step_delay_until: int | None = None
 
 
 @dataclass
@@ -148,6 +150,10 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--step-delay", type=float, default=0.0,
                         help="seconds to sleep per step, so that a demo can be watched (default 0)")
+    parser.add_argument("--step-delay-until", type=int, default=None, metavar="STEP",
+                        help="sleep --step-delay after the steps before STEP only, the rest at full speed (a test "
+                             "injects its fault while the job is slow and need not wait out the rest; default: "
+                             "every step)")
     args = parser.parse_args(argv)
     steps = _positive("--epochs", args.epochs) * _positive("--steps-per-epoch", args.steps_per_epoch) \
         if args.epochs is not None else args.steps
@@ -182,7 +188,9 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                    checkpoint_every=_positive("--checkpoint-every", args.checkpoint_every),
                    log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
                    fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times,
-                   hidden=hidden, momentum=args.momentum)
+                   hidden=hidden, momentum=args.momentum,
+                   step_delay_until=None if args.step_delay_until is None
+                   else _positive("--step-delay-until", args.step_delay_until))
 
 
 def default_lr(hidden: int) -> float:
@@ -315,7 +323,7 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
                 save_checkpoint(opts.checkpoint_dir, _state.model, _state.step, optimizer)
         if _state.step % opts.log_every == 0 or _state.step == opts.steps:
             emit("step", rank=rank, step=_state.step, loss=round(last_loss, 6))
-        if opts.step_delay:
+        if opts.step_delay and (opts.step_delay_until is None or _state.step < opts.step_delay_until):
             time.sleep(opts.step_delay)
     emit("done", rank=rank, world_size=world_size, step=_state.step, loss=round(last_loss, 6),
          **final_parameters(_state.model))

@@ -187,6 +187,12 @@ class EtcdServer:
         finally:
             logf.close()
 
+    def log_tail(self, lines: int = 10) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as exc:
+            return f"(unreadable: {exc})"
+
     def wait_ready(self, timeout: float) -> None:
         from stalwart.etcd.store import Store, StoreError
 
@@ -196,7 +202,9 @@ class EtcdServer:
                    client_key=creds.client_key) as store:
             while True:
                 if self.process is not None and self.process.poll() is not None:
-                    raise RuntimeError(f"etcd exited with {self.process.returncode}; see {self.log_path}")
+                    # The tail travels with the error: a group's cleanup removes the log with its directory.
+                    raise RuntimeError(f"etcd exited with {self.process.returncode}; its log ({self.log_path}) "
+                                       f"ends:\n{self.log_tail()}")
                 try:
                     store.status()
                     return

@@ -102,6 +102,7 @@ def test_batches_are_a_pure_function_of_step_and_rank() -> None:
     (["--steps", "0"], {}, "--steps must be a positive integer, got 0"),
     (["--epochs", "2", "--steps-per-epoch", "-1"], {}, "--steps-per-epoch must be a positive integer"),
     (["--step-delay", "-1"], {}, "--step-delay must be >= 0"),
+    (["--step-delay-until", "0"], {}, "--step-delay-until must be a positive integer, got 0"),
     ([], {train.FAIL_TIMES_ENV: "0"}, f"{train.FAIL_TIMES_ENV} must be a positive integer, got '0'"),
     ([], {train.FAIL_AT_STEP_ENV: "soon"}, f"{train.FAIL_AT_STEP_ENV} must be an integer step, got 'soon'"),
     ([], {train.FAIL_RANK_ENV: "x"}, f"{train.FAIL_RANK_ENV} must be an integer rank"),
@@ -109,6 +110,23 @@ def test_batches_are_a_pure_function_of_step_and_rank() -> None:
 def test_bad_options_name_the_option(argv: list[str], env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match="^" + message.replace("-", r"\-").replace("(", r"\(")):
         train.parse_options(argv, env)
+
+
+def test_the_step_delay_ends_at_the_step_it_is_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests that inject a fault train slowly until then and fast afterwards: steps 1 and 2 of 5 sleep."""
+    slept: list[float] = []
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    monkeypatch.setattr(train, "_state", None)
+    opts = train.parse_options(["--steps", "5", "--step-delay", "0.5", "--step-delay-until", "3",
+                                "--checkpoint-dir", str(tmp_path)], {})
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        train.train.fn(opts)  # the plain function, without the restart wrapper
+    finally:
+        torch.distributed.destroy_process_group()
+    assert slept == [0.5, 0.5]
+    assert train.parse_options(["--step-delay", "0.5"], {}).step_delay_until is None  # by default every step
 
 
 def test_fault_injection_count(tmp_path: Path) -> None:

@@ -87,3 +87,15 @@ def _a_client_of_all_three_moves_past_a_stopped_member(group: EtcdCluster, endpo
         assert store.lease_ttl(lease) > 0
         kept = store.get("/group/leased")
         assert kept is not None and kept.value == b"kept"
+
+
+def test_a_server_that_cannot_start_says_why_in_the_error(etcd: EtcdServer) -> None:
+    """Its peer port taken: the error carries the log's last lines (a group's cleanup removes the log)."""
+    clash = EtcdServer(peer_port=etcd.peer_port)
+    try:
+        with pytest.raises(RuntimeError, match=r"etcd exited with 1; its log \(.*\) ends:\n(.|\n)*"
+                                               r"address already in use"):
+            clash.start(timeout=30)
+        assert clash.process is not None and clash.process.poll() == 1
+    finally:
+        clash.cleanup()

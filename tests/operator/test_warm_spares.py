@@ -27,6 +27,10 @@ from stalwart.local.cluster import LocalCluster
 pytestmark = pytest.mark.integration
 
 STEPS = 400
+#: The tests whose fault comes at step 20 or soon after train slowly (0.05 s a step) only until this step, then at
+#: full speed: the fault still lands while the job trains, and every step after the recovery is still compared
+#: with the run without faults; only the waiting for the remaining steps goes.
+SLOW_UNTIL = 150
 
 
 @pytest.fixture
@@ -135,8 +139,8 @@ def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, in_proces
     name = f"warm-{fault.replace('-', '')}"
     start_operator(jobs.ns)
     jobs.create(job_body(name, replicas=2, spares=1,
-                         command=[*TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--checkpoint-every", "1000",
-                                  "--log-every", "1"],
+                         command=[*TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--step-delay-until",
+                                  str(SLOW_UNTIL), "--checkpoint-every", "1000", "--log-every", "1"],
                          restartPolicy={"inProcess": in_process}))
     survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
     try:
@@ -150,8 +154,8 @@ def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, in_proces
     before = pod_pids(jobs.ns, survivor)
     assert len(before) >= 2  # the agent and its rank
 
-    # The fault must land while the job trains: its schedule leaves it hundreds of steps.
-    assert at < STEPS - 100, f"the job reached step {at} of {STEPS} before the fault: too late to inject it"
+    # The fault must land while the job trains slowly: its schedule leaves it a hundred steps (5 s) and more.
+    assert at < SLOW_UNTIL - 50, f"the job reached step {at} before the fault: too late to inject it"
     if fault == "force-delete":
         local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
     elif fault == "sigkill":
@@ -248,12 +252,13 @@ def test_losing_the_spare_itself_leaves_training_alone(start_operator: OperatorF
     name = "warm-spareloss"
     start_operator(jobs.ns)
     jobs.create(job_body(name, replicas=2, spares=1,
-                         command=[*TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--checkpoint-every", "1000",
-                                  "--log-every", "1"],
+                         command=[*TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--step-delay-until",
+                                  str(SLOW_UNTIL), "--checkpoint-every", "1000", "--log-every", "1"],
                          restartPolicy={"inProcess": {"warmSpares": True}}))
     spare = f"{name}-spare-0"
     wait_for("the spare's parked processes", lambda: len(pod_pids(jobs.ns, spare)) >= 2, timeout=240)
-    wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
+    at = wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
+    assert at < SLOW_UNTIL - 50, f"the job reached step {at} before the spare's loss: too late to inject it"
     local_cluster.kubectl("delete", "pod", spare, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
     wait_for("a new spare", lambda: any(p.metadata.name.startswith(f"{name}-spare-") and p.metadata.name != spare
                                         for p in jobs.live_pods(name)), timeout=120)
@@ -277,14 +282,16 @@ def test_a_second_worker_lost_while_the_job_recovers_from_the_first(
     name = "warm-double"
     start_operator(jobs.ns)
     created = jobs.create(job_body(name, replicas=3, spares=2, command=[
-        *TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--checkpoint-every", "1000", "--log-every", "1"],
+        *TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--step-delay-until", str(SLOW_UNTIL),
+        "--checkpoint-every", "1000", "--log-every", "1"],
         restartPolicy={"inProcess": {"warmSpares": True}}))
     keys = JobKeys(jobs.ns, created["metadata"]["uid"])
     workers = [f"{name}-worker-{i}" for i in range(3)]
     spares = [f"{name}-spare-{i}" for i in range(2)]
     for spare in spares:
         wait_for(f"the parked processes of {spare}", lambda spare=spare: rank_pids(jobs.ns, spare), timeout=240)
-    wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
+    at = wait_for_steps(local_cluster, jobs.ns, f"{name}-worker-0", 20)
+    assert at < SLOW_UNTIL - 50, f"the job reached step {at} before the fault: too late to inject it"
     first = manifest(etcd_store, keys)
     assert first is not None and sorted(m.node_id for m in first.members) == workers
     # The spares' parked ranks are paused, so the new round cannot take a step before the second loss: the
