@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # pytest-xdist workers for `make test`: most tests wait on etcd, clusters and rank processes rather than compute,
-# so four share two cores (measured: the suite's pytest took 599 s on four, 626 s on three, one run each on one
-# machine). `make test WORKERS=0` runs serially.
+# so four share two cores (measured, clean clones on one 2-core machine: 588 s on four, 596 s on three; on the
+# suite before its last cuts 599 s and 626 s). The cores are then about 88 % busy: more workers buy nothing.
+# `make test WORKERS=0` runs serially.
 WORKERS ?= 4
 # Where torch's CPU build comes from; `make install TORCH_INDEX_URL=` uses only the indexes pip is configured with.
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
