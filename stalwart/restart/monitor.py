@@ -25,11 +25,20 @@ import time
 from stalwart.api.restart import FaultRecord, RankStatus, failure_info
 from stalwart.etcd.keys import ALIVE, FAULT
 from stalwart.etcd.store import StoreError, Watch, WatchEvent, WatchRange
-from stalwart.restart import snapshots
+from stalwart.restart import snapshot_held
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
-from stalwart.restart.protocol import Report, better_cause, kill_limit, lost_peer_report, of_another, stall_limit
+from stalwart.restart.protocol import (
+    Report,
+    better_cause,
+    kill_limit,
+    lost_peer_report,
+    of_another,
+    spill_due,
+    stall_limit,
+)
+from stalwart.restart.snapshot_spill import directory_for
 from stalwart.restart.sockets import connection_states
 
 log = logging.getLogger(__name__)
@@ -122,6 +131,9 @@ class Monitor:
         self._active: frozenset[int] = frozenset()
         self._running = False
         self._timed_out = False
+        #: Since when a delivered interrupt has not freed the main thread, and whether that was spilled for.
+        self._stuck_since: float | None = None
+        self._spilled = False
         self._faults: dict[int, FaultRecord] = {}  # the first fault seen in each iteration
         self._causes: dict[int, FaultRecord] = {}  # the iteration's cause as known so far (see DIRECT_KINDS)
         self.last_progress = time.monotonic()
@@ -159,6 +171,8 @@ class Monitor:
             self._active = active
             self._running = True
             self._timed_out = False
+            self._stuck_since = None
+            self._spilled = False
             self._first_step = None
             self._pinged = False
             self.last_progress = time.monotonic()
@@ -300,9 +314,11 @@ class Monitor:
                 watch.cancel()
 
     def _tick(self) -> None:
-        if self.interrupter.nudge():
+        stuck = self.interrupter.nudge()
+        if stuck:
             self._free_again()
         now = time.monotonic()
+        self._spill_if_stuck(now, stuck)
         if self._probe is not None:
             answered = self._probe.poll(now)
             if answered is not None:
@@ -328,6 +344,29 @@ class Monitor:
             return None
         return kill_limit(self.soft_timeout, self.hard_timeout, self.startup_timeout, pinged=self._pinged)
 
+    def _spill_if_stuck(self, now: float, stuck: bool) -> None:
+        """A main thread still blocked after its interrupt is likely lost to its agent's hard timeout: write the
+        snapshots this process holds where the process that takes its place finds them."""
+        with self._lock:
+            self._stuck_since = (self._stuck_since or now) if stuck else None
+            since, iteration = self._stuck_since, self._iteration
+            due = spill_due(None if since is None else now - since, spilled=self._spilled)
+            if due:
+                self._spilled = True
+        if not due or not self.status_file.path:
+            return
+        directory = directory_for(self.status_file.path)
+        try:
+            written = snapshot_held.spill(directory)
+        except (OSError, RuntimeError) as e:
+            log.warning("slot %d iteration %d: cannot spill the snapshots this process holds to %s: %s",
+                        self.coord.slot, iteration, directory, e)
+            return
+        if written:
+            log.warning("slot %d iteration %d: the main thread is still blocked %.1fs after its interrupt (a transfer "
+                        "gloo does not fail); wrote the %d bytes of snapshots it holds to %s for the process that "
+                        "takes its place", self.coord.slot, iteration, now - (since or now), written, directory)
+
     def _free_again(self) -> None:
         """Shut down the group's connections again while a delivered interrupt has not ended the training
         function: a connection opened after the first shutdown (the main thread was inside a C call that
@@ -347,7 +386,7 @@ class Monitor:
             beat = self.last_progress if self._running or self._probe is not None else now
             # The first step belongs to the iteration it was taken in; the next one has none until it steps.
             first = self._first_step if self._first_step and self._first_step[0] == self.status.iteration else None
-            snapshot = snapshots.published()
+            snapshot = snapshot_held.published()
             self.status = self.status.model_copy(update={
                 "heartbeat": beat, "hard_timeout": self._kill_limit(), "step": self._step, "step_time": self._step_time,
                 "first_step": first[1] if first else None, "first_step_time": first[2] if first else None,

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["StateMismatch", "SyncPlan", "SyncResult", "TensorSpec", "first_difference", "plan_sync",
-           "sync_from_peers"]
+__all__ = ["StateMismatch", "SyncPlan", "SyncResult", "TensorSpec", "elements_by_dtype", "first_difference",
+           "plan_sync", "sync_from_peers"]
 
 NO_STATE = -1
 
@@ -49,6 +49,17 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
+
+
+def elements_by_dtype(layout: Sequence[TensorSpec]) -> dict[str, int]:
+    """How many elements of each dtype the tensors of ``layout`` have together (one flat buffer each)."""
+    sizes: dict[str, int] = {}
+    for spec in layout:
+        n = 1
+        for d in spec.shape:
+            n *= d
+        sizes[spec.dtype] = sizes.get(spec.dtype, 0) + n
+    return sizes
 
 
 @dataclass(frozen=True, slots=True)

@@ -518,3 +518,15 @@ def kill_limit(soft_timeout: float, hard_timeout: float, startup_timeout: float,
     its model) is not hung: its own monitor gives it the startup allowance, and its agent must not kill it
     sooner."""
     return hard_timeout + stall_limit(soft_timeout, startup_timeout, pinged=pinged) - soft_timeout
+
+
+#: Seconds a main thread may stay blocked after its interrupt was delivered before its snapshots are spilled:
+#: shutting the group's connections down frees a blocked collective within milliseconds, so one still blocked
+#: after this waits on a transfer gloo does not fail (see :mod:`stalwart.restart.snapshot_spill`).
+SPILL_AFTER = 2.0
+
+
+def spill_due(stuck_for: float | None, *, spilled: bool) -> bool:
+    """Whether the monitor writes the held snapshots out now: the main thread has stayed blocked
+    ``stuck_for`` seconds since its interrupt was delivered (None: it is not blocked), once an iteration."""
+    return stuck_for is not None and not spilled and stuck_for >= SPILL_AFTER

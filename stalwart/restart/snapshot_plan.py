@@ -11,6 +11,9 @@ whichever process runs rank ``r`` after a fault needs shard ``r`` back.
 * :func:`plan_restore`: the newest step of which every shard has a copy somewhere, and for each rank where
   its shard comes from: its own memory, or another process (its buddy, or a survivor that ran that rank).
   A step whose copy landed on some holders but not all is passed over: a torn snapshot is never used.
+  Copies of different timelines never mix: every restore starts a new *generation*, which the copies taken
+  after it carry, and a holder of an older generation than the newest among the holders (a process that took
+  the copies a hung one wrote out, but missed a restore since) holds copies of a timeline that no longer is.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Holding", "Move", "NoSnapshot", "RestorePlan", "buddies", "decode_holdings", "encode_holding",
-           "plan_restore"]
+           "newest_generation", "plan_restore"]
 
 
 def buddies(pods: Sequence[str]) -> list[int]:
@@ -55,6 +58,17 @@ class Holding:
     wards: tuple[tuple[int, tuple[int, ...]], ...] = ()
     #: The world size of the sharding its copies are of (0: it holds none).
     world: int = 0
+    #: How many restores its copies' timeline has been through (see the module's docstring).
+    generation: int = 0
+
+    @property
+    def holds(self) -> bool:
+        return self.own is not None or bool(self.wards)
+
+
+def newest_generation(holdings: Sequence[Holding]) -> int:
+    """The generation of the newest timeline any holder's copies are of (0: none holds any)."""
+    return max((h.generation for h in holdings if h.holds), default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +114,9 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan | NoSnapshot:
     world = len(holdings)
     if world == 0:
         raise ValueError("holdings: expected one entry per rank, got none")
+    newest = newest_generation(holdings)
+    stale = [rank for rank, h in enumerate(holdings) if h.holds and h.generation < newest]
+    holdings = [Holding() if rank in stale else h for rank, h in enumerate(holdings)]
     sizes = sorted({h.world for h in holdings if h.world})
     if sizes and sizes != [world]:
         return NoSnapshot(f"the snapshots are of the state sharded over {' and '.join(map(str, sizes))} ranks, "
@@ -107,6 +124,9 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan | NoSnapshot:
     copies = _copies(holdings)
     for shard in range(world):
         if shard not in copies:
+            if stale:
+                return NoSnapshot(f"shard {shard} has no copy of the current timeline: rank(s) "
+                                  f"{', '.join(map(str, stale))} hold copies from before a restore they missed")
             return NoSnapshot(f"shard {shard} has no copy on any rank: its rank and its buddy were both lost")
     common = set.intersection(*(set(copies[shard]) for shard in range(world)))
     if not common:
@@ -123,9 +143,9 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan | NoSnapshot:
 
 
 #: A holding on the wire: int64 values, no pickle.
-#: [world, own shard or -1, n, steps..., wards, (shard, n, steps...)...]
+#: [world, generation, own shard or -1, n, steps..., wards, (shard, n, steps...)...]
 def encode_holding(h: Holding) -> list[int]:
-    out = [h.world] + ([-1, 0] if h.own is None else [h.own[0], len(h.own[1]), *h.own[1]])
+    out = [h.world, h.generation] + ([-1, 0] if h.own is None else [h.own[0], len(h.own[1]), *h.own[1]])
     out.append(len(h.wards))
     for shard, steps in h.wards:
         out += [shard, len(steps), *steps]
@@ -148,7 +168,7 @@ def _decode(row: list[int]) -> Holding:
         at += n
         return part
 
-    world, own_shard, n = take(3)
+    world, generation, own_shard, n = take(4)
     steps = tuple(take(n))
     own = None if own_shard < 0 else (own_shard, steps)
     (count,) = take(1)
@@ -156,4 +176,4 @@ def _decode(row: list[int]) -> Holding:
     for _ in range(count):
         shard, n = take(2)
         wards.append((shard, tuple(take(n))))
-    return Holding(own, tuple(wards), world)
+    return Holding(own, tuple(wards), world, generation)

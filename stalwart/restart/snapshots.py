@@ -17,10 +17,11 @@ landed, and :meth:`PeerSnapshots.restore` uses the newest step of which *every* 
 (:func:`~stalwart.restart.snapshot_plan.plan_restore`): a torn snapshot is never used. Each rank keeps, of its
 own shard and of its wards', the two newest snapshot steps.
 
-The copies are held by this module, for the life of the process: they outlive the training function's
-iterations and rounds, which is what lets a surviving rank give a lost rank's shard to the spare that takes
-its place. Nothing is pickled: tensors move over a process group of their own (gloo, CPU memory), layouts as
-JSON.
+The copies are held by :mod:`~stalwart.restart.snapshot_held`, for the life of the process: they outlive the
+training function's iterations and rounds, which is what lets a surviving rank give a lost rank's shard to the
+spare that takes its place; a process about to be lost to a hang writes them out for the one that takes its
+slot (:mod:`~stalwart.restart.snapshot_spill`). Nothing is pickled: tensors move over a process group of their
+own (gloo, CPU memory), layouts as JSON.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from stalwart.api import pod_env
 from stalwart.api.pod_env import PodEnvError, SnapshotEnvironment
+from stalwart.restart import snapshot_spill
 from stalwart.restart.errors import NonRetryable
-from stalwart.restart.peers import StateMismatch, TensorSpec, first_difference
+from stalwart.restart.peers import StateMismatch, TensorSpec, elements_by_dtype, first_difference
+from stalwart.restart.snapshot_held import HELD, KEEP, Copy, Published, forget, published, spill, unspill
 from stalwart.restart.snapshot_plan import (
     Holding,
     NoSnapshot,
@@ -46,6 +48,7 @@ from stalwart.restart.snapshot_plan import (
     buddies,
     decode_holdings,
     encode_holding,
+    newest_generation,
     plan_restore,
 )
 
@@ -55,10 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerSnapshots", "Published", "ensure_optimizer_state", "forget", "published"]
-
-#: Snapshot steps kept per shard: the newest, and the one before it (in use while the newest is in flight).
-KEEP = 2
+__all__ = ["PeerSnapshots", "Published", "ensure_optimizer_state", "forget", "published", "spill"]
 
 #: How long the copies of an iteration that ended may take to settle. Its connections were shut down when it
 #: was interrupted, so nothing of them progresses any more: a copy that had landed reports so at once, and one
@@ -67,74 +67,6 @@ KEEP = 2
 SETTLE_SECONDS = 2.0
 
 
-@dataclass(slots=True)
-class _Copy:
-    """One shard at one step: its layout and one flat CPU buffer per dtype (in layout order within it)."""
-
-    step: int
-    layout: list[TensorSpec]
-    flats: dict[str, torch.Tensor]
-
-    def nbytes(self) -> int:
-        return sum(f.numel() * f.element_size() for f in self.flats.values())
-
-
-@dataclass(frozen=True, slots=True)
-class Published:
-    """What a rank tells its agent of its snapshots (through its status file): the newest step of its own
-    shard that landed on its buddy, when, and why its last restore found none to use."""
-
-    step: int | None = None
-    time: float | None = None
-    fallback: str | None = None
-
-
-@dataclass(slots=True)
-class _Held:
-    """What this process holds, across the training function's iterations and rounds."""
-
-    own_shard: int | None = None
-    world: int = 0
-    own: dict[int, _Copy] = field(default_factory=dict)
-    wards: dict[int, dict[int, _Copy]] = field(default_factory=dict)
-    #: Copies on their way, from the last commit (of whichever iteration): sends, and receives per ward.
-    sending: list[Any] = field(default_factory=list)
-    receiving: list[tuple[int, _Copy, list[Any]]] = field(default_factory=list)
-    #: The step of the copy being sent, and what this rank tells its agent (:func:`published`).
-    sending_step: int | None = None
-    #: The snapshot group those copies travel on (an earlier iteration's, once a fault ended it).
-    group: Any = None
-    landed: Published = field(default_factory=Published)
-
-    def holding(self) -> Holding:
-        own = None if self.own_shard is None or not self.own else (self.own_shard, tuple(sorted(self.own)))
-        wards = tuple((s, tuple(sorted(c))) for s, c in sorted(self.wards.items()) if c)
-        return Holding(own, wards, self.world if own is not None or wards else 0)
-
-    #: Buffers of dropped copies, by (dtype, elements), for the next copies: a snapshot every step would
-    #: otherwise allocate (and the kernel zero) the whole shard's memory twice a step.
-    free: dict[tuple[str, int], list[torch.Tensor]] = field(default_factory=dict)
-
-    def prune(self) -> None:
-        for copies in (self.own, *self.wards.values()):
-            for step in sorted(copies)[:-KEEP]:
-                for dtype, flat in copies.pop(step).flats.items():
-                    pool = self.free.setdefault((dtype, flat.numel()), [])
-                    if len(pool) < KEEP:
-                        pool.append(flat)
-
-    def buffer(self, dtype: str, n: int) -> torch.Tensor:
-        """An uninitialised CPU buffer of ``n`` elements: a dropped copy's, else new."""
-        import torch
-
-        pool = self.free.get((dtype, n))
-        return pool.pop() if pool else torch.empty(n, dtype=getattr(torch, dtype))
-
-    def find(self, shard: int, step: int, from_own: bool) -> _Copy:
-        return self.own[step] if from_own else self.wards[shard][step]
-
-
-_HELD = _Held()
 
 #: The job's setting a memory limit comes from, as its users name it.
 _LIMIT_SETTING = "restartPolicy.inProcess.peerSnapshots.memoryLimit"
@@ -188,7 +120,7 @@ def ensure_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | 
             p.copy_(saved[p])
 
 
-def _flatten(entries: list[tuple[TensorSpec, torch.Tensor]], step: int) -> _Copy:
+def _flatten(entries: list[tuple[TensorSpec, torch.Tensor]], step: int) -> Copy:
     import torch
 
     by_dtype: dict[str, list[torch.Tensor]] = {}
@@ -197,20 +129,10 @@ def _flatten(entries: list[tuple[TensorSpec, torch.Tensor]], step: int) -> _Copy
     flats = {}
     with torch.no_grad():
         for d, ts in sorted(by_dtype.items()):
-            out = _HELD.buffer(d, sum(t.numel() for t in ts))
+            out = HELD.buffer(d, sum(t.numel() for t in ts))
             torch.cat([t.cpu() for t in ts], out=out)
             flats[d] = out
-    return _Copy(step, [s for s, _ in entries], flats)
-
-
-def _sizes(layout: list[TensorSpec]) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for s in layout:
-        n = 1
-        for d in s.shape:
-            n *= d
-        sizes[s.dtype] = sizes.get(s.dtype, 0) + n
-    return sizes
+    return Copy(step, [s for s, _ in entries], flats)
 
 
 def _layout_json(layout: list[TensorSpec]) -> bytes:
@@ -280,6 +202,9 @@ class PeerSnapshots:
             # The job turned them off: no group, no copies; restore() leaves the state to the checkpoint.
             return
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        status_file = os.environ.get(pod_env.STATUS_FILE)
+        if status_file:
+            unspill(snapshot_spill.directory_for(status_file))
         pod = pod if pod is not None else os.environ.get(pod_env.NODE_ID) or os.uname().nodename
         keys = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(keys, torch.tensor([_pod_key(pod)], dtype=torch.int64))
@@ -305,13 +230,13 @@ class PeerSnapshots:
             return
         self._land()
         mine = _flatten(_state(self.model, self.optimizer), step)
-        if _HELD.own_shard != self.rank or _HELD.world != self.world:
-            _HELD.own.clear()
-        if _HELD.world != self.world:
-            _HELD.wards.clear()
-        _HELD.own_shard, _HELD.world = self.rank, self.world
-        _HELD.own[step] = mine
-        _HELD.prune()
+        if HELD.own_shard != self.rank or HELD.world != self.world:
+            HELD.own.clear()
+        if HELD.world != self.world:
+            HELD.wards.clear()
+        HELD.own_shard, HELD.world = self.rank, self.world
+        HELD.own[step] = mine
+        HELD.prune()
         self._send(mine)
 
     def _land(self) -> None:
@@ -319,18 +244,18 @@ class PeerSnapshots:
         copy whose every part arrived becomes a snapshot held for it. One that failed (its sender went with
         its pod, or the group was aborted under it) never landed; nor did one of an ended iteration that has
         not settled within :data:`SETTLE_SECONDS`."""
-        settle = _HELD.group is not None and _HELD.group is not self._group
+        settle = HELD.group is not None and HELD.group is not self._group
         wait = _settling_wait(time.monotonic() + SETTLE_SECONDS) if settle else _wait_one
-        sent = bool(_HELD.sending)
-        for work in _HELD.sending:
+        sent = bool(HELD.sending)
+        for work in HELD.sending:
             try:
                 wait(work)
             except RuntimeError as e:
                 log.info("rank %d: a snapshot copy sent to the buddy was lost: %s", self.rank, e)
                 sent = False
-        if sent and _HELD.sending_step is not None:
-            _HELD.landed = Published(_HELD.sending_step, time.time(), _HELD.landed.fallback)
-        for shard, copy, works in _HELD.receiving:
+        if sent and HELD.sending_step is not None:
+            HELD.landed = Published(HELD.sending_step, time.time(), HELD.landed.fallback)
+        for shard, copy, works in HELD.receiving:
             try:
                 for work in works:
                     wait(work)
@@ -338,11 +263,11 @@ class PeerSnapshots:
                 log.info("rank %d: the snapshot of step %d from rank %d did not land: %s", self.rank, copy.step,
                          shard, e)
                 continue
-            _HELD.wards.setdefault(shard, {})[copy.step] = copy
-        _HELD.sending, _HELD.receiving, _HELD.group = [], [], None
-        _HELD.prune()
+            HELD.wards.setdefault(shard, {})[copy.step] = copy
+        HELD.sending, HELD.receiving, HELD.group = [], [], None
+        HELD.prune()
 
-    def _send(self, mine: _Copy) -> None:
+    def _send(self, mine: Copy) -> None:
         """Exchange the step and layouts with buddy and wards (small, at once), then start the data (in the
         background)."""
         import torch
@@ -366,16 +291,16 @@ class PeerSnapshots:
             self._ward_layouts[w] = bytes(b.numpy().tobytes())
         if not self._limit_checked:
             self._check_limit(mine)
-        _HELD.sending = [dist.isend(mine.flats[d], self.buddy, group=self._group) for d in sorted(mine.flats)]
-        _HELD.sending_step, _HELD.group = mine.step, self._group
+        HELD.sending = [dist.isend(mine.flats[d], self.buddy, group=self._group) for d in sorted(mine.flats)]
+        HELD.sending_step, HELD.group = mine.step, self._group
         for w in self.wards:
             ward_layout = _layout_from(self._ward_layouts[w])
-            copy = _Copy(int(heads[w][0]), ward_layout,
-                         {d: _HELD.buffer(d, n) for d, n in sorted(_sizes(ward_layout).items())})
-            _HELD.receiving.append((w, copy, [dist.irecv(copy.flats[d], w, group=self._group)
+            copy = Copy(int(heads[w][0]), ward_layout,
+                         {d: HELD.buffer(d, n) for d, n in sorted(elements_by_dtype(ward_layout).items())})
+            HELD.receiving.append((w, copy, [dist.irecv(copy.flats[d], w, group=self._group)
                                               for d in sorted(copy.flats)]))
 
-    def _check_limit(self, mine: _Copy) -> None:
+    def _check_limit(self, mine: Copy) -> None:
         """At the first snapshot, when its size is known: what a rank will hold (the two newest of its own
         shard and of each ward's) against the limit, agreed by every rank, so that all fail together."""
         import torch
@@ -386,7 +311,7 @@ class PeerSnapshots:
             return
         limit, setting = self._limit
         layouts = [_layout_from(self._ward_layouts[w]) for w in self.wards]
-        wards = sum(n * _itemsize(d) for layout in layouts for d, n in _sizes(layout).items())
+        wards = sum(n * _itemsize(d) for layout in layouts for d, n in elements_by_dtype(layout).items())
         need = torch.tensor([KEEP * (mine.nbytes() + wards)], dtype=torch.int64)
         dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self._group)
         if int(need.item()) > limit:
@@ -409,17 +334,19 @@ class PeerSnapshots:
             self.fallback_reason = "peer snapshots are off (restartPolicy.inProcess.peerSnapshots.enabled: false)"
             return None
         self._land()
-        holdings = self._gather(_HELD.holding())
+        holdings = self._gather(HELD.holding())
         plan = plan_restore(holdings)
+        # Whatever comes of it, the state from here on is a new timeline, the same on every rank.
+        HELD.generation = newest_generation(holdings) + 1
         if isinstance(plan, NoSnapshot):
             anything = any(h.own is not None or h.wards for h in holdings)
             self.fallback_reason = plan.reason if anything else None
-            _HELD.landed = Published(None, None, self.fallback_reason)
+            HELD.landed = Published(None, None, self.fallback_reason)
             if anything:
                 log.warning("rank %d: no peer snapshot to restore from: %s", self.rank, plan.reason)
             return None
         self.fallback_reason = None
-        _HELD.landed = Published(plan.step, time.time(), None)
+        HELD.landed = Published(plan.step, time.time(), None)
         ensure_optimizer_state(self.model, self.optimizer)
         entries = _state(self.model, self.optimizer)
         incoming = self._exchange(plan, entries)
@@ -432,12 +359,12 @@ class PeerSnapshots:
                     offsets[spec.dtype] += n
         restored = incoming[0] if incoming else None
         if restored is not None:
-            if _HELD.own_shard != self.rank:
-                _HELD.own.clear()
-            _HELD.own_shard, _HELD.world = self.rank, self.world
-            _HELD.own = {s: c for s, c in _HELD.own.items() if s <= plan.step} | {plan.step: restored}
+            if HELD.own_shard != self.rank:
+                HELD.own.clear()
+            HELD.own_shard, HELD.world = self.rank, self.world
+            HELD.own = {s: c for s, c in HELD.own.items() if s <= plan.step} | {plan.step: restored}
         # Steps after the restored one are recomputed: copies of them are of a timeline that no longer is.
-        for copies in _HELD.wards.values():
+        for copies in HELD.wards.values():
             for step in [s for s in copies if s > plan.step]:
                 del copies[step]
         dist.barrier(group=self._group)
@@ -455,7 +382,7 @@ class PeerSnapshots:
         dist.all_gather(rows, padded, group=self._group)
         return decode_holdings([r.tolist() for r in rows])
 
-    def _exchange(self, plan: RestorePlan, entries: list[tuple[TensorSpec, torch.Tensor]]) -> list[_Copy]:
+    def _exchange(self, plan: RestorePlan, entries: list[tuple[TensorSpec, torch.Tensor]]) -> list[Copy]:
         """Send and receive the shards the plan moves; check every layout before any tensor is written.
         Returns this rank's incoming copy (one, or none when the plan moves nothing here)."""
         import torch
@@ -465,7 +392,7 @@ class PeerSnapshots:
         works: list[Any] = []
         for m in plan.moves:
             if m.source == self.rank and m.target != self.rank:
-                data = _layout_json(_HELD.find(m.shard, plan.step, m.from_own).layout)
+                data = _layout_json(HELD.find(m.shard, plan.step, m.from_own).layout)
                 works.append(dist.isend(torch.tensor([len(data)], dtype=torch.int64), m.target, group=self._group))
                 works.append(dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), m.target,
                                         group=self._group))
@@ -478,7 +405,7 @@ class PeerSnapshots:
             layouts[self.rank] = bytes(buf.numpy().tobytes())
         _wait(works)
         theirs = _layout_from(layouts[self.rank]) if mine.source != self.rank else \
-            _HELD.find(mine.shard, plan.step, mine.from_own).layout
+            HELD.find(mine.shard, plan.step, mine.from_own).layout
         here = [s for s, _ in entries]
         problem = first_difference(here, theirs) or (first_difference(theirs, here) if len(here) != len(theirs)
                                                      else None)
@@ -493,13 +420,13 @@ class PeerSnapshots:
         works = []
         for m in plan.moves:
             if m.source == self.rank and m.target != self.rank:
-                copy = _HELD.find(m.shard, plan.step, m.from_own)
+                copy = HELD.find(m.shard, plan.step, m.from_own)
                 works += [dist.isend(copy.flats[d], m.target, group=self._group) for d in sorted(copy.flats)]
         if mine.source == self.rank:
-            incoming = _HELD.find(mine.shard, plan.step, mine.from_own)
+            incoming = HELD.find(mine.shard, plan.step, mine.from_own)
         else:
-            incoming = _Copy(plan.step, theirs, {d: torch.empty(n, dtype=getattr(torch, d))
-                                                 for d, n in sorted(_sizes(theirs).items())})
+            incoming = Copy(plan.step, theirs, {d: torch.empty(n, dtype=getattr(torch, d))
+                                                 for d, n in sorted(elements_by_dtype(theirs).items())})
             for d in sorted(incoming.flats):
                 dist.recv(incoming.flats[d], mine.source, group=self._group)
         _wait(works)
@@ -516,16 +443,5 @@ class PeerSnapshots:
 
     def held_bytes(self) -> int:
         """Bytes of snapshots this process holds (its own shard's and its wards')."""
-        return sum(c.nbytes() for c in _HELD.own.values()) + sum(
-            c.nbytes() for copies in _HELD.wards.values() for c in copies.values())
-
-
-def published() -> Published:
-    """What this process's rank tells its agent of its snapshots (none taken: all None)."""
-    return _HELD.landed
-
-
-def forget() -> None:
-    """Drop every snapshot this process holds (for a process that must start clean, and for tests)."""
-    global _HELD
-    _HELD = _Held()
+        return sum(c.nbytes() for c in HELD.own.values()) + sum(
+            c.nbytes() for copies in HELD.wards.values() for c in copies.values())

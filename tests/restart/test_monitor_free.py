@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from restart_helpers import new_job
@@ -17,10 +18,13 @@ from stalwart.etcd.store import Store
 from stalwart.etcd.torch_store import EtcdTorchStore
 from stalwart.local.etcd import EtcdServer
 from stalwart.restart import monitor as monitor_module
+from stalwart.restart import snapshot_held, snapshot_spill
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter, RestartInterrupt
 from stalwart.restart.monitor import Monitor, StatusFile
+from stalwart.restart.peers import TensorSpec
 from stalwart.restart.policies import IterationContext
+from stalwart.restart.protocol import SPILL_AFTER
 from stalwart.restart.sockets import SocketSnapshot
 
 
@@ -29,11 +33,12 @@ class Training:
     """A thread that runs a 'training function' waiting in C (a lock) until released, under a real monitor."""
 
     monitor: Monitor
+    release: threading.Event
     outcome: list[BaseException | None] = field(default_factory=list)
 
 
 @contextlib.contextmanager
-def training_in_c(etcd: EtcdServer, store: Store, *, atomic: bool) -> Iterator[Training]:
+def training_in_c(etcd: EtcdServer, store: Store, *, atomic: bool, status: str | None = None) -> Iterator[Training]:
     keys, epoch = new_job(store)
     coord = Coordinator(store, keys, epoch, slot=0, node_id="node-0", lease_ttl=5, retry_for=10.0)
     torch_store = EtcdTorchStore(store, keys, epoch, scope="0/", timeout=10.0)
@@ -46,9 +51,9 @@ def training_in_c(etcd: EtcdServer, store: Store, *, atomic: bool) -> Iterator[T
     def run() -> None:
         # The interrupter belongs to the thread that runs the training function.
         interrupter = Interrupter()
-        monitor = Monitor(coord, interrupter, soft_timeout=60.0, interval=0.05, status=StatusFile(None),
+        monitor = Monitor(coord, interrupter, soft_timeout=60.0, interval=0.05, status=StatusFile(status),
                           watch_main_thread=False)
-        training = Training(monitor)
+        training = Training(monitor, release)
         made.append(training)
         monitor.start()
         interrupter.enter_user_code()
@@ -134,4 +139,52 @@ def test_the_interrupt_is_requested_before_the_connections_are_freed(etcd: EtcdS
     with training_in_c(etcd, store, atomic=False) as training:
         training.monitor._interrupt("no progress for 3s")
         assert seen and seen[0] == "no progress for 3s"
+    assert len(training.outcome) == 1 and isinstance(training.outcome[0], RestartInterrupt)
+
+
+
+@pytest.fixture
+def held() -> Iterator[dict[tuple[str, int, int], list[float]]]:
+    """This process holds its own shard (0) and a ward's (1) at step 3, as a rank whose copies landed does."""
+    import torch
+
+    snapshot_held.forget()
+    h = snapshot_held.HELD
+    h.own_shard, h.world = 0, 2
+    spec = [TensorSpec("model.w", (4,), "float32")]
+    h.own[3] = snapshot_held.Copy(3, spec, {"float32": torch.arange(4.0)})
+    h.wards[1] = {3: snapshot_held.Copy(3, spec, {"float32": torch.arange(4.0) + 10})}
+    yield {("own", 0, 3): [0.0, 1.0, 2.0, 3.0], ("ward", 1, 3): [10.0, 11.0, 12.0, 13.0]}
+    snapshot_held.forget()
+
+
+def test_a_thread_still_blocked_after_its_interrupt_spills_the_snapshots_it_holds(
+        etcd: EtcdServer, store: Store, tmp_path: Path, held: dict[tuple[str, int, int], list[float]]) -> None:
+    # The agent's hard timeout will end a process whose main thread an interrupt does not free (a transfer gloo
+    # does not fail): what it holds is written where the process that takes its slot reads it.
+    status = tmp_path / "rank-0.json"
+    spilled = snapshot_spill.directory_for(status)
+    with training_in_c(etcd, store, atomic=False, status=str(status)) as training:
+        interrupted = time.monotonic()
+        training.monitor._interrupt("no progress for 3s")
+        deadline = time.monotonic() + 20
+        while not (spilled / "ward-1-3").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        waited = time.monotonic() - interrupted
+    copies = snapshot_spill.read(spilled)
+    assert {(c.kind, c.shard, c.step): c.flats["float32"].tolist() for c in copies} == held
+    assert waited >= SPILL_AFTER  # not before the interrupt had its chance
+
+
+def test_a_thread_the_interrupt_frees_spills_nothing(etcd: EtcdServer, store: Store, tmp_path: Path,
+                                                     held: dict[tuple[str, int, int], list[float]]) -> None:
+    status = tmp_path / "rank-0.json"
+    with training_in_c(etcd, store, atomic=False, status=str(status)) as training:
+        training.monitor._interrupt("fault in slot 1: exception")
+        training.release.set()  # the blocking call returns: the interrupt ends the function at once
+        deadline = time.monotonic() + 10
+        while not training.outcome and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(SPILL_AFTER + 0.5)  # the monitor ticks on, past the spill's delay
+        assert not snapshot_spill.directory_for(status).exists()
     assert len(training.outcome) == 1 and isinstance(training.outcome[0], RestartInterrupt)

@@ -41,6 +41,7 @@ from stalwart.restart.protocol import (
     parse_view,
     placement,
     plan_seal,
+    spill_due,
     stale_iterations,
     stall_limit,
     verdict,
@@ -350,6 +351,16 @@ def test_stall_limit(soft: float, startup: float, pinged: bool, limit: float) ->
 ])
 def test_kill_limit(soft: float, hard: float, startup: float, pinged: bool, limit: float) -> None:
     assert kill_limit(soft, hard, startup, pinged=pinged) == limit
+
+
+@pytest.mark.parametrize(("stuck_for", "spilled", "due"), [
+    (None, False, False),  # the main thread is not blocked after an interrupt
+    (0.5, False, False),   # blocked for a moment: shutting its connections down frees it within milliseconds
+    (2.0, False, True),    # still blocked: a transfer gloo does not fail
+    (30.0, True, False),   # once an iteration
+])
+def test_spill_due(stuck_for: float | None, spilled: bool, due: bool) -> None:
+    assert spill_due(stuck_for, spilled=spilled) is due
 
 
 @pytest.mark.parametrize(("slot", "pid", "other"), [

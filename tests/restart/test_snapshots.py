@@ -66,6 +66,14 @@ def own(shard: int, *steps: int) -> tuple[int, tuple[int, ...]]:
     # A survivor whose rank changed: its own shard goes to the rank that has it now, before a ward's copy.
     ([Holding(own(1, 5), (own(3, 5),)), Holding(None, (own(0, 5),)), Holding(own(2, 5)), Holding(own(3, 5))],
      RestorePlan(5, (Move(1, 0, 0, False), Move(0, 1, 1, True), Move(2, 2, 2, True), Move(3, 3, 3, True)))),
+    # Rank 1's process took what a hung one wrote out, and the others have not restored since: one timeline.
+    ([Holding(own(0, 4, 5), (own(1, 4, 5),), 2, 3), Holding(own(1, 4, 5), (own(0, 4, 5),), 2, 3)],
+     RestorePlan(5, (Move(0, 0, 0, True), Move(1, 1, 1, True)))),
+    # Rank 2's copies are of generation 2: the others restored without it since, and went on to step 5 again.
+    # Its step 5 is of a timeline that no longer is: shard 2 comes from its buddy's copy of the new one.
+    ([Holding(own(0, 4, 5), (own(2, 4, 5),), 3, 3), Holding(own(1, 4, 5), (own(0, 4, 5),), 3, 3),
+      Holding(own(2, 4, 5), (own(1, 4, 5),), 3, 2)],
+     RestorePlan(5, (Move(0, 0, 0, True), Move(1, 1, 1, True), Move(0, 2, 2, False)))),
 ])
 def test_plan_restore(holdings: list[Holding], expected: RestorePlan) -> None:
     assert plan_restore(holdings) == expected
@@ -78,6 +86,9 @@ def test_plan_restore(holdings: list[Holding], expected: RestorePlan) -> None:
      "sharded over 4 ranks, and this iteration has 2: another sharding"),
     ([Holding(own(0, 5)), Holding(None, (own(0, 5),))], "shard 1 has no copy on any rank: its rank and its buddy"),
     ([Holding(own(0, 5), (own(1, 4),)), Holding()], "no snapshot step has a copy of every shard"),
+    # The only copies of shard 1 are of an older timeline (a process that missed a restore since).
+    ([Holding(own(0, 5), world=2, generation=4), Holding(own(1, 5), (own(0, 5),), 2, 3)],
+     "shard 1 has no copy of the current timeline: rank(s) 1 hold copies from before a restore they missed"),
 ])
 def test_no_snapshot(holdings: list[Holding], reason: str) -> None:
     got = plan_restore(holdings)
@@ -86,7 +97,7 @@ def test_no_snapshot(holdings: list[Holding], reason: str) -> None:
 
 @pytest.mark.parametrize("holding", [
     Holding(), Holding(own(3, 1, 2), world=4), Holding(None, (own(1, 7), own(2, 6, 7)), 8),
-    Holding(own(0), (own(5),), 6),
+    Holding(own(0), (own(5),), 6), Holding(own(1, 3), world=2, generation=7),
 ])
 def test_a_holding_survives_its_encoding_padded(holding: Holding) -> None:
     assert decode_holdings([[*encode_holding(holding), 0, 0, 0]]) == [holding]
@@ -94,7 +105,7 @@ def test_a_holding_survives_its_encoding_padded(holding: Holding) -> None:
 
 def test_a_truncated_holding_is_refused() -> None:
     with pytest.raises(ValueError, match="ends early or is malformed"):
-        decode_holdings([encode_holding(Holding(own(1, 4, 5), world=2))[:4]])
+        decode_holdings([encode_holding(Holding(own(1, 4, 5), world=2))[:5]])
 
 
 def test_every_must_be_a_positive_number_of_steps() -> None:
@@ -183,8 +194,8 @@ def _rank(rank: int, port: int, out: Any) -> None:
         while _process_state(buddy) != "T":
             assert time.monotonic() < deadline, f"rank {snaps.buddy} did not stop"
             time.sleep(0.01)
-        snap._HELD.sending.append(dist.isend(copy, snaps.buddy, group=snaps._group, tag=7))
-        snap._HELD.group = snaps._group
+        snap.HELD.sending.append(dist.isend(copy, snaps.buddy, group=snaps._group, tag=7))
+        snap.HELD.group = snaps._group
         time.sleep(0.5)  # the copy fills the connection's buffers
         assert shutdown_sockets_since(sockets_before) > 0
         os.kill(buddy, signal.SIGCONT)
@@ -213,7 +224,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
         snaps._land()
         if scenario == "torn" and rank < 2:
             # The newest copies of pod 1's shards had not landed on their buddies here.
-            for copies in snap._HELD.wards.values():
+            for copies in snap.HELD.wards.values():
                 copies.pop(LOSE_AT, None)
         if scenario == "abandoned":
             abandon_a_copy(snaps, sockets_before)
@@ -245,7 +256,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
         snaps.commit(step)
     snaps._land()
     if rank == 0:
-        for copies in snap._HELD.wards.values():
+        for copies in snap.HELD.wards.values():
             for c in copies.values():
                 bad = c.layout[1]
                 c.layout[1] = snap.TensorSpec(bad.name, (bad.shape[0] + 1, *bad.shape[1:]), bad.dtype)
@@ -263,7 +274,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
     # Rank and buddy both lost: no snapshot covers every shard; the reason says so and nothing is restored.
     snaps = snap.PeerSnapshots(model, opt, pod=pod)
     if rank < 2:
-        snap._HELD.wards.clear()
+        snap.HELD.wards.clear()
     else:
         snap.forget()
     result["both_lost"] = snaps.restore()
