@@ -18,4 +18,6 @@ GROUP_MODULES = {
     # Its module fixture runs four FSDP2 rank processes through every scenario at once (about 30 s): once, on
     # one worker, not once on each worker that draws one of its tests.
     "tests/restart/test_snapshots.py": "snapshots",
+    # Its fault-free reference run (four rank processes) serves both of its cluster tests.
+    "tests/operator/test_sharded_pod_loss.py": "sharded",
 }

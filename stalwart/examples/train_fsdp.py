@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -48,6 +49,20 @@ IN_FEATURES = 16
 OUT_FEATURES = 8
 LATEST = "latest"
 
+#: A drill: the rank ``$STALWART_EXAMPLE_HANG_RANK`` hangs after step ``$STALWART_EXAMPLE_HANG_AT_STEP`` inside
+#: native code that no interrupt frees (as a gloo transfer cut off in flight holds a rank), once per job: it
+#: first creates ``$STALWART_EXAMPLE_HANG_MARKER``, and a process that finds the file there does not hang.
+HANG_AT_STEP_ENV = "STALWART_EXAMPLE_HANG_AT_STEP"
+HANG_RANK_ENV = "STALWART_EXAMPLE_HANG_RANK"
+HANG_MARKER_ENV = "STALWART_EXAMPLE_HANG_MARKER"
+
+
+@dataclass(frozen=True)
+class Hang:
+    step: int
+    rank: int
+    marker: Path
+
 
 @dataclass(frozen=True)
 class Options:
@@ -62,6 +77,7 @@ class Options:
     snapshot_every: int
     log_every: int
     step_delay: float
+    hang: Hang | None = None
 
 
 def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> Options:
@@ -96,7 +112,40 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
     directory = a.checkpoint_dir or str(Path(env.get("TMPDIR", "/tmp")) / "stalwart-checkpoints"
                                         / f"fsdp-{env.get('STALWART_JOB_UID', 'local')}")
     return Options(a.steps, a.batch_size, a.lr, a.seed, a.hidden, a.layers, Path(directory), a.checkpoint_every,
-                   a.snapshot_every, a.log_every, a.step_delay)
+                   a.snapshot_every, a.log_every, a.step_delay, _hang(env))
+
+
+def _hang(env: dict[str, str]) -> Hang | None:
+    if not env.get(HANG_AT_STEP_ENV):
+        return None
+    values = {}
+    for name, default in ((HANG_AT_STEP_ENV, None), (HANG_RANK_ENV, "1")):
+        raw = env.get(name) or default
+        try:
+            values[name] = int(raw or "")
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if not env.get(HANG_MARKER_ENV):
+        raise ValueError(f"{HANG_MARKER_ENV} must name the file that makes the hang happen once, "
+                         f"as {HANG_AT_STEP_ENV} is set")
+    return Hang(values[HANG_AT_STEP_ENV], values[HANG_RANK_ENV], Path(env[HANG_MARKER_ENV]))
+
+
+def maybe_hang(hang: Hang | None, rank: int, step: int) -> None:
+    """The drill's hang (see :data:`HANG_AT_STEP_ENV`): blocks this thread for good, where the interrupt that
+    stalwart delivers cannot end it, so that the rank is freed only by its agent killing the process."""
+    if hang is None or (hang.step, hang.rank) != (step, rank):
+        return
+    try:
+        hang.marker.touch(exist_ok=False)
+    except FileExistsError:
+        return
+    emit("hang", rank=rank, step=step)
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # a pthread_mutex_t (40 bytes on x86-64 Linux)
+    libc.pthread_mutex_init(mutex, None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)  # its owner locking a normal mutex again: blocked for good, deaf to signals
 
 
 def build(opts: Options) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -239,6 +288,7 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
             save_checkpoint(opts.checkpoint_dir, model, optimizer, step)
         if step % opts.log_every == 0 or step == opts.steps:
             emit("step", rank=rank, step=step, loss=round(float(loss.detach()), 6))
+        maybe_hang(opts.hang, rank, step)
         if opts.step_delay:
             time.sleep(opts.step_delay)
     if snapshots is not None:

@@ -3,7 +3,8 @@ agents and real torch: FSDP2 over gloo (stalwart/examples/train_fsdp.py), 2 work
 no warm-spare setting (on by default for a job with spares). A worker pod is force-deleted mid-run; the
 survivor's processes continue in process, the spare's parked processes take the lost ranks, their shards come
 from their buddies' memory (not from the checkpoint, which is never written in this run), and the job ends
-with the parameters of a fault-free run of the same script, bit for bit."""
+with the parameters of a fault-free run of the same script, bit for bit. Also when the survivor rank that holds
+the only copy of a lost shard is stuck where no interrupt frees it: its successor takes what it wrote out."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from test_operator_cluster import Jobs, OperatorFactory, job_body, phase_is, wait_for
 from test_warm_spares import events, pod_pids, story, wait_for_steps
 
+from stalwart.examples.train_fsdp import HANG_AT_STEP_ENV, HANG_MARKER_ENV, HANG_RANK_ENV
 from stalwart.local.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
@@ -66,10 +68,15 @@ def fault_free_digest(tmp: Path) -> str:
     return digests.pop()
 
 
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The parameters' digest of the fault-free run, for every test of the module (one worker runs them all)."""
+    return fault_free_digest(tmp_path_factory.mktemp("reference"))
+
+
 @pytest.mark.timeout(900)  # a reference run of four processes, then a job of six rank processes, on two cores
 def test_a_sharded_job_recovers_a_lost_pod_from_peer_snapshots_bit_for_bit(
-        start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster, tmp_path: Path) -> None:
-    expected = fault_free_digest(tmp_path)
+        start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster, expected: str) -> None:
     name = "sharded"
     start_operator(jobs.ns)
     jobs.create(job_body(name, replicas=2, spares=1, nprocPerNode=2,
@@ -101,5 +108,50 @@ def test_a_sharded_job_recovers_a_lost_pod_from_peer_snapshots_bit_for_bit(
     assert {e["rank"] for e in done} == {0, 1, 2, 3}, done
     assert {e["params_sha256"] for e in done} == {expected}, "the recovered run differs from the fault-free one"
     assert st["peerSnapshot"]["step"] >= resumed_at, st["peerSnapshot"]  # the new round's ranks report theirs too
+    jobs.delete(name)
+    wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
+
+
+@pytest.mark.timeout(900)
+def test_a_survivor_stuck_where_no_interrupt_frees_it_hands_its_snapshots_to_its_successor(
+        start_operator: OperatorFactory, jobs: Jobs, local_cluster: LocalCluster, tmp_path: Path,
+        expected: str) -> None:
+    # Rank 1 holds the only copy of a shard of the other worker (its ward), and hangs in native code at step 25
+    # (the example's drill: as a gloo transfer cut off in flight holds a rank); the other worker is lost while
+    # it hangs. Its monitor writes what it holds out, its agent kills it at the hard timeout (20 s here) and
+    # starts a new process in its slot, which takes the copies: every shard comes back from the snapshots.
+    name = "sharded-stuck"
+    start_operator(jobs.ns)
+    body = job_body(name, replicas=2, spares=1, nprocPerNode=2, command=[*SCRIPT, "--step-delay", "0.05"],
+                    restartPolicy={"inProcess": {"softTimeoutSeconds": 10, "hardTimeoutSeconds": 20}})
+    body["spec"]["template"]["spec"]["containers"][0]["env"] = [
+        {"name": HANG_AT_STEP_ENV, "value": "25"}, {"name": HANG_RANK_ENV, "value": "1"},
+        {"name": HANG_MARKER_ENV, "value": str(tmp_path / "hung")}]
+    jobs.create(body)
+    workers, spare = [f"{name}-worker-{i}" for i in (0, 1)], f"{name}-spare-0"
+    wait_for("the spare's parked processes", lambda: len(pod_pids(jobs.ns, spare)) >= 3, timeout=240)
+    hung = wait_for("rank 1 to hang", lambda: next((w for w in workers if any(
+        e["event"] == "hang" for e in events(local_cluster, jobs.ns, w))), None), timeout=240, interval=0.2)
+    survivor, victim = hung, next(w for w in workers if w != hung)
+    local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
+
+    st = wait_for("Succeeded", phase_is(jobs, name, "Succeeded", "Failed"), timeout=600)
+    assert st["phase"] == "Succeeded", (st, story(local_cluster, jobs.ns, survivor, spare))
+    survivor_log, spare_log = events(local_cluster, jobs.ns, survivor), events(local_cluster, jobs.ns, spare)
+    # The stuck rank's process was replaced (a third start on the survivor), the other kept its own.
+    assert [e["event"] for e in survivor_log].count("start") == 3, story(local_cluster, jobs.ns, survivor)
+    hang = next(e for e in survivor_log if e["event"] == "hang")
+    after = sorted((e for e in survivor_log + spare_log if e["event"] == "resume" and e["time"] > hang["time"]),
+                   key=lambda e: e["time"])
+    assert after and {e["source"] for e in after} == {"peers"}, after  # never the checkpoint, never from scratch
+    final = after[-4:]
+    assert {e["rank"] for e in final} == {0, 1, 2, 3}, after
+    assert len({e["step"] for e in final}) == 1 and final[0]["step"] > 0, final
+    done = [e for e in survivor_log + spare_log if e["event"] == "done"]
+    assert {e["rank"] for e in done} == {0, 1, 2, 3}, done
+    assert {e["params_sha256"] for e in done} == {expected}, "the recovered run differs from the fault-free one"
+    text = local_cluster.kubectl("logs", survivor, "-n", jobs.ns).stdout
+    assert "bytes of snapshots it holds to" in text, story(local_cluster, jobs.ns, survivor)  # written out
+    assert "snapshot copies the process before this one spilled" in text, story(local_cluster, jobs.ns, survivor)
     jobs.delete(name)
     wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
