@@ -393,7 +393,8 @@ class Agent:
         old = self.ranks.procs[local_rank]
         why = old.killed_hung or reason
         if not old.killed_hung:
-            self._record_fault(old, "process_died", f"the process exited {code}" if code >= 0
+            self._record_fault(old, "process_died", reason if code == ExitCode.ABANDONED
+                               else f"the process exited {code}" if code >= 0
                                else f"the process was killed by signal {-code}")
         self._note_exits((local_rank,))
         self.process_restarts += 1

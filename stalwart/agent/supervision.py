@@ -93,7 +93,9 @@ def supervise(procs: Sequence[ProcView], *, restarts_used: int, max_restarts: in
                            f"local rank {p.local_rank} exited {code}; {restarts_used} process restarts used "
                            f"(max {max_restarts})")]
         if p.wrapped:
-            actions.append(RankAction("respawn", (p.local_rank,), code, f"local rank {p.local_rank} exited {code}"))
+            why = (f"local rank {p.local_rank} ended itself (exit code {code}): its main thread stayed blocked after "
+                   "its interrupt" if code == ExitCode.ABANDONED else f"local rank {p.local_rank} exited {code}")
+            actions.append(RankAction("respawn", (p.local_rank,), code, why))
         else:
             return [RankAction("restart_all", (p.local_rank,), code, f"local rank {p.local_rank} exited {code}")]
     return actions or [RankAction("wait")]

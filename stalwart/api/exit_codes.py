@@ -52,6 +52,10 @@ class ExitCode(enum.IntEnum):
     #: The rank processes were told to stop (SIGTERM forwarded by the agent). Pod replacement if the pod
     #: did not ask for it itself.
     TERMINATED = 97
+    #: The rank's main thread stayed blocked in native code after its interrupt (gloo does not fail a transfer
+    #: already in flight when its connection is shut down): the process wrote out the snapshots it held and
+    #: ended itself rather than wait for its hard timeout. Local respawn.
+    ABANDONED = 98
 
 
 _DISPOSITIONS: dict[int, Disposition] = {
@@ -64,6 +68,7 @@ _DISPOSITIONS: dict[int, Disposition] = {
     ExitCode.COORDINATION_LOST: Disposition.POD_REPLACEMENT,
     ExitCode.HARD_TIMEOUT: Disposition.LOCAL_RESPAWN,
     ExitCode.TERMINATED: Disposition.POD_REPLACEMENT,
+    ExitCode.ABANDONED: Disposition.LOCAL_RESPAWN,
 }
 
 

@@ -18,10 +18,13 @@ import ctypes
 import logging
 import os
 import random
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
+from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import FaultRecord, RankStatus, failure_info
 from stalwart.etcd.keys import ALIVE, FAULT
 from stalwart.etcd.store import StoreError, Watch, WatchEvent, WatchRange
@@ -35,8 +38,8 @@ from stalwart.restart.protocol import (
     kill_limit,
     lost_peer_report,
     of_another,
-    spill_due,
     stall_limit,
+    when_stuck,
 )
 from stalwart.restart.snapshot_spill import directory_for
 from stalwart.restart.sockets import connection_states
@@ -111,9 +114,12 @@ class Monitor:
 
     def __init__(self, coord: Coordinator, interrupter: Interrupter, *, soft_timeout: float,
                  interval: float, status: StatusFile, watch_main_thread: bool,
-                 startup_timeout: float | None = None, hard_timeout: float | None = None) -> None:
+                 startup_timeout: float | None = None, hard_timeout: float | None = None,
+                 end_process: Callable[[int], None] = os._exit) -> None:
         self.coord = coord
         self.interrupter = interrupter
+        #: How the process ends when its main thread is given up (tests pass a recorder).
+        self._end_process = end_process
         self.soft_timeout = soft_timeout
         #: What the agent is told (the status file's ``hard_timeout``): see :func:`~.protocol.kill_limit`.
         self.hard_timeout = hard_timeout
@@ -134,6 +140,7 @@ class Monitor:
         #: Since when a delivered interrupt has not freed the main thread, and whether that was spilled for.
         self._stuck_since: float | None = None
         self._spilled = False
+        self._abandoned = False
         self._faults: dict[int, FaultRecord] = {}  # the first fault seen in each iteration
         self._causes: dict[int, FaultRecord] = {}  # the iteration's cause as known so far (see DIRECT_KINDS)
         self.last_progress = time.monotonic()
@@ -318,7 +325,7 @@ class Monitor:
         if stuck:
             self._free_again()
         now = time.monotonic()
-        self._spill_if_stuck(now, stuck)
+        self._act_if_stuck(now, stuck)
         if self._probe is not None:
             answered = self._probe.poll(now)
             if answered is not None:
@@ -344,16 +351,36 @@ class Monitor:
             return None
         return kill_limit(self.soft_timeout, self.hard_timeout, self.startup_timeout, pinged=self._pinged)
 
-    def _spill_if_stuck(self, now: float, stuck: bool) -> None:
-        """A main thread still blocked after its interrupt is likely lost to its agent's hard timeout: write the
-        snapshots this process holds where the process that takes its place finds them."""
+    def _act_if_stuck(self, now: float, stuck: bool) -> None:
+        """A main thread still blocked after its interrupt waits on what no interrupt frees (a transfer gloo does
+        not fail): write the snapshots this process holds where the process that takes its place finds them,
+        then end this one for its agent to start that one (:func:`~.protocol.when_stuck`)."""
         with self._lock:
             self._stuck_since = (self._stuck_since or now) if stuck else None
             since, iteration = self._stuck_since, self._iteration
-            due = spill_due(None if since is None else now - since, spilled=self._spilled)
-            if due:
+            action = when_stuck(None if since is None else now - since, spilled=self._spilled)
+            if action == "spill":
                 self._spilled = True
-        if not due or not self.status_file.path:
+            elif action == "abandon":
+                action, self._abandoned = ("wait", True) if self._abandoned else ("abandon", True)
+        blocked = now - (since or now)
+        if action == "spill":
+            self._spill(iteration, blocked)
+        elif action == "abandon":
+            log.warning("slot %d iteration %d: the main thread is still blocked %.1fs after its interrupt: ending "
+                        "this process (exit code %d) for its agent to start a new one", self.coord.slot, iteration,
+                        blocked, ExitCode.ABANDONED)
+            self._flush_status(force=True)
+            for handler in logging.getLogger().handlers:
+                with contextlib.suppress(Exception):
+                    handler.flush()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            self._end_process(int(ExitCode.ABANDONED))
+
+    def _spill(self, iteration: int, blocked: float) -> None:
+        if not self.status_file.path:
             return
         directory = directory_for(self.status_file.path)
         try:
@@ -365,7 +392,7 @@ class Monitor:
         if written:
             log.warning("slot %d iteration %d: the main thread is still blocked %.1fs after its interrupt (a transfer "
                         "gloo does not fail); wrote the %d bytes of snapshots it holds to %s for the process that "
-                        "takes its place", self.coord.slot, iteration, now - (since or now), written, directory)
+                        "takes its place", self.coord.slot, iteration, blocked, written, directory)
 
     def _free_again(self) -> None:
         """Shut down the group's connections again while a delivered interrupt has not ended the training

@@ -524,9 +524,17 @@ def kill_limit(soft_timeout: float, hard_timeout: float, startup_timeout: float,
 #: shutting the group's connections down frees a blocked collective within milliseconds, so one still blocked
 #: after this waits on a transfer gloo does not fail (see :mod:`stalwart.restart.snapshot_spill`).
 SPILL_AFTER = 2.0
+#: ... and before the process ends itself (exit code ABANDONED) for its agent to start a new one: such a wait
+#: lasts the group's timeout (30 minutes), and the hard timeout (90 s by default) is far longer than a native
+#: call of a training step that an interrupt merely has to wait for.
+ABANDON_AFTER = 10.0
 
 
-def spill_due(stuck_for: float | None, *, spilled: bool) -> bool:
-    """Whether the monitor writes the held snapshots out now: the main thread has stayed blocked
-    ``stuck_for`` seconds since its interrupt was delivered (None: it is not blocked), once an iteration."""
-    return stuck_for is not None and not spilled and stuck_for >= SPILL_AFTER
+def when_stuck(stuck_for: float | None, *, spilled: bool) -> Literal["wait", "spill", "abandon"]:
+    """What the monitor does about a main thread blocked ``stuck_for`` seconds since its interrupt was
+    delivered (None: it is not blocked): write the held snapshots out once, then end the process."""
+    if stuck_for is None or stuck_for < SPILL_AFTER:
+        return "wait"
+    if not spilled:
+        return "spill"
+    return "abandon" if stuck_for >= ABANDON_AFTER else "wait"

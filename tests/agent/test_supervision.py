@@ -30,6 +30,14 @@ def test_dead_wrapped_rank_is_respawned_alone() -> None:
     assert (a.kind, a.local_ranks) == ("respawn", (1,))
 
 
+def test_a_rank_that_ended_itself_stuck_is_respawned_and_said_so() -> None:
+    [a] = supervise([ProcView(0, None, wrapped=True), ProcView(1, int(ExitCode.ABANDONED), wrapped=True)],
+                    restarts_used=0, max_restarts=3)
+    assert (a.kind, a.local_ranks) == ("respawn", (1,))
+    assert a.reason == ("local rank 1 ended itself (exit code 98): its main thread stayed blocked after its "
+                        "interrupt")
+
+
 def test_dead_plain_rank_restarts_everything_like_torchrun() -> None:
     [a] = supervise([ProcView(0, None), ProcView(1, 1)], restarts_used=0, max_restarts=3)
     assert a.kind == "restart_all"

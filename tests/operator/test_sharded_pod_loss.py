@@ -118,12 +118,13 @@ def test_a_survivor_stuck_where_no_interrupt_frees_it_hands_its_snapshots_to_its
         expected: str) -> None:
     # Rank 1 holds the only copy of a shard of the other worker (its ward), and hangs in native code at step 25
     # (the example's drill: as a gloo transfer cut off in flight holds a rank); the other worker is lost while
-    # it hangs. Its monitor writes what it holds out, its agent kills it at the hard timeout (20 s here) and
-    # starts a new process in its slot, which takes the copies: every shard comes back from the snapshots.
+    # it hangs. Its monitor writes what it holds out and ends the process, long before its hard timeout; its
+    # agent starts a new process in its slot, which takes the copies: every shard comes back from the
+    # snapshots.
     name = "sharded-stuck"
     start_operator(jobs.ns)
     body = job_body(name, replicas=2, spares=1, nprocPerNode=2, command=[*SCRIPT, "--step-delay", "0.05"],
-                    restartPolicy={"inProcess": {"softTimeoutSeconds": 10, "hardTimeoutSeconds": 20}})
+                    restartPolicy={"inProcess": {"softTimeoutSeconds": 10, "hardTimeoutSeconds": 120}})
     body["spec"]["template"]["spec"]["containers"][0]["env"] = [
         {"name": HANG_AT_STEP_ENV, "value": "25"}, {"name": HANG_RANK_ENV, "value": "1"},
         {"name": HANG_MARKER_ENV, "value": str(tmp_path / "hung")}]
@@ -153,5 +154,7 @@ def test_a_survivor_stuck_where_no_interrupt_frees_it_hands_its_snapshots_to_its
     text = local_cluster.kubectl("logs", survivor, "-n", jobs.ns).stdout
     assert "bytes of snapshots it holds to" in text, story(local_cluster, jobs.ns, survivor)  # written out
     assert "snapshot copies the process before this one spilled" in text, story(local_cluster, jobs.ns, survivor)
+    assert "ended itself (exit code 98): its main thread stayed blocked after its interrupt" in text, text[-3000:]
+    assert "within its hard timeout" not in text, text[-3000:]  # not the agent's kill: the process's own end
     jobs.delete(name)
     wait_for("the job to go", lambda: jobs.gone(name), timeout=90)

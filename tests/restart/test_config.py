@@ -158,6 +158,7 @@ def test_exit_code_dispositions() -> None:
     assert disposition(ExitCode.UNHEALTHY) is Disposition.POD_REPLACEMENT
     assert disposition(ExitCode.WORLD_TOO_SMALL) is Disposition.POD_REPLACEMENT
     assert disposition(ExitCode.HARD_TIMEOUT) is Disposition.LOCAL_RESPAWN
+    assert disposition(ExitCode.ABANDONED) is Disposition.LOCAL_RESPAWN
     assert disposition(-9) is Disposition.LOCAL_RESPAWN
     assert disposition(137) is Disposition.LOCAL_RESPAWN
     assert disposition(1) is Disposition.JOB_FAILURE

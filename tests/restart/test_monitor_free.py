@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from restart_helpers import new_job
 
+from stalwart.api.exit_codes import ExitCode
 from stalwart.etcd.store import Store
 from stalwart.etcd.torch_store import EtcdTorchStore
 from stalwart.local.etcd import EtcdServer
@@ -24,7 +25,7 @@ from stalwart.restart.interrupt import Interrupter, RestartInterrupt
 from stalwart.restart.monitor import Monitor, StatusFile
 from stalwart.restart.peers import TensorSpec
 from stalwart.restart.policies import IterationContext
-from stalwart.restart.protocol import SPILL_AFTER
+from stalwart.restart.protocol import ABANDON_AFTER, SPILL_AFTER
 from stalwart.restart.sockets import SocketSnapshot
 
 
@@ -38,7 +39,8 @@ class Training:
 
 
 @contextlib.contextmanager
-def training_in_c(etcd: EtcdServer, store: Store, *, atomic: bool, status: str | None = None) -> Iterator[Training]:
+def training_in_c(etcd: EtcdServer, store: Store, *, atomic: bool, status: str | None = None,
+                  ended: list[int] | None = None) -> Iterator[Training]:
     keys, epoch = new_job(store)
     coord = Coordinator(store, keys, epoch, slot=0, node_id="node-0", lease_ttl=5, retry_for=10.0)
     torch_store = EtcdTorchStore(store, keys, epoch, scope="0/", timeout=10.0)
@@ -52,7 +54,7 @@ def training_in_c(etcd: EtcdServer, store: Store, *, atomic: bool, status: str |
         # The interrupter belongs to the thread that runs the training function.
         interrupter = Interrupter()
         monitor = Monitor(coord, interrupter, soft_timeout=60.0, interval=0.05, status=StatusFile(status),
-                          watch_main_thread=False)
+                          watch_main_thread=False, end_process=(ended if ended is not None else []).append)
         training = Training(monitor, release)
         made.append(training)
         monitor.start()
@@ -158,33 +160,41 @@ def held() -> Iterator[dict[tuple[str, int, int], list[float]]]:
     snapshot_held.forget()
 
 
-def test_a_thread_still_blocked_after_its_interrupt_spills_the_snapshots_it_holds(
+def test_a_thread_still_blocked_after_its_interrupt_spills_what_it_holds_then_ends_the_process(
         etcd: EtcdServer, store: Store, tmp_path: Path, held: dict[tuple[str, int, int], list[float]]) -> None:
-    # The agent's hard timeout will end a process whose main thread an interrupt does not free (a transfer gloo
-    # does not fail): what it holds is written where the process that takes its slot reads it.
+    # No interrupt frees a main thread held by a transfer gloo does not fail: what the process holds is written
+    # where the process that takes its slot reads it, then the process ends itself for its agent to start that
+    # one (here the ending is recorded, not done).
     status = tmp_path / "rank-0.json"
     spilled = snapshot_spill.directory_for(status)
-    with training_in_c(etcd, store, atomic=False, status=str(status)) as training:
+    ended: list[int] = []
+    with training_in_c(etcd, store, atomic=False, status=str(status), ended=ended) as training:
         interrupted = time.monotonic()
         training.monitor._interrupt("no progress for 3s")
         deadline = time.monotonic() + 20
         while not (spilled / "ward-1-3").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        waited = time.monotonic() - interrupted
+        written = time.monotonic() - interrupted
+        assert ended == []  # written out first; a native call of a step may still return
+        while not ended and time.monotonic() < deadline + 20:
+            time.sleep(0.05)
+        gone = time.monotonic() - interrupted
     copies = snapshot_spill.read(spilled)
     assert {(c.kind, c.shard, c.step): c.flats["float32"].tolist() for c in copies} == held
-    assert waited >= SPILL_AFTER  # not before the interrupt had its chance
+    assert written >= SPILL_AFTER  # not before the interrupt had its chance
+    assert ended == [int(ExitCode.ABANDONED)] and gone >= ABANDON_AFTER
 
 
-def test_a_thread_the_interrupt_frees_spills_nothing(etcd: EtcdServer, store: Store, tmp_path: Path,
-                                                     held: dict[tuple[str, int, int], list[float]]) -> None:
+def test_a_thread_the_interrupt_frees_spills_nothing_and_lives_on(
+        etcd: EtcdServer, store: Store, tmp_path: Path, held: dict[tuple[str, int, int], list[float]]) -> None:
     status = tmp_path / "rank-0.json"
-    with training_in_c(etcd, store, atomic=False, status=str(status)) as training:
+    ended: list[int] = []
+    with training_in_c(etcd, store, atomic=False, status=str(status), ended=ended) as training:
         training.monitor._interrupt("fault in slot 1: exception")
         training.release.set()  # the blocking call returns: the interrupt ends the function at once
         deadline = time.monotonic() + 10
         while not training.outcome and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(SPILL_AFTER + 0.5)  # the monitor ticks on, past the spill's delay
-        assert not snapshot_spill.directory_for(status).exists()
+        assert not snapshot_spill.directory_for(status).exists() and ended == []
     assert len(training.outcome) == 1 and isinstance(training.outcome[0], RestartInterrupt)

@@ -41,10 +41,10 @@ from stalwart.restart.protocol import (
     parse_view,
     placement,
     plan_seal,
-    spill_due,
     stale_iterations,
     stall_limit,
     verdict,
+    when_stuck,
 )
 
 ME = Participant(slot=1, node_id="n", slots=3, target_world=2)
@@ -353,14 +353,16 @@ def test_kill_limit(soft: float, hard: float, startup: float, pinged: bool, limi
     assert kill_limit(soft, hard, startup, pinged=pinged) == limit
 
 
-@pytest.mark.parametrize(("stuck_for", "spilled", "due"), [
-    (None, False, False),  # the main thread is not blocked after an interrupt
-    (0.5, False, False),   # blocked for a moment: shutting its connections down frees it within milliseconds
-    (2.0, False, True),    # still blocked: a transfer gloo does not fail
-    (30.0, True, False),   # once an iteration
+@pytest.mark.parametrize(("stuck_for", "spilled", "action"), [
+    (None, False, "wait"),    # the main thread is not blocked after an interrupt
+    (0.5, False, "wait"),     # blocked for a moment: shutting its connections down frees it within milliseconds
+    (2.0, False, "spill"),    # still blocked: a transfer gloo does not fail; what it holds is written out
+    (5.0, True, "wait"),      # written out; a native call of a step may still return
+    (10.0, False, "spill"),   # never abandoned before its copies are written
+    (10.0, True, "abandon"),  # given up: the agent starts a new process, which takes the copies
 ])
-def test_spill_due(stuck_for: float | None, spilled: bool, due: bool) -> None:
-    assert spill_due(stuck_for, spilled=spilled) is due
+def test_when_stuck(stuck_for: float | None, spilled: bool, action: str) -> None:
+    assert when_stuck(stuck_for, spilled=spilled) == action
 
 
 @pytest.mark.parametrize(("slot", "pid", "other"), [
