@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import random
@@ -371,6 +372,8 @@ class Monitor:
                         "this process (exit code %d) for its agent to start a new one", self.coord.slot, iteration,
                         blocked, ExitCode.ABANDONED)
             self._flush_status(force=True)
+            with contextlib.suppress(Exception):  # where the main thread waits, as the agent's kill would dump it
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             for handler in logging.getLogger().handlers:
                 with contextlib.suppress(Exception):
                     handler.flush()
