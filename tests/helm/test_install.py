@@ -50,8 +50,12 @@ def test_install_upgrade_uninstall(local_cluster: LocalCluster,
     assert installed["status"] == "deployed" and installed["revision"] == 1
     assert "kubectl get tj" in installed["notes"]
 
-    # The CRDs from crds/ are served: kubectl knows the short name and explains the fields.
+    # The CRDs from crds/ are served: kubectl knows the short name and explains the fields. As a user would on a
+    # cluster, wait for the CRD to be established and refresh kubectl's discovery cache, which another test on
+    # this cluster may have filled before the CRD existed.
     assert {"trainingjobs.stalwart.dev", "clusterkopfpeerings.kopf.dev"} <= names(local_cluster, "crd")
+    local_cluster.kubectl("wait", "--for=condition=Established", "crd/trainingjobs.stalwart.dev", "--timeout=60s")
+    local_cluster.kubectl("api-resources")
     explain = local_cluster.kubectl("explain", "tj.spec.restartPolicy").stdout
     assert "backoffLimit" in explain
     # The templates' objects exist as rendered.
