@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from stalwart import exits
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import FaultRecord, RankStatus, failure_info
 from stalwart.etcd.keys import ALIVE, FAULT
@@ -116,10 +117,11 @@ class Monitor:
     def __init__(self, coord: Coordinator, interrupter: Interrupter, *, soft_timeout: float,
                  interval: float, status: StatusFile, watch_main_thread: bool,
                  startup_timeout: float | None = None, hard_timeout: float | None = None,
-                 end_process: Callable[[int], None] = os._exit) -> None:
+                 end_process: Callable[[int], object] = exits.leave) -> None:
         self.coord = coord
         self.interrupter = interrupter
-        #: How the process ends when its main thread is given up (tests pass a recorder).
+        #: How the process ends when its main thread is given up: its streams closed and its logs flushed, within
+        #: the exit bound (tests pass a recorder).
         self._end_process = end_process
         self.soft_timeout = soft_timeout
         #: What the agent is told (the status file's ``hard_timeout``): see :func:`~.protocol.kill_limit`.
@@ -362,25 +364,24 @@ class Monitor:
             action = when_stuck(None if since is None else now - since, spilled=self._spilled)
             if action == "spill":
                 self._spilled = True
+            elif action == "abandon" and self._abandoned:
+                action = "wait"  # once: the process is on its way out
             elif action == "abandon":
-                action, self._abandoned = ("wait", True) if self._abandoned else ("abandon", True)
+                self._abandoned = True
         blocked = now - (since or now)
         if action == "spill":
             self._spill(iteration, blocked)
         elif action == "abandon":
-            log.warning("slot %d iteration %d: the main thread is still blocked %.1fs after its interrupt: ending "
-                        "this process (exit code %d) for its agent to start a new one", self.coord.slot, iteration,
-                        blocked, ExitCode.ABANDONED)
-            self._flush_status(force=True)
-            with contextlib.suppress(Exception):  # where the main thread waits, as the agent's kill would dump it
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            for handler in logging.getLogger().handlers:
-                with contextlib.suppress(Exception):
-                    handler.flush()
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            self._end_process(int(ExitCode.ABANDONED))
+            self._abandon(iteration, blocked)
+
+    def _abandon(self, iteration: int, blocked: float) -> None:
+        log.warning("slot %d iteration %d: the main thread is still blocked %.1fs after its interrupt: ending this "
+                    "process (exit code %d) for its agent to start a new one", self.coord.slot, iteration, blocked,
+                    ExitCode.ABANDONED)
+        self._flush_status(force=True)
+        with contextlib.suppress(Exception):  # where the main thread waits, as the agent's kill would dump it
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        self._end_process(int(ExitCode.ABANDONED))
 
     def _spill(self, iteration: int, blocked: float) -> None:
         if not self.status_file.path:
