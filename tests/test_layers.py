@@ -18,6 +18,7 @@ PLACES = {
     "net": "everywhere: small network helpers that import nothing of ours",
     "procfs": "everywhere: what the kernel says of a process (the agent and the local cluster ask it)",
     "exits": "everywhere: how a process ends within a bound, its streams closed first",
+    "forkserver": "once per pod, in the training command's interpreter: imports torch once, forks the ranks",
     "operator": "the operator pod",
     "agent": "once per pod: rendezvous, supervision of the rank processes, progress, drills, handover",
     "restart": "each rank process: in-process restart",
@@ -59,6 +60,9 @@ RULES = (
     Rule("leaves-import-nothing", "net, procfs and exits are used from every layer, so they import nothing of "
                                   "stalwart (an import there could close a cycle through any unit)",
          importers=("net", "procfs", "exits"), forbidden=("*",)),
+    Rule("forkserver-alone", "the fork server runs before anything of stalwart is set up, in the training "
+                             "command's interpreter: it imports nothing of stalwart (it preloads by name)",
+         importers=("forkserver",), forbidden=("*",)),
     Rule("local-stays-local", "only the local cluster itself, the demo and the CLI import stalwart/local",
          importers=("*",), exempt=("local", "demo", "cli"), forbidden=("local",)),
 )
@@ -93,7 +97,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     for unit in PLACES:
         if unit in ("stalwart",):
             continue
-        if unit in ("net", "demo", "__main__"):
+        if unit in ("net", "demo", "__main__", "forkserver"):
             (pkg / f"{unit}.py").write_text("")
         else:
             (pkg / unit).mkdir()
@@ -118,6 +122,7 @@ BAD = {
     "rref-over-rpc-only": ("stalwart/rref/bad.py", "import stalwart.restart\n"),
     "local-stays-local": ("stalwart/drill/bad.py", "from stalwart import local\n"),
     "leaves-import-nothing": ("stalwart/exits/bad.py", "from stalwart.api import core\n"),
+    "forkserver-alone": ("stalwart/forkserver.py", "from stalwart.api import core\n"),
 }
 
 

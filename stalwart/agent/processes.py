@@ -15,15 +15,35 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from stalwart import exits
 from stalwart.agent.supervision import ProcView
 from stalwart.api.restart import RankStatus
+from stalwart.forkserver import ForkServer
 from stalwart.procfs import process_state
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankProc", "RankProcesses"]
+__all__ = ["RankProc", "RankProcess", "RankProcesses"]
+
+
+class RankProcess(Protocol):
+    """What the agent uses of a rank process: a ``subprocess.Popen``, or a process its fork server started."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -32,7 +52,7 @@ class RankProc:
 
     local_rank: int
     slot: int  # -1 while parked (no round yet)
-    popen: subprocess.Popen[bytes]
+    popen: RankProcess
     status_file: Path
     killed_hung: str = ""  # why the agent killed it (hung past the hard timeout, stopped), "" when it did not
     exit_code: int | None = None
@@ -53,12 +73,16 @@ class RankProcesses:
     statuses: dict[int, RankStatus] = field(default_factory=dict)
     #: Local ranks whose script has shown it runs the restart wrapper (its respawns are treated as such too).
     wrapped: set[int] = field(default_factory=set)
+    #: The pod's fork server, which runs the same command (None: every process starts fresh).
+    forks: ForkServer | None = None
 
     def start(self, command: Sequence[str], env: Mapping[str, str], local_rank: int, *, slot: int,
               status_file: Path, fresh: bool) -> RankProc:
-        """Start local rank ``local_rank``; ``fresh``: a process of a round (its start time counts), not a
-        parked one."""
-        popen = subprocess.Popen(list(command), env=dict(env), start_new_session=False)
+        """Start local rank ``local_rank``, forked from the fork server when there is one that can;
+        ``fresh``: a process of a round (its start time counts), not a parked one."""
+        popen: RankProcess | None = self.forks.spawn(env) if self.forks is not None else None
+        if popen is None:
+            popen = subprocess.Popen(list(command), env=dict(env), start_new_session=False)
         p = RankProc(local_rank, slot, popen, status_file, started=time.monotonic() if fresh else 0.0)
         self.procs[local_rank] = p
         return p
@@ -153,3 +177,8 @@ class RankProcesses:
                               p.popen.pid)
         for p in self.procs.values():
             p.exit_code = p.popen.poll()
+
+    def close(self) -> None:
+        """End the fork server (after :meth:`stop_all`: it reports the exits of what it started)."""
+        if self.forks is not None:
+            self.forks.close()

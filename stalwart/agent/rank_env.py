@@ -18,7 +18,7 @@ from stalwart.api.job_record import JobRecord
 from stalwart.api.pod_env import RankEnvironment, SnapshotEnvironment, TorchrunEnvironment
 from stalwart.api.restart_settings import RESTART_SETTINGS
 
-__all__ = ["handover_file", "parked_env", "rank_env", "status_file"]
+__all__ = ["handover_file", "parked_env", "rank_env", "shared_env", "status_file"]
 
 #: RankEnvironment field -> JobRecord field: the job's in-process restart settings a rank gets.
 _JOB_SETTINGS = {setting.option: setting.field for setting in RESTART_SETTINGS}
@@ -40,6 +40,15 @@ def _secrets(s: PodSettings) -> dict[str, str]:
     return env
 
 
+def shared_env(s: PodSettings, base_env: Mapping[str, str]) -> dict[str, str]:
+    """What every local rank's environment holds whatever its round: the pod's, and the thread count torchrun
+    sets (the fork server imports torch under it, before any rank's own variables exist)."""
+    env = dict(base_env)
+    if "OMP_NUM_THREADS" not in base_env and s.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a node must not oversubscribe it
+    return env
+
+
 def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path,
              master_port: int, spare_ranks: bool, restarts: int, job: JobRecord | None,
              relay_socket: Path | None = None) -> dict[str, str]:
@@ -54,13 +63,11 @@ def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapp
         first, group_rank = m.world_size + (info.spare_index or 0) * nproc, m.members
     slots = m.world_size + (m.spares * nproc if spare_ranks else 0)
     slot = first + local_rank
-    env = dict(base_env)
+    env = shared_env(s, base_env)
     env.update(TorchrunEnvironment(
         rank=slot, local_rank=local_rank, world_size=m.world_size, local_world_size=nproc, group_rank=group_rank,
         role_rank=slot, role_world_size=m.world_size, master_addr=m.master_addr,
         master_port=m.master_port or master_port, restart_count=restarts, run_id=s.job_uid).to_env())
-    if "OMP_NUM_THREADS" not in base_env and nproc > 1:
-        env["OMP_NUM_THREADS"] = "1"  # as torchrun does: ranks sharing a node must not oversubscribe it
     settings = {} if job is None else {k: getattr(job, v) for k, v in _JOB_SETTINGS.items()}
     # The job's minimum as it is now (the record follows spec edits); a round never has fewer nodes.
     min_world = min((job.min_nodes if job is not None else s.min_nodes) * nproc, m.world_size)
@@ -82,7 +89,7 @@ def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapp
 
 def parked_env(s: PodSettings, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path) -> dict[str, str]:
     """The environment of a warm spare's process before a round takes it: no epoch, no slot, no rank."""
-    env = dict(base_env)
+    env = shared_env(s, base_env)
     env.update({pod_env.LOCAL_RANK: str(local_rank), pod_env.LOCAL_WORLD_SIZE: str(s.nproc_per_node),
                 pod_env.PARKED: "true", pod_env.HANDOVER_FILE: str(handover_file(run_dir, local_rank)),
                 pod_env.NODE_ID: s.node_id})

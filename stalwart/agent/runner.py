@@ -37,7 +37,7 @@ from stalwart.agent.handover import NextStep, grow_due, handover_env, keep_at_ro
 from stalwart.agent.metrics import AgentMetrics
 from stalwart.agent.processes import RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
-from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
+from stalwart.agent.rank_env import handover_file, parked_env, rank_env, shared_env, status_file
 from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, slot_of_ranks, socket_path
 from stalwart.agent.rendezvous import (
     NodeHandle,
@@ -60,6 +60,7 @@ from stalwart.api.restart import STACKS_SIGNAL, FaultKind
 from stalwart.etcd.client import connect
 from stalwart.etcd.faults import record_fault
 from stalwart.etcd.store import StoreError
+from stalwart.forkserver import ForkedProcess, ForkServer, parse_command
 from stalwart.net import free_port
 from stalwart.procfs import process_state
 
@@ -85,6 +86,8 @@ class AgentTuning:
     last_call_timeout: float = 5.0
     node_ttl: int = 10
     spare_ranks: bool = False
+    #: Start the ranks by fork from a process that imported torch once (:mod:`stalwart.forkserver`).
+    fork_server: bool = True
     #: Keep rank processes across rounds and start a spare's parked (also on when the job's record says so).
     warm_spares: bool = False
     #: How long a rank's barrier request waits at the relay for the pod's other ranks (:mod:`.relay`).
@@ -98,6 +101,10 @@ class AgentTuning:
         for name in ("poll_interval", "progress_interval", "status_interval", "term_grace", "finish_grace",
                      "join_timeout"):
             positive_seconds(name, getattr(self, name))
+
+
+def _how(p: RankProc) -> str:
+    return ", forked from the fork server" if isinstance(p.popen, ForkedProcess) else ""
 
 
 class Agent:
@@ -178,11 +185,13 @@ class Agent:
                 log.warning("%s: cannot serve metrics on port %d: %s", self._ctx, self.settings.metrics_port, e)
         code = int(ExitCode.FAILED)
         try:
+            self.ranks.forks = self._fork_server()
             code = self._run()
             return code
         finally:
             self.drill.stop()
             self.ranks.stop_all(grace=self.options.term_grace)
+            self.ranks.close()
             if decided is not None:
                 decided(code)
             self.relay.stop()  # after the ranks: one still at a barrier while it stops is answered
@@ -343,6 +352,23 @@ class Agent:
 
     # -- processes -------------------------------------------------------------------------------------------
 
+    def _fork_server(self) -> ForkServer | None:
+        """Start the pod's fork server now, so that its imports overlap the rendezvous."""
+        target = parse_command(self.command) if self.options.fork_server else None
+        if target is None:
+            if self.options.fork_server:
+                log.info("%s: the command is not `python SCRIPT ...` nor `python -m MODULE ...`: its rank processes "
+                         "start fresh, each importing what it needs", self._ctx)
+            return None
+        try:
+            server = ForkServer.start(target, shared_env(self.settings, self.base_env), context=self._ctx)
+        except OSError as e:
+            log.warning("%s: cannot start the fork server (%s): rank processes start fresh", self._ctx, e)
+            return None
+        log.info("%s: fork server started (pid %d): rank processes start by fork once it has imported torch",
+                 self._ctx, server.process.pid)
+        return server
+
     def _rank_env(self, info: RoundInfo, local_rank: int) -> dict[str, str]:
         return rank_env(self.settings, info, local_rank, base_env=self.base_env, run_dir=self.run_dir,
                         master_port=self.master_port, spare_ranks=self.options.spare_ranks,
@@ -363,7 +389,7 @@ class Agent:
             env = parked_env(self.settings, lr, base_env=self.base_env, run_dir=self.run_dir)
             p = self.ranks.start(self.command, env, lr, slot=-1, status_file=status_file(self.run_dir, lr),
                                  fresh=False)
-            log.info("%s: started local rank %d parked (pid %d)", self._ctx, lr, p.popen.pid)
+            log.info("%s: started local rank %d parked (pid %d%s)", self._ctx, lr, p.popen.pid, _how(p))
 
     def _hand_over(self, info: RoundInfo) -> None:
         """Give the running processes their places in the new round (they continue there in process)."""
@@ -387,7 +413,7 @@ class Agent:
         env = self._rank_env(info, local_rank)
         p = self.ranks.start(self.command, env, local_rank, slot=int(env[pod_env.SLOT]), status_file=status,
                              fresh=True)
-        log.info("%s: started local rank %d (pid %d)", self._ctx, local_rank, p.popen.pid)
+        log.info("%s: started local rank %d (pid %d%s)", self._ctx, local_rank, p.popen.pid, _how(p))
 
     def _respawn(self, info: RoundInfo, local_rank: int, code: int, reason: str) -> None:
         old = self.ranks.procs[local_rank]

@@ -86,6 +86,8 @@ def test_killed_rank_is_respawned_and_rejoins_in_process(etcd: EtcdServer, tmp_p
         assert r["step"] == 8 and r["restarts"] >= 1
         assert r["checksum"] == pytest.approx(reference, abs=1e-6)
     assert sum("respawning local rank 0" in e for e in errs) == 1
+    # Both first processes and the respawn came from the pods' fork servers (torch imported once per pod).
+    assert sum(len(re.findall(r"started local rank 0 \(pid \d+, forked from the fork server\)", e)) for e in errs) == 3
     records = [progress(etcd, keys, f"job-worker-{i}") for i in range(2)]
     assert all(rec is not None and rec.state == "succeeded" and rec.step == 8 for rec in records)
     assert sorted(rec.process_restarts for rec in records if rec) == [0, 1]
@@ -140,9 +142,11 @@ def test_a_killed_sealer_is_respawned_and_seals_the_next_barrier(etcd: EtcdServe
 
 def test_plain_script_gets_pod_local_restarts_like_torchrun(etcd: EtcdServer, tmp_path: Path) -> None:
     agent, keys = start_agent(etcd, tmp_path, "--steps", "6", "--fault", "exception", "--fault-step", "3",
-                              mode="plain", agent_args=("--max-restarts", "2"))
+                              mode="plain", agent_args=("--max-restarts", "2", "--no-fork-server"))
     _, err = agent.communicate(timeout=TIMEOUT)
     assert agent.returncode == 0, err[-3000:]
+    # Without the fork server every process (the respawns too) starts fresh, as under torchrun.
+    assert len(re.findall(r"started local rank \d \(pid \d+\)", err)) == 4 and "fork server" not in err
     res = results(tmp_path)
     # Every rank ran again from the start in new processes (TORCHELASTIC_RESTART_COUNT=1), to the right end.
     assert sorted(r["rank"] for r in res) == [0, 1]
@@ -264,7 +268,8 @@ def test_a_stopped_rank_is_killed_at_once_when_the_agent_stops(etcd: EtcdServer,
         assert time.monotonic() < deadline, "training never reported progress"
         assert agent.poll() is None, agent.communicate()[1][-3000:]
         time.sleep(0.2)
-    ranks = sorted(_children(agent.pid))
+    pids, _ = _ranks(agent.pid)
+    ranks = sorted(pids)
     assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGSTOP)
     # The stop takes effect when the rank is next scheduled: on a loaded machine a SIGTERM sent before that is
@@ -298,6 +303,22 @@ def _children(pid: int) -> set[int]:
     return out
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _ranks(agent: int) -> tuple[set[int], int]:
+    """The agent's rank processes and its fork server: the ranks are the server's children, and each shows the
+    training command in ps."""
+    (server,) = [pid for pid in _children(agent) if b"stalwart.forkserver" in _cmdline(pid)]
+    ranks = _children(server)
+    assert all(_cmdline(pid).startswith(f"{sys.executable}\0{SCRIPT}\0".encode()) for pid in ranks)
+    return ranks, server
+
+
 def test_sigterm_is_forwarded_and_the_ranks_are_gone(etcd: EtcdServer, tmp_path: Path) -> None:
     agent, keys = start_agent(etcd, tmp_path, "--steps", "100000", "--step-sleep", "0.05",
                               agent_args=("--term-grace", "20"))
@@ -309,12 +330,12 @@ def test_sigterm_is_forwarded_and_the_ranks_are_gone(etcd: EtcdServer, tmp_path:
         assert time.monotonic() < deadline, "training never reported progress"
         assert agent.poll() is None, agent.communicate()[1][-3000:]
         time.sleep(0.2)
-    ranks = _children(agent.pid)
+    ranks, server = _ranks(agent.pid)
     assert len(ranks) == 2
     agent.send_signal(signal.SIGTERM)
     _, err = agent.communicate(timeout=TIMEOUT)
     assert agent.returncode == int(ExitCode.TERMINATED), err[-3000:]
-    for pid in ranks:
+    for pid in (*ranks, server):
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
