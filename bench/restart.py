@@ -12,6 +12,10 @@ over ``--runs`` alternating pairs of the first quartile of each run's step times
 step (every thread, so the monitor thread and the etcd client are counted; far less sensitive to other load
 on the machine than wall time); and, for reference, the plain script's step time under torchrun.
 
+``kill``: rank 1's process is SIGKILLed at a fixed step (an OOM kill looks so): seconds from the kill to the
+first step at full world on the slowest rank, stalwart with its fork server, stalwart with every process
+started fresh (``--no-fork-server``), and torchrun; ``ratio_to_*`` rows carry both raw medians.
+
 ``hang``: rank 1 stops itself (SIGSTOP) at a fixed step, the way a hung rank looks from outside. Measured:
 seconds from the stop to the first training step completed after recovery on the slowest rank
 (``metric: seconds``), and for stalwart also to the fault record that names the stopped rank
@@ -22,7 +26,7 @@ torchrun stops the group, waiting out its own grace for the stopped process, and
 
 Prints one JSON object per line, e.g.
 ``{"bench": "restart", "impl": "stalwart", "ranks": 2, "metric": "seconds", "value": 0.1}``.
-Usage: ``python bench/restart.py [--ranks 2 4] [--runs 5] [--what restart overhead hang]``.
+Usage: ``python bench/restart.py [--ranks 2 4] [--runs 5] [--what restart overhead hang kill]``.
 """
 
 from __future__ import annotations
@@ -56,13 +60,13 @@ def _raise_time(markers: Path) -> float:
 
 
 def run_stalwart(etcd: EtcdServer, ranks: int, script_args: list[str], run_id: str,
-                 mode: str = "wrapped") -> tuple[list[dict[str, Any]], Path]:
+                 mode: str = "wrapped", *, agent_args: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], Path]:
     work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     out = work / "out.jsonl"
     env = dict(os.environ, STALWART_ETCD_ENDPOINTS=etcd.endpoint, STALWART_JOB="bench/restart",
                STALWART_JOB_UID=run_id, STALWART_NODE_ID="pod-0", STALWART_POD_IP="127.0.0.1",
                STALWART_NPROC_PER_NODE=str(ranks), STALWART_MIN_NODES="1", STALWART_MAX_NODES="1")
-    cmd = [sys.executable, "-m", "stalwart", "--log-level", "WARNING", "agent", "--last-call", "0.1", "--",
+    cmd = [sys.executable, "-m", "stalwart", "--log-level", "WARNING", "agent", "--last-call", "0.1", *agent_args, "--",
            sys.executable, SCRIPT, "--mode", mode, "--marker-dir", str(work), "--out", str(out),
            *script_args]
     subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
@@ -163,6 +167,37 @@ def bench_hang(etcd: EtcdServer, args: argparse.Namespace, n: int) -> int:
     return n
 
 
+def bench_kill(etcd: EtcdServer, args: argparse.Namespace, n: int) -> int:
+    """Rank 1's process is SIGKILLed (it kills itself) at a fixed step: seconds to the first step at full world
+    on the slowest rank, for stalwart with its fork server (the respawn is forked from a process that imported
+    torch), stalwart without it (``--no-fork-server``: the respawn imports torch, as every process torchrun
+    starts does), and torchrun (which restarts the whole group). The three alternate run by run."""
+    ranks = args.ranks[0]
+    kill = ["--steps", str(args.steps), "--fault", "sigkill", "--fault-rank", "1", "--fault-step",
+            str(args.fault_step), "--timeout", "30", "--hidden", str(args.hidden)]
+    values: dict[str, list[float]] = {"stalwart": [], "stalwart-fresh": [], "torchrun": []}
+    for _ in range(args.runs):
+        for impl, runs in values.items():
+            n += 1
+            if impl == "torchrun":
+                res, work = run_torchrun(ranks, kill)
+            else:
+                res, work = run_stalwart(etcd, ranks, kill, f"run-{n}",
+                                         agent_args=() if impl == "stalwart" else ("--no-fork-server",))
+            runs.append(recovery_seconds(res, work))
+    medians = {impl: statistics.median(runs) for impl, runs in values.items()}
+    for impl, runs in values.items():
+        print(json.dumps({"bench": "kill", "impl": impl, "ranks": ranks, "metric": "seconds",
+                          "value": round(medians[impl], 4), "runs": [round(v, 4) for v in runs],
+                          "fork_server": impl == "stalwart"}), flush=True)
+    for anchor in ("stalwart-fresh", "torchrun"):
+        print(json.dumps({"bench": "kill", "impl": "stalwart", "ranks": ranks, "metric": f"ratio_to_{anchor}",
+                          "value": round(medians[anchor] / medians["stalwart"], 2),
+                          "stalwart_seconds": round(medians["stalwart"], 4),
+                          f"{anchor}_seconds": round(medians[anchor], 4)}), flush=True)
+    return n
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -171,7 +206,8 @@ def main() -> int:
     p.add_argument("--fault-step", type=int, default=6)
     p.add_argument("--overhead-steps", type=int, default=300)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--what", nargs="+", choices=["restart", "overhead", "hang"], default=["restart", "overhead"])
+    p.add_argument("--what", nargs="+", choices=["restart", "overhead", "hang", "kill"],
+                   default=["restart", "overhead"])
     p.add_argument("--soft-timeout", type=float, default=5.0, help="stalwart's soft timeout in the hang case")
     p.add_argument("--timeout", type=float, default=20.0, help="collective timeout in the hang case (both)")
     args = p.parse_args()
@@ -197,6 +233,8 @@ def main() -> int:
                                       "runs": [round(v, 4) for v in values]}), flush=True)
             if "hang" in args.what:
                 n = bench_hang(etcd, args, n)
+            if "kill" in args.what:
+                n = bench_kill(etcd, args, n)
             if "overhead" not in args.what:
                 return 0
             ranks = args.ranks[0]

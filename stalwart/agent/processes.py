@@ -91,6 +91,11 @@ class RankProcesses:
         for p in self.procs.values():
             if p.exit_code is None:
                 p.exit_code = p.popen.poll()
+                if p.exit_code is not None:
+                    # Its last word decides what its death means (a wrapped process is respawned into the next
+                    # iteration, a plain one restarts the round): read it now, not up to status_interval later.
+                    # A forked process can die before the agent ever read its status file.
+                    p.status_read = 0.0
             if p.exit_code is not None and p.exit_code < 0 and p.killed_after_done:
                 p.exit_code = 0  # it returned from the training function; only its exit hung (and was ended)
 

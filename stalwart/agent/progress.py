@@ -201,7 +201,8 @@ def observed(book: ProgressBook, procs: Sequence[ProcView], *, now: float, wall:
     faulted = [i for p in procs if p.status is not None and p.status.pid == p.pid
                and (i := _ended_iteration(p.status)) is not None]
     history = list(book.history)
-    pending = set(book.pending)
+    # A respawn whose process is gone before it joined (replaced by another) will never say where it joined.
+    pending = set(book.pending) & {(p.local_rank, p.pid) for p in procs}
     joined_at: list[int] = []
     for p in procs:
         st = p.status
@@ -246,7 +247,8 @@ def record(book: ProgressBook, state: NodeState, *, wall: float, world_size: int
         node_id=book.node_id, epoch=book.epoch, round=book.round, state=state,
         step=max(steps) if steps else None, world_size=world_size,
         restarts_in_process=max((r.iteration for r in book.ranks), default=0),
-        process_restarts=book.process_restarts, last_failure=book.last_failure, updated=wall,
+        process_restarts=book.process_restarts, respawns_unplaced=len(book.pending), last_failure=book.last_failure,
+        updated=wall,
         incarnation=book.incarnation, ranks=list(book.ranks), exits=list(book.exits), history=list(book.history))
 
 

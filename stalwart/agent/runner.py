@@ -427,6 +427,10 @@ class Agent:
         log.warning("%s: respawning local rank %d (%s)", self._ctx, local_rank, why)
         self._spawn(info, local_rank)
         self.reporter.book = book_.respawned(self.reporter.book, local_rank, self.ranks.procs[local_rank].popen.pid)
+        # Said at once, not at the next progress tick: a forked respawn can be back in training within a
+        # second, and the operator must learn of the new process before it sees the recovery, or it counts a
+        # process restart as one in process.
+        self._publish(self._state(), force=True)
 
     def _kill_hung(self, local_rank: int, fault: FaultKind, reason: str) -> None:
         p = self.ranks.procs[local_rank]

@@ -341,6 +341,10 @@ class ProgressRecord(ApiModel):
     world_size: int | None = Field(default=None, description="World size of the current iteration.")
     restarts_in_process: int = Field(default=0, ge=0, description="In-process restarts seen by the node.")
     process_restarts: int = Field(default=0, ge=0, description="Rank processes respawned by the agent.")
+    respawns_unplaced: int = Field(
+        default=0, ge=0, description=("Rank processes respawned in this round that have not yet said which "
+                                      "iteration they joined (the operator counts no recovery of the round "
+                                      "until they have)."))
     last_failure: FailureInfo | None = Field(default=None, description="The node's most recent failure.")
     updated: float = Field(description="Wall-clock time (Unix seconds) of this report.")
     incarnation: str = Field(default="", max_length=64,

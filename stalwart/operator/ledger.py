@@ -23,7 +23,7 @@ What counts, and as what (one fault is one recovery):
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from stalwart.api.restart import ProgressRecord
 from stalwart.api.status import Position
@@ -41,6 +41,8 @@ class RoundFacts:
     respawned: frozenset[int] = field(default_factory=frozenset)
     faulted: int | None = None
     kept: bool | None = None
+    #: A node respawned a rank process in this round that has not yet said which iteration it joined.
+    unplaced: bool = False
 
     @property
     def ran(self) -> int | None:
@@ -52,13 +54,18 @@ class RoundFacts:
 def round_facts(records: Iterable[ProgressRecord]) -> dict[int, RoundFacts]:
     """Merge the nodes' round summaries: the furthest step of any node, the respawns of every node."""
     out: dict[int, RoundFacts] = {}
+    records = list(records)
     for rec in records:
         for summary in rec.history:
             old = out.get(summary.round, RoundFacts())
             out[summary.round] = RoundFacts(_most(old.stepped, summary.stepped),
                                             old.respawned | frozenset(summary.respawned),
                                             _most(old.faulted, summary.faulted),
-                                            summary.kept if old.kept is None else old.kept and summary.kept)
+                                            summary.kept if old.kept is None else old.kept and summary.kept,
+                                            old.unplaced)
+    for rec in records:
+        if rec.respawns_unplaced and rec.round in out:
+            out[rec.round] = replace(out[rec.round], unplaced=True)
     return out
 
 
@@ -87,8 +94,14 @@ def advance(position: Position | None, rounds: Mapping[int, RoundFacts], inciden
     current = position
     stepped: Position | None = None
     pending = incident_open
+    newest = max(rounds, default=None)
     for r in sorted(rounds):
         facts = rounds[r]
+        if facts.unplaced and r == newest:
+            # A respawned process has not said which iteration it joined: counted now, its recovery would pass
+            # for one in process. Its agent says so within a progress interval; count then. (Only the newest
+            # round waits: an older round's record of a lost pod would hold the count for ever.)
+            break
         ran = facts.ran
         if facts.stepped is not None:
             stepped = Position(round=r, iteration=facts.stepped)

@@ -101,9 +101,11 @@ def test_a_respawned_process_is_recorded_at_the_iteration_it_joins() -> None:
     # The new process starts (iteration unknown yet), then waits at the barrier of iteration 1.
     b = observed(b, [proc(status(pid=101, state="starting"), pid=101)], now=2.0, wall=WALL)
     assert b.history[-1].respawned == []
+    assert record(b, "running", wall=WALL).respawns_unplaced == 1  # the operator waits for where it joins
     b = observed(b, [proc(status(pid=101, state="barrier", iteration=1), pid=101)], now=3.0, wall=WALL)
     assert b.history[-1].respawned == [1] and b.pending == frozenset() and b.process_restarts == 1
     rec = record(b, "running", wall=WALL)
+    assert rec.respawns_unplaced == 0
     assert rec.history[-1] == RoundSummary(round=1, epoch=7, stepped=0, respawned=[1], faulted=0)
     assert rec.last_failure is not None and "SIGKILL" in rec.last_failure.reason
     assert rec.last_failure.kind == "process_died"  # what the status's reason and the recovery metric name
@@ -111,6 +113,17 @@ def test_a_respawned_process_is_recorded_at_the_iteration_it_joins() -> None:
     assert hung.last_failure is not None and hung.last_failure.kind == "hard_timeout"
     # What the operator reads is what was written.
     assert ProgressRecord.from_json_bytes(rec.to_json_bytes()) == rec
+
+
+def test_a_respawn_replaced_before_it_joined_is_no_longer_awaited() -> None:
+    b = respawned(observed(book(), [proc(status(step=5))], now=1.0, wall=WALL), 0, 101)
+    assert record(b, "running", wall=WALL).respawns_unplaced == 1
+    # Process 101 died before it said where it joined; 102 took its place.
+    b = respawned(b, 0, 102)
+    b = observed(b, [proc(status(pid=102, state="starting"), pid=102)], now=2.0, wall=WALL)
+    assert b.pending == frozenset({(0, 102)}) and record(b, "running", wall=WALL).respawns_unplaced == 1
+    b = observed(b, [proc(status(pid=102, state="running", iteration=2), pid=102)], now=3.0, wall=WALL)
+    assert record(b, "running", wall=WALL).respawns_unplaced == 0 and b.history[-1].respawned == [2]
 
 
 def test_history_and_exits_are_bounded() -> None:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
+from stalwart.agent.processes import RankProcesses
 from stalwart.agent.settings import PodSettings
 from stalwart.agent.supervision import ProcView, fault_for, supervise
 from stalwart.api.exit_codes import ExitCode
@@ -138,3 +144,26 @@ def test_the_agent_records_a_fault_only_in_the_iteration_of_its_own_round(
     assert rec is not None and (rec.iteration, rec.rank) == recorded
     # It names the dead process, so that the one respawned in the slot takes it as a peer's fault.
     assert (rec.slot, rec.pid, rec.node_id, rec.kind, len(rec.reason)) == (4, 321, "pod-a", "hard_timeout", 2048)
+
+
+def test_a_process_that_dies_before_its_status_was_read_is_judged_by_its_last_word(tmp_path: Path) -> None:
+    # A forked rank runs the script milliseconds after its start and can die before the agent's first read of
+    # its status file (at most every status_interval). Its death must still be read as a wrapped process's (a
+    # respawn into the next iteration), not as a plain script's (a new round for the whole job).
+    status = tmp_path / "rank-0.json"
+    ranks = RankProcesses(status_interval=3600.0, finish_grace=60.0)
+    proc = ranks.start([sys.executable, "-c", "import time; time.sleep(60)"], {}, 0, slot=0, status_file=status,
+                       fresh=True)
+    try:
+        assert ranks.views()[0].wrapped is False  # read now: nothing there yet, and not again for an hour
+        status.write_bytes(RankStatus(slot=0, pid=proc.popen.pid, state="running", epoch=1,
+                                      heartbeat=time.monotonic()).to_json_bytes())
+        assert ranks.views()[0].wrapped is False  # the interval holds while it runs
+        proc.popen.kill()
+        proc.popen.wait(10)
+        ranks.poll()
+        (view,) = ranks.views()
+        assert view.exit_code == -9 and view.wrapped is True
+    finally:
+        proc.popen.kill()
+        assert isinstance(proc.popen, subprocess.Popen) and proc.popen.wait(10) == -9

@@ -67,9 +67,17 @@ def facts(**rounds: int | tuple[int | None, set[int]] | tuple[int | None, set[in
     (at(1, 0), facts(r1=(0, set(), 2)), at(1, 0), True, Tally(2, 0, at(1, 2), False, at(1, 0))),
     # ... and read again: nothing more.
     (at(1, 2), facts(r1=(0, set(), 2)), at(1, 0), True, Tally(0, 0, at(1, 2), False, at(1, 0))),
+    # A rank process was killed and respawned, and training already stepped in iteration 1, but the respawned
+    # process's agent has not yet said which iteration it joined: nothing is counted until it has (or the
+    # recovery would pass for one in process).
+    (at(1, 0), {1: RoundFacts(1, unplaced=True)}, at(1, 0), True, Tally(0, 0, at(1, 0), False, None)),
+    # ... a lost pod's last record, in an older round, holds nothing back.
+    (at(1, 3), {1: RoundFacts(3, unplaced=True), 2: RoundFacts(0, kept=False)}, at(1, 3), True,
+     Tally(0, 1, at(2, 0), True, at(2, 0))),
 ], ids=["exception", "killed-rank", "two-rounds", "pod-lost", "warm-pod-lost", "cold-spare", "warm-second-loss",
         "scale", "operator-away", "read-again",
-        "old-rounds", "nothing", "first-step", "startup-fault", "waiting", "fault-repeats", "repeats-read-again"])
+        "old-rounds", "nothing", "first-step", "startup-fault", "waiting", "fault-repeats", "repeats-read-again",
+        "respawn-unplaced", "unplaced-in-an-old-round"])
 def test_advance(position: Position | None, rounds: dict[int, RoundFacts], incident: Position | None,
                  is_open: bool, expected: Tally) -> None:
     assert advance(position, rounds, incident, is_open) == expected
@@ -90,3 +98,12 @@ def test_round_facts_merge_every_nodes_report() -> None:
     # A round is kept only when every node that reported it kept its processes.
     assert merged == {1: RoundFacts(3, frozenset({1, 3}), 4, kept=False), 2: RoundFacts(1, frozenset({1}), kept=False),
                       3: RoundFacts(0, kept=True)}
+
+
+def test_a_node_with_an_unplaced_respawn_marks_its_round() -> None:
+    summary = RoundSummary(round=2, epoch=9, stepped=1)
+    records = [ProgressRecord(node_id="a", epoch=9, round=2, state="running", updated=0.0, history=[summary],
+                              respawns_unplaced=1),
+               ProgressRecord(node_id="b", epoch=9, round=2, state="running", updated=0.0, history=[summary])]
+    assert round_facts(records)[2].unplaced is True
+    assert round_facts(records[1:])[2].unplaced is False
