@@ -401,6 +401,12 @@ def _become(request: dict[str, Any]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def _cuda_driver_loaded() -> bool:
+    with open("/proc/self/maps") as maps:
+        return any(os.path.basename(line.split()[-1]).startswith("libcuda.so") for line in maps
+                   if len(line.split()) >= 6)
+
+
 def _main(argv: Sequence[str]) -> None:
     import importlib
 
@@ -416,6 +422,11 @@ def _main(argv: Sequence[str]) -> None:
     if threading.active_count() > 1:
         names = ", ".join(t.name for t in threading.enumerate())
         sys.stderr.write(f"stalwart fork server: threads after preloading ({names}); not forking from here\n")
+        return
+    # Nor does the CUDA driver survive a fork: once a preloaded module has loaded it (torch.cuda.is_available()
+    # at import time does), a forked child could not use the GPU.
+    if _cuda_driver_loaded():
+        sys.stderr.write("stalwart fork server: the CUDA driver was loaded while preloading; not forking from here\n")
         return
     _send(sock, {"ready": True})
     request = _serve(sock)

@@ -178,6 +178,26 @@ def test_a_server_whose_preloads_start_a_thread_does_not_fork(tmp_path: Path, sc
     assert "threads after preloading (MainThread, Thread-1" in capfd.readouterr().err
 
 
+def test_a_server_that_loaded_the_cuda_driver_does_not_fork(tmp_path: Path, script: Path,
+                                                             capfd: pytest.CaptureFixture[str]) -> None:
+    # The driver does not survive a fork. A file mapped under the driver's name stands in for it here (the
+    # check reads what /proc/self/maps lists).
+    (tmp_path / "libcuda.so.1").write_bytes(b"\0" * 4096)
+    (tmp_path / "loads_driver.py").write_text(
+        "import mmap\n"
+        f"_f = open({str(tmp_path / 'libcuda.so.1')!r}, 'rb')\n"
+        "_m = mmap.mmap(_f.fileno(), 4096, prot=mmap.PROT_READ)\n")
+    target = parse_command([PY, str(script)])
+    assert target is not None
+    fs = ForkServer.start(target, _env(PYTHONPATH=str(tmp_path)), preload=("loads_driver",))
+    try:
+        assert fs.spawn(_env()) is None and fs.dead
+        fs.process.wait(10)
+    finally:
+        fs.close()
+    assert "the CUDA driver was loaded while preloading" in capfd.readouterr().err
+
+
 def test_a_module_target_runs_as_python_dash_m(tmp_path: Path) -> None:
     pkg = tmp_path / "pkgx"
     pkg.mkdir()
