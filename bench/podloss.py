@@ -19,7 +19,8 @@ The script is ``stalwart.examples.train`` (gloo, SGD with momentum 0.9, so the o
 checkpoint and ``sync_from_peers`` carry; ``--hidden`` sets the size: 21 parameters per unit),
 one step event per step, a checkpoint every ``--checkpoint-every`` steps. Faults: ``force-delete`` (the pod
 deleted with no grace), ``sigkill`` (every process of the pod killed), ``delete`` (graceful deletion; for
-torchrun: SIGTERM to the node's torchrun). Per case:
+torchrun: SIGTERM to the node's torchrun), ``kill-rank`` (the lost pod's rank process alone SIGKILLed, the pod
+alive: its agent replaces it, forked from the pod's fork server; torchrun restarts its worker group). Per case:
 
 * ``seconds``: from the fault to the first step completed at full world size by every rank, minus the
   run's median fault-free step time (also printed, ``step_seconds``);
@@ -83,6 +84,16 @@ def pod_pids(pod: str) -> set[int]:
             except OSError:
                 continue
     return found
+
+
+def is_rank(pid: int) -> bool:
+    """Whether ``pid`` runs the training script itself (not the agent, whose command line ends with it, nor the
+    pod's fork server)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return args[1:3] == [b"-m", b"stalwart.examples.train"]
 
 
 def descendants(pid: int) -> list[int]:
@@ -158,6 +169,9 @@ def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, p
     elif fault == "sigkill":
         for pid in pod_pids(victim):
             os.kill(pid, signal.SIGKILL)
+    elif fault == "kill-rank":
+        (rank,) = [pid for pid in pod_pids(victim) if is_rank(pid)]
+        os.kill(rank, signal.SIGKILL)
     else:
         cluster.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
     job.finish(900)
@@ -194,14 +208,21 @@ def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[fl
             raise RuntimeError(f"torchrun did not warm up: {survivor_log.read_text()[-2000:]}")
         time.sleep(0.2)
     t_fault = time.time()
-    if fault == "delete":
-        victim.terminate()  # torchrun passes SIGTERM on to its workers
-    else:
-        for pid in descendants(victim.pid):
+    if fault == "kill-rank":
+        # One worker process dies; its torchrun lives on and restarts the worker group (every node's).
+        for pid in descendants(victim.pid)[1:]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    victim.wait(timeout=60)
-    replacement, replacement_log = node(1, "1b")
+        replacement, replacement_log = victim, victim_log
+    else:
+        if fault == "delete":
+            victim.terminate()  # torchrun passes SIGTERM on to its workers
+        else:
+            for pid in descendants(victim.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        victim.wait(timeout=60)
+        replacement, replacement_log = node(1, "1b")
     try:
         survivor.wait(timeout=900)
         replacement.wait(timeout=120)
@@ -209,7 +230,7 @@ def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[fl
         for p in (survivor, replacement):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    logs = [parse(p.read_text()) for p in (survivor_log, victim_log, replacement_log)]
+    logs = [parse(p.read_text()) for p in {survivor_log: 0, victim_log: 0, replacement_log: 0}]
     return t_fault, [e for evs in logs for e in evs], logs[0], failure(survivor_log, replacement_log)
 
 
@@ -263,7 +284,7 @@ def plot(path: Path, runs: dict[str, tuple[float, Events]], fault: str, params: 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", nargs="+", default=["force-delete", "sigkill", "delete"],
-                   choices=["force-delete", "sigkill", "delete"])
+                   choices=["force-delete", "sigkill", "delete", "kill-rank"])
     p.add_argument("--params", nargs="+", type=int, default=[1_000_000])
     p.add_argument("--impls", nargs="+", default=["stalwart", "stalwart-process-restart", "torchrun"],
                    choices=["stalwart", "stalwart-process-restart", "torchrun"])

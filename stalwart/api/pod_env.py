@@ -39,6 +39,7 @@ from stalwart.api.restart_settings import RESTART_SETTINGS, by_option, order_pro
 __all__ = [
     "AGENT_VARIABLES",
     "ETCD_VARIABLES",
+    "FORK_SERVER",
     "HANDOVER_FILE",
     "PARKED",
     "RANK_VARIABLES",
@@ -84,6 +85,9 @@ MIN_WORLD = "STALWART_MIN_WORLD"
 STATUS_FILE = "STALWART_STATUS_FILE"
 #: The port the agent serves its Prometheus metrics on (unset: none served).
 METRICS_PORT = "STALWART_METRICS_PORT"
+#: ``false`` starts every rank process fresh instead of forking it from the pod's fork server (the container's
+#: own opt-out: the agent's command line is the operator's).
+FORK_SERVER = "STALWART_FORK_SERVER"
 MAX_RESTARTS = by_option("max_restarts").env
 SOFT_TIMEOUT = by_option("soft_timeout").env
 HARD_TIMEOUT = by_option("hard_timeout").env
@@ -112,7 +116,7 @@ AGENT_VARIABLES = {
     JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", POD_IP: "pod_ip", SPARE: "spare",
     NPROC_PER_NODE: "nproc_per_node", MIN_NODES: "min_nodes", MAX_NODES: "max_nodes",
     ETCD_ENDPOINTS: "etcd_endpoints", RPC_TOKEN: "rpc_token", ETCD_TLS: "etcd_tls", ETCD_SECRET_DIR: "etcd_secret_dir",
-    METRICS_PORT: "metrics_port",
+    METRICS_PORT: "metrics_port", FORK_SERVER: "fork_server",
 }
 RANK_VARIABLES = {
     ETCD_ENDPOINTS: "etcd_endpoints", JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", EPOCH: "epoch",
@@ -283,6 +287,7 @@ class AgentEnvironment(_Env):
     etcd_tls: bool = False
     etcd_secret_dir: str | None = None
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    fork_server: bool = True
 
     @model_validator(mode="after")
     def _bounds(self) -> AgentEnvironment:

@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "job's restartPolicy.inProcess.warmSpares is)")
     p.add_argument("--no-fork-server", action="store_true",
                    help="start every rank process fresh (by default a process of the pod imports torch once and "
-                        "the ranks are forked from it)")
+                        "the ranks are forked from it; STALWART_FORK_SERVER=false in the container does the same)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the training command")
     p.set_defaults(func=run)
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                               finish_grace=args.finish_grace,
                               last_call_timeout=args.last_call, node_ttl=args.node_ttl,
                               spare_ranks=args.spare_ranks, warm_spares=args.warm_spares,
-                              fork_server=not args.no_fork_server,
+                              fork_server=settings.fork_server and not args.no_fork_server,
                               **({} if args.relay_linger is None else {"relay_linger": args.relay_linger}))
     except ValueError as e:  # the pod contract's PodEnvError among them
         print(f"stalwart agent: invalid settings:\n{e}", file=sys.stderr)

@@ -142,10 +142,12 @@ def test_a_killed_sealer_is_respawned_and_seals_the_next_barrier(etcd: EtcdServe
 
 def test_plain_script_gets_pod_local_restarts_like_torchrun(etcd: EtcdServer, tmp_path: Path) -> None:
     agent, keys = start_agent(etcd, tmp_path, "--steps", "6", "--fault", "exception", "--fault-step", "3",
-                              mode="plain", agent_args=("--max-restarts", "2", "--no-fork-server"))
+                              mode="plain", agent_args=("--max-restarts", "2"),
+                              extra_env={"STALWART_FORK_SERVER": "false"})
     _, err = agent.communicate(timeout=TIMEOUT)
     assert agent.returncode == 0, err[-3000:]
-    # Without the fork server every process (the respawns too) starts fresh, as under torchrun.
+    # With the fork server off (the container's opt-out), every process (the respawns too) starts fresh, as
+    # under torchrun.
     assert len(re.findall(r"started local rank \d \(pid \d+\)", err)) == 4 and "fork server" not in err
     res = results(tmp_path)
     # Every rank ran again from the start in new processes (TORCHELASTIC_RESTART_COUNT=1), to the right end.
@@ -367,8 +369,10 @@ def test_sigterm_stops_an_agent_waiting_in_the_rendezvous(etcd: EtcdServer, tmp_
 def test_bad_pod_environment_is_reported_by_variable(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_")}
     env["STALWART_NPROC_PER_NODE"] = "zero"
+    env["STALWART_FORK_SERVER"] = "maybe"
     out = subprocess.run([sys.executable, "-m", "stalwart", "agent", "--", "true"], env=env, capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 2
     assert "STALWART_JOB: is required" in out.stderr
     assert "STALWART_NPROC_PER_NODE" in out.stderr
+    assert "STALWART_FORK_SERVER" in out.stderr
