@@ -223,15 +223,23 @@ def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[fl
                     os.kill(pid, signal.SIGKILL)
         victim.wait(timeout=60)
         replacement, replacement_log = node(1, "1b")
+    # A killed worker's torchrun restarts the worker group in place; when that does not come back, waiting out
+    # every timeout of both agents would take many minutes for the same null row.
+    limit = 180 if fault == "kill-rank" else 900
+    hung = ""
     try:
-        survivor.wait(timeout=900)
+        survivor.wait(timeout=limit)
         replacement.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        hung = f"torchrun had not ended {limit} s after the fault"
     finally:
         for p in (survivor, replacement):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
     logs = [parse(p.read_text()) for p in {survivor_log: 0, victim_log: 0, replacement_log: 0}]
-    return t_fault, [e for evs in logs for e in evs], logs[0], failure(survivor_log, replacement_log)
+    why = "; ".join(w for w in (hung, failure(survivor_log, replacement_log)) if w)
+    return t_fault, [e for evs in logs for e in evs], logs[0], why
 
 
 def failure(*logs: Path) -> str:
