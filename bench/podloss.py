@@ -237,7 +237,8 @@ def torchrun_case(args: argparse.Namespace, fault: str, params: int) -> tuple[fl
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
-    logs = [parse(p.read_text()) for p in {survivor_log: 0, victim_log: 0, replacement_log: 0}]
+    # (after a killed rank the victim's log is also the replacement's: read once)
+    logs = [parse(p.read_text()) for p in dict.fromkeys((survivor_log, victim_log, replacement_log))]
     why = "; ".join(w for w in (hung, failure(survivor_log, replacement_log)) if w)
     return t_fault, [e for evs in logs for e in evs], logs[0], why
 

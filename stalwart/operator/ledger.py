@@ -61,8 +61,7 @@ def round_facts(records: Iterable[ProgressRecord]) -> dict[int, RoundFacts]:
             out[summary.round] = RoundFacts(_most(old.stepped, summary.stepped),
                                             old.respawned | frozenset(summary.respawned),
                                             _most(old.faulted, summary.faulted),
-                                            summary.kept if old.kept is None else old.kept and summary.kept,
-                                            old.unplaced)
+                                            summary.kept if old.kept is None else old.kept and summary.kept)
     for rec in records:
         if rec.respawns_unplaced and rec.round in out:
             out[rec.round] = replace(out[rec.round], unplaced=True)
