@@ -28,6 +28,12 @@ log = logging.getLogger(__name__)
 __all__ = ["RankProc", "RankProcess", "RankProcesses"]
 
 
+#: A monotonic time before any other: a status file never read (or due now), a process started before the agent
+#: knew it. Not 0.0: ``time.monotonic()`` counts from the machine's boot, so on a node up for less than a
+#: ``status_interval`` (or a grace) 0.0 is not long ago.
+LONG_AGO = float("-inf")
+
+
 class RankProcess(Protocol):
     """What the agent uses of a rank process: a ``subprocess.Popen``, or a process its fork server started."""
 
@@ -56,10 +62,10 @@ class RankProc:
     status_file: Path
     killed_hung: str = ""  # why the agent killed it (hung past the hard timeout, stopped), "" when it did not
     exit_code: int | None = None
-    status_read: float = 0.0
+    status_read: float = LONG_AGO
     done_since: float | None = None  # when its status first said "done" (the function returned)
     killed_after_done: bool = False
-    started: float = 0.0  # monotonic time it was started
+    started: float = LONG_AGO  # monotonic time it was started
 
 
 @dataclass(slots=True)
@@ -83,7 +89,7 @@ class RankProcesses:
         popen: RankProcess | None = self.forks.spawn(env) if self.forks is not None else None
         if popen is None:
             popen = subprocess.Popen(list(command), env=dict(env), start_new_session=False)
-        p = RankProc(local_rank, slot, popen, status_file, started=time.monotonic() if fresh else 0.0)
+        p = RankProc(local_rank, slot, popen, status_file, started=time.monotonic() if fresh else LONG_AGO)
         self.procs[local_rank] = p
         return p
 
@@ -95,7 +101,7 @@ class RankProcesses:
                     # Its last word decides what its death means (a wrapped process is respawned into the next
                     # iteration, a plain one restarts the round): read it now, not up to status_interval later.
                     # A forked process can die before the agent ever read its status file.
-                    p.status_read = 0.0
+                    p.status_read = LONG_AGO
             if p.exit_code is not None and p.exit_code < 0 and p.killed_after_done:
                 p.exit_code = 0  # it returned from the training function; only its exit hung (and was ended)
 
@@ -120,7 +126,7 @@ class RankProcesses:
     def last_words(self) -> None:
         """Read every status file now (each process wrote its last word before returning or exiting)."""
         for p in self.procs.values():
-            p.status_read = 0.0
+            p.status_read = LONG_AGO
             self.read_status(p)
 
     def views(self) -> list[ProcView]:

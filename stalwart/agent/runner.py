@@ -35,7 +35,7 @@ from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.handover import NextStep, grow_due, handover_env, keep_at_round_end, next_step, write_handover
 from stalwart.agent.metrics import AgentMetrics
-from stalwart.agent.processes import RankProc, RankProcesses
+from stalwart.agent.processes import LONG_AGO, RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, shared_env, status_file
 from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, slot_of_ranks, socket_path
@@ -397,7 +397,7 @@ class Agent:
             env = self._rank_env(info, p.local_rank)
             write_handover(handover_file(self.run_dir, p.local_rank),
                            Handover(epoch=info.epoch, round=info.round, env=handover_env(env)))
-            p.slot, p.status_read, p.done_since = int(env[pod_env.SLOT]), 0.0, None
+            p.slot, p.status_read, p.done_since = int(env[pod_env.SLOT]), LONG_AGO, None
             if self._parked:
                 self.ranks.wrapped.add(p.local_rank)
         log.info("%s: handed %d running rank process(es) over to round %d%s", self._ctx, len(self.ranks.procs),
@@ -468,7 +468,7 @@ class Agent:
     def _record_fault(self, p: RankProc, kind: FaultKind, reason: str) -> None:
         """Record the fault of a wrapped rank process that cannot (:func:`~.supervision.fault_for`), so that its
         peers are interrupted now and the fault names it."""
-        p.status_read = 0.0  # its last word, not the one read up to status_interval ago
+        p.status_read = LONG_AGO  # its last word, not the one read up to status_interval ago
         st, info = self.ranks.read_status(p), self.info
         if info is None:
             return

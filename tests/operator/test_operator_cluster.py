@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from stalwart.api import naming
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.cluster import LocalCluster
+from stalwart.net import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -114,13 +114,6 @@ def phase_is(jobs: Jobs, name: str, *phases: str) -> Callable[[], dict[str, Any]
         st = jobs.status(name)
         return st if st.get("phase") in phases else None
     return check
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # -- real agents -----------------------------------------------------------------------------------------------

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 from typing import Any
 
 import pytest
 
+from stalwart.net import free_port
 from stalwart.restart.peers import SyncPlan, TensorSpec, first_difference, plan_sync
 
 
@@ -50,12 +50,6 @@ M = TensorSpec("optimizer.0.momentum_buffer", (4, 2), "float32")
 def test_first_difference(mine: list[TensorSpec], theirs: list[TensorSpec],
                           expected: tuple[str, str] | None) -> None:
     assert first_difference(mine, theirs) == expected
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, world: int, port: int, case: str, out: Any) -> None:
@@ -101,7 +95,7 @@ def _rank(rank: int, world: int, port: int, case: str, out: Any) -> None:
 def _run(case: str) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, 3, port, case, out)) for r in range(3)]
     for p in procs:
         p.start()

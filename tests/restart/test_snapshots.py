@@ -16,12 +16,12 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from typing import Any
 
 import pytest
 
+from stalwart.net import free_port
 from stalwart.restart.snapshot_plan import (
     Holding,
     Move,
@@ -120,12 +120,6 @@ def test_every_must_be_a_positive_number_of_steps() -> None:
 # --- four real processes ---------------------------------------------------------------------------------------
 
 WORLD, STEPS, LOSE_AT = 4, 10, 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _process_state(pid: int) -> str:
@@ -315,7 +309,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
 def runs() -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(WORLD)]
     for p in procs:
