@@ -62,8 +62,8 @@ from stalwart.api.base import MAX_RECORD_BYTES  # noqa: E402
 from stalwart.api.manifest import MAX_MANIFEST_BYTES  # noqa: E402
 
 #: The real validation's default sizes: the largest this 2-core machine holds in a few minutes (docs/scale.md).
-VALIDATE_RANKS = 2000
-VALIDATE_NODES = 1000
+VALIDATE_RANKS = 4000
+VALIDATE_NODES = 2000
 ETCD_REQUEST_LIMIT = 1572864  # etcd's default --max-request-bytes
 LIMIT = 36000.0  # simulated seconds before a run is called capped
 SATURATED = 0.98  # a background load that takes this share of etcd's time is not simulated (its queue grows)
