@@ -21,8 +21,13 @@ rank's function returns at once; every rank knows the iteration ended); ``operat
 manifest is over ``MAX_MANIFEST_BYTES``, the most its parts may hold in one transaction) the row says so, and
 ``impl: "stalwart-cap-raised"`` shows the same run with the record cap at etcd's request limit.
 The anchor, ``impl: "anchor-cas"``: one shared record updated by compare-and-swap (torch's
-DynamicRendezvousHandler's shape), up to ``--anchor-max`` nodes. ``validate`` rows: a real run of
-``bench/rendezvous.py`` (one process, one watch) next to the simulator configured alike.
+DynamicRendezvousHandler's shape), up to ``--anchor-max`` nodes. ``validate-real-etcd`` rows: the restart
+barrier of ``--validate-ranks`` ranks (a real ``Coordinator`` each, the pods' relays as the simulator models them)
+and the first rendezvous of ``--validate-nodes`` nodes (real drivers) on a real etcd of the kind
+``--validate-on`` (by default ``tls-3``: three members, fsync, TLS, authentication as the job's own user), in
+``--validate-processes`` worker processes (:mod:`.scalesim.real_barrier`, :mod:`.scalesim.real_rendezvous`);
+``validate-sim`` rows: the simulator with the same layout, background and the calibration of that etcd, and
+``real_over_sim`` on the real row. An etcd it cannot reach or that refuses its TLS settings prints no row.
 
 Charged in every ``stalwart`` row: the project's code its measured CPU (``cpu_seconds`` per phase) and, for the
 restart and the re-rendezvous, the running job's background requests (``background_requests_per_second``;

@@ -1,4 +1,4 @@
-"""The restart barrier on a real etcd: thousands of ranks' real ``Coordinator``\\ s in a few processes.
+"""The restart barrier on a real etcd: thousands of ranks' real Coordinators in a few processes.
 
 :func:`run_barrier` does on a real etcd what :class:`.restart.RestartRun` simulates: ``ranks`` ranks in pods
 of ``per_pod``, each with its own real :class:`~stalwart.restart.coordination.Coordinator` (its own heartbeat
@@ -380,6 +380,9 @@ def _serve(world: World, args: argparse.Namespace) -> int:
     while not world.done.wait(0.5):
         if world.mux.failure is not None:
             world.fail(world.mux.failure)
+        # The watch stream keeps the login token it was opened with, and etcd ends a token left unused for its
+        # TTL (300 s by default, 3 s in the tests): a read of a key of the job every half second keeps it in use.
+        store.get(world.keys.job)
     if world.failure is not None:
         say("FAILED", world.failure)
         return 1
