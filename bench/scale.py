@@ -21,8 +21,13 @@ rank's function returns at once; every rank knows the iteration ended); ``operat
 manifest is over ``MAX_MANIFEST_BYTES``, the most its parts may hold in one transaction) the row says so, and
 ``impl: "stalwart-cap-raised"`` shows the same run with the record cap at etcd's request limit.
 The anchor, ``impl: "anchor-cas"``: one shared record updated by compare-and-swap (torch's
-DynamicRendezvousHandler's shape), up to ``--anchor-max`` nodes. ``validate`` rows: a real run of
-``bench/rendezvous.py`` (one process, one watch) next to the simulator configured alike.
+DynamicRendezvousHandler's shape), up to ``--anchor-max`` nodes. ``validate-real-etcd`` rows: the restart
+barrier of ``--validate-ranks`` ranks (a real ``Coordinator`` each, the pods' relays as the simulator models them)
+and the first rendezvous of ``--validate-nodes`` nodes (real drivers) on a real etcd of the kind
+``--validate-on`` (by default ``tls-3``: three members, fsync, TLS, authentication as the job's own user), in
+``--validate-processes`` worker processes (:mod:`.scalesim.real_barrier`, :mod:`.scalesim.real_rendezvous`);
+``validate-sim`` rows: the simulator with the same layout, background and the calibration of that etcd, and
+``real_over_sim`` on the real row. An etcd it cannot reach or that refuses its TLS settings prints no row.
 
 Charged in every ``stalwart`` row: the project's code its measured CPU (``cpu_seconds`` per phase) and, for the
 restart and the re-rendezvous, the running job's background requests (``background_requests_per_second``;
@@ -53,13 +58,17 @@ sys.path.insert(0, str(ROOT))
 from bench.scalesim.anchor import CasRun  # noqa: E402
 from bench.scalesim.calibrate import CALIBRATIONS, CalibrationError, calibrate, started  # noqa: E402
 from bench.scalesim.goodput import Assumptions, Design, designs, goodput, interpolate, plot  # noqa: E402
+from bench.scalesim.real_etcd import ValidationError  # noqa: E402
 from bench.scalesim.rendezvous import PREFIX, RendezvousRun  # noqa: E402
 from bench.scalesim.restart import RestartRun  # noqa: E402
 from bench.scalesim.sim import Background, Costs  # noqa: E402
+from bench.scalesim.validate import Sizes, barrier_rows, rendezvous_rows  # noqa: E402
 from stalwart.api.base import MAX_RECORD_BYTES  # noqa: E402
 from stalwart.api.manifest import MAX_MANIFEST_BYTES  # noqa: E402
-from stalwart.local.etcd import EtcdServer  # noqa: E402
 
+#: The real validation's default sizes: the largest this 2-core machine holds in a few minutes (docs/scale.md).
+VALIDATE_RANKS = 4000
+VALIDATE_NODES = 2000
 ETCD_REQUEST_LIMIT = 1572864  # etcd's default --max-request-bytes
 LIMIT = 36000.0  # simulated seconds before a run is called capped
 SATURATED = 0.98  # a background load that takes this share of etcd's time is not simulated (its queue grows)
@@ -79,24 +88,19 @@ def cpu_rows(impl: str, n: int, what: str, phases: dict[str, float]) -> None:
         emit(impl, n, "cpu_seconds", seconds, what=what, phase=phase)
 
 
-def validate(costs: Costs, n: int, endpoint: str) -> None:
-    """The real rendezvous of ``n`` nodes in one process with one watch, next to the simulator alike."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rendezvous.py"), "--worker", "stalwart",
-                          "--worker-nodes", str(n), "--endpoint", endpoint, "--cap", "120"],
-                         capture_output=True, text=True, timeout=300, check=False)
-    real = next((json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if real is None or real.get("capped"):
-        emit("validate-real-etcd", n, "rendezvous_seconds", None, note=(out.stdout + out.stderr)[-300:])
-        return
-    emit("validate-real-etcd", n, "rendezvous_seconds", real["seconds"], watch="one per process",
-         etcd="one member, no fsync, no TLS (plain-1)")
-    emit("validate-real-etcd", n, "writes_per_node", real["writes_per_node"], source="etcd proposals")
-    t0 = time.process_time()
-    run = RendezvousRun(n, costs, spare=False, shared=True)
-    res = run.first_round(LIMIT)
-    emit("validate-sim", n, "rendezvous_seconds", res["seconds"], watch="one per process")
-    emit("validate-sim", n, "writes_per_node", res["writes"] / n)
-    emit("validate-sim", n, "sim_cpu_seconds", time.process_time() - t0)
+def validation(sizes: Sizes, on: str, costs: Costs, calibration: str) -> list[dict[str, Any]]:
+    """The real barrier and the real first rendezvous on a fresh etcd of the kind ``on`` (by default the 3-member
+    TLS etcd with authentication), each beside the simulator configured alike; the rows, not printed yet."""
+    kind = CALIBRATIONS[on]
+    rows: list[dict[str, Any]] = []
+    with started(kind) as target:
+        if sizes.ranks:
+            rows += barrier_rows(target, kind, costs, calibration=calibration, ranks=sizes.ranks,
+                                 processes=sizes.processes)
+        if sizes.nodes:
+            rows += rendezvous_rows(target, kind, costs, calibration=calibration, nodes=sizes.nodes,
+                                    processes=sizes.processes)
+    return rows
 
 
 def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]:
@@ -285,7 +289,14 @@ def main() -> int:
                    help="the etcds to calibrate on, each a row (default: all; --quick: plain-1)")
     p.add_argument("--publish", choices=sorted(CALIBRATIONS), default=None,
                    help="the calibration the simulation uses (default: tls-3 when measured, else the last)")
-    p.add_argument("--validate-nodes", type=int, default=200)
+    p.add_argument("--validate-nodes", type=int, default=VALIDATE_NODES,
+                   help="nodes of the real first rendezvous beside the simulator's (0: none)")
+    p.add_argument("--validate-ranks", type=int, default=VALIDATE_RANKS,
+                   help="ranks of the real restart barrier beside the simulator's (0: none)")
+    p.add_argument("--validate-processes", type=int, default=2,
+                   help="worker processes that hold the validation's ranks or nodes (the simulator's alike)")
+    p.add_argument("--validate-on", choices=sorted(CALIBRATIONS), default="tls-3",
+                   help="the kind of etcd the validation runs on (a fresh one, started as its calibration's)")
     p.add_argument("--anchor-max", type=int, default=1000)
     p.add_argument("--plot", default=str(ROOT / "docs" / "scale_goodput.png"))
     p.add_argument("--restart-results", help="saved output of bench/restart.py (else it runs here)")
@@ -298,34 +309,36 @@ def main() -> int:
         replot(args.plot, args.replot, pod_loss_time(args.podloss_results) if args.podloss_results else None)
         return 0
     if args.quick:
-        args.nodes, args.validate_nodes, args.plot = [50, 200], 50, ""
+        args.nodes, args.validate_nodes, args.validate_ranks, args.plot = [50, 200], 50, 64, ""
     names = args.calibrations or (["plain-1"] if args.quick else list(CALIBRATIONS))
     if args.publish is not None and args.publish not in names:
         raise SystemExit(f"--publish {args.publish}: not among --calibrations {' '.join(names)}")
-    if args.costs:
-        costs = Costs(**json.loads(args.costs))
-        emit("calibration", 0, "costs", None, calibration="given",
-             **{k: round(v, 9) for k, v in costs.as_dict().items()})
-    else:
-        measured = {}
-        try:
+    measured: dict[str, Costs] = {}
+    try:
+        if not args.costs:
             for name in names:
                 with started(CALIBRATIONS[name]) as target:
                     measured[name] = calibrate(target)
-        except CalibrationError as e:  # before any row: a run that cannot calibrate prints none
-            print(e, file=sys.stderr)
-            return 2
+        given = Costs(**json.loads(args.costs)) if args.costs else None
         publish = args.publish or ("tls-3" if "tls-3" in measured else names[-1])
-        for name, c in measured.items():
-            kind = CALIBRATIONS[name]
-            emit("calibration", 0, "costs", None, calibration=name, published=name == publish, members=kind.members,
-                 fsync=kind.fsync, tls=kind.tls, auth=kind.auth, **{k: round(v, 9) for k, v in c.as_dict().items()})
-        costs = measured[publish]
-    if args.validate_nodes:
-        # bench/rendezvous.py's worker speaks to an etcd without TLS or login: the validation runs on plain-1's
-        # kind of etcd, with the published costs, and its rows say so.
-        with EtcdServer() as etcd:
-            validate(costs, args.validate_nodes, etcd.endpoint)
+        costs = given if given is not None else measured[publish]
+        # The validation's model uses the calibration of its own kind of etcd when this run measured one.
+        on = args.validate_on
+        sized = Sizes(args.validate_ranks, args.validate_nodes, args.validate_processes)
+        checked = validation(sized, on, measured.get(on, costs), on if on in measured else
+                             ("given" if given is not None else publish)) if sized.ranks or sized.nodes else []
+    except (CalibrationError, ValidationError) as e:  # before any row: a run that cannot measure prints none
+        print(e, file=sys.stderr)
+        return 2
+    if given is not None:
+        emit("calibration", 0, "costs", None, calibration="given",
+             **{k: round(v, 9) for k, v in given.as_dict().items()})
+    for name, c in measured.items():
+        kind = CALIBRATIONS[name]
+        emit("calibration", 0, "costs", None, calibration=name, published=name == publish, members=kind.members,
+             fsync=kind.fsync, tls=kind.tls, auth=kind.auth, **{k: round(v, 9) for k, v in c.as_dict().items()})
+    for row in checked:
+        emit(row.pop("impl"), row.pop("nodes"), row.pop("metric"), row.pop("value"), **row)
     rows = {n: scale_rows(n, costs, args.anchor_max) for n in args.nodes}
     if args.plot:
         draw(args.plot, rows, *restart_times(args.restart_results),

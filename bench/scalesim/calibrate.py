@@ -64,11 +64,17 @@ CALIBRATIONS = {c.name: c for c in (Calibration("plain-1", 1, fsync=False, tls=F
 
 @dataclass(frozen=True)
 class Target:
-    """Where a calibration measures: the endpoint, the client's credentials, and etcdctl's flags for the same."""
+    """Where a calibration measures: the endpoint, the client's credentials, etcdctl's flags for the same, and
+    where every member's plain-HTTP ``/metrics`` are (the endpoint's own when not given)."""
 
     endpoint: str
     credentials: EtcdCredentials | None = None
     etcdctl_flags: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()
+
+    @property
+    def metrics_endpoints(self) -> tuple[str, ...]:
+        return self.metrics or (self.endpoint,)
 
 
 @contextmanager
@@ -84,7 +90,8 @@ def started(calibration: Calibration) -> Iterator[Target]:
                       "--key", str(first.pki_dir / "tls.key")]
         if calibration.auth:
             flags += ["--user", f"root:{first.root_password}"]
-        yield Target(first.endpoint, first.credentials(), tuple(flags))
+        yield Target(first.endpoint, first.credentials(), tuple(flags),
+                     tuple(m.metrics_endpoint for m in group.members))
     finally:
         group.cleanup()
 

@@ -174,6 +174,9 @@ class RendezvousRun:
     record_limit: int | None = None  # raise the record cap (a what-if); None: the project's own
     spare: bool = True  # a spare stands by (it replaces the lost node in lose_one)
     shared: bool = False  # every node in one process, one driver and one watch (bench/rendezvous.py)
+    #: The nodes (the spare last) in this many processes, each one driver and one watch, contiguous and as even
+    #: as can be (the real validation's layout); ``None``: as ``shared`` says.
+    processes: int | None = None
     cpu: bool = True  # charge the project's code its CPU time (see .sim)
     #: The running job's steady requests (.sim.Background) during a re-rendezvous (the first round has none:
     #: no rank runs yet, and the nodes' leases are granted as they register). None: none.
@@ -190,8 +193,12 @@ class RendezvousRun:
         settings = RendezvousSettings(min_nodes=self.n, max_nodes=self.n, node_ttl=30, join_timeout=600)
         self.procs = []
         self.agents = []
-        for i in range(self.n + (1 if self.spare else 0)):
-            if not self.procs or not self.shared:
+        total = self.n + (1 if self.spare else 0)
+        if self.processes is not None and not 1 <= self.processes <= total:
+            raise ValueError(f"processes: expected 1 to {total} (a node at least each), got {self.processes}")
+        starts = {total * p // self.processes for p in range(self.processes)} if self.processes else set()
+        for i in range(total):
+            if not self.procs or (i in starts if self.processes else not self.shared):
                 self.procs.append(Proc(self.sim, Rendezvous(store, KEYS, settings)))  # type: ignore[arg-type]
             proc = self.procs[-1]
             rec = NodeRecord(node_id=f"trainjob-worker-{i}" if i < self.n else "trainjob-spare-0",
@@ -261,8 +268,8 @@ class RendezvousRun:
             self.sim.background(self.background, start - 1.0, start + limit)
             self.sim.run(start - 1e-9)
         self.sim.now = start
-        if not self.shared:
-            # The pod is gone with its process; in one shared process only its node goes.
+        if not self.shared and self.processes is None:
+            # The pod is gone with its process; in a process of several nodes only its node goes.
             victim.proc.alive = False
             if victim.proc.sub is not None:
                 self.sim.unsubscribe(victim.proc.sub)

@@ -58,6 +58,18 @@ from stalwart.restart.protocol import (
 KEYS = JobKeys("scale", "sim1")
 
 
+def pod_layout(ranks: int, per_pod: int, processes: int) -> list[range]:
+    """The slots each of ``processes`` processes hosts: whole pods of ``per_pod`` ranks, contiguous, as even as
+    whole pods allow (the real validation's processes, and the simulator's alike)."""
+    if ranks < 1 or per_pod < 1:
+        raise ValueError(f"ranks, per_pod: expected at least 1 each, got {ranks} and {per_pod}")
+    pods = -(-ranks // per_pod)
+    if not 1 <= processes <= pods:
+        raise ValueError(f"processes: expected 1 to {pods} (one pod of {per_pod} ranks at least each), got {processes}")
+    bounds = [pods * p // processes for p in range(processes + 1)]
+    return [range(bounds[p] * per_pod, min(bounds[p + 1] * per_pod, ranks)) for p in range(processes)]
+
+
 class _Reads:
     """One read and one parse per (keys, revision): every rank reading them then gets the same answer."""
 
@@ -119,8 +131,11 @@ class NodeRelay:
     decides when they go, the real :func:`execute` sends them (one at a time: the relay has one thread), and
     each answer reaches its rank ``hop`` seconds after the transaction's."""
 
-    def __init__(self, sim: Sim, store: TimedStore, clients: frozenset[int], *, linger: float, hop: float) -> None:
+    def __init__(self, sim: Sim, store: TimedStore, clients: frozenset[int], *, linger: float, hop: float,
+                 host: object | None = None) -> None:
         self.sim, self.store, self.clients, self.linger, self.hop = sim, store, clients, linger, hop
+        #: The simulated process whose CPU this relay's work takes (itself: the pod's agent).
+        self.host = self if host is None else host
         self.waiting: list[Waiting] = []
         self.then: dict[int, Callable[[RelayAnswer], None]] = {}
         self.served: dict[Step, frozenset[int]] = {}
@@ -140,13 +155,13 @@ class NodeRelay:
         if self.sim.now < self.busy_until:
             self.sim.at(self.busy_until, self._consider)
             return
-        with self.sim.working(self, "relay"):
+        with self.sim.working(self.host, "relay"):
             go = due(self.waiting, self.clients, self.served, self.sim.now, self.linger)
         if not go:
             return
         batch, self.waiting = self.waiting, []
         self.transactions += 1
-        with self.sim.working(self, "relay"):
+        with self.sim.working(self.host, "relay"):
             # Each connection is its rank's own: the client is the slot the relay bound it to.
             answers = execute(self.store, KEYS, [w.request for w in batch], [w.client for w in batch])  # type: ignore[arg-type]
         self.busy_until = self.sim.now
@@ -171,6 +186,12 @@ class Rank:
     released_at: float | None = None
     releases: int = 0
     seal: SealRecord | None = None
+    #: The simulated process whose CPU this rank's work takes (``None``: its own, as a rank process).
+    host: object | None = None
+
+    @property
+    def cpu(self) -> object:
+        return self if self.host is None else self.host
 
     def on_monitor(self, events: list[WatchEvent], when: float, abort: float) -> None:
         """The monitor's watch (fault records, heartbeat deletions) brings a batch."""
@@ -181,16 +202,16 @@ class Rank:
 
     def take_cause(self) -> None:
         if self.relay is None:
-            with self.sim.working(self, "cause"):
+            with self.sim.working(self.cpu, "cause"):
                 self.coord.faults(0).cause(0)
             self.sim.at(self.sim.now, self.arrive)
             return
 
         def answered(answer: RelayAnswer) -> None:
-            with self.sim.working(self, "cause"):
+            with self.sim.working(self.cpu, "cause"):
                 self.coord.answered(answer).cause(0)
             self.arrive()
-        with self.sim.working(self, "cause"):
+        with self.sim.working(self.cpu, "cause"):
             request = self.coord.faults_request(0)
         self.relay.submit(self.coord.slot, request, answered)
 
@@ -201,17 +222,17 @@ class Rank:
         parts = None if self.sealer else (WatchRange(f"{SEAL}1"),)
         rec = ArrivalRecord(slot=self.coord.slot, node_id=self.coord.node_id)
         if self.relay is None:
-            with self.sim.working(self, self.phase):
+            with self.sim.working(self.cpu, self.phase):
                 view = self.coord.arrive(1, rec, parts)
             self.arrived(view, parts)
             return
 
         def answered(answer: RelayAnswer) -> None:
             # The sealer reads the whole prefix itself after its arrival, as ``Coordinator.arrive`` does.
-            with self.sim.working(self, self.phase):
+            with self.sim.working(self.cpu, self.phase):
                 view = self.coord.answered(answer) if parts is not None else self.coord.view()
             self.arrived(view, parts)
-        with self.sim.working(self, "arrive"):
+        with self.sim.working(self.cpu, "arrive"):
             request = self.coord.arrival_request(1, rec, parts or ())
         self.relay.submit(self.coord.slot, request, answered)
 
@@ -227,7 +248,7 @@ class Rank:
             return
         ranges = tuple(WatchRange(self.coord.base + p.key, prefix=p.prefix, no_put=p.no_put)
                        for p in (parts or (WatchRange("", prefix=True),)))
-        self.watch = self.sim.subscribe(ranges, self.view.revision + 1, self.sim.serial(self, self.on_barrier))
+        self.watch = self.sim.subscribe(ranges, self.view.revision + 1, self.sim.serial(self.cpu, self.on_barrier))
 
     def on_barrier(self, events: list[WatchEvent], when: float) -> None:
         assert self.view is not None
@@ -235,13 +256,13 @@ class Rank:
         if self.state != "waiting" or not fresh:
             return
         self.sim.now = when
-        with self.sim.working(self, self.phase):
+        with self.sim.working(self.cpu, self.phase):
             self.view = self.applied(self.coord, self.view, fresh)
         self.check()
 
     def check(self) -> bool:
         assert self.view is not None
-        with self.sim.working(self, self.phase):
+        with self.sim.working(self.cpu, self.phase):
             if self.sealer:
                 result = barrier_state(self.view, 1, self.slots)
                 if isinstance(result, Arrived):
@@ -281,6 +302,9 @@ class RestartRun:
     #: The running job's steady requests beside the barrier's (:class:`.sim.Background`), from a second before
     #: the fault; ``None``: none.
     background: Background | None = None
+    #: The ranks and their pods' relays in this many processes, each computing one thing at a time
+    #: (:func:`pod_layout`: the real validation's layout); ``None``: every rank and every relay its own process.
+    processes: int | None = None
     sim: Sim = field(init=False)
     ranks: list[Rank] = field(init=False)
     seal0: SealRecord | None = field(init=False, default=None)
@@ -296,11 +320,16 @@ class RestartRun:
         epoch = self.sim.mem.put(KEYS.rendezvous + MANIFEST, manifest.to_json_bytes())
         applied = _Applied(self.sim)
         per = self.ranks_per_node
+        hosts: list[object | None] = [None] * self.n
+        if self.processes is not None:
+            for slots in pod_layout(self.n, per, self.processes):
+                host = object()
+                hosts[slots.start:slots.stop] = [host] * len(slots)
         self.relays = [NodeRelay(self.sim, self.store, frozenset(range(k, min(k + per, self.n))), linger=self.linger,
-                                 hop=self.hop) for k in range(0, self.n, per)] if self.relay else []
+                                 hop=self.hop, host=hosts[k]) for k in range(0, self.n, per)] if self.relay else []
         self.ranks = [Rank(self.sim, Coordinator(self.store, KEYS, epoch, slot=i,  # type: ignore[arg-type]
                                                  node_id=f"trainjob-worker-{i // per}"), self.n, applied,
-                           self.relays[i // per] if self.relay else None)
+                           self.relays[i // per] if self.relay else None, host=hosts[i])
                       for i in range(self.n)]
 
     def _patched(self) -> Any:
