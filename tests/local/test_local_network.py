@@ -265,6 +265,15 @@ def test_loopback_mode_when_asked(tmp_path: Path) -> None:
     try:
         assert cluster.network == {"mode": "loopback", "reason": "asked for (network: loopback)"}
         assert cluster.api_url.startswith("https://127.0.0.1:")
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "once"}, "spec": {
+            "nodeName": "local-0", "restartPolicy": "Never", "containers": [{
+                "name": "c", "image": "python", "command": [sys.executable, "-c", "import os; print(os.environ['IP'])"],
+                "env": [{"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}]}}
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        done = wait_until(lambda: phase_is(cluster, "default", "once", "Succeeded"), "pod once to succeed")
+        ip = done["status"]["podIP"]
+        assert ip.startswith("127.") and not ip.startswith("127.0.0.") and done["status"]["hostIP"] == "127.0.0.1"
+        assert cluster.kubectl("logs", "once").stdout == f"{ip}\n"
         with pytest.raises(ClusterError, match="network faults need a network per node; this cluster runs in "
                                                "loopback mode"):
             cluster.partition("local-0")
