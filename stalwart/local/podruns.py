@@ -35,6 +35,7 @@ class PodRuns:
         self.book = book or ContainerBook(None)
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_ip = 2
+        self._next_by_node: dict[str, int] = {}
         # The cluster's pod addresses, 127.<subnet>.x.y: its own /16 of the loopback network, as a real cluster
         # has its own pod CIDR, so that two local clusters on one machine (a demo beside a test run) do not give
         # two pods one address (a server of one would find its port taken by the other's).
@@ -84,8 +85,15 @@ class PodRuns:
             plan = self.network.plan
             if previous and previous not in used and plan.node_of(previous) == node and previous != plan.node_ip(node):
                 return previous
-            for ip in plan.pod_ips(node):
+            # Round the node's addresses from the last one handed out, as host-local IPAM does: a pod that just
+            # left does not lend its address to the next one at once (a peer's error naming that address would
+            # then name the newcomer).
+            ips = plan.pod_ips(node)
+            start = self._next_by_node.get(node, 0)
+            for k in range(len(ips)):
+                ip = ips[(start + k) % len(ips)]
                 if ip not in used:
+                    self._next_by_node[node] = (start + k + 1) % len(ips)
                     return ip
             raise OSError(f"node {node} has no pod address left ({len(plan.pod_ips(node))} in use)")
         if previous and previous not in used:
