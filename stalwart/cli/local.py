@@ -1,5 +1,6 @@
-"""``stalwart local up|down|status|lose-node|restore-node|kubeconfig --dir DIR``: the local cluster for development,
-CI and the demo (a Kubernetes API emulator, a process kubelet and a real etcd, all on loopback)."""
+"""``stalwart local up|down|status|lose-node|restore-node|partition|heal|kubeconfig --dir DIR``: the local cluster for
+development, CI and the demo (a Kubernetes API emulator, a process kubelet and a real etcd; a network namespace per
+node where this machine allows, else all on loopback)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def register(sub: Any) -> None:
     up.add_argument("--port", type=int, default=0, help="API port on 127.0.0.1 (default: a free one)")
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to serve (default 60)")
     for name, field in _SETTINGS_FLAGS.items():
-        metavar = "QUANTITY" if field in ("node_cpu", "node_memory") else "SECONDS" if "seconds" in field \
-            or "period" in field else "N"
+        metavar = "QUANTITY" if field in ("node_cpu", "node_memory") else "MODE" if field == "network" \
+            else "SECONDS" if "seconds" in field or "period" in field else "N"
         up.add_argument(name, dest=field, default=None, metavar=metavar, help=_settings_help(field))
     up.set_defaults(func=cmd_up)
     add("down", "stop the local cluster and everything it started").set_defaults(func=cmd_down)
@@ -52,6 +53,15 @@ def register(sub: Any) -> None:
     restore = add("restore-node", "bring a lost node back (paused processes resume, its kubelet reports again)")
     restore.add_argument("node", help="node name, e.g. local-1")
     restore.set_defaults(func=cmd_restore)
+    part = add("partition", "cut a node's network (its processes run on): from everything, or --from some of "
+                            "etcd, api and other nodes (needs the network per node: root)")
+    part.add_argument("node", help="node name, e.g. local-1")
+    part.add_argument("--from", dest="from_", default=None, metavar="TARGET,...",
+                      help="cut only these: etcd, api, node names (default: everything)")
+    part.set_defaults(func=cmd_partition)
+    heal = add("heal", "end a node's network cut")
+    heal.add_argument("node", help="node name, e.g. local-1")
+    heal.set_defaults(func=cmd_heal)
 
 
 #: ``stalwart local up`` flags -> LocalClusterSettings fields.
@@ -60,6 +70,7 @@ _SETTINGS_FLAGS = {
     "--node-pods": "node_pods", "--node-monitor-grace-period": "node_monitor_grace_period",
     "--default-not-ready-toleration-seconds": "default_not_ready_toleration_seconds",
     "--default-unreachable-toleration-seconds": "default_unreachable_toleration_seconds",
+    "--network": "network",
 }
 
 
@@ -106,6 +117,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"local cluster is up: API {c.api_url}, etcd {c.etcd_endpoint}, nodes {', '.join(c.nodes)}")
+    print(network_line(c.network))
     print("use it with:")
     print(f"  export KUBECONFIG={c.kubeconfig}")
     if c.etcd_endpoint:
@@ -115,8 +127,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def network_line(network: dict[str, Any]) -> str:
+    """What ``up`` says, once, of the cluster's network."""
+    if network.get("mode") == "netns":
+        return (f"network: a namespace per node on {network.get('subnet')} (bridge {network.get('bridge')}); "
+                f"network faults: stalwart local partition/heal")
+    return (f"network: loopback, every pod on this machine's 127/8 ({network.get('reason', 'no reason given')}); "
+            f"partition/heal need a network per node (root)")
+
+
 def cmd_down(args: argparse.Namespace) -> int:
-    from stalwart.local.cluster import ClusterError, LocalCluster, kill_leftover_containers, stop_process
+    from stalwart.local.cluster import (
+        ClusterError,
+        LocalCluster,
+        kill_leftover_containers,
+        remove_leftover_network,
+        stop_process,
+    )
 
     try:
         c = LocalCluster.attach(args.dir)
@@ -128,6 +155,7 @@ def cmd_down(args: argparse.Namespace) -> int:
             stop_process(int(text), 5.0)
         if Path(args.dir).exists():
             kill_leftover_containers(Path(args.dir))
+            remove_leftover_network(Path(args.dir))
         print(f"{exc}; nothing to stop")
         return 0
     c.down()
@@ -213,4 +241,35 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"node {args.node} is back; it reports Ready again")
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    from stalwart.local.cluster import ClusterError, LocalCluster
+
+    targets = None if args.from_ is None else [t.strip() for t in str(args.from_).split(",")]
+    try:
+        cluster = LocalCluster.attach(args.dir)
+        pods = cluster.partition(args.node, targets)
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    what = "everything" if targets is None else ", ".join(targets)
+    print(f"node {args.node} cut from {what}; its processes run on; its pods: {', '.join(pods) or 'none'}")
+    if targets is None or "api" in targets:
+        print(f"its kubelet no longer reaches the API server: the node turns Unknown after "
+              f"{cluster.settings.node_monitor_grace_period:g}s")
+    print(f"heal it with: stalwart local heal --dir {args.dir} {args.node}")
+    return 0
+
+
+def cmd_heal(args: argparse.Namespace) -> int:
+    from stalwart.local.cluster import ClusterError, LocalCluster
+
+    try:
+        was = LocalCluster.attach(args.dir).heal(args.node)
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"node {args.node} healed (it was cut from {was})")
     return 0

@@ -2,7 +2,7 @@
 
 ``LocalCluster.up(dir)`` starts it in the background and returns once the API serves; ``LocalCluster.attach(dir)``
 finds a running one from ``<dir>/state.json``; ``down()`` stops it and makes sure no process it started is left
-(the control plane, etcd, every container process group).
+(the control plane, etcd, every container process group), nor any part of its network per node.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ class LocalCluster:
     pid: int
     etcd_pid: int | None = None
     settings: LocalClusterSettings = field(default_factory=LocalClusterSettings)
+    #: The network: ``mode`` (netns or loopback), with netns its subnet, bridge, addresses and namespaces, with
+    #: loopback the reason.
+    network: dict[str, Any] = field(default_factory=dict)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -83,6 +86,14 @@ class LocalCluster:
         shuts itself down once that process is gone (so a killed test session leaves nothing running).
         ``settings``: node capacity and node-loss timings (defaults: a real cluster's timings)."""
         d = Path(directory).resolve()
+        settings = settings or LocalClusterSettings()
+        if settings.network == "netns":
+            from stalwart.local.netns import missing_rights
+
+            reason = missing_rights()
+            if reason:
+                raise ClusterError(f"network: netns asked for, but {reason}; use network loopback "
+                                   f"(--network loopback) or auto")
         d.mkdir(parents=True, exist_ok=True)
         try:
             existing = cls.attach(d)
@@ -94,7 +105,7 @@ class LocalCluster:
         (d / STATE_FILE).unlink(missing_ok=True)
         logf = open(d / "controlplane.log", "ab")  # noqa: SIM115 - the child owns it
         cmd = [sys.executable, "-m", "stalwart.local.controlplane", "--dir", str(d), "--nodes", str(nodes),
-               "--port", str(port), "--settings", (settings or LocalClusterSettings()).model_dump_json()]
+               "--port", str(port), "--settings", settings.model_dump_json()]
         if not etcd:
             cmd.append("--no-etcd")
         if owner_pid:
@@ -133,7 +144,8 @@ class LocalCluster:
             raise ClusterError(f"the local cluster in {d} is not running (pid {state['pid']} is gone)")
         return cls(d, str(state["api_url"]), state.get("etcd_endpoint"), Path(state["kubeconfig"]),
                    list(state["nodes"]), int(state["pid"]), state.get("etcd_pid"),
-                   LocalClusterSettings.model_validate(state.get("settings") or {}))
+                   LocalClusterSettings.model_validate(state.get("settings") or {}),
+                   dict(state.get("network") or {"mode": "loopback"}))
 
     def ssl_context(self) -> ssl.SSLContext:
         """Trusts the cluster's CA (the API serves HTTPS)."""
@@ -154,6 +166,7 @@ class LocalCluster:
         if self.etcd_pid:
             stop_process(self.etcd_pid, 5.0)
         kill_leftover_containers(self.dir)
+        remove_leftover_network(self.dir)
 
     # --- use ---------------------------------------------------------------------------------------------------
 
@@ -187,7 +200,11 @@ class LocalCluster:
                 out: dict[str, Any] = json.loads(resp.read())
                 return out
         except urllib.error.HTTPError as exc:
-            raise ClusterError(f"{method} {path}: {exc.code}: {exc.read().decode(errors='replace')}") from None
+            text = exc.read().decode(errors="replace")
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                # The control plane's own routes answer {"error": "..."}: that sentence is the message.
+                raise ClusterError(str(json.loads(text)["error"])) from None
+            raise ClusterError(f"{method} {path}: {exc.code}: {text}") from None
 
     def open(self, path: str, *, method: str = "GET", body: bytes | None = None,
              headers: dict[str, str] | None = None, token: str | None = None) -> Any:
@@ -246,10 +263,25 @@ class LocalCluster:
         taints off, so the scheduler places pods on it again."""
         self._admin("POST", f"/stalwart/nodes/{node}/restore")
 
+    def partition(self, node: str, from_: list[str] | None = None) -> list[str]:
+        """Cut ``node``'s network (a network per node only): from everything, or from ``from_`` (``api``,
+        ``etcd``, node names). Its processes run on; cut from the API server its kubelet stops reporting. Returns
+        the ``namespace/name`` of the pods it runs; :class:`ClusterError` naming what is wrong otherwise."""
+        query = f"?from={urllib.parse.quote(','.join(from_))}" if from_ is not None else ""
+        pods: list[str] = self._admin("POST", f"/stalwart/nodes/{urllib.parse.quote(node)}/partition{query}")["pods"]
+        return pods
+
+    def heal(self, node: str) -> str:
+        """End ``node``'s network cut; returns what it was cut from. :class:`ClusterError` when the node is not
+        cut (or not a node)."""
+        was: str = self._admin("POST", f"/stalwart/nodes/{urllib.parse.quote(node)}/heal")["was_cut_from"]
+        return was
+
     def status(self) -> dict[str, Any]:
         info = self._admin("GET", "/stalwart/nodes")
         return {"dir": str(self.dir), "api_url": self.api_url, "etcd_endpoint": self.etcd_endpoint,
-                "kubeconfig": str(self.kubeconfig), "pid": self.pid, "ready": self.ready(), **info}
+                "kubeconfig": str(self.kubeconfig), "pid": self.pid, "ready": self.ready(), "network": self.network,
+                **info}
 
 
 def stop_process(pid: int, timeout: float) -> None:
@@ -268,6 +300,13 @@ def stop_process(pid: int, timeout: float) -> None:
     deadline = time.monotonic() + 5.0
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def remove_leftover_network(directory: Path) -> None:
+    """Remove the network per node a control plane recorded in ``directory`` and did not remove (it was killed)."""
+    from stalwart.local.netns import remove_recorded
+
+    remove_recorded(directory)
 
 
 def kill_leftover_containers(directory: Path) -> None:

@@ -5,9 +5,13 @@ background (``python -m stalwart.local.controlplane``); it starts from a clean `
 ``<dir>/pki`` (a new CA and serving certificate: the API serves HTTPS), writes ``<dir>/kubeconfig`` (the admin's
 token and the CA) and, once everything serves, ``<dir>/state.json`` (see :mod:`.cluster`).
 
-On shutdown it stops every pod (SIGTERM, SIGKILL after a short grace), the HTTP server and etcd, and removes
-``state.json``. Containers are started with a parent-death signal, so even a killed control plane leaves no
-container behind.
+With a network per node (settings ``network``: netns, or auto where this process may make namespaces; see
+:mod:`.netns`) it makes that network first; etcd then listens on the bridge's etcd address and the API server on
+its API address, the addresses every node reaches. Without one, both listen on 127.0.0.1.
+
+On shutdown it stops every pod (SIGTERM, SIGKILL after a short grace), the HTTP server and etcd, removes the
+network it made and ``state.json``. Containers are started with a parent-death signal, so even a killed control
+plane leaves no container behind (and ``down`` removes the network such a one recorded).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from stalwart.local.controllers import Controllers
 from stalwart.local.etcd import EtcdServer
 from stalwart.local.garbage import GarbageCollector
 from stalwart.local.kubelet import ProcessKubelet
+from stalwart.local.netns import NetworkUnavailable, NodeNetwork
+from stalwart.local.netplan import PlanError, parse_cut
 from stalwart.local.nodelifecycle import NodeLifecycleController
 from stalwart.local.pki import create as create_pki
 from stalwart.local.scheduler import Scheduler
@@ -86,12 +92,47 @@ def _add_admin_routes(app: web.Application, kubelet: ProcessKubelet, controller:
         return web.json_response({"node": node, "state": kubelet.nodes[node]})
 
     async def nodes(request: web.Request) -> web.Response:
-        return web.json_response({"nodes": [{"name": n, "state": s} for n, s in kubelet.nodes.items()],
+        network = kubelet.network
+        cuts = network.cuts if network else {}
+        return web.json_response({"nodes": [{"name": n, "state": s, **({"cut_from": cuts[n].describe()}
+                                                                         if n in cuts else {})}
+                                            for n, s in kubelet.nodes.items()],
                                   "pods": len(kubelet.runs)})
+
+    async def partition(request: web.Request) -> web.Response:
+        node = request.match_info["node"]
+        network = kubelet.network
+        if network is None:
+            return web.json_response({"error": "network faults need a network per node; this cluster runs in "
+                                               "loopback mode (see stalwart local status)"}, status=409)
+        try:
+            cut = parse_cut(network.plan, node, request.query.get("from"))
+            pods = kubelet.partition(cut)
+        except PlanError as exc:
+            return web.json_response({"error": str(exc)}, status=404 if str(exc).startswith("node:") else 400)
+        except OSError as exc:
+            return web.json_response({"error": str(exc)}, status=500)
+        return web.json_response({"node": node, "cut_from": cut.describe(), "pods": pods})
+
+    async def heal(request: web.Request) -> web.Response:
+        node = request.match_info["node"]
+        try:
+            cut = kubelet.heal(node)
+        except KeyError as exc:
+            return web.json_response({"error": str(exc.args[0])}, status=404)
+        except LookupError as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+        try:
+            controller.tick()
+        except Exception:
+            log.exception("node lifecycle controller failed")
+        return web.json_response({"node": node, "was_cut_from": cut.describe()})
 
     app.router.add_post("/stalwart/nodes/{node}/lose", lose)
     app.router.add_post("/stalwart/nodes/{node}/restore", restore)
     app.router.add_get("/stalwart/nodes", nodes)
+    app.router.add_post("/stalwart/nodes/{node}/partition", partition)
+    app.router.add_post("/stalwart/nodes/{node}/heal", heal)
 
 
 async def _node_clock(kubelet: ProcessKubelet, controller: NodeLifecycleController) -> None:
@@ -115,18 +156,51 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
     # earlier run would only describe things that no longer exist.
     for stale in ("etcd", "pods", "pki"):
         await asyncio.to_thread(shutil.rmtree, directory / stale, True)
+    names = [f"local-{i}" for i in range(nodes)]
+    network, network_info = await make_network(directory, names, settings)
+    api_host = network.plan.api_ip if network else "127.0.0.1"
     etcd: EtcdServer | None = None
-    if with_etcd:
-        etcd = EtcdServer(directory / "etcd")
-        await asyncio.to_thread(etcd.start, 90.0)  # generous: CI machines may be heavily loaded
-    port = port or free_port()
-    pki = await asyncio.to_thread(create_pki, directory / "pki")
+    try:
+        if with_etcd:
+            etcd = EtcdServer(directory / "etcd", host=network.plan.etcd_ip if network else "127.0.0.1")
+            await asyncio.to_thread(etcd.start, 90.0)  # generous: CI machines may be heavily loaded
+        await _serve(directory, names, port, api_host, etcd, network, network_info, stop, settings)
+    finally:
+        if etcd is not None:
+            await asyncio.to_thread(etcd.stop)
+        if network is not None:
+            await asyncio.to_thread(network.remove)
+
+
+async def make_network(directory: Path, names: list[str],
+                        settings: LocalClusterSettings) -> tuple[NodeNetwork | None, dict[str, Any]]:
+    """The network per node the settings ask for, and what ``state.json`` says of it."""
+    if settings.network == "loopback":
+        return None, {"mode": "loopback", "reason": "asked for (network: loopback)"}
+    try:
+        network = await asyncio.to_thread(NodeNetwork.create, directory, names)
+    except NetworkUnavailable as exc:
+        if settings.network == "netns":
+            raise
+        log.warning("no network per node (%s): every pod gets a loopback address", exc)
+        return None, {"mode": "loopback", "reason": str(exc)}
+    plan = network.plan
+    return network, {"mode": "netns", "subnet": plan.subnet, "bridge": plan.bridge, "bridge_ip": plan.bridge_ip,
+                     "api_ip": plan.api_ip,
+                     "etcd_ip": plan.etcd_ip, "namespaces": {n: plan.netns(n) for n in names}}
+
+
+async def _serve(directory: Path, names: list[str], port: int, api_host: str,  # noqa: PLR0917
+                 etcd: EtcdServer | None, network: NodeNetwork | None, network_info: dict[str, Any],
+                 stop: asyncio.Event, settings: LocalClusterSettings) -> None:
+    port = port or free_port(api_host)
+    extra = (api_host,) if network else ()
+    pki = await asyncio.to_thread(create_pki, directory / "pki", extra)
     store = ObjectStore()
     store.admission.append(default_toleration_seconds(settings.default_not_ready_toleration_seconds,
                                                       settings.default_unreachable_toleration_seconds))
     security = new_security(store)
-    kubelet = ProcessKubelet(store, directory, [f"local-{i}" for i in range(nodes)], api_port=port,
-                             settings=settings)
+    kubelet = ProcessKubelet(store, directory, names, api_port=port, settings=settings, network=network)
     controllers = Controllers(store)
     collector = GarbageCollector(store)
     scheduler = Scheduler(store)
@@ -136,7 +210,7 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
     _add_admin_routes(server.app, kubelet, node_controller)
     runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=pki.server_context())
+    site = web.TCPSite(runner, api_host, port, ssl_context=pki.server_context())
     try:
         await site.start()
         kubelet.start()
@@ -144,7 +218,7 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
         controllers.start()
         collector.start()
         clock = asyncio.get_running_loop().create_task(_node_clock(kubelet, node_controller))
-        api_url = f"https://127.0.0.1:{port}"
+        api_url = f"https://{api_host}:{port}"
         config = directory / KUBECONFIG_FILE
         config.touch(mode=0o600)
         config.write_text(yaml.safe_dump(kubeconfig(api_url, security.authenticator.admin_token,
@@ -152,7 +226,7 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
         state = {"pid": os.getpid(), "api_url": api_url, "etcd_endpoint": etcd.endpoint if etcd else None,
                  "etcd_pid": etcd.process.pid if etcd and etcd.process else None,
                  "nodes": list(kubelet.nodes), "kubeconfig": str(directory / KUBECONFIG_FILE),
-                 "settings": settings.model_dump()}
+                 "settings": settings.model_dump(), "network": network_info}
         tmp = directory / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(directory / STATE_FILE)
@@ -171,8 +245,6 @@ async def serve(directory: Path, *, nodes: int, port: int, with_etcd: bool, stop
         await collector.stop()
         await kubelet.shutdown()
         await runner.cleanup()
-        if etcd is not None:
-            await asyncio.to_thread(etcd.stop)
 
 
 async def _watch_owner(pid: int, stop: asyncio.Event) -> None:

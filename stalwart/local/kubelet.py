@@ -7,10 +7,12 @@ Contract, per pod:
 - It runs pods bound to a node that is up (the scheduler, :mod:`.scheduler`, binds them). Before starting one
   it checks that the pod fits the node's capacity (a pod bound by name past the scheduler may not): one that
   does not is Failed with reason ``OutOf<resource>``.
-- Each pod gets its own loopback address 127.s.x.y as ``status.podIP`` (Linux routes all of 127/8 to ``lo``;
-  ``s`` is the cluster's own, picked at random: see :class:`.podruns.PodRuns`),
-  and a directory ``<workdir>/pods/<namespace>_<name>_<uid>/`` that is the default working directory and holds
-  the container logs (``<container>.log``, the previous instance's as ``<container>.previous.log``).
+- Each pod gets its own address as ``status.podIP``: with a network per node (:mod:`.netns`) one of its node's
+  /24, on the node's interface, and its processes run in the node's network namespace with the pod's hostname;
+  else a loopback address 127.s.x.y (Linux routes all of 127/8 to ``lo``; ``s`` is the cluster's own, picked at
+  random: see :class:`.podruns.PodRuns`). And a directory ``<workdir>/pods/<namespace>_<name>_<uid>/`` that is
+  the default working directory and holds the container logs (``<container>.log``, the previous instance's as
+  ``<container>.previous.log``).
 - Environment: :mod:`.podenv`. The image is recorded and ignored; a container without ``command`` cannot run
   (there is no image entrypoint) and terminates with reason ``ContainerCannotRun``. Of the volumes only Secrets
   are mounted, as files under the pod's directory (:mod:`.podenv`).
@@ -29,6 +31,12 @@ its processes are killed and its kubelet forgets them; restored, a fresh kubelet
 the node and restarts their containers (restart count + 1, last state ``ContainerStatusUnknown``), or fails
 pods whose ``restartPolicy`` is Never. Either way the node lifecycle controller (:mod:`.nodelifecycle`), not
 the kubelet, is what turns the node Unknown, taints it and evicts its pods.
+
+Network faults (a network per node only): :meth:`ProcessKubelet.partition` cuts the node's network from
+everything or from some of etcd, the API server and other nodes (:mod:`.netplan`); its processes run on. A cut
+that includes the API server cuts the kubelet off as well (state ``cut``): it neither reports (so the node's
+Lease expires and the node turns Unknown) nor acts, so a container that ends meanwhile is restarted only after
+:meth:`~ProcessKubelet.heal`.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from stalwart.local.apiserver import podlife
 from stalwart.local.apiserver.objects import ApiError, Event, ObjectStore, now_rfc3339
 from stalwart.local.containerbook import BOOK, ContainerBook
 from stalwart.local.fit import NodeFit, rejection
+from stalwart.local.netns import NodeNetwork, hosts_text
+from stalwart.local.netplan import Cut
 from stalwart.local.nodes import NodeAgents, NodeState
 from stalwart.local.podenv import PodEnvironment
 from stalwart.local.podlogs import pod_dir, stream_logs
@@ -71,14 +81,17 @@ class ProcessKubelet:
     """Runs the pods of the virtual nodes ``nodes`` from ``store`` as local processes under ``workdir``."""
 
     def __init__(self, store: ObjectStore, workdir: Path, nodes: list[str], *, api_port: int = 0,
-                 settings: LocalClusterSettings | None = None, backoff: tuple[float, float] = (1.0, 20.0)) -> None:
+                 settings: LocalClusterSettings | None = None, backoff: tuple[float, float] = (1.0, 20.0),
+                 network: NodeNetwork | None = None) -> None:
         self.store = store
         self.workdir = workdir
         self.settings = settings or LocalClusterSettings()
-        self.node_agents = NodeAgents(store, nodes, self.settings)
-        self.env = PodEnvironment(store, workdir, api_port)
+        self.network = network
+        ips = {n: network.plan.node_ip(n) for n in nodes} if network else {}
+        self.node_agents = NodeAgents(store, nodes, self.settings, ips)
+        self.env = PodEnvironment(store, workdir, api_port, network.plan.api_ip if network else "127.0.0.1")
         self.backoff = backoff
-        self.runs = PodRuns(book=ContainerBook(workdir / BOOK))
+        self.runs = PodRuns(book=ContainerBook(workdir / BOOK), network=network)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -126,19 +139,61 @@ class ProcessKubelet:
         return [f"{r.namespace}/{r.name}" for r in lost]
 
     async def restore_node(self, name: str) -> None:
-        """Bring node ``name`` back: its paused processes resume, its kubelet reports again."""
+        """Bring node ``name`` back: its paused processes resume, its kubelet reports again (unless its network is
+        still cut from the API server: then it stays ``cut`` until healed)."""
         self.node_agents.check(name)
         before = self.nodes[name]
-        if before == NodeState.UP:
+        if before in (NodeState.UP, NodeState.CUT):
             return
-        self.node_agents.set_state(name, NodeState.UP)
         if before == NodeState.PARTITIONED:
             await self.runs.resume(self.runs.on(name))
+        if self.network is not None and self.network.cut_from_api(name):
+            self.node_agents.set_state(name, NodeState.CUT)
+            log.info("node %s is back (it was %s), its network still cut from the API server", name, before)
+            return
+        self._reporting_again(name, before)
+
+    def _reporting_again(self, name: str, before: NodeState) -> None:
+        self.node_agents.set_state(name, NodeState.UP)
         self.node_agents.post_status(name)
         for run in self.runs.on(name):
             self._write_pod_status(run)
         log.info("node %s is back (it was %s)", name, before)
         self._wake.set()
+
+    # --- network faults ----------------------------------------------------------------------------------------
+
+    def _network(self) -> NodeNetwork:
+        if self.network is None:
+            raise LookupError("network faults need a network per node, and this cluster runs every pod on "
+                              "loopback (network mode loopback: see stalwart local status)")
+        return self.network
+
+    def partition(self, cut: Cut) -> list[str]:
+        """Put ``cut`` in force on its node (see the module docstring); returns the ``namespace/name`` of the pods
+        it runs. KeyError for a node that is not one; LookupError without a network per node."""
+        self.node_agents.check(cut.node)
+        network = self._network()
+        network.partition(cut)
+        if cut.cuts("api") and self.nodes[cut.node] == NodeState.UP:
+            self.node_agents.set_state(cut.node, NodeState.CUT)
+        elif not cut.cuts("api") and self.nodes[cut.node] == NodeState.CUT:
+            self._reporting_again(cut.node, NodeState.CUT)
+        log.warning("node %s cut from %s; its processes run on", cut.node, cut.describe())
+        return [f"{r.namespace}/{r.name}" for r in self.runs.on(cut.node)]
+
+    def heal(self, name: str) -> Cut:
+        """End the network cut of node ``name``; returns the cut it was. KeyError for a node that is not one;
+        LookupError without a network per node or when the node is not cut."""
+        self.node_agents.check(name)
+        network = self._network()
+        if name not in network.cuts:
+            raise LookupError(f"node {name!r} is not partitioned (cut nodes: {sorted(network.cuts) or 'none'})")
+        cut = network.heal(name)
+        if self.nodes[name] == NodeState.CUT:
+            self._reporting_again(name, NodeState.CUT)
+        log.info("node %s healed (it was cut from %s)", name, cut.describe())
+        return cut
 
     # --- reconcile ---------------------------------------------------------------------------------------------
 
@@ -205,11 +260,19 @@ class ProcessKubelet:
         meta, spec = pod["metadata"], pod.get("spec") or {}
         directory = pod_dir(self.workdir, meta["namespace"], meta["name"], meta["uid"])
         directory.mkdir(parents=True, exist_ok=True)
-        ip = self.runs.free_ip((pod.get("status") or {}).get("podIP") if had_started(pod) else None)
+        ip = self.runs.free_ip((pod.get("status") or {}).get("podIP") if had_started(pod) else None, node)
         run = PodRun(meta["namespace"], meta["name"], meta["uid"], node, ip, directory,
                      [ContainerRun(c) for c in spec.get("containers") or []],
                      [ContainerRun(c, init=True) for c in spec.get("initContainers") or []],
                      grace=float(spec.get("terminationGracePeriodSeconds", 30)))
+        if self.network is not None:
+            # As a kubelet does: the hostname is spec.hostname else the pod's name, and /etc/hosts names it at
+            # the pod's IP.
+            hostname = str(spec.get("hostname") or meta["name"])[:63]
+            hosts = directory / "etc-hosts"
+            hosts.write_text(hosts_text(ip, hostname))
+            run.host_ip = self.network.plan.node_ip(node)
+            run.enter = self.network.enter(node, hostname, hosts)
         self.runs.add(run)
         if had_started(pod) and not self._resume_after_node_loss(run, pod, spec):
             return

@@ -2,8 +2,10 @@
 (Ready, capacity) and renews its Lease in ``kube-node-lease`` (the heartbeat the node lifecycle controller
 watches), unless its node is lost.
 
-A node is in one of three states (:class:`NodeState`):
+A node is in one of four states (:class:`NodeState`):
 - ``up``: its kubelet runs and reaches the API server;
+- ``cut`` (``partition``, with a network per node): its network is cut from the API server; its processes run on
+  and reach whatever the cut leaves them, its kubelet neither reports nor acts;
 - ``partitioned``: cut off (``lose-node --partition``): its processes are paused, its kubelet neither reports
   nor acts; the API still shows what it last reported;
 - ``down`` (``lose-node``): its processes are gone and its kubelet with them; restoring it starts a fresh
@@ -38,6 +40,7 @@ _HEALTHY = (("Ready", "True", "KubeletReady", "kubelet is posting ready status")
 
 class NodeState(enum.StrEnum):
     UP = "up"
+    CUT = "cut"
     PARTITIONED = "partitioned"
     DOWN = "down"
 
@@ -66,9 +69,12 @@ def node_info(name: str) -> JSON:
 class NodeAgents:
     """The kubelets of the virtual nodes ``names``: their states, Node objects and Leases."""
 
-    def __init__(self, store: ObjectStore, names: list[str], settings: LocalClusterSettings) -> None:
+    def __init__(self, store: ObjectStore, names: list[str], settings: LocalClusterSettings,
+                 internal_ips: dict[str, str] | None = None) -> None:
         self.store = store
         self.settings = settings
+        #: Each node's InternalIP: its address on the cluster network, or loopback where there is none.
+        self.internal_ips = internal_ips or {}
         self.state: dict[str, NodeState] = dict.fromkeys(names, NodeState.UP)
         #: Set while the node is up: what a cut-off kubelet's pod workers wait on.
         self.reachable: dict[str, asyncio.Event] = {name: asyncio.Event() for name in names}
@@ -118,7 +124,8 @@ class NodeAgents:
         capacity = self.settings.capacity()
         node["status"] = {
             "conditions": conditions,
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+            "addresses": [{"type": "InternalIP", "address": self.internal_ips.get(name, "127.0.0.1")},
+                          {"type": "Hostname", "address": name}],
             "nodeInfo": node_info(name),
             "capacity": capacity, "allocatable": dict(capacity),
         }

@@ -47,8 +47,9 @@ def paths(directory: Path) -> Pki:
     return Pki(directory / "ca.crt", directory / "apiserver.crt", directory / "apiserver.key")
 
 
-def create(directory: Path) -> Pki:
-    """A new CA and serving certificate under ``directory`` (keys readable by the owner only)."""
+def create(directory: Path, extra_ips: tuple[str, ...] = ()) -> Pki:
+    """A new CA and serving certificate under ``directory`` (keys readable by the owner only); the certificate
+    also names ``extra_ips`` (the API server's address on the cluster network, where it has one)."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -64,6 +65,7 @@ def create(directory: Path) -> Pki:
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.DNSName(n) for n in _DNS_NAMES]
     names += [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("10.96.0.1"))]
+    names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips]
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())

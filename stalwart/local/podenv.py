@@ -50,15 +50,17 @@ class Placement:
     node: str
     ip: str
     home: Path
+    host_ip: str = "127.0.0.1"
 
 
 class PodEnvironment:
     """Builds container environments from the pod and the secrets and config maps in ``store``."""
 
-    def __init__(self, store: ObjectStore, workdir: Path, api_port: int) -> None:
+    def __init__(self, store: ObjectStore, workdir: Path, api_port: int, api_host: str = "127.0.0.1") -> None:
         self.store = store
         self.workdir = workdir
         self.api_port = api_port
+        self.api_host = api_host
 
     def build(self, pod: JSON, where: Placement, container: JSON) -> dict[str, str]:
         meta = pod["metadata"]
@@ -67,7 +69,7 @@ class PodEnvironment:
             "PATH": f"{bindir}:{os.environ.get('PATH', '/usr/local/bin:/usr/bin:/bin')}",
             "HOME": os.environ.get("HOME", str(where.home)),
             "HOSTNAME": meta["name"],
-            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+            "KUBERNETES_SERVICE_HOST": self.api_host,
             "KUBERNETES_SERVICE_PORT": str(self.api_port),
             POD_MARKER: where.uid,
             CONTAINER_MARKER: container_id(where.uid, str(container.get("name", ""))),
@@ -158,8 +160,8 @@ class PodEnvironment:
         values = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
                   "metadata.uid": meta["uid"], "spec.nodeName": where.node,
                   "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
-                  "status.podIP": where.ip, "status.podIPs": where.ip, "status.hostIP": "127.0.0.1",
-                  "status.hostIPs": "127.0.0.1"}
+                  "status.podIP": where.ip, "status.podIPs": where.ip, "status.hostIP": where.host_ip,
+                  "status.hostIPs": where.host_ip}
         if path not in values:
             raise ConfigError(f"unsupported fieldRef fieldPath {path!r}")
         return str(values[path])

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
 from stalwart.local import processes
 from stalwart.local.containerbook import ContainerBook
+from stalwart.local.netns import NodeNetwork
 from stalwart.local.pods import ContainerRun, PodRun
+
+log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 
@@ -21,12 +25,17 @@ Key = tuple[str, str]
 class PodRuns:
     """See the module docstring. Every task it is given (:meth:`spawn`) is cancelled by :meth:`shutdown`."""
 
-    def __init__(self, subnet: int | None = None, book: ContainerBook | None = None) -> None:
+    def __init__(self, subnet: int | None = None, book: ContainerBook | None = None, *,
+                 network: NodeNetwork | None = None) -> None:
         self.by_key: dict[Key, PodRun] = {}
+        #: The network per node, if the cluster has one: pods get their node's addresses, put on (and taken off)
+        #: its interface as they start (and stop).
+        self.network = network
         #: Where each container process's start and end are noted (see :mod:`.containerbook`).
         self.book = book or ContainerBook(None)
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_ip = 2
+        self._next_by_node: dict[str, int] = {}
         # The cluster's pod addresses, 127.<subnet>.x.y: its own /16 of the loopback network, as a real cluster
         # has its own pod CIDR, so that two local clusters on one machine (a demo beside a test run) do not give
         # two pods one address (a server of one would find its port taken by the other's).
@@ -47,7 +56,19 @@ class PodRuns:
         return [r for r in self.by_key.values() if r.node == node]
 
     def add(self, run: PodRun) -> None:
+        """Hold ``run``; with a network per node its address goes on its node's interface (OSError if refused)."""
+        if self.network is not None:
+            self.network.add_address(run.node, run.ip)
         self.by_key[run.key] = run
+
+    def _forget(self, run: PodRun) -> None:
+        if self.by_key.get(run.key) is run:
+            self.by_key.pop(run.key)
+            if self.network is not None:
+                try:
+                    self.network.remove_address(run.node, run.ip)
+                except OSError as exc:
+                    log.warning("pod %s/%s: %s", run.namespace, run.name, exc)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run a background step, keeping a reference until it ends (the loop holds tasks only weakly)."""
@@ -55,10 +76,26 @@ class PodRuns:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def free_ip(self, previous: str | None = None) -> str:
-        """A loopback address 127.<subnet>.x.y for a pod: ``previous`` (the pod's, from before its node went down)
-        while no other pod holds it, else the next free one."""
+    def free_ip(self, previous: str | None = None, node: str | None = None) -> str:
+        """An address for a pod: ``previous`` (the pod's, from before its node went down) while no other pod holds
+        it, else the next free one; one of ``node``'s with a network per node, else a loopback address
+        127.<subnet>.x.y. OSError when the node has none left."""
         used = {r.ip for r in self.by_key.values()}
+        if self.network is not None and node is not None:
+            plan = self.network.plan
+            if previous and previous not in used and plan.node_of(previous) == node and previous != plan.node_ip(node):
+                return previous
+            # Round the node's addresses from the last one handed out, as host-local IPAM does: a pod that just
+            # left does not lend its address to the next one at once (a peer's error naming that address would
+            # then name the newcomer).
+            ips = plan.pod_ips(node)
+            start = self._next_by_node.get(node, 0)
+            for k in range(len(ips)):
+                ip = ips[(start + k) % len(ips)]
+                if ip not in used:
+                    self._next_by_node[node] = (start + k + 1) % len(ips)
+                    return ip
+            raise OSError(f"node {node} has no pod address left ({len(plan.pod_ips(node))} in use)")
         if previous and previous not in used:
             return previous
         while True:
@@ -77,8 +114,7 @@ class PodRuns:
         # Whatever else carries the pod's marker (a process that outlived its container) goes too.
         await asyncio.to_thread(processes.kill_pods, [run.uid])
         await _cancel(run)
-        if self.by_key.get(run.key) is run:
-            self.by_key.pop(run.key)
+        self._forget(run)
         run.stopped.set()
 
     async def stop_container(self, run: PodRun, c: ContainerRun, grace: float) -> None:
@@ -109,7 +145,7 @@ class PodRuns:
                     with contextlib.suppress(Exception):
                         await c.proc.wait()
                         self.book.ended(run, c.name, c.proc)
-            self.by_key.pop(run.key, None)
+            self._forget(run)
             run.stopped.set()
 
     async def shutdown(self, grace: float, paused: list[PodRun]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ class PodRun:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     initialized: bool = False
     start_time: str = field(default_factory=now_rfc3339)
+    #: The node's address (status.hostIP).
+    host_ip: str = "127.0.0.1"
+    #: Run in each of the pod's processes between fork and exec: enter the node's network (None: stay here).
+    enter: Callable[[], None] | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -55,7 +60,7 @@ class PodRun:
 
     @property
     def placement(self) -> Placement:
-        return Placement(self.uid, self.node, self.ip, self.dir)
+        return Placement(self.uid, self.node, self.ip, self.dir, self.host_ip)
 
     def all_containers(self) -> list[ContainerRun]:
         return self.inits + self.containers
@@ -105,7 +110,7 @@ def pod_status(run: PodRun, pod: JSON, phase: str | None = None, reason: str | N
     mine = ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady", "PodScheduled")
     others = [c for c in old.get("conditions") or [] if c.get("type") not in mine]
     status: JSON = {
-        "phase": phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}], "podIP": run.ip,
+        "phase": phase, "hostIP": run.host_ip, "hostIPs": [{"ip": run.host_ip}], "podIP": run.ip,
         "podIPs": [{"ip": run.ip}], "startTime": run.start_time, "qosClass": qos_class(spec),
         "conditions": [cond("PodReadyToStartContainers", True), cond("Initialized", run.initialized),
                        cond("Ready", ready), cond("ContainersReady", ready), cond("PodScheduled", True), *others],

@@ -141,7 +141,7 @@ class PodWorker:
                                                 "entrypoint here, so set command")
         cwd = Path(c.spec.get("workingDir") or run.dir)
         try:
-            c.proc = await processes.start_process(argv, env, cwd, logf)
+            c.proc = await processes.start_process(argv, env, cwd, logf, run.enter)
         except OSError as exc:
             return self._cannot_run(c, started, f"starting {argv[0]!r}: {exc}")
         self.book.started(run, c.name, c.proc.pid, logf, argv)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.local.pods import ContainerRun, PodRun
+from stalwart.local.processes import child_setup
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
@@ -66,7 +67,8 @@ async def probe_once(run: PodRun, c: ContainerRun, spec: JSON, env: dict[str, st
             proc = await asyncio.create_subprocess_exec(
                 *[str(a) for a in spec["exec"].get("command") or []], env=env, cwd=str(cwd),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+                stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=child_setup(run.enter))
             try:
                 return await asyncio.wait_for(proc.wait(), timeout) == 0
             except TimeoutError:

@@ -23,6 +23,7 @@ import hashlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -122,20 +123,34 @@ def _pdeathsig() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def child_setup(enter: Callable[[], None] | None) -> Callable[[], None]:
+    """The preexec function of a container process: the parent-death signal, then ``enter`` if any."""
+    if enter is None:
+        return _pdeathsig
+
+    def setup() -> None:
+        _pdeathsig()
+        enter()
+
+    return setup
+
+
 def _open_log(cwd: Path, log: Path) -> BinaryIO:
     """Create the working directory and open the container's log for appending (the child inherits it)."""
     cwd.mkdir(parents=True, exist_ok=True)
     return open(log, "ab")  # handed to the child process, closed by the caller
 
 
-async def start_process(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> asyncio.subprocess.Process:
-    """Start a container's main process in a session of its own, stdout and stderr appended to ``log``. Raises
-    OSError when it cannot be started."""
+async def start_process(argv: list[str], env: dict[str, str], cwd: Path, log: Path,
+                        enter: Callable[[], None] | None = None) -> asyncio.subprocess.Process:
+    """Start a container's main process in a session of its own, stdout and stderr appended to ``log``; ``enter``
+    runs in the child before exec (the node's network: :meth:`.netns.NodeNetwork.enter`). Raises OSError when it
+    cannot be started."""
     out = await asyncio.to_thread(_open_log, cwd, log)
     try:
         return await asyncio.create_subprocess_exec(
             *argv, env=env, cwd=str(cwd), stdin=asyncio.subprocess.DEVNULL, stdout=out,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_pdeathsig)
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=child_setup(enter))
     finally:
         out.close()
 

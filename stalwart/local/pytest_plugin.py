@@ -4,7 +4,8 @@ Enable with ``pytest_plugins = ["stalwart.local.pytest_plugin"]`` in the top-lev
 
 - ``local_cluster`` (session): a running :class:`~stalwart.local.cluster.LocalCluster` with 3 nodes of the default
   capacity and a short node-monitor grace period (:data:`TEST_SETTINGS`: a lost node turns Unknown within
-  seconds; pods keep the real default tolerations of 300 s unless a test sets its own). Use
+  seconds; pods keep the real default tolerations of 300 s unless a test sets its own), a network namespace per
+  node where the session may make them (``STALWART_LOCAL_NETWORK=loopback`` forces the loopback mode). Use
   ``.kubeconfig`` (path), ``.api_url``, ``.etcd_endpoint`` (``host:port`` of its real etcd), ``.env()``
   (KUBECONFIG etc. for subprocesses), ``.kubectl(*args)``, ``.lose_node(name)`` / ``.restore_node(name)``
   (node names in ``.nodes``). Stopped, with every process it started, at the end of the session.
@@ -33,8 +34,11 @@ from stalwart.local import exitcheck
 from stalwart.local.cluster import LocalCluster
 from stalwart.local.settings import LocalClusterSettings
 
-#: The session cluster's settings: node loss is noticed after 3 s instead of 40 s.
-TEST_SETTINGS = LocalClusterSettings(node_monitor_grace_period=3.0)
+#: The session cluster's settings: node loss is noticed after 3 s instead of 40 s; the network mode is
+#: ``$STALWART_LOCAL_NETWORK`` (auto, netns or loopback; default auto: a namespace per node when run as root), so
+#: that a suite can be run in either mode.
+TEST_SETTINGS = LocalClusterSettings.model_validate({
+    "node_monitor_grace_period": 3.0, "network": os.environ.get("STALWART_LOCAL_NETWORK", "auto")})
 
 
 @pytest.fixture(scope="session")

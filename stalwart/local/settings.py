@@ -9,6 +9,8 @@ than this machine's, so that what schedules is the same on every machine.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stalwart.local.quantity import QuantityError, parse_quantity
@@ -18,7 +20,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 
 class LocalClusterSettings(BaseModel):
-    """Capacity of every virtual node and the node-loss timings (seconds)."""
+    """Capacity of every virtual node, the node-loss timings (seconds) and the network mode."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -32,6 +34,9 @@ class LocalClusterSettings(BaseModel):
         300, ge=0, description="tolerationSeconds of the node.kubernetes.io/not-ready toleration pods get")
     default_unreachable_toleration_seconds: int = Field(
         300, ge=0, description="tolerationSeconds of the node.kubernetes.io/unreachable toleration pods get")
+    network: Literal["auto", "netns", "loopback"] = Field(
+        "auto", description="netns: a network namespace per node (root only); loopback: every pod on this "
+                            "machine's loopback; auto: netns where this process may make namespaces, else loopback")
 
     @field_validator("node_cpu", "node_memory")
     @classmethod

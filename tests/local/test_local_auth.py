@@ -43,7 +43,8 @@ def client_as(config: Path) -> k8s.CoreV1Api:
 
 
 def test_the_admin_kubeconfig_is_a_cluster_admin_over_https(local_cluster: LocalCluster) -> None:
-    assert local_cluster.api_url.startswith("https://127.0.0.1:")
+    host = local_cluster.network.get("api_ip", "127.0.0.1")  # the bridge's address with a network per node
+    assert local_cluster.api_url.startswith(f"https://{host}:")
     config = yaml.safe_load(local_cluster.kubeconfig.read_text())
     assert config["clusters"][0]["cluster"]["certificate-authority-data"]
     who = json.loads(local_cluster.kubectl("auth", "whoami", "-o", "json").stdout)

@@ -166,7 +166,12 @@ spec:
     state = done["status"]["containerStatuses"][0]["state"]["terminated"]
     assert state["exitCode"] == 3 and state["reason"] == "Error"
     ip = done["status"]["podIP"]
-    assert ipaddress.ip_address(ip) in ipaddress.ip_network("127.0.0.0/8") and not ip.startswith("127.0.0.")
+    if local_cluster.network["mode"] == "netns":  # one of its node's /24 on the cluster's network
+        node = local_cluster.nodes.index(done["spec"]["nodeName"])
+        assert ipaddress.ip_address(ip) in ipaddress.ip_network(local_cluster.network["subnet"])
+        assert ip.split(".")[2] == str(node + 1)
+    else:
+        assert ipaddress.ip_address(ip) in ipaddress.ip_network("127.0.0.0/8") and not ip.startswith("127.0.0.")
     logs = local_cluster.kubectl("-n", k8s_namespace, "logs", "hello").stdout
     assert logs == f"hello from hello {ip}\n"
     described = local_cluster.kubectl("-n", k8s_namespace, "describe", "pod", "hello").stdout

@@ -1,9 +1,14 @@
-"""Pod addresses of the local cluster: each cluster hands out its own 127.<subnet>.x.y (stalwart/local/podruns.py)."""
+"""Pod addresses of the local cluster: each cluster hands out its own 127.<subnet>.x.y, or with a network per node
+its nodes' 10.x.<node+1>.y (stalwart/local/podruns.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from stalwart.local.netns import NodeNetwork
+from stalwart.local.netplan import NetworkPlan
 from stalwart.local.podruns import PodRuns
 
 
@@ -20,3 +25,16 @@ def test_a_random_subnet_is_picked_and_a_bad_one_is_refused_by_name() -> None:
     assert 1 <= PodRuns().subnet <= 254
     with pytest.raises(ValueError, match="subnet: expected 1 to 254"):
         PodRuns(subnet=0)
+
+
+def test_with_a_network_per_node_a_pod_gets_one_of_its_nodes_addresses_round_robin(tmp_path: Path) -> None:
+    plan = NetworkPlan(200, ("local-0", "local-1"))
+    runs = PodRuns(network=NodeNetwork(plan, tmp_path / "network.json"))  # nothing made: free_ip only decides
+    assert [runs.free_ip(node="local-1") for _ in range(3)] == ["10.200.2.2", "10.200.2.3", "10.200.2.4"]
+    assert runs.free_ip(node="local-0") == "10.200.1.2"
+    # A pod back on its node keeps its address; one that moved, or an address not a pod's, does not.
+    assert runs.free_ip(previous="10.200.2.9", node="local-1") == "10.200.2.9"
+    assert runs.free_ip(previous="10.200.2.9", node="local-0") == "10.200.1.3"
+    assert runs.free_ip(previous="10.200.1.1", node="local-0") == "10.200.1.4"
+    # The round wraps past .254.
+    assert [runs.free_ip(node="local-1") for _ in range(251)][-2:] == ["10.200.2.254", "10.200.2.2"]
