@@ -55,6 +55,7 @@ READY_TIMEOUT = 120.0
 PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "stalwart.restart")
 
 _MAX_MESSAGE = 1 << 20  # a spawn request carries one environment: far below this
+_MAX_FDS = 2  # a message carries a child's pidfd, or the standard output and error a spawn request gives it
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 _FLAGS = frozenset({"-u", "-B", "-s", "-O", "-OO", "-E", "-I", "-P"})
 _WITH_ARG = frozenset({"-X", "-W"})
@@ -117,7 +118,8 @@ def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
     """One message and the descriptors that came with it, without blocking (``socket.recv_fds`` of Python
     3.11 drops its flags)."""
     fds = array.array("i")
-    data, ancdata, _flags, _addr = sock.recvmsg(_MAX_MESSAGE, socket.CMSG_LEN(fds.itemsize), socket.MSG_DONTWAIT)
+    data, ancdata, _flags, _addr = sock.recvmsg(_MAX_MESSAGE, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize),
+                                                socket.MSG_DONTWAIT)
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
@@ -210,16 +212,21 @@ class ForkServer:
                 self._lost(f"it was not ready within {timeout:g}s")
             return not self.dead
 
-    def spawn(self, env: Mapping[str, str], *, timeout: float = 10.0) -> ForkedProcess | None:
+    def spawn(self, env: Mapping[str, str], *, timeout: float = 10.0, target: Target | None = None,
+              stdout: int | None = None, stderr: int | None = None) -> ForkedProcess | None:
         """Fork one rank process with ``env`` (its whole environment); None when the server cannot (the
-        caller starts a plain process)."""
+        caller starts a plain process). ``target``: another script or module than the server's (run by the
+        same interpreter); ``stdout``, ``stderr``: descriptors the child writes to instead of the server's."""
+        target = self.target if target is None else target
+        streams = {name: fd for name, fd in (("stdout", stdout), ("stderr", stderr)) if fd is not None}
         with self._lock:
             if not self.ready and not self.wait_ready(self.ready_timeout):
                 return None
             if self.dead:
                 return None
             try:
-                _send(self.sock, {"op": "spawn", "env": dict(env), **self.target.to_json()})
+                _send(self.sock, {"op": "spawn", "env": dict(env), "streams": list(streams), **target.to_json()},
+                      list(streams.values()))
             except OSError:
                 self._lost("it refused a spawn request")
                 return None
@@ -235,7 +242,7 @@ class ForkServer:
             reply = self._replies.pop(0)
             if "error" in reply:
                 return None
-            child = ForkedProcess(self, int(reply["pid"]), int(reply["pidfd"]), self.target.command())
+            child = ForkedProcess(self, int(reply["pid"]), int(reply["pidfd"]), target.command())
             if child.pid in self._early_exits:
                 child._ended(self._early_exits.pop(child.pid))
             else:
@@ -336,7 +343,9 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
                     _send(sock, {"pid": pid, "exit": _exit_code(status)})
                 continue
             try:
-                data = sock.recv(_MAX_MESSAGE)
+                data, streams = _receive(sock)
+            except BlockingIOError:
+                continue
             except OSError:
                 data = b""
             if not data:
@@ -347,19 +356,30 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
             try:
                 pid = os.fork()
             except OSError as e:  # out of memory or processes: the agent starts a plain process instead
+                _close(streams)
                 _send(sock, {"error": str(e)})
                 continue
             if pid == 0:
                 sock.close()
                 for other in pidfds:
                     os.close(other)
+                for name, stream in zip(request.get("streams", ()), streams, strict=False):
+                    os.dup2(stream, 1 if name == "stdout" else 2)
+                _close(streams)
                 return dict(request)
+            _close(streams)
             pidfd = os.pidfd_open(pid)
             pidfds[pidfd] = pid
             try:
                 _send(sock, {"pid": pid}, [pidfd])
             except OSError:
                 return None
+
+
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _title_bytes(command: Sequence[str]) -> bytes:

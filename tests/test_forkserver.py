@@ -104,6 +104,23 @@ def test_a_forked_child_runs_the_script_as_main_with_its_own_arguments_and_envir
     assert seen[0]["random"] != seen[1]["random"]  # seeded afresh, as a new process is
 
 
+def test_a_spawn_may_name_another_script_and_its_own_output_and_error(server: ForkServer, tmp_path: Path) -> None:
+    other = tmp_path / "other.py"
+    other.write_text("import sys\nprint('out', sys.argv[1:])\nprint('err', sys.argv[1:], file=sys.stderr)\n")
+    target = parse_command([PY, str(other), "--x", "1"])
+    assert target is not None
+    with open(tmp_path / "out.txt", "wb") as out, open(tmp_path / "err.txt", "wb") as err:
+        child = server.spawn(_env(), target=target, stdout=out.fileno(), stderr=err.fileno())
+    assert child is not None and child.args == target.command()
+    assert child.wait(30) == 0
+    assert (tmp_path / "out.txt").read_text() == "out ['--x', '1']\n"
+    assert (tmp_path / "err.txt").read_text() == "err ['--x', '1']\n"
+    # The server's own target and streams are untouched by it: the next child runs the server's script.
+    plain = server.spawn(_env(OUT=str(tmp_path / "plain.jsonl")))
+    assert plain is not None and plain.wait(30) == 0
+    assert '"--steps", "3"' in (tmp_path / "plain.jsonl").read_text()
+
+
 @pytest.mark.parametrize(("env", "code"), [({"CODE": "0"}, 0), ({"CODE": "3"}, 3), ({"MODE": "raise"}, 1)],
                          ids=["ok", "exit-3", "exception"])
 def test_a_forked_childs_exit_code_is_the_scripts(server: ForkServer, env: dict[str, str], code: int) -> None:

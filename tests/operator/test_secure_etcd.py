@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from stalwart.etcd.admin import job_user_name
 from stalwart.etcd.client import connect
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import StorePermissionDenied, StoreSecurityError
+from stalwart.local.cluster import LocalCluster
 from stalwart.local.etcd import EtcdServer
 
 pytestmark = pytest.mark.integration
@@ -27,6 +29,24 @@ REPO = Path(__file__).resolve().parents[2]
 #: Two ranks: init_rpc() from the environment, rank 1 fails the first iteration of a restartable function,
 #: both re-run it in process, calling each other over RPC (tests/rpc/test_rpc_from_env.py, run as a script).
 RANK_SCRIPT = REPO / "tests" / "rpc" / "test_rpc_from_env.py"
+
+
+@pytest.fixture(scope="module")
+def secure_etcd(local_cluster: LocalCluster, secure_etcd: EtcdServer,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """The session's TLS etcd where the pods share the machine's loopback; with a network per node, where pods
+    cannot reach 127.0.0.1 of the machine, one like it on the cluster's bridge address, as an etcd outside the
+    cluster is reached at an address of its own."""
+    if local_cluster.network.get("mode") != "netns":
+        yield secure_etcd
+        return
+    server = EtcdServer(tmp_path_factory.mktemp("etcd-secure-bridge"), host=local_cluster.network["bridge_ip"],
+                        tls=True, auth=True, auth_token_ttl=3)
+    server.start()
+    process = server.process
+    yield server
+    server.cleanup()
+    assert process is not None and process.poll() is not None
 
 
 def test_a_whole_job_runs_against_a_secured_etcd_with_its_own_user(

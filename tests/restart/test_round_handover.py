@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env
+from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env, spawn_rank
 
 from stalwart.agent.handover import handover_env, write_handover
+from stalwart.agent.processes import RankProcess
 from stalwart.agent.supervision import fault_for
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
@@ -52,19 +52,19 @@ def _command(work: Path, *, barrier_timeout: float) -> tuple[Path, list[str]]:
 
 
 def _start_round_one(etcd: EtcdServer, keys: JobKeys, epoch: int, work: Path, cmd: list[str], *,
-                     procs: dict[str, subprocess.Popen[bytes]]) -> None:
+                     procs: dict[str, RankProcess]) -> None:
     """Slots 0 and 1 running in the round of ``epoch``, and a spare started before its round, parked (no epoch,
     no slot yet); returns once slot 0 took a few steps."""
     for slot in (0, 1):
         env = rank_env(etcd, keys, epoch, slot=slot, slots=2, target=2, work=work)
         env[HANDOVER_FILE_ENV] = str(work / f"handover-{slot}.json")
         env["STALWART_NODE_ID"] = f"node-{slot}"
-        procs[f"slot{slot}"] = subprocess.Popen(cmd, env=env)
+        procs[f"slot{slot}"] = spawn_rank(cmd, env)
     parked = {k: v for k, v in rank_env(etcd, keys, epoch, slot=1, slots=2, target=2, work=work).items()
               if not k.startswith("STALWART_") or k in ("STALWART_ETCD_ENDPOINTS", "STALWART_JOB", "STALWART_JOB_UID")}
     parked.update({PARKED_ENV: "true", HANDOVER_FILE_ENV: str(work / "handover-spare.json"),
                    "STALWART_NODE_ID": "node-spare"})
-    procs["spare"] = subprocess.Popen(cmd, env=parked)
+    procs["spare"] = spawn_rank(cmd, parked)
     _wait("a few steps", lambda: (st := _status(work / "status-0.json")) is not None and (st.step or 0) >= 5)
 
 
@@ -72,7 +72,7 @@ def test_survivor_continues_in_the_new_round_and_the_zombie_is_fenced(etcd: Etcd
     store = Store([etcd.endpoint])
     keys, epoch1 = new_job(store)
     out, cmd = _command(tmp_path, barrier_timeout=15)
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    procs: dict[str, RankProcess] = {}
     try:
         _start_round_one(etcd, keys, epoch1, tmp_path, cmd, procs=procs)
 
@@ -129,7 +129,7 @@ def test_a_survivor_stuck_in_the_old_round_is_replaced_without_faulting_the_new_
     store = Store([etcd.endpoint])
     keys, epoch1 = new_job(store)
     out, cmd = _command(tmp_path, barrier_timeout=60)
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    procs: dict[str, RankProcess] = {}
     try:
         _start_round_one(etcd, keys, epoch1, tmp_path, cmd, procs=procs)
         for name in ("slot1", "slot0"):  # the lost peer, and the survivor that will not leave its round
@@ -155,7 +155,7 @@ def test_a_survivor_stuck_in_the_old_round_is_replaced_without_faulting_the_new_
         survivor.kill()
         survivor.wait(timeout=30)
         envs[0][HANDOVER_FILE_ENV] = str(tmp_path / "handover-0.json")
-        procs["respawned"] = subprocess.Popen(cmd, env=envs[0])
+        procs["respawned"] = spawn_rank(cmd, envs[0])
 
         assert procs["respawned"].wait(timeout=180) == 0
         assert procs["spare"].wait(timeout=60) == 0
