@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from forked_ranks import close_fork_server
 from recording_server import Recorder
 from xdist_groups import GROUP_MODULES
 
@@ -59,6 +60,17 @@ def _skip_gpu_tests(items: list[pytest.Item]) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_fork_server() -> Iterator[None]:
+    """The test process's fork server for rank processes (tests/forked_ranks.py) ends with the session."""
+    yield
+    lost, code = close_fork_server()
+    # It served every rank it was asked for (a lost server's ranks would start as plain processes, and the tests
+    # would still pass), and it ends on its own when its socket closes.
+    assert not lost, "the tests' fork server was lost"
+    assert code in (None, 0), f"the tests' fork server ended with {code}"
 
 
 @pytest.fixture(scope="session")

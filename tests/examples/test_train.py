@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 import uuid
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from forked_ranks import start_captured
 
 from stalwart.etcd.keys import MANIFEST, JobKeys
 from stalwart.examples import train
@@ -28,22 +28,22 @@ Result = tuple[int, list[dict[str, Any]], str]
 
 def run_ranks(world: int, args: list[str], extra_env: dict[str, str] | None = None,
               per_rank: Callable[[int], dict[str, str]] | None = None) -> list[Result]:
-    """Start ``world`` ranks the way torchrun or the agent would, wait for all; (exit code, events, stderr) each."""
+    """Start ``world`` ranks the way torchrun or the agent would (forked, as the agent's are: tests/forked_ranks.py),
+    wait for all; (exit code, events, stderr) each."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra_env or {}),
                **(per_rank(rank) if per_rank else {})}
-        procs.append(subprocess.Popen([sys.executable, "-m", "stalwart.examples.train", *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start_captured([sys.executable, "-m", "stalwart.examples.train", *args], env))
     results = []
     for proc in procs:
-        out, err = proc.communicate(timeout=WAIT)
+        code, out, err = proc.communicate(timeout=WAIT)
         events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         for event in events:
             assert isinstance(event.pop("time"), float)
-        results.append((proc.returncode, events, err))
+        results.append((code, events, err))
     return results
 
 

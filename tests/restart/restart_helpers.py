@@ -1,7 +1,6 @@
 """Launch the DDP test script (bench/restart_ddp.py) as rank processes with the environment an agent gives,
-against a real etcd, and read back what each rank wrote. The processes are forked, as an agent's are, from one
-fork server per test process (:func:`fork_server`, ended by tests/restart/conftest.py): each test's ranks then
-skip the imports (about 2 CPU-seconds a process) that the fork server paid once."""
+against a real etcd, and read back what each rank wrote. The processes are forked, as an agent's are, from the
+test process's fork server (tests/forked_ranks.py)."""
 
 from __future__ import annotations
 
@@ -15,53 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forked_ranks import spawn_rank
+
 from stalwart.agent.processes import RankProcess
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store, StoreError
-from stalwart.forkserver import ForkServer, parse_command
 from stalwart.local.etcd import EtcdServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "bench" / "restart_ddp.py")
 TIMEOUT = 240
-_SERVER: list[ForkServer] = []
-
-
-def fork_server() -> ForkServer | None:
-    """This test process's fork server for the script, started on first use; None once it was lost (the
-    callers then start plain processes, as an agent does)."""
-    if not _SERVER:
-        target = parse_command([sys.executable, SCRIPT])
-        assert target is not None
-        # As an agent starts it: with the environment the ranks share (libgomp reads OMP_NUM_THREADS when torch
-        # loads, in the server).
-        _SERVER.append(ForkServer.start(target, {**os.environ, "OMP_NUM_THREADS": "1"}, context="tests"))
-    server = _SERVER[0]
-    return None if server.dead else server
-
-
-def close_fork_server() -> tuple[bool, int | None]:
-    """End this test process's fork server: whether it was lost before (the ranks then started as plain
-    processes), and its exit code (None: none was started)."""
-    if not _SERVER:
-        return False, None
-    server = _SERVER.pop()
-    lost = server.dead
-    server.close()
-    return lost, server.process.returncode
-
-
-def spawn_rank(cmd: list[str], env: dict[str, str], *, stderr: int | None = None) -> RankProcess:
-    """One rank process running ``cmd`` (``python SCRIPT ...``) with ``env``, forked where the fork server can;
-    ``stderr``: a descriptor for its standard error instead of the test process's."""
-    target = parse_command(cmd)
-    server = fork_server() if target is not None else None
-    proc = server.spawn(env, target=target, stderr=stderr) if server is not None else None
-    return proc if proc is not None else subprocess.Popen(cmd, env=env, stderr=stderr)
 
 
 def start_rank(cmd: list[str], env: dict[str, str]) -> tuple[RankProcess, int]:
-    """:func:`spawn_rank`, and the read end of a pipe its standard error goes to."""
+    """A rank process forked as an agent's are (:func:`forked_ranks.spawn_rank`), and the read end of a pipe its
+    standard error goes to."""
     read, write = os.pipe()
     try:
         return spawn_rank(cmd, env, stderr=write), read

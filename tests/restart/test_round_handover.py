@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env, spawn_rank
+from forked_ranks import spawn_rank
+from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env
 
 from stalwart.agent.handover import handover_env, write_handover
 from stalwart.agent.processes import RankProcess
