@@ -360,7 +360,8 @@ def sync_from_peers(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
                     raise SyncInterrupted(e.bucket, e.peer, True, e) from e
                 return SyncResult(plan.step, src, False, 0, plan.sources, transport)
             in_place = step is None
-            landings = [_landing(t, in_place and not new) for t, new in zip(tensors, new_slots, strict=True)]
+            # A new optimizer slot is attached only at the commit: bytes may land in it whatever this rank holds.
+            landings = [_landing(t, in_place or new) for t, new in zip(tensors, new_slots, strict=True)]
             try:
                 total = copy_wire.receive(wire, buckets, senders, landings, window=WINDOW,
                                           bucket_bytes=bucket_bytes)
