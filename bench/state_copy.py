@@ -19,7 +19,10 @@ again, so every round makes its Adam slots anew, as torchft's replacement does. 
 Rows: ``{"bench": "podloss", "impl": "stalwart", "metric": "copy_gbps", "params", "sources", "transport",
 "value", "seconds", "bytes", "rounds"}``: ``seconds`` is the median over ``--rounds`` of the receiver's whole
 call (the step exchange, the layout and its check, building the transport's group, every bucket, the commit);
-``value`` is ``bytes`` (the tensors received) over it in 1e9 bytes a second; ``rounds`` each round's GB/s. Not
+``value`` is ``bytes`` (the tensors received) over it in 1e9 bytes a second; ``rounds`` each round's GB/s;
+``cpu_seconds`` the CPU time (every thread) the receiver and each source spent in the median round: a
+receiver whose CPU time is about its wall time was the bound (two cores: the two sources and the receiver
+share them). Not
 charged: the process group of the iteration (built before), the model's construction, the first step. Then
 torchft's rows from ``bench/torchft_copy.py`` (its ``pg`` and ``http`` transports) on the same model and
 optimizer, in the same run. Each copy's result is checked: the receiver's state equals the source's bit for bit.
@@ -139,7 +142,7 @@ def _worker(rank: int, port: int, params: int, queues: tuple[Any, Any, Any, Any]
         if rank == RECEIVER:
             opt.state.clear()  # a spare's optimizer has no state yet
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if transport == "rpc":
             layout = [s for s, _ in _entries(model, opt)] if rank != RECEIVER else None
             # The layout is the sources' (same model); the receiver makes its Adam slots from it, as
@@ -190,9 +193,9 @@ def _worker(rank: int, port: int, params: int, queues: tuple[Any, Any, Any, Any]
             res = sync_from_peers(model, opt, step=None if rank == RECEIVER else 1, transport=kind,
                                   max_sources=sources, bucket_bytes=bucket_bytes, streams=int(k or 1))
             received = res.bytes
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         digest = _digest(model, opt)
-        out_q.put({"rank": rank, "seconds": seconds, "bytes": received, "digest": digest})
+        out_q.put({"rank": rank, "seconds": seconds, "cpu": cpu, "bytes": received, "digest": digest})
     dist.barrier()
     agent.shutdown(graceful=True, timeout=60)
     dist.destroy_process_group()
@@ -230,6 +233,7 @@ def run_stalwart(params: int, transports: list[str], rounds: int, bucket_bytes: 
         for transport in transports:
             for sources in (1, 2):
                 per_round: list[tuple[float, int]] = []
+                cpu: list[list[float]] = []
                 for _ in range(rounds):
                     for q in cmd_qs:
                         q.put((transport, sources, bucket_bytes))
@@ -237,12 +241,16 @@ def run_stalwart(params: int, transports: list[str], rounds: int, bucket_bytes: 
                     if recs[RECEIVER]["digest"] != recs[0]["digest"]:
                         raise RuntimeError(f"{transport}, {sources} sources: the receiver's state differs")
                     per_round.append((recs[RECEIVER]["seconds"], recs[RECEIVER]["bytes"]))
+                    cpu.append([recs[r]["cpu"] for r in range(WORLD)])
                 seconds = statistics.median(s for s, _ in per_round)
+                mid = sorted(range(rounds), key=lambda i: per_round[i][0])[rounds // 2]
                 nbytes = per_round[0][1]
                 rows.append({"bench": "podloss", "impl": "stalwart", "metric": "copy_gbps", "params": params,
                              "sources": sources, "transport": transport, "value": round(nbytes / seconds / 1e9, 3),
                              "seconds": round(seconds, 4), "bytes": nbytes,
-                             "rounds": [round(b / s / 1e9, 3) for s, b in per_round]})
+                             "rounds": [round(b / s / 1e9, 3) for s, b in per_round],
+                             "cpu_seconds": {"receiver": round(cpu[mid][RECEIVER], 4),
+                                             "sources": [round(c, 4) for c in cpu[mid][:sources]]}})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         for q in cmd_qs:

@@ -362,14 +362,17 @@ def sync_from_peers(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             in_place = step is None
             # A new optimizer slot is attached only at the commit: bytes may land in it whatever this rank holds.
             landings = [_landing(t, in_place or new) for t, new in zip(tensors, new_slots, strict=True)]
+            # Marked before the first byte lands and unmarked once committed, so that any way out (a broken
+            # connection, the restart wrapper's interrupt) leaves it marked.
+            if in_place:
+                _PARTIAL.add(model)
             try:
                 total = copy_wire.receive(wire, buckets, senders, landings, window=WINDOW,
                                           bucket_bytes=bucket_bytes)
             except copy_wire.WireError as e:
-                if in_place:
-                    _PARTIAL.add(model)
                 raise SyncInterrupted(e.bucket, e.peer, not in_place, e) from e
             # Everything arrived: only now does what was staged replace this rank's state.
+            _PARTIAL.add(model)
             for landing in landings:
                 if landing.staged:
                     landing.target.copy_(landing.buffer.view(landing.target.dtype).view(landing.target.shape))
