@@ -17,7 +17,8 @@ again, so every round makes its Adam slots anew, as torchft's replacement does. 
 ``sources`` 1: rank 0 alone sends (``max_sources=1``); 2: ranks 0 and 1 each send about half.
 
 Rows: ``{"bench": "podloss", "impl": "stalwart", "metric": "copy_gbps", "params", "sources", "transport",
-"value", "seconds", "bytes", "rounds"}``: ``seconds`` is the median over ``--rounds`` of the receiver's whole
+"value", "seconds", "bytes", "rounds"}``: ``seconds`` is the median over ``--rounds`` (each round runs every
+transport and source count once, in turn) of the receiver's whole
 call (the step exchange, the layout and its check, building the transport's group, every bucket, the commit);
 ``value`` is ``bytes`` (the tensors received) over it in 1e9 bytes a second; ``rounds`` each round's GB/s;
 ``cpu_seconds`` the CPU time (every thread) the receiver and each source spent in the median round: a
@@ -28,7 +29,7 @@ torchft's rows from ``bench/torchft_copy.py`` (its ``pg`` and ``http`` transport
 optimizer, in the same run. Each copy's result is checked: the receiver's state equals the source's bit for bit.
 
 Usage: ``python bench/state_copy.py [--params 25000000 100000000] [--transports group streams:2 streams:4 rpc]
-[--rounds 3] [--bucket-mb 32] [--no-anchor]``; torchft from ``make bench-anchors``.
+[--rounds 5] [--bucket-mb 32] [--no-anchor]``; torchft from ``make bench-anchors``.
 """
 
 from __future__ import annotations
@@ -230,28 +231,31 @@ def run_stalwart(params: int, transports: list[str], rounds: int, bucket_bytes: 
             view_q.put(view)
         for _ in range(WORLD):
             _get(out_q, procs)
-        for transport in transports:
-            for sources in (1, 2):
-                per_round: list[tuple[float, int]] = []
-                cpu: list[list[float]] = []
-                for _ in range(rounds):
-                    for q in cmd_qs:
-                        q.put((transport, sources, bucket_bytes))
-                    recs = {r["rank"]: r for r in (_get(out_q, procs) for _ in range(WORLD))}
-                    if recs[RECEIVER]["digest"] != recs[0]["digest"]:
-                        raise RuntimeError(f"{transport}, {sources} sources: the receiver's state differs")
-                    per_round.append((recs[RECEIVER]["seconds"], recs[RECEIVER]["bytes"]))
-                    cpu.append([recs[r]["cpu"] for r in range(WORLD)])
-                seconds = statistics.median(s for s, _ in per_round)
-                mid = sorted(range(rounds), key=lambda i: per_round[i][0])[rounds // 2]
-                nbytes = per_round[0][1]
-                rows.append({"bench": "podloss", "impl": "stalwart", "metric": "copy_gbps", "params": params,
-                             "sources": sources, "transport": transport, "value": round(nbytes / seconds / 1e9, 3),
-                             "seconds": round(seconds, 4), "bytes": nbytes,
-                             "rounds": [round(b / s / 1e9, 3) for s, b in per_round],
-                             "cpu_seconds": {"receiver": round(cpu[mid][RECEIVER], 4),
-                                             "sources": [round(c, 4) for c in cpu[mid][:sources]]}})
-                print(json.dumps(rows[-1]), flush=True)
+        cases = [(t, n) for t in transports for n in (1, 2)]
+        per_round: dict[tuple[str, int], list[tuple[float, int]]] = {c: [] for c in cases}
+        cpu: dict[tuple[str, int], list[list[float]]] = {c: [] for c in cases}
+        # Rounds outermost: each round runs every case once, so a busy moment of the machine falls on all.
+        for _ in range(rounds):
+            for transport, sources in cases:
+                for q in cmd_qs:
+                    q.put((transport, sources, bucket_bytes))
+                recs = {r["rank"]: r for r in (_get(out_q, procs) for _ in range(WORLD))}
+                if recs[RECEIVER]["digest"] != recs[0]["digest"]:
+                    raise RuntimeError(f"{transport}, {sources} sources: the receiver's state differs")
+                per_round[transport, sources].append((recs[RECEIVER]["seconds"], recs[RECEIVER]["bytes"]))
+                cpu[transport, sources].append([recs[r]["cpu"] for r in range(WORLD)])
+        for transport, sources in cases:
+            got = per_round[transport, sources]
+            seconds = statistics.median(s for s, _ in got)
+            mid = cpu[transport, sources][sorted(range(rounds), key=lambda i: got[i][0])[rounds // 2]]
+            nbytes = got[0][1]
+            rows.append({"bench": "podloss", "impl": "stalwart", "metric": "copy_gbps", "params": params,
+                         "sources": sources, "transport": transport, "value": round(nbytes / seconds / 1e9, 3),
+                         "seconds": round(seconds, 4), "bytes": nbytes,
+                         "rounds": [round(b / s / 1e9, 3) for s, b in got],
+                         "cpu_seconds": {"receiver": round(mid[RECEIVER], 4),
+                                         "sources": [round(c, 4) for c in mid[:sources]]}})
+            print(json.dumps(rows[-1]), flush=True)
     finally:
         for q in cmd_qs:
             q.put(None)
@@ -268,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     parser.add_argument("--params", type=int, nargs="+", default=[25_000_000, 100_000_000])
     parser.add_argument("--transports", nargs="+", default=["group", "streams:2", "streams:4", "rpc"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=32)
     parser.add_argument("--no-anchor", action="store_true", help="leave torchft's rows out")
     args = parser.parse_args(argv)

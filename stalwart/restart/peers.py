@@ -49,11 +49,12 @@ __all__ = ["StateMismatch", "SyncInterrupted", "SyncPlan", "SyncResult", "Tensor
            "first_difference", "plan_sync", "sync_from_peers"]
 
 NO_STATE = -1
-#: The transport and bucket size the copy uses unless told otherwise: the fastest measured (bench/copy.py).
+#: The transport and bucket size the copy uses unless told otherwise (bench/state_copy.py, README "State copy"):
+#: "streams" was no faster than the iteration's group beyond this machine's noise, and builds a group per copy.
 TRANSPORT = "group"
 BUCKET_BYTES = 32 << 20
 #: Connections (gloo devices) of the "streams" transport, and buckets in flight per sender and receiver.
-STREAMS = 4
+STREAMS = 2
 WINDOW = 2
 
 # Models whose copy failed while received in place: they hold no state until a copy succeeds.
