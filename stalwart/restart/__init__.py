@@ -47,7 +47,7 @@ from __future__ import annotations
 from stalwart.restart.assignment import RankAssignment, WorldTooSmall
 from stalwart.restart.errors import ProcessGroupConflict
 from stalwart.restart.interrupt import RestartInterrupt
-from stalwart.restart.peers import StateMismatch, SyncResult, sync_from_peers
+from stalwart.restart.peers import StateMismatch, SyncInterrupted, SyncResult, sync_from_peers
 from stalwart.restart.policies import (
     Abort,
     AbortProcessGroup,
@@ -96,6 +96,7 @@ __all__ = [
     "RestartInterrupt",
     "Restartable",
     "StateMismatch",
+    "SyncInterrupted",
     "SyncResult",
     "Unhealthy",
     "WorldTooSmall",

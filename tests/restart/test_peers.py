@@ -15,21 +15,25 @@ from stalwart.net import free_port
 from stalwart.restart.peers import SyncPlan, TensorSpec, first_difference, plan_sync
 
 
-@pytest.mark.parametrize(("steps", "plan"), [
-    ([5, 5, None], SyncPlan(0, 5, (2,))),
-    ([3, 7, 7], SyncPlan(1, 7, (0,))),
-    ([4, 4], SyncPlan(0, 4, ())),
-    ([None, None], SyncPlan(0, None, ())),
-    ([None, 0], SyncPlan(1, 0, (0,))),
+@pytest.mark.parametrize(("steps", "max_sources", "plan"), [
+    ([5, 5, None], None, SyncPlan(0, 5, (2,), (0, 1))),
+    ([5, 5, None], 1, SyncPlan(0, 5, (2,), (0,))),
+    ([3, 7, 7], None, SyncPlan(1, 7, (0,), (1, 2))),
+    ([4, 4], None, SyncPlan(0, 4, (), (0, 1))),
+    ([None, None], None, SyncPlan(0, None, (), ())),
+    ([None, 0], 2, SyncPlan(1, 0, (0,), (1,))),
+    ([2, 9, 9, 9, None], 2, SyncPlan(1, 9, (0, 4), (1, 2))),
 ])
-def test_plan_sync(steps: list[int | None], plan: SyncPlan) -> None:
-    assert plan_sync(steps) == plan
+def test_plan_sync(steps: list[int | None], max_sources: int | None, plan: SyncPlan) -> None:
+    assert plan_sync(steps, max_sources) == plan
 
 
-@pytest.mark.parametrize(("steps", "message"), [([], "one entry per rank"), ([1, -3], "step of rank 1")])
-def test_plan_sync_bad_input(steps: list[int | None], message: str) -> None:
+@pytest.mark.parametrize(("steps", "max_sources", "message"), [
+    ([], None, "one entry per rank"), ([1, -3], None, "step of rank 1"), ([1], 0, "max_sources: expected >= 1"),
+])
+def test_plan_sync_bad_input(steps: list[int | None], max_sources: int | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        plan_sync(steps)
+        plan_sync(steps, max_sources)
 
 
 W = TensorSpec("model.0.weight", (4, 2), "float32")
