@@ -12,10 +12,11 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import time
 from datetime import timedelta
 from typing import Any
+
+from stalwart.net import free_port
 
 
 def _run(target: Any, world: int, *args: Any) -> tuple[dict[int, dict[str, Any]], list[int | None]]:
@@ -44,12 +45,6 @@ def _run(target: Any, world: int, *args: Any) -> tuple[dict[int, dict[str, Any]]
                 p.join(timeout=10)
     assert len(results) == world, (results, [p.exitcode for p in procs])
     return results, [p.exitcode for p in procs]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _model(seed: int) -> Any:
@@ -135,7 +130,7 @@ def _sources_rank(rank: int, port: int, out: Any) -> None:
 
 
 def test_two_sources_give_the_same_state_as_one() -> None:
-    records, codes = _run(_sources_rank, 3, _free_port())
+    records, codes = _run(_sources_rank, 3, free_port())
     assert codes == [0, 0, 0]
     results = {r: rec["digests"] for r, rec in records.items()}
     source = results[0]["group/1"]
@@ -191,7 +186,7 @@ def _fault_rank(rank: int, ports: tuple[int, int], out: Any) -> None:
 
 
 def test_a_source_killed_mid_copy_leaves_old_state_or_none_then_recovers() -> None:
-    results, codes = _run(_fault_rank, 4, (_free_port(), _free_port()))
+    results, codes = _run(_fault_rank, 4, (free_port(), free_port()))
     assert codes == [-signal.SIGKILL, 0, 0, 0]
     newest = results[0]["before"]
     assert results[3]["before"] == newest
@@ -212,7 +207,7 @@ def test_a_source_killed_mid_copy_leaves_old_state_or_none_then_recovers() -> No
 
 
 def test_a_receiver_without_the_senders_optimizer_is_named() -> None:
-    results, codes = _run(_no_optimizer_rank, 2, _free_port())
+    results, codes = _run(_no_optimizer_rank, 2, free_port())
     assert codes == [0, 0]
     assert results[1]["name"] == "optimizer.0.exp_avg" and "given no optimizer" in results[1]["error"]
     assert results[0]["name"] == "optimizer.0.exp_avg"
