@@ -14,7 +14,10 @@ in rank ``--fault-rank`` at step ``--fault-step``. Stalls for the tests of bound
 never reaches its process group: a Python loop in its Initialize policy), ``--silence-slot N`` (every etcd
 watch stream of slot N's process delivers nothing: a stuck watcher, injected on top of the real etcd; the
 process sees changes only by reading again, once it notices the silence). ``--self-init STYLE`` makes the
-training function call ``init_process_group`` itself, as a script written for torchrun does. Each rank
+training function call ``init_process_group`` itself, as a script written for torchrun does. ``--prepare
+count`` gives the decorator a ``prepare`` hook that records each of its calls (process, whether it was
+parked) in ``<marker-dir>/prepare.jsonl`` and returns that record, which the rank's result carries as
+``prepared``; ``--prepare raise`` one that raises. Each rank
 writes a JSON line to ``--out`` at the end: its final step, a checksum of the parameters, its restarts, and
 timing marks for the benchmark.
 """
@@ -76,6 +79,9 @@ def parse() -> argparse.Namespace:
                    help="seconds the rank assignment takes (widens the moment between a seal and the run)")
     p.add_argument("--silence-slot", type=int, default=None,
                    help="every etcd watch of this slot's process delivers nothing")
+    p.add_argument("--prepare", choices=["none", "count", "raise"], default="none",
+                   help="pass a prepare hook to the decorator: one that appends a line to "
+                        "<marker-dir>/prepare.jsonl (count), or one that raises (raise)")
     p.add_argument("--self-init", choices=["none", "bare", "env", "timeout", "destroy", "bad-world"],
                    default="none",
                    help="the function calls init_process_group itself: ('gloo'), (init_method='env://'), "
@@ -382,15 +388,27 @@ def main() -> int:
     if args.silence_slot is not None and int(os.environ.get("RANK", "0")) == args.silence_slot:
         silence_watches()
 
+    def prepare() -> dict[str, Any]:
+        if args.prepare == "raise":
+            raise ValueError("the model's configuration is invalid (injected in prepare)")
+        record = {"pid": os.getpid(), "parked": os.environ.get("STALWART_PARKED") == "true", "time": time.time()}
+        with open(os.path.join(args.marker_dir, "prepare.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record
+
     @stalwart.restartable(max_restarts=args.max_restarts, soft_timeout=args.soft_timeout,
                           hard_timeout=args.soft_timeout * 2, barrier_timeout=args.barrier_timeout,
                           initialize=StallingInit(args.backend, timeout=args.timeout),
                           finalize=FinalizeCallback(finalize),
-                          rank_assignment=SlowAssignment(min_world_size=args.min_world))
+                          rank_assignment=SlowAssignment(min_world_size=args.min_world),
+                          prepare=None if args.prepare == "none" else prepare)
     def run(call_wrapper: stalwart.CallWrapper) -> dict[str, Any]:
         STATE["ping"] = lambda s: call_wrapper.ping(step=s)
         STATE["atomic"] = call_wrapper.atomic
-        return train(args, call_wrapper.iteration)
+        result = train(args, call_wrapper.iteration)
+        if args.prepare != "none":
+            result["prepared"] = call_wrapper.prepared
+        return result
 
     write(args, run())
     return 0

@@ -226,6 +226,7 @@ class Agent:
                 with contextlib.suppress(RendezvousCancelled):
                     while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
                         self._maybe_park(step)
+                        self._note_parked_exits()
                 self.ranks.poll()
                 self._kept = keep_at_round_end(self.ranks.views(), parked=self._parked,
                                                warm=step == "park")
@@ -303,6 +304,22 @@ class Agent:
     def _maybe_park(self, step: NextStep) -> None:
         if step == "park" and not self._parked and park_now(self.options.warm_spares, self.job, self._wrapper):
             self._launch_parked()
+
+    def _note_parked_exits(self) -> None:
+        """Say once, in the pod's log, that a parked process ended before any round took it (its ``prepare``
+        hook raised: ``PREPARE_FAILED``, the exception in the process's own lines above). It is not started
+        again while the pod waits (it would fail the same way): a round that needs the pod starts its
+        processes afresh. The running job is not told: nothing of it failed."""
+        if not self._parked:
+            return
+        for p in self.ranks.procs.values():
+            if p.exit_code is None and (code := p.popen.poll()) is not None:
+                p.exit_code = code
+                what = (f"its prepare hook raised (exit code {code}, PREPARE_FAILED)"
+                        if code == ExitCode.PREPARE_FAILED else f"exit code {code}")
+                log.error("%s: parked local rank %d (pid %d) ended before a round took it: %s; the spare's "
+                          "processes start afresh when a round needs this pod", self._ctx, p.local_rank,
+                          p.popen.pid, what)
 
     def _read_job(self) -> JobRecord | None:
         """The operator's record of the job (its timeouts), or ``None``: a job run without the operator, or

@@ -56,6 +56,10 @@ class ExitCode(enum.IntEnum):
     #: already in flight when its connection is shut down): the process wrote out the snapshots it held and
     #: ended itself rather than wait for its hard timeout. Local respawn.
     ABANDONED = 98
+    #: The ``prepare`` hook of ``@stalwart.restartable(prepare=...)`` raised in a warm spare's process while it
+    #: waited parked, before any round took it: that process ends, the running ranks go on. Job failure if it
+    #: ever reaches the supervision of a round (it does not: the agent supervises no parked process).
+    PREPARE_FAILED = 99
 
 
 _DISPOSITIONS: dict[int, Disposition] = {
@@ -69,6 +73,7 @@ _DISPOSITIONS: dict[int, Disposition] = {
     ExitCode.HARD_TIMEOUT: Disposition.LOCAL_RESPAWN,
     ExitCode.TERMINATED: Disposition.POD_REPLACEMENT,
     ExitCode.ABANDONED: Disposition.LOCAL_RESPAWN,
+    ExitCode.PREPARE_FAILED: Disposition.JOB_FAILURE,
 }
 
 

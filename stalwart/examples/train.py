@@ -4,8 +4,11 @@ A two-layer network learns a fixed linear map from synthetic batches with Distri
 
 Two ways to run it:
 
-* under ``stalwart agent`` (what the operator's pods do; the agent sets ``STALWART_*``): :func:`train` is
-  ``@stalwart.restartable``, so after a fault anywhere in the job every healthy rank re-runs it in process;
+* under ``stalwart agent`` (what the operator's pods do; the agent sets ``STALWART_*``): :func:`train` runs
+  through ``@stalwart.restartable`` (:func:`restartable_train`), so after a fault anywhere in the job every
+  healthy rank re-runs it in process. The model and its optimizer are built by the decorator's ``prepare``
+  hook (:func:`prepare`), once per process before its first round: a warm spare builds them while it waits
+  parked, so that after its promotion only the process group and the copy of the state from a peer remain;
 * as a plain torchrun rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): it runs once; a fault
   ends the process and a fresh start resumes from the checkpoint.
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -61,7 +65,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
-from stalwart.restart import CallWrapper, sync_from_peers
+from stalwart.restart import CallWrapper, Restartable, sync_from_peers
 
 log = logging.getLogger("stalwart.examples.train")
 
@@ -268,20 +272,28 @@ def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
     raise InjectedFault(f"injected fault at step {step} on rank {rank} ({FAIL_AT_STEP_ENV}={opts.fail_at_step})")
 
 
-@stalwart.restartable()
+def prepare(opts: Options) -> TrainState:
+    """What a rank builds before it knows its world: the model and its optimizer, at step 0 (nothing here
+    depends on the rank or the process group)."""
+    model = build_model(opts.seed, opts.hidden)
+    return TrainState(model, 0, make_optimizer(model, opts))
+
+
 def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     """Train to ``opts.steps`` within the default process group (the restart wrapper, or :func:`main` in plain
     mode, initialises it). Returns the final loss.
 
     Safe to call again in the same process after a fault (in-process restart): it continues from the most
-    advanced state any rank holds. Progress goes to ``call_wrapper`` when there is one.
+    advanced state any rank holds. Progress goes to ``call_wrapper`` when there is one; so does the state
+    :func:`prepare` built before the process's first round (``call_wrapper.prepared``), which the first call
+    adopts (without it, as in plain mode, the first call builds it).
     """
     global _state
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fresh = _state is None
     if _state is None:
-        model = build_model(opts.seed, opts.hidden)
-        _state = TrainState(model, 0, make_optimizer(model, opts))
+        prepared = call_wrapper.prepared if call_wrapper is not None else None
+        _state = prepared if isinstance(prepared, TrainState) else prepare(opts)
     optimizer = _state.optimizer
     # The most advanced replica in memory wins, the optimizer's state (momentum; plain SGD has none) with the
     # model. A newcomer asks its peers before it reads the checkpoint, which it needs only when no rank holds
@@ -330,6 +342,13 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     return last_loss
 
 
+def restartable_train(opts: Options) -> Restartable[[Options], float]:
+    """:func:`train` made restartable, with :func:`prepare` for ``opts`` as its ``prepare`` hook (the hook takes
+    no arguments, and the options are known once :func:`main` parsed them). The in-process restart settings
+    come from the TrainingJob's ``restartPolicy.inProcess``: the decorator sets none of them."""
+    return stalwart.restartable(prepare=functools.partial(prepare, opts))(train)
+
+
 def final_parameters(model: nn.Module) -> dict[str, Any]:
     """``params_sha256`` of the parameters' bytes, and ``params`` (flat) for a model of at most
     :data:`PARAMS_IN_DONE` parameters."""
@@ -351,12 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if os.environ.get("STALWART_JOB"):
         # Under the agent: the wrapper builds the process group of each iteration and restarts in process.
-        train(opts)
+        restartable_train(opts)(opts)
         return 0
     dist.init_process_group("gloo")
     group = dist.group.WORLD
     try:
-        train.fn(opts)
+        train(opts)
     finally:
         # Destroyed from its Python object after DDP is collected: torch then joins the group's threads
         # without holding the GIL, and none outlives the interpreter (see stalwart.restart.policies).

@@ -39,6 +39,9 @@ and a ``rank`` or ``world_size`` that contradicts the iteration's fails the job 
 from the TrainingJob's ``restartPolicy.inProcess``. Updates that must not be applied twice (the optimizer step
 and the step counter, a checkpoint write) belong in ``call_wrapper.atomic()``: an interrupt waits for the
 section to end, so a restart cannot land between the two halves.
+``@stalwart.restartable(prepare=fn)`` runs ``fn()`` once per process before its first round (a warm spare
+while it waits parked) and hands its result to the function as ``call_wrapper.prepared``: build the model and
+optimizer there, and a promoted spare has them ready (see :mod:`.rounds`).
 Importing this package does not import torch; torch is imported when a wrapped function first runs.
 """
 

@@ -4,8 +4,10 @@ the options a decorator leaves out."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from stalwart.api.base import positive_seconds
 from stalwart.api.restart_settings import RESTART_SETTINGS, order_problem
@@ -44,6 +46,10 @@ class RestartConfig:
     * ``initialize``, ``abort``, ``finalize``, ``health_check``, ``rank_assignment``: the policies.
     * ``etcd_timeout``: deadline of each etcd call; ``coordination_timeout``: how long etcd may stay
       unreachable (calls are retried) before the process exits ``COORDINATION_LOST``.
+    * ``prepare``: a callable taking no arguments, run once per process before its first round (on a warm
+      spare while it waits parked, so that its model is built before a round needs it); its result is
+      ``CallWrapper.prepared`` in every call of the training function in that process (see
+      :func:`stalwart.restart.rounds.run_rounds`).
 
     Under a TrainingJob, the options in :data:`JOB_SETTINGS` that the decorator does not set come from the
     job's ``restartPolicy.inProcess`` (:meth:`for_job`).
@@ -64,6 +70,7 @@ class RestartConfig:
     rank_assignment: RankAssignment = field(default_factory=RankAssignment)
     etcd_timeout: float = 5.0
     coordination_timeout: float = 60.0
+    prepare: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
@@ -83,6 +90,8 @@ class RestartConfig:
                 continue
             if not isinstance(value, kind):
                 raise TypeError(f"{name}: expected a {kind.__name__} policy, got {value!r}")
+        if self.prepare is not None:
+            _check_prepare(self.prepare)
 
     def for_job(self, settings: Mapping[str, float | int], explicit: frozenset[str]) -> RestartConfig:
         """This configuration with the job's ``settings`` (option name -> value) in place of the options not
@@ -98,3 +107,21 @@ class RestartConfig:
             job = ", ".join(f"{JOB_SETTINGS[n]}={v!r}" for n, v in sorted(changes.items()))
             raise ValueError(f"{e} (from @restartable({given}) and the TrainingJob's "
                              f"restartPolicy.inProcess {job})") from None
+
+
+def _check_prepare(prepare: object) -> None:
+    """Refuse a ``prepare`` hook that could not be called as the wrapper calls it: ``prepare()``, synchronously."""
+    if not callable(prepare):
+        raise TypeError(f"prepare: expected a callable taking no arguments, got {prepare!r}")
+    if inspect.iscoroutinefunction(prepare) or inspect.isasyncgenfunction(prepare):
+        raise TypeError(f"prepare: expected a plain callable, got the async {prepare!r} (its result would never "
+                        "run)")
+    try:
+        sig = inspect.signature(prepare)
+    except (TypeError, ValueError):  # a builtin without a signature: it is called as it is
+        return
+    try:
+        sig.bind()
+    except TypeError:
+        raise TypeError(f"prepare: expected a callable taking no arguments, got {prepare!r} with parameters "
+                        f"{sig} (bind its arguments first, e.g. functools.partial(build, options))") from None

@@ -4,6 +4,15 @@
 agent hands the process to a newer round (:class:`~stalwart.restart.handover.RoundOver`, or a write of the
 old round refused as ``StaleEpoch`` followed by a handover within the barrier timeout) starts the session of
 the new round in the same process: no new interpreter, no new imports, the model still in memory.
+
+The decorator's ``prepare`` hook runs here, once per process, before its first round: on a warm spare's
+process while it waits parked (before the wait for its handover), so that what does not depend on the world
+(the model, the optimizer, moving them to the device) is built before a round needs the spare; on any other
+process before its first session. Its result goes to every call of the training function in the process
+(``CallWrapper.prepared``); it never runs again there (not after the promotion, not at an in-process restart,
+not in a later round). On a parked process an exception from it ends the process ``PREPARE_FAILED``, logged
+with its traceback, before any round took the process: the running ranks are not touched. On any other
+process it propagates as an exception raised by the script before its first iteration does.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from stalwart.etcd.fence import StaleEpoch
 from stalwart.etcd.store import StoreError
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.environment import RankEnvironment
-from stalwart.restart.errors import RestartExit
+from stalwart.restart.errors import RestartExit, exception_name
 from stalwart.restart.handover import RoundOver, RoundWatch, is_parked
 from stalwart.restart.monitor import StatusFile
 
@@ -61,9 +70,25 @@ def _mark_exiting() -> None:
     StatusFile(path).write(status.model_copy(update={"exiting": time.monotonic()}))
 
 
+def _prepare(config: RestartConfig, *, parked: bool) -> Any:
+    """The result of the decorator's ``prepare`` hook (``None`` without one)."""
+    if config.prepare is None:
+        return None
+    if not parked:
+        return config.prepare()
+    try:
+        return config.prepare()
+    except Exception as e:
+        log.error("parked spare: the prepare hook raised %s: %s; exiting %d (%s), no round took this process",
+                  exception_name(e), e, ExitCode.PREPARE_FAILED, ExitCode.PREPARE_FAILED.name, exc_info=True)
+        raise RestartExit(ExitCode.PREPARE_FAILED,
+                          f"the prepare hook raised on a parked spare: {exception_name(e)}: {e}") from e
+
+
 def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatch | None], _Session],
-               base: RestartConfig, explicit: frozenset[str], run: Callable[[Any], Any]) -> Any:
-    """Run ``run(session)`` in this process's round and in every later round its agent hands it to."""
+               base: RestartConfig, explicit: frozenset[str], run: Callable[[Any, Any], Any]) -> Any:
+    """Run ``run(session, prepared)`` in this process's round and in every later round its agent hands it to
+    (``prepared``: the result of ``base.prepare``, run once before the first)."""
     # Once the script ends, stalwart's streams are closed before the interpreter finalises, and the agent is
     # told that the exit began: it bounds the exit from then on (a finaliser that blocks cannot keep the
     # process, and its pod, alive).
@@ -75,11 +100,15 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
         if is_parked():
             if watch is None:
                 raise RestartExit(ExitCode.NON_RETRYABLE, "a parked process needs STALWART_HANDOVER_FILE")
+            parent = os.getppid()
+            prepared = _prepare(base, parked=True)
             # A warm spare waits for as long as its agent lives (the agent stops it when the job ends).
-            first = watch.wait(None, alive=_parent_alive(os.getppid()))
+            first = watch.wait(None, alive=_parent_alive(parent))
             if first is None:
                 raise RestartExit(ExitCode.TERMINATED, "the agent ended before a round took this spare")
             _enter(watch, first)
+        else:
+            prepared = _prepare(base, parked=False)
         while True:
             env = RankEnvironment.from_env()
             if watch is not None:
@@ -91,7 +120,7 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
                 raise RestartExit(ExitCode.NON_RETRYABLE, f"invalid restart settings: {e}") from None
             session = make_session(env, config, watch)
             try:
-                return run(session)
+                return run(session, prepared)
             except RoundOver as e:
                 handover = e.handover
             except StaleEpoch as e:

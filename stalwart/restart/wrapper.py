@@ -104,6 +104,9 @@ class CallWrapper:
         self.world_size = world_size
         #: This process's slot (its fixed identity in the round).
         self.slot = session.env.slot
+        #: What the decorator's ``prepare`` hook returned, in this process, before its first round (``None``
+        #: without a hook). The same object in every call: the hook ran once (on a warm spare, while it waited).
+        self.prepared: Any = session.prepared
 
     @property
     def restarts(self) -> int:
@@ -159,6 +162,8 @@ class _Session:
         if rounds is not None:
             rounds.on_new = lambda h: self.monitor._interrupt(f"round {h.round} (epoch {h.epoch}) took over")
         self.check_round: Callable[[], None] = rounds.check if rounds is not None else lambda: None
+        #: The result of the decorator's ``prepare`` hook (set by :meth:`run`).
+        self.prepared: Any = None
 
     def abort_last(self) -> None:
         """Abort the last iteration's process group (its round was fenced out before the fault path ran)."""
@@ -176,7 +181,8 @@ class _Session:
     # -- the loop -------------------------------------------------------------------------------------------
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-            inject: str | None) -> Any:
+            inject: str | None, prepared: Any = None) -> Any:
+        self.prepared = prepared
         self.coord.start()
         self.monitor.start()
         iteration = self._first_iteration()
@@ -508,7 +514,7 @@ class Restartable(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return run_rounds(_Session, self.config, self.explicit,  # type: ignore[no-any-return]
-                          lambda s: s.run(self.fn, tuple(args), dict(kwargs), self._inject))
+                          lambda s, prepared: s.run(self.fn, tuple(args), dict(kwargs), self._inject, prepared))
 
 
 @overload
@@ -525,7 +531,11 @@ def restartable(fn: Callable[P, R] | None = None, /, **options: Any) \
     ``@restartable(max_restarts=5, soft_timeout=30, ...)``; the options are :class:`RestartConfig`'s and are
     validated here, at decoration time. Under a TrainingJob, ``max_restarts``, ``soft_timeout``,
     ``hard_timeout`` and ``barrier_timeout`` not given here come from its ``restartPolicy.inProcess``. The
-    process must run under ``stalwart agent`` (which sets the ``STALWART_*`` environment)."""
+    process must run under ``stalwart agent`` (which sets the ``STALWART_*`` environment).
+
+    ``prepare=fn`` (a callable taking no arguments) builds what does not depend on the world once per
+    process, before its first round; a warm spare runs it while it waits parked. The function receives its
+    result as ``call_wrapper.prepared`` (see :mod:`stalwart.restart.rounds`)."""
     config = RestartConfig(**options)
     explicit = frozenset(options)
 

@@ -122,7 +122,7 @@ def test_the_step_delay_ends_at_the_step_it_is_told(tmp_path: Path, monkeypatch:
     store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        train.train.fn(opts)  # the plain function, without the restart wrapper
+        train.train(opts)  # the plain function, without the restart wrapper
     finally:
         torch.distributed.destroy_process_group()
     assert slept == [0.5, 0.5]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 
@@ -49,6 +50,45 @@ def test_decorator_validates_at_decoration_time() -> None:
         restartable(max_restarts=-5)
     with pytest.raises(TypeError, match="unexpected keyword"):
         restartable(no_such_option=1)
+
+
+async def _async_build() -> None:
+    return None
+
+
+def _build(options: int) -> int:
+    return options
+
+
+class _Builder:
+    def __call__(self, options: int) -> int:
+        return options
+
+
+@pytest.mark.parametrize(("prepare", "message"), [
+    (42, r"prepare: expected a callable taking no arguments, got 42"),
+    ("build_model", r"prepare: expected a callable taking no arguments, got 'build_model'"),
+    (_build, r"prepare: expected a callable taking no arguments, got <function _build .*with parameters \(options"),
+    (lambda x: x, r"prepare: expected a callable taking no arguments, .*\(x\)"),
+    (lambda *, size: size, r"prepare: .*\(\*, size\)"),
+    (_Builder(), r"prepare: expected a callable taking no arguments, .*_Builder object"),
+    (_async_build, r"prepare: expected a plain callable, got the async"),
+], ids=["int", "str", "function-with-a-parameter", "lambda-with-a-parameter", "keyword-only", "callable-object",
+        "async"])
+def test_bad_prepare_hooks_are_refused_at_decoration_time(prepare: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        restartable(prepare=prepare)
+    with pytest.raises(TypeError, match=message):
+        RestartConfig(prepare=prepare)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("prepare", [
+    lambda: 1, lambda x=1: x, lambda *args: args, functools.partial(_build, 3), dict, None,
+])
+def test_good_prepare_hooks_are_kept(prepare: Callable[[], object] | None) -> None:
+    assert RestartConfig(prepare=prepare).prepare is prepare
+    # The job's settings leave it as the decorator gave it.
+    assert RestartConfig(prepare=prepare).for_job({"max_restarts": 3}, frozenset()).prepare is prepare
 
 
 def test_importing_stalwart_does_not_import_torch() -> None:
@@ -159,6 +199,7 @@ def test_exit_code_dispositions() -> None:
     assert disposition(ExitCode.WORLD_TOO_SMALL) is Disposition.POD_REPLACEMENT
     assert disposition(ExitCode.HARD_TIMEOUT) is Disposition.LOCAL_RESPAWN
     assert disposition(ExitCode.ABANDONED) is Disposition.LOCAL_RESPAWN
+    assert disposition(ExitCode.PREPARE_FAILED) is Disposition.JOB_FAILURE
     assert disposition(-9) is Disposition.LOCAL_RESPAWN
     assert disposition(137) is Disposition.LOCAL_RESPAWN
     assert disposition(1) is Disposition.JOB_FAILURE
