@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env, run_ranks, spawn_rank, start_rank
+from forked_ranks import spawn_rank
+from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env, run_ranks, start_rank
 
 from stalwart.agent.handover import handover_env, write_handover
 from stalwart.agent.processes import RankProcess
