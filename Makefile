@@ -4,10 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # pytest-xdist workers for `make test`: most tests wait on etcd, clusters and rank processes rather than compute,
-# so four share two cores (measured, clean clones on one 2-core machine: 588 s on four, 596 s on three; on the
-# suite before its last cuts 599 s and 626 s). The cores are then about 88 % busy: more workers buy nothing.
-# `make test WORKERS=0` runs serially.
-WORKERS ?= 4
+# so six share two cores. Measured on one 2-core machine with other work beside it, the same suite: 690 s on six
+# against 762 s and 822 s on four; the rank processes the tests start are forked from a preloaded server, so a
+# worker's test costs less CPU than it did when four were the measured best. `make test WORKERS=0` runs serially.
+WORKERS ?= 6
 # Where torch's CPU build comes from; `make install TORCH_INDEX_URL=` uses only the indexes pip is configured with.
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
