@@ -59,7 +59,7 @@ class ExitCode(enum.IntEnum):
     #: The ``prepare`` hook of ``@stalwart.restartable(prepare=...)`` raised in a warm spare's process while it
     #: waited parked, before any round took it: that process ends, the running ranks go on. Job failure if it
     #: ever reaches the supervision of a round (it does not: the agent supervises no parked process).
-    PREPARE_FAILED = 99
+    PREPARE_FAILED = 100
 
 
 _DISPOSITIONS: dict[int, Disposition] = {
