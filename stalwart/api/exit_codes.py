@@ -56,6 +56,9 @@ class ExitCode(enum.IntEnum):
     #: already in flight when its connection is shut down): the process wrote out the snapshots it held and
     #: ended itself rather than wait for its hard timeout. Local respawn.
     ABANDONED = 98
+    #: The agent found its pod fenced by the operator (counted lost, and replaced): a zombie back from a
+    #: partition. It stops its rank processes and exits; the job already went on without it.
+    FENCED = 99
 
 
 _DISPOSITIONS: dict[int, Disposition] = {
@@ -69,6 +72,7 @@ _DISPOSITIONS: dict[int, Disposition] = {
     ExitCode.HARD_TIMEOUT: Disposition.LOCAL_RESPAWN,
     ExitCode.TERMINATED: Disposition.POD_REPLACEMENT,
     ExitCode.ABANDONED: Disposition.LOCAL_RESPAWN,
+    ExitCode.FENCED: Disposition.POD_REPLACEMENT,
 }
 
 
