@@ -17,7 +17,7 @@ from typing import TypeVar
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import ClosedRecord, ExpectedNodes, FenceRecord
 from stalwart.etcd.client import EtcdCredentials, connect
-from stalwart.etcd.keys import ROOT, JobKeys
+from stalwart.etcd.keys import FENCED, ROOT, JobKeys
 from stalwart.etcd.store import Get, Put, Store, StoreError
 from stalwart.operator import metrics
 from stalwart.operator.model import EtcdView
@@ -86,7 +86,8 @@ class EtcdAccess:
         store = self.store(endpoints)
         try:
             result = store.txn([], [Get(keys.job), Get(keys.rendezvous, prefix=True),
-                                    Get(keys.progress, prefix=True)])
+                                    Get(keys.progress, prefix=True), Get(keys.prefix + FENCED, prefix=True,
+                                                                         keys_only=True)])
             view = etcd_view(keys, [kv for kvs in result.responses for kv in kvs])
             if view.epoch:
                 kvs, _ = store.get_prefix(f"{keys.restart}{view.epoch}/fault/")

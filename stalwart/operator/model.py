@@ -106,6 +106,8 @@ class EtcdView:
     closed: bool = False
     #: The restart protocol's fault records of the current round, as ``(mod_revision, record)``.
     faults: tuple[tuple[int, FaultRecord], ...] = ()
+    #: The uids of the pods whose fence record exists (``JobKeys.fenced``): each is written once.
+    fenced: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

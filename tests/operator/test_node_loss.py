@@ -11,7 +11,16 @@ import pytest
 from opbuild import JOB, NOW, etcd, job, observe, of, pod, progress, status
 
 from stalwart.api.status import Phase
-from stalwart.operator.model import CreatePod, DeletePod, EmitEvent, Observation, PodView, RevokeLease, WriteFence
+from stalwart.operator.model import (
+    CreatePod,
+    DeletePod,
+    EmitEvent,
+    EtcdView,
+    Observation,
+    PodView,
+    RevokeLease,
+    WriteFence,
+)
 from stalwart.operator.node_loss import AGENT_SILENT_SECONDS, lost_pods, node_unreachable, recheck_in
 from stalwart.operator.observe import pod_view
 from stalwart.operator.reconcile import reconcile
@@ -71,6 +80,15 @@ def test_a_lost_pod_is_fenced_for_good_by_its_uid_before_its_lease_goes(lease: i
     assert kinds.index(WriteFence) < kinds.index(DeletePod) < kinds.index(CreatePod)
     if lease:
         assert kinds.index(WriteFence) < kinds.index(RevokeLease)
+
+
+def test_a_fence_record_is_written_once_and_never_while_etcd_is_away() -> None:
+    pods = [on("worker-0", "n0", uid="u-0"), on("worker-1", "n1", ready=False, uid="u-1")]
+    view = etcd("worker-0", "worker-1", leases={"worker-0": 3})
+    fenced = with_nodes(observe(job(status(Phase.RUNNING)), pods, replace(view, fenced=frozenset({"u-1"}))), "n1")
+    assert of(reconcile(fenced), WriteFence) == []  # the reconcile its own write woke
+    away = with_nodes(observe(job(status(Phase.RUNNING)), pods, EtcdView(reachable=False)), "n1")
+    assert of(reconcile(away), WriteFence) == []
 
 
 def test_a_pod_whose_uid_is_unknown_is_fenced_by_its_lease_alone() -> None:
