@@ -36,7 +36,8 @@ def _resolve(env: list[dict[str, Any]], pod: str, ip: str, token: str) -> dict[s
         if "value" in e:
             out[e["name"]] = e["value"]
         elif "fieldRef" in ref:
-            out[e["name"]] = {"metadata.name": pod, "status.podIP": ip}[ref["fieldRef"]["fieldPath"]]
+            fields = {"metadata.name": pod, "metadata.uid": "pod-uid-7", "status.podIP": ip}
+            out[e["name"]] = fields[ref["fieldRef"]["fieldPath"]]
         else:
             assert ref["secretKeyRef"]["key"] == "rpc-token"
             out[e["name"]] = token
@@ -63,6 +64,7 @@ def test_what_the_operator_writes_the_agent_reads() -> None:
     s = _settings()
     assert (s.job, s.node_id, s.pod_ip, s.nproc_per_node, s.spare) == ("team/train", "train-worker-1", "10.0.0.7",
                                                                        2, False)
+    assert s.pod_uid == "pod-uid-7"  # the incarnation its fence record would name
     assert s.keys.prefix == "/stalwart/v1/team/uid-1/" and s.etcd_secret_dir == ETCD_SECRET_DIR and s.etcd_tls
     assert s.rpc_token is not None and s.rpc_token.get_secret_value() == "tok"
 

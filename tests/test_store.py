@@ -210,6 +210,25 @@ def test_lease_without_keepalive_expires_and_close_stops_keepalive(etcd: EtcdSer
         assert check.get(prefix + "kept") is None
 
 
+def test_a_lease_unanswered_past_its_ttl_says_this_process_is_fenced(private_etcd: EtcdServer,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # Cut off from etcd (here: etcd gone), the keep-alive thread knows the lease is over once no refresh was
+    # answered for longer than its TTL, without waiting for etcd to say so; only etcd's answer marks it lost.
+    s = Store([private_etcd.endpoint], timeout=1.0)
+    try:
+        lease = s.lease_grant(2)
+        private_etcd.kill()
+        with caplog.at_level("WARNING", logger="stalwart.etcd.leases"):
+            deadline = time.monotonic() + 30
+            while "this process is fenced" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.1)
+        said = [r.getMessage() for r in caplog.records if "this process is fenced" in r.getMessage()]
+        assert len(said) == 1 and f"lease {lease:x}: no keep-alive answered for" in said[0], said
+        assert lease not in s.lost_leases()
+    finally:
+        s.close()
+
+
 def test_server_restart_mid_test_typed_errors_then_reconnect(private_etcd: EtcdServer) -> None:
     s = Store([private_etcd.endpoint], timeout=2.0)
     try:

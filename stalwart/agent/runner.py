@@ -40,6 +40,7 @@ from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, shared_env, status_file
 from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, slot_of_ranks, socket_path
 from stalwart.agent.rendezvous import (
+    Fenced,
     NodeHandle,
     Rendezvous,
     RendezvousCancelled,
@@ -84,7 +85,9 @@ class AgentTuning:
     finish_grace: float = 60.0
     join_timeout: float = 600.0
     last_call_timeout: float = 5.0
-    node_ttl: int = 10
+    #: The TTL of the node's rendezvous lease; None: the job's ``rendezvous.leaseTTLSeconds`` from its record,
+    #: 10 s for a job without one.
+    node_ttl: int | None = None
     spare_ranks: bool = False
     #: Start the ranks by fork from a process that imported torch once (:mod:`stalwart.forkserver`).
     fork_server: bool = True
@@ -96,6 +99,8 @@ class AgentTuning:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: expected >= 0, got {self.max_restarts}")
+        if self.node_ttl is not None and self.node_ttl < 2:
+            raise ValueError(f"node_ttl: expected an integer number of seconds >= 2, got {self.node_ttl}")
         if not 0 <= self.relay_linger <= 1:
             raise ValueError(f"relay_linger: expected seconds in [0, 1], got {self.relay_linger}")
         for name in ("poll_interval", "progress_interval", "status_interval", "term_grace", "finish_grace",
@@ -120,16 +125,17 @@ class Agent:
         self.base_env = dict(os.environ if environ is None else environ)
         self.store = connect(settings.etcd_endpoints, settings.etcd_credentials(),
                              probe=settings.keys.prefix if settings.etcd_secret_dir else None)
+        self._ctx = f"job={settings.job} node={settings.node_id}"
+        self.node_ttl = self.options.node_ttl or self._lease_ttl()
         self.rdzv = Rendezvous(self.store, settings.keys, RendezvousSettings(
             min_nodes=settings.min_nodes, max_nodes=settings.max_nodes,
             last_call_timeout=self.options.last_call_timeout, join_timeout=self.options.join_timeout,
-            node_ttl=self.options.node_ttl))
+            node_ttl=self.node_ttl))
         self.master_port = free_port(settings.pod_ip)
         self.handle: NodeHandle = self.rdzv.node(NodeRecord(
             node_id=settings.node_id, address=settings.pod_ip, nproc=settings.nproc_per_node,
-            spare=settings.spare, master_port=self.master_port))
+            spare=settings.spare, master_port=self.master_port), incarnation=settings.pod_uid)
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"stalwart-agent-{settings.node_id}-"))
-        self._ctx = f"job={settings.job} node={settings.node_id}"
         self.ranks = RankProcesses(self.options.status_interval, self.options.finish_grace, context=self._ctx)
         self.process_restarts = 0
         self.info: RoundInfo | None = None
@@ -212,6 +218,12 @@ class Agent:
                 return int(ExitCode.OK)
             except RendezvousCancelled:
                 break
+            except Fenced as e:
+                # A zombie back from a partition: the job went on without this pod. Its ranks' round is over
+                # (every write of theirs is refused) and no handover will come; they stop now.
+                log.warning("%s: %s; stopping the rank processes and leaving", self._ctx, e)
+                self.ranks.stop_all(grace=self.options.term_grace)
+                return int(ExitCode.FENCED)
             self.info = info
             self.job = self._read_job()
             log.info("%s: round %d (epoch %d) as %s, world size %d", self._ctx, info.round, info.epoch, info.role,
@@ -321,6 +333,12 @@ class Agent:
                           "processes start afresh when a round needs this pod", self._ctx, p.local_rank,
                           p.popen.pid, what)
 
+    def _lease_ttl(self) -> int:
+        """The job's lease TTL (``rendezvous.leaseTTLSeconds``, at least etcd's 2 s), 10 s without its record:
+        how long after this node's last keep-alive the operator and the other nodes count it lost."""
+        record = self._read_job()
+        return 10 if record is None else max(2, record.lease_ttl_seconds)
+
     def _read_job(self) -> JobRecord | None:
         """The operator's record of the job (its timeouts), or ``None``: a job run without the operator, or
         one whose record cannot be read now (the ranks then use their own defaults)."""
@@ -342,7 +360,7 @@ class Agent:
         return False
 
     def _wait_round_end(self) -> None:
-        deadline = time.monotonic() + 3 * self.options.node_ttl
+        deadline = time.monotonic() + 3 * self.node_ttl
         with contextlib.suppress(RendezvousCancelled):
             while time.monotonic() < deadline and not self._terminate.is_set():
                 if self.handle.wait_round_end(0.5) is not None:

@@ -56,6 +56,9 @@ class ExitCode(enum.IntEnum):
     #: already in flight when its connection is shut down): the process wrote out the snapshots it held and
     #: ended itself rather than wait for its hard timeout. Local respawn.
     ABANDONED = 98
+    #: The agent found its pod fenced by the operator (counted lost, and replaced): a zombie back from a
+    #: partition. It stops its rank processes and exits; the job already went on without it.
+    FENCED = 99
     #: The ``prepare`` hook of ``@stalwart.restartable(prepare=...)`` raised in a warm spare's process while it
     #: waited parked, before any round took it: that process ends, the running ranks go on. Job failure if it
     #: ever reaches the supervision of a round (it does not: the agent supervises no parked process).
@@ -73,6 +76,7 @@ _DISPOSITIONS: dict[int, Disposition] = {
     ExitCode.HARD_TIMEOUT: Disposition.LOCAL_RESPAWN,
     ExitCode.TERMINATED: Disposition.POD_REPLACEMENT,
     ExitCode.ABANDONED: Disposition.LOCAL_RESPAWN,
+    ExitCode.FENCED: Disposition.POD_REPLACEMENT,
     ExitCode.PREPARE_FAILED: Disposition.JOB_FAILURE,
 }
 

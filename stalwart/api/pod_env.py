@@ -64,6 +64,8 @@ __all__ = [
 JOB = "STALWART_JOB"
 JOB_UID = "STALWART_JOB_UID"
 NODE_ID = "STALWART_NODE_ID"
+#: The pod's uid (downward API): the incarnation the operator's fence record names (JobKeys.fenced).
+POD_UID = "STALWART_POD_UID"
 #: The job's peer-snapshot policy (restartPolicy.inProcess.peerSnapshots), for stalwart.restart.PeerSnapshots.
 SNAPSHOTS = "STALWART_SNAPSHOTS"
 SNAPSHOT_EVERY = "STALWART_SNAPSHOT_EVERY"
@@ -113,7 +115,7 @@ RUN_ID = "TORCHELASTIC_RUN_ID"
 
 #: Variable -> field, per model.
 AGENT_VARIABLES = {
-    JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", POD_IP: "pod_ip", SPARE: "spare",
+    JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", POD_UID: "pod_uid", POD_IP: "pod_ip", SPARE: "spare",
     NPROC_PER_NODE: "nproc_per_node", MIN_NODES: "min_nodes", MAX_NODES: "max_nodes",
     ETCD_ENDPOINTS: "etcd_endpoints", RPC_TOKEN: "rpc_token", ETCD_TLS: "etcd_tls", ETCD_SECRET_DIR: "etcd_secret_dir",
     METRICS_PORT: "metrics_port", FORK_SERVER: "fork_server",
@@ -276,6 +278,8 @@ class AgentEnvironment(_Env):
     job: JobRef
     job_uid: str
     node_id: str = Field(min_length=1, max_length=253)
+    #: None for an agent started outside the operator (no fence record can name it).
+    pod_uid: str | None = Field(default=None, min_length=1, max_length=64)
     pod_ip: str = Field(min_length=1)
     spare: bool = False
     nproc_per_node: int = Field(default=1, ge=1, le=1024)
@@ -310,8 +314,8 @@ def worker_env(*, job: str, namespace: str, uid: str, spare: bool, nproc_per_nod
                max_nodes: int, endpoints: Sequence[str], token_secret: str, token_key: str,
                etcd_secret_dir: str | None = None, etcd_tls: bool = False,
                metrics_port: int | None = None) -> list[dict[str, Any]]:
-    """The container ``env`` the operator writes for :class:`AgentEnvironment`: the node id and the pod IP from
-    the downward API, the RPC token from the job's Secret (``token_secret``/``token_key``), the etcd
+    """The container ``env`` the operator writes for :class:`AgentEnvironment`: the node id, the pod's uid and
+    the pod IP from the downward API, the RPC token from the job's Secret (``token_secret``/``token_key``), the etcd
     credentials' directory when a Secret is mounted there, the agent's metrics port when it serves metrics."""
     def value(name: str, v: str) -> dict[str, Any]:
         return {"name": name, "value": v}
@@ -321,7 +325,7 @@ def worker_env(*, job: str, namespace: str, uid: str, spare: bool, nproc_per_nod
 
     env = [
         value(JOB, f"{namespace}/{job}"), value(JOB_UID, uid), field(NODE_ID, "metadata.name"),
-        field(POD_IP, "status.podIP"), value(SPARE, "true" if spare else "false"),
+        field(POD_UID, "metadata.uid"), field(POD_IP, "status.podIP"), value(SPARE, "true" if spare else "false"),
         value(NPROC_PER_NODE, str(nproc_per_node)), value(MIN_NODES, str(min_nodes)),
         value(MAX_NODES, str(max_nodes)), value(ETCD_ENDPOINTS, ",".join(endpoints)),
         {"name": RPC_TOKEN, "valueFrom": {"secretKeyRef": {"name": token_secret, "key": token_key}}},

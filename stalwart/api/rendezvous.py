@@ -20,6 +20,9 @@ Key layout (``R`` = ``JobKeys(ns, uid).rendezvous``):
     A participant's request to end the round of ``epoch`` (written fenced by that epoch).
 ``R + "closed"`` -> :class:`ClosedRecord`
     Present once the rendezvous is closed: no new rounds are sealed.
+``JobKeys.fenced(<podUid>)`` (``<job prefix>fenced/<podUid>``, beside ``R``) -> :class:`FenceRecord`
+    Written by the operator when it fences a pod; its agent's registration compares it absent, so a zombie of
+    a fenced pod back from a partition can never register (and so never join a round) again.
 ``R + "expected"`` -> :class:`ExpectedNodes`
     Optional, written by the operator: the node ids it expects, so a round seals as soon as they are all
     present instead of waiting for the last call.
@@ -157,6 +160,19 @@ class RerendezvousRequest(ApiModel):
     reason: str = Field(default="", max_length=1024, description="Why, for logs and status.")
     lost: list[str] = Field(default_factory=list, max_length=1024,
                             description="Members whose keys went, when that is why (written by the sealer).")
+
+
+class FenceRecord(ApiModel):
+    """The operator fenced a pod (it counted it lost, or deleted it): its agent may never register again."""
+
+    node_id: str = Field(description="The fenced node (pod name).")
+    pod_uid: str = Field(min_length=1, max_length=64, description="The fenced pod's uid (its incarnation).")
+    reason: str = Field(default="", max_length=1024, description="Why it was fenced.")
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, v: str) -> str:
+        return check_node_id(v)
 
 
 class ClosedRecord(ApiModel):

@@ -26,8 +26,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "it is killed, its work kept (default 60)")
     p.add_argument("--last-call", type=float, default=5.0,
                    help="seconds a round waits for more nodes once min nodes are present (default 5)")
-    p.add_argument("--node-ttl", type=int, default=10,
-                   help="TTL in seconds of this node's rendezvous lease (default 10)")
+    p.add_argument("--node-ttl", type=int, default=None,
+                   help="TTL in seconds of this node's rendezvous lease (default: the job's "
+                        "rendezvous.leaseTTLSeconds, 10 for a job without the operator's record)")
     p.add_argument("--relay-linger", type=float, default=None,
                    help="seconds a rank's barrier request waits at this pod's relay for the pod's other ranks "
                         "(default 0.02; 0 sends each at once, as it comes)")

@@ -21,6 +21,8 @@ REQUEST = "request"
 CLOSED = "closed"
 EXPECTED = "expected"
 SEALER = "sealer"
+#: Fence records of pods the operator fenced, by pod uid (JobKeys.fenced).
+FENCED = "fenced/"
 
 # In-process restart's keys, relative to one round's restart prefix (``RestartKeys.base``): a live process's
 # ALIVE key (bound to its lease), its ARRIVE at an iteration's barrier (bound to its lease), the iteration's
@@ -85,6 +87,11 @@ class JobKeys:
     def expected(self) -> str:
         """The node ids the operator expects in a round."""
         return self.rendezvous + EXPECTED
+
+    def fenced(self, pod_uid: str) -> str:
+        """The fence record of the pod (incarnation) ``pod_uid``: written by the operator when it fences the pod,
+        compared (absent) by that pod's agent whenever it registers in the rendezvous."""
+        return self.prefix + FENCED + _check_segment("pod uid", pod_uid)
 
     @property
     def restart(self) -> str:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from stalwart.api.job_record import JobRecord
-from stalwart.api.rendezvous import ClosedRecord, ExpectedNodes
+from stalwart.api.rendezvous import ClosedRecord, ExpectedNodes, FenceRecord
 from stalwart.etcd.client import EtcdCredentials, connect
-from stalwart.etcd.keys import ROOT, JobKeys
+from stalwart.etcd.keys import FENCED, ROOT, JobKeys
 from stalwart.etcd.store import Get, Put, Store, StoreError
 from stalwart.operator import metrics
 from stalwart.operator.model import EtcdView
@@ -86,7 +86,8 @@ class EtcdAccess:
         store = self.store(endpoints)
         try:
             result = store.txn([], [Get(keys.job), Get(keys.rendezvous, prefix=True),
-                                    Get(keys.progress, prefix=True)])
+                                    Get(keys.progress, prefix=True), Get(keys.prefix + FENCED, prefix=True,
+                                                                         keys_only=True)])
             view = etcd_view(keys, [kv for kvs in result.responses for kv in kvs])
             if view.epoch:
                 kvs, _ = store.get_prefix(f"{keys.restart}{view.epoch}/fault/")
@@ -109,6 +110,10 @@ class EtcdAccess:
     def revoke(self, endpoints: EtcdTarget | Sequence[str], lease_id: int) -> None:
         """Revoke a lost node's lease (fencing): its node key goes at once, so it cannot join a new round."""
         self._write("revoke", lambda: self.store(endpoints).lease_revoke(lease_id))
+
+    def write_fence(self, endpoints: EtcdTarget | Sequence[str], keys: JobKeys, record: FenceRecord) -> None:
+        """Write a fenced pod's fence record (once written it stays until the job's keys go)."""
+        self._write("fence", lambda: self.store(endpoints).put(keys.fenced(record.pod_uid), record.to_json_bytes()))
 
     def close_rendezvous(self, endpoints: EtcdTarget | Sequence[str], keys: JobKeys, reason: str) -> None:
         self._write("close", lambda: self.store(endpoints).put(

@@ -77,6 +77,8 @@ class PodView:
     #: Not seen in the watch yet: the operator created it and assumes it exists (see ``observe.overlay``).
     #: Such a pod is never tracked, so one whose creation the watch has not shown cannot count as vanished.
     assumed: bool = False
+    #: The pod's uid (its incarnation), when known: what the fence record names.
+    uid: str = ""
 
     @property
     def deleting(self) -> bool:
@@ -104,6 +106,8 @@ class EtcdView:
     closed: bool = False
     #: The restart protocol's fault records of the current round, as ``(mod_revision, record)``.
     faults: tuple[tuple[int, FaultRecord], ...] = ()
+    #: The uids of the pods whose fence record exists (``JobKeys.fenced``): each is written once.
+    fenced: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +222,16 @@ class RevokeLease:
 
 
 @dataclass(frozen=True, slots=True)
+class WriteFence:
+    """Fence a pod for good: its fence record (``JobKeys.fenced``) makes every later registration of its agent
+    fail, so a zombie of the pod back from a partition can neither register nor join a round, and says so."""
+
+    node_id: str
+    pod_uid: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class WriteJobRecord:
     """Write the JobRecord (from the spec, these members/spares) and the rendezvous' expected nodes."""
 
@@ -250,8 +264,8 @@ class DeleteJob:
     """ttlSecondsAfterFinished passed: delete the TrainingJob (its pods go by owner reference)."""
 
 
-Action = (EnsureOwnedObjects | SyncPodGroup | CreatePod | DeletePod | RevokeLease | WriteJobRecord | CloseRendezvous
-          | PatchStatus | EmitEvent | DeleteJob)
+Action = (EnsureOwnedObjects | SyncPodGroup | CreatePod | DeletePod | WriteFence | RevokeLease | WriteJobRecord
+          | CloseRendezvous | PatchStatus | EmitEvent | DeleteJob)
 
 
 @dataclass(frozen=True, slots=True)

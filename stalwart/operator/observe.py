@@ -22,7 +22,7 @@ from stalwart.api.spec import TrainingJobSpec
 from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import API_VERSION, KIND
 from stalwart.api.validation import document_problems
-from stalwart.etcd.keys import NODES, JobKeys
+from stalwart.etcd.keys import FENCED, NODES, JobKeys
 from stalwart.etcd.store import KeyValue
 from stalwart.operator.model import EtcdView, JobView, PodPhase, PodView
 
@@ -87,7 +87,8 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         deleting_since=deleting_since, deletion_grace=float(grace if grace is not None else 30),
         exit_code=int(exit_code) if isinstance(exit_code, int) else None, reason=reason, message=message[:1024],
         unschedulable=unschedulable and phase == "Pending", node=(pod.get("spec") or {}).get("nodeName") or None,
-        started_at=parse_time(status.get("startTime")), ip=str(status.get("podIP") or "") or None)
+        started_at=parse_time(status.get("startTime")), ip=str(status.get("podIP") or "") or None,
+        uid=str(meta.get("uid") or ""))
 
 
 def _problem_of(e: ValidationError | RuleViolation) -> tuple[str, str]:
@@ -142,6 +143,7 @@ def etcd_view(keys: JobKeys, kvs: Iterable[KeyValue]) -> EtcdView:
     leases: dict[str, int] = {}
     progress: list[ProgressRecord] = []
     closed = False
+    fenced: set[str] = set()
     kvs = list(kvs)
     parts = {kv.key[len(rdzv):]: (kv.value, kv.mod_revision) for kv in kvs
              if kv.key.startswith(rdzv + MANIFEST_PARTS)}
@@ -160,10 +162,12 @@ def etcd_view(keys: JobKeys, kvs: Iterable[KeyValue]) -> EtcdView:
                     leases[kv.key[len(rdzv + NODES):]] = kv.lease
             elif kv.key.startswith(keys.progress):
                 progress.append(ProgressRecord.from_json_bytes(kv.value))
+            elif kv.key.startswith(keys.prefix + FENCED):
+                fenced.add(kv.key[len(keys.prefix + FENCED):])
         except (ValidationError, ValueError) as e:
             log.warning("skipping unreadable etcd record %s: %s", kv.key, e)
     return EtcdView(reachable=True, record=record, expected=expected, manifest=manifest, epoch=epoch,
-                    leases=leases, progress=tuple(progress), closed=closed)
+                    leases=leases, progress=tuple(progress), closed=closed, fenced=frozenset(fenced))
 
 
 def fault_entries(kvs: Iterable[KeyValue]) -> tuple[tuple[int, FaultRecord], ...]:

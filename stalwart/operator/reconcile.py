@@ -71,6 +71,7 @@ from stalwart.operator.model import (
     ReconcileSettings,
     RevokeLease,
     SyncPodGroup,
+    WriteFence,
     WriteJobRecord,
 )
 from stalwart.operator.node_loss import lost_pods, on_unreachable_node, recheck_in, strangers
@@ -185,13 +186,15 @@ def _replacements(status: TrainingJobStatus) -> int:
 
 
 #: The order actions are applied in: owned objects before pods that mount the Secret; fences before any pod is
-#: created (a lost pod is fenced before its replacement can join); the record before the pods that read it;
-#: the status after the changes it describes. The sort is stable, so pods keep their decided order.
-_APPLY_ORDER: tuple[type, ...] = (EnsureOwnedObjects, SyncPodGroup, RevokeLease, DeletePod, WriteJobRecord,
-                                  CreatePod, CloseRendezvous, PatchStatus, EmitEvent, DeleteJob)
+#: created (a lost pod is fenced before its replacement can join; its fence record before its lease's
+#: revocation, so an agent that registers again at once already meets the record); the record before the pods
+#: that read it; the status after the changes it describes. The sort is stable, so pods keep their decided order.
+_APPLY_ORDER: tuple[type, ...] = (EnsureOwnedObjects, SyncPodGroup, WriteFence, RevokeLease, DeletePod,
+                                  WriteJobRecord, CreatePod, CloseRendezvous, PatchStatus, EmitEvent, DeleteJob)
 #: The order when the decision counts new pod replacements: the status (the count) before the pods.
-_APPLY_ORDER_COUNTED: tuple[type, ...] = (EnsureOwnedObjects, SyncPodGroup, RevokeLease, DeletePod, WriteJobRecord,
-                                          PatchStatus, CreatePod, CloseRendezvous, EmitEvent, DeleteJob)
+_APPLY_ORDER_COUNTED: tuple[type, ...] = (EnsureOwnedObjects, SyncPodGroup, WriteFence, RevokeLease, DeletePod,
+                                          WriteJobRecord, PatchStatus, CreatePod, CloseRendezvous, EmitEvent,
+                                          DeleteJob)
 
 
 def refused_template(spec: TrainingJobSpec, settings: ReconcileSettings) -> tuple[str, str] | None:

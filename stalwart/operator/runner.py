@@ -18,6 +18,7 @@ from typing import Any
 
 from stalwart.api import naming
 from stalwart.api.job_record import JobRecord
+from stalwart.api.rendezvous import FenceRecord
 from stalwart.api.status import TrainingJobStatus
 from stalwart.api.trainingjob import TrainingJob
 from stalwart.etcd.client import EtcdCredentials
@@ -56,6 +57,7 @@ from stalwart.operator.model import (
     ReconcileSettings,
     RevokeLease,
     SyncPodGroup,
+    WriteFence,
     WriteJobRecord,
 )
 from stalwart.operator.observe import job_view, overlay
@@ -257,6 +259,13 @@ class JobRunner:
                 elif isinstance(action, SyncPodGroup):
                     if not await self._sync_pod_group(job, action.min_member):
                         return False  # decide again, knowing the conflict
+                elif isinstance(action, WriteFence):
+                    assert keys is not None
+                    for a in batch:
+                        assert isinstance(a, WriteFence)
+                        fence = FenceRecord(node_id=a.node_id, pod_uid=a.pod_uid, reason=a.reason[:1024])
+                        await asyncio.to_thread(self.ctx.etcd.write_fence, _need(target), keys, fence)
+                        log.info("job %s/%s: fenced pod %s (uid %s)", ns, self.name, a.node_id, a.pod_uid)
                 elif isinstance(action, RevokeLease):
                     for a in batch:
                         assert isinstance(a, RevokeLease)
@@ -298,7 +307,7 @@ class JobRunner:
                           time.perf_counter() - t0)
             except (KubeError, StoreError, ValueError) as e:
                 log.warning("job %s/%s: %s failed: %s", ns, self.name, type(action).__name__, e)
-                if isinstance(action, (RevokeLease, EnsureOwnedObjects, SyncPodGroup, WriteJobRecord)):
+                if isinstance(action, (WriteFence, RevokeLease, EnsureOwnedObjects, SyncPodGroup, WriteJobRecord)):
                     return False  # what follows depends on it
                 if isinstance(action, PatchStatus) and any(isinstance(a, CreatePod) for a in actions[i:]):
                     return False  # the replacements' count must be written before they are created

@@ -20,7 +20,15 @@ from stalwart.api.status import (
     TrainingJobStatus,
 )
 from stalwart.operator.ledger import advance, round_facts
-from stalwart.operator.model import Action, EmitEvent, Observation, PodView, ReconcileSettings, RevokeLease
+from stalwart.operator.model import (
+    Action,
+    EmitEvent,
+    Observation,
+    PodView,
+    ReconcileSettings,
+    RevokeLease,
+    WriteFence,
+)
 
 #: Condition reasons the operator sets (the ``reason`` of conditions and Events).
 REASON_INVALID_SPEC = "InvalidSpec"
@@ -104,6 +112,15 @@ class Work:
         self.requeue.append(max(0.0, seconds))
 
     def fence(self, pod_name: str) -> None:
+        """Fence ``pod_name``: its fence record (when its uid is known: a pod still in the API; once: the view
+        shows the records written), which no lease expiry undoes, and the revocation of its lease (when it holds
+        one), which ends its round at once. Nothing while etcd cannot be read."""
+        pod = next((p for p in self.obs.pods if p.name == pod_name and p.uid), None)
+        if pod is not None and self.obs.etcd.reachable and pod.uid not in self.obs.etcd.fenced and not any(
+                isinstance(a, WriteFence) and a.pod_uid == pod.uid for a in self.actions):
+            unreachable = pod.node is not None and pod.node in self.obs.unreachable_nodes
+            why = f"its node {pod.node} is unreachable" if unreachable else (pod.reason or "deleted by the operator")
+            self.actions.append(WriteFence(pod_name, pod.uid, why))
         lease = self.obs.etcd.leases.get(pod_name)
         if lease is not None and not any(isinstance(a, RevokeLease) and a.node_id == pod_name
                                          for a in self.actions):

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "restart"))
 from restart_helpers import SCRIPT, expected_checksum, restart_history, restart_records
 
 from stalwart.api.exit_codes import ExitCode
+from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import ProgressRecord, SealRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
@@ -376,3 +377,27 @@ def test_bad_pod_environment_is_reported_by_variable(tmp_path: Path) -> None:
     assert "STALWART_JOB: is required" in out.stderr
     assert "STALWART_NPROC_PER_NODE" in out.stderr
     assert "STALWART_FORK_SERVER" in out.stderr
+
+
+@pytest.mark.parametrize(("agent_args", "ttl"), [((), 3), (("--node-ttl", "7"), 7)], ids=["the-jobs", "the-flag"])
+def test_the_agents_lease_has_the_jobs_ttl_unless_its_flag_says_otherwise(agent_args: tuple[str, ...], ttl: int,
+                                                                        etcd: EtcdServer, tmp_path: Path) -> None:
+    # The operator's record carries rendezvous.leaseTTLSeconds: how soon the operator and the peers count this
+    # node lost, and how soon, cut off, it knows itself fenced. One pod of a job of two waits in the join.
+    keys = JobKeys("test", uuid.uuid4().hex[:12])
+    record = JobRecord(job_name="job", namespace="test", uid=keys.uid, members=["job-worker-0", "job-worker-1"],
+                       min_nodes=2, max_nodes=2, nproc_per_node=1, join_timeout_seconds=90, last_call_seconds=1,
+                       lease_ttl_seconds=3, max_restarts=3, soft_timeout_seconds=10, hard_timeout_seconds=20,
+                       barrier_timeout_seconds=30, backoff_limit=2)
+    with Store([etcd.endpoint]) as s:
+        s.put(keys.job, record.to_json_bytes())
+        agent, _ = start_agent(etcd, tmp_path, "--steps", "5", keys=keys, nodes=2, agent_args=agent_args)
+        deadline = time.monotonic() + TIMEOUT
+        while (kv := s.get(keys.node("job-worker-0"))) is None:
+            assert time.monotonic() < deadline, "the agent never joined"
+            assert agent.poll() is None, agent.communicate()[1][-3000:]
+            time.sleep(0.2)
+        granted = s.lease_ttl(kv.lease)
+    agent.send_signal(signal.SIGTERM)
+    _, err = agent.communicate(timeout=60)
+    assert 0 < granted <= ttl and (ttl == 3) is (granted <= 3), (granted, err[-2000:])

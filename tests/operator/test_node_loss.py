@@ -11,7 +11,16 @@ import pytest
 from opbuild import JOB, NOW, etcd, job, observe, of, pod, progress, status
 
 from stalwart.api.status import Phase
-from stalwart.operator.model import CreatePod, DeletePod, EmitEvent, Observation, PodView, RevokeLease
+from stalwart.operator.model import (
+    CreatePod,
+    DeletePod,
+    EmitEvent,
+    EtcdView,
+    Observation,
+    PodView,
+    RevokeLease,
+    WriteFence,
+)
 from stalwart.operator.node_loss import AGENT_SILENT_SECONDS, lost_pods, node_unreachable, recheck_in
 from stalwart.operator.observe import pod_view
 from stalwart.operator.reconcile import reconcile
@@ -51,6 +60,43 @@ def test_pod_view_carries_the_node_and_the_start_time_and_nothing_from_ready() -
     view = pod_view(body)
     assert view is not None and view.node == "local-1" and not view.ready and view.phase == "Running"
     assert view.started_at == pytest.approx(1798761600.0)
+    assert view.uid == ""  # none in the body
+    body["metadata"]["uid"] = "u-1"
+    assert (pod_view(body) or on("worker-0", "n0")).uid == "u-1"
+
+
+@pytest.mark.parametrize("lease", [9, None], ids=["lease-held", "lease-already-expired"])
+def test_a_lost_pod_is_fenced_for_good_by_its_uid_before_its_lease_goes(lease: int | None) -> None:
+    # Its fence record, not only the revocation: a lease that expired on its own (the node cut off from etcd
+    # too) leaves nothing to revoke, and a zombie back from the partition would register again under a new one.
+    leases = {"worker-0": 3, **({"worker-1": lease} if lease else {})}
+    obs = with_nodes(observe(job(status(Phase.RUNNING)), [on("worker-0", "n0", uid="u-0"),
+                                                          on("worker-1", "n1", ready=False, uid="u-1")],
+                             etcd("worker-0", "worker-1", leases=leases)), "n1")
+    d = reconcile(obs)
+    assert of(d, WriteFence) == [WriteFence(f"{JOB}-worker-1", "u-1", "its node n1 is unreachable")]
+    assert of(d, RevokeLease) == ([RevokeLease(f"{JOB}-worker-1", lease)] if lease else [])
+    kinds = [type(a) for a in d.actions]
+    assert kinds.index(WriteFence) < kinds.index(DeletePod) < kinds.index(CreatePod)
+    if lease:
+        assert kinds.index(WriteFence) < kinds.index(RevokeLease)
+
+
+def test_a_fence_record_is_written_once_and_never_while_etcd_is_away() -> None:
+    pods = [on("worker-0", "n0", uid="u-0"), on("worker-1", "n1", ready=False, uid="u-1")]
+    view = etcd("worker-0", "worker-1", leases={"worker-0": 3})
+    fenced = with_nodes(observe(job(status(Phase.RUNNING)), pods, replace(view, fenced=frozenset({"u-1"}))), "n1")
+    assert of(reconcile(fenced), WriteFence) == []  # the reconcile its own write woke
+    away = with_nodes(observe(job(status(Phase.RUNNING)), pods, EtcdView(reachable=False)), "n1")
+    assert of(reconcile(away), WriteFence) == []
+
+
+def test_a_pod_whose_uid_is_unknown_is_fenced_by_its_lease_alone() -> None:
+    # A zombie of a pod already gone from the API: its uid is not known, its new lease is revoked whenever seen.
+    view = etcd("worker-0", "spare-0", leases={"worker-0": 3, "spare-0": 5, "worker-1": 11})
+    d = reconcile(observe(job(status(Phase.RUNNING, replacements=1), spares=1),
+                          [on("worker-0", "n0", uid="u-0"), on("spare-0", "n2", uid="u-2")], view))
+    assert of(d, RevokeLease) == [RevokeLease(f"{JOB}-worker-1", 11)] and of(d, WriteFence) == []
 
 
 def test_a_running_pod_on_an_unreachable_node_is_fenced_force_deleted_and_replaced() -> None:

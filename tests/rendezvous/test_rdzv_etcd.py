@@ -13,6 +13,7 @@ from rdzv_helpers import JOIN_TIMEOUT, infos, join_all, record
 from stalwart.agent.rendezvous import (
     DuplicateNode,
     Fence,
+    Fenced,
     RendezvousClosed,
     RendezvousSettings,
     RendezvousTimeout,
@@ -21,7 +22,7 @@ from stalwart.agent.rendezvous import (
     RoundSealed,
     StaleEpoch,
 )
-from stalwart.api.rendezvous import ClosedRecord, Manifest
+from stalwart.api.rendezvous import ClosedRecord, FenceRecord, Manifest
 from stalwart.etcd.keys import CLOSED, MANIFEST, NODES, JobKeys
 from stalwart.etcd.store import MAX_VALUE_BYTES, Store, ValueTooLarge
 from stalwart.local.etcd import EtcdServer
@@ -115,6 +116,30 @@ def test_lease_expiry_removes_a_dead_node_and_starts_a_new_round(make_rdzv, etcd
         seen.append(events.get())
     assert any(isinstance(e, RoundEnded) and e.lost == ("c",) for e in seen)
     assert [e.header.round for e in seen if isinstance(e, RoundSealed)][-1] == 2
+
+
+def test_a_fenced_incarnation_can_never_register_again(make_rdzv, store: Store, job_keys: JobKeys) -> None:
+    # The operator fenced pod uid-b (it counted it lost): its fence record outlives the revoked lease, so the
+    # zombie's next registration is refused in the same transaction and says why; another incarnation of the
+    # same pod name (a new pod, a new uid) registers as usual.
+    settings = RendezvousSettings(min_nodes=2, max_nodes=2, last_call_timeout=0.3, node_ttl=30)
+    r = make_rdzv(settings)
+    a, b = r.node(record("a"), incarnation="uid-a"), r.node(record("b"), incarnation="uid-b")
+    first = infos(join_all([a, b]))
+    assert first["b"].round == 1
+    store.put(job_keys.fenced("uid-b"), FenceRecord(node_id="b", pod_uid="uid-b",
+                                                   reason="its node n1 is unreachable").to_json_bytes())
+    assert b.lease is not None
+    store.lease_revoke(b.lease)
+    end = b.wait_round_end(ROUND_END_WAIT)
+    assert end is not None and end.self_lost
+    with pytest.raises(Fenced, match=r"node b: fenced by the operator \(its node n1 is unreachable\)"):
+        b.join(timeout=JOIN_TIMEOUT)
+    assert store.get(job_keys.node("b")) is None and b.lease is None  # nothing written, no lease left behind
+    r2 = make_rdzv(settings)
+    b2 = r2.node(record("b"), incarnation="uid-b2")
+    second = infos(join_all([a, b2]))
+    assert second["b"].round == 2
 
 
 def test_when_the_sealers_node_goes_a_light_process_claims_the_key_and_seals_the_next_round(

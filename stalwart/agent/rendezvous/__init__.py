@@ -22,6 +22,7 @@ from stalwart.agent.rendezvous.driver import Rendezvous
 from stalwart.agent.rendezvous.errors import (
     CorruptRecord,
     DuplicateNode,
+    Fenced,
     NodeLost,
     RendezvousCancelled,
     RendezvousClosed,
@@ -43,6 +44,7 @@ __all__ = [
     "DuplicateNode",
     "EtcdTorchStore",
     "Fence",
+    "Fenced",
     "NodeHandle",
     "NodeLost",
     "Rendezvous",

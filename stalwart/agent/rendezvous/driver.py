@@ -96,12 +96,13 @@ class Rendezvous:
 
     # -- public -----------------------------------------------------------------------------------------
 
-    def node(self, record: NodeRecord) -> NodeHandle:
-        """A handle for the local node ``record`` (nothing is written until :meth:`NodeHandle.join`)."""
+    def node(self, record: NodeRecord, incarnation: str | None = None) -> NodeHandle:
+        """A handle for the local node ``record`` (nothing is written until :meth:`NodeHandle.join`);
+        ``incarnation`` (the pod's uid) makes every registration refused once the operator fenced it."""
         with self._lock:
             if record.node_id in self._handles:
                 raise DuplicateNode(f"node {record.node_id!r} already has a handle in this process")
-            handle = NodeHandle(self, record)
+            handle = NodeHandle(self, record, incarnation)
             self._handles[record.node_id] = handle
         self.start()
         return handle

@@ -7,6 +7,7 @@ from stalwart.etcd.fence import StaleEpoch
 __all__ = [
     "CorruptRecord",
     "DuplicateNode",
+    "Fenced",
     "NodeLost",
     "RendezvousCancelled",
     "RendezvousClosed",
@@ -41,6 +42,11 @@ class NodeLost(RendezvousError):
 
 class DuplicateNode(RendezvousError):
     """Another live node already holds this node id (its key exists under a different lease)."""
+
+
+class Fenced(RendezvousError):
+    """The operator fenced this node's pod (its fence record exists): it counted the pod lost and went on
+    without it. The node may never register again; its agent stops its ranks and exits."""
 
 
 

@@ -6,6 +6,7 @@ and the protocol state are the process's :class:`~stalwart.agent.rendezvous.driv
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from stalwart.agent.rendezvous.errors import (
     DuplicateNode,
+    Fenced,
     NodeLost,
     RendezvousCancelled,
     RendezvousClosed,
@@ -29,7 +31,7 @@ from stalwart.agent.rendezvous.protocol import (
     waiting_nodes,
 )
 from stalwart.agent.rendezvous.rounds import RoundEnd, RoundInfo
-from stalwart.api.rendezvous import ClosedRecord, NodeRecord, RerendezvousRequest, SealerRecord
+from stalwart.api.rendezvous import ClosedRecord, FenceRecord, NodeRecord, RerendezvousRequest, SealerRecord
 from stalwart.etcd.fence import Fence
 from stalwart.etcd.keys import CLOSED, NODES, REQUEST, SEALER
 from stalwart.etcd.outage import Backoff
@@ -48,17 +50,27 @@ __all__ = ["KEY_LOSS_BACKOFF", "NodeHandle"]
 KEY_LOSS_BACKOFF = Backoff(initial=0.5, cap=10.0)
 
 
+def fence_reason(value: bytes) -> str:
+    """The reason a fence record gives (its value is only read, never trusted for more)."""
+    try:
+        return FenceRecord.from_json_bytes(value).reason or "no reason given"
+    except ValueError:
+        return "an unreadable fence record"
+
+
 class NodeHandle:
     """One node's side of the rendezvous. Get it from :meth:`Rendezvous.node`.
 
     Methods may be called from any thread, but one node should be driven by one thread at a time.
     """
 
-    def __init__(self, rdzv: Rendezvous, record: NodeRecord) -> None:
+    def __init__(self, rdzv: Rendezvous, record: NodeRecord, incarnation: str | None = None) -> None:
         self.rdzv = rdzv
         self.record = record
         self.node_id = record.node_id
         self.key = rdzv.prefix + NODES + record.node_id
+        #: The fence record of this incarnation (the pod's uid), compared absent by every registration.
+        self.fence_key = rdzv.keys.fenced(incarnation) if incarnation else None
         self.lease: int | None = None
         self.create_revision: int | None = None
         self.info: RoundInfo | None = None
@@ -78,11 +90,20 @@ class NodeHandle:
             try:
                 if self.lease is None:
                     self.lease = store.lease_grant(settings.node_ttl)
-                res = store.txn([Compare(self.key, "create", "==", 0)], self._registration(value, self.lease),
-                                [Get(self.key)])
+                compares = [Compare(self.key, "create", "==", 0)]
+                if self.fence_key is not None:
+                    compares.append(Compare(self.fence_key, "create", "==", 0))
+                res = store.txn(compares, self._registration(value, self.lease),
+                                [Get(self.key), *([Get(self.fence_key)] if self.fence_key else [])])
                 if res.succeeded:
                     self._registered(res.revision, self.lease, self._sealer_found(res.responses[0], res.revision))
                     return
+                if len(res.responses) > 1 and res.responses[1]:
+                    lease, self.lease = self.lease, None
+                    with contextlib.suppress(StoreError):
+                        store.lease_revoke(lease)
+                    raise Fenced(f"node {self.node_id}: fenced by the operator "
+                                 f"({fence_reason(res.responses[1][0].value)}); it may not register again")
                 existing = res.responses[0]
                 if existing and existing[0].lease == self.lease:
                     # Our own earlier attempt landed although its answer was lost.
