@@ -311,6 +311,9 @@ def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
     if args.self_init == "destroy":
         dist.destroy_process_group()
     if args.teardown_hang == rank:
+        # Only the collection that ends the job may meet it: an automatic one could come while the wrapper still
+        # waits for the others (when depends on what was allocated before, a fork server's imports included).
+        gc.disable()
         BlocksWhenCollected()
     return result
 
@@ -411,6 +414,8 @@ def main() -> int:
         return result
 
     write(args, run())
+    if args.teardown_hang is not None:
+        gc.collect()  # the job's end: blocks for good on the rank given the object
     return 0
 
 
