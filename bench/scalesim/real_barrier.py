@@ -44,6 +44,7 @@ from pyetcd.etcdrpc import rpc_pb2 as rpc
 
 from bench.scalesim.real_etcd import (
     Access,
+    add_worker_arguments,
     admin,
     busy_share,
     counters,
@@ -463,14 +464,8 @@ def _run(store: Store, keys: JobKeys, access: Access, *, metrics: Sequence[str],
 
 def main() -> int:
     p = argparse.ArgumentParser(description="a worker process of the real-etcd barrier validation")
-    p.add_argument("--endpoint", required=True)
-    p.add_argument("--secret-dir")
-    p.add_argument("--tls", action="store_true")
-    p.add_argument("--namespace", required=True)
-    p.add_argument("--uid", required=True)
+    add_worker_arguments(p)
     p.add_argument("--epoch", type=int, required=True)
-    p.add_argument("--lo", type=int, required=True)
-    p.add_argument("--hi", type=int, required=True)
     p.add_argument("--ranks", type=int, required=True)
     p.add_argument("--per-pod", type=int, default=8)
     p.add_argument("--linger", type=float, default=DEFAULT_LINGER)

@@ -9,6 +9,7 @@ and prints ``DONE <json>`` with what it measured. Every worker is ended when the
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -209,3 +210,14 @@ def cpu_seconds() -> float:
     """This process's CPU seconds so far, user and system."""
     t = os.times()
     return t.user + t.system
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments every validation worker takes: its etcd, its job, and its share [lo, hi) of the run."""
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--secret-dir")
+    p.add_argument("--tls", action="store_true")
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--uid", required=True)
+    p.add_argument("--lo", type=int, required=True)
+    p.add_argument("--hi", type=int, required=True)

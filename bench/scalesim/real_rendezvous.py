@@ -22,6 +22,7 @@ from typing import Any
 
 from bench.scalesim.real_etcd import (
     Access,
+    add_worker_arguments,
     admin,
     busy_share,
     counters,
@@ -136,14 +137,8 @@ def run_rendezvous(endpoint: str, credentials: EtcdCredentials | None, metrics: 
 
 def main() -> int:
     p = argparse.ArgumentParser(description="a worker process of the real-etcd rendezvous validation")
-    p.add_argument("--endpoint", required=True)
-    p.add_argument("--secret-dir")
-    p.add_argument("--tls", action="store_true")
-    p.add_argument("--namespace", required=True)
-    p.add_argument("--uid", required=True)
+    add_worker_arguments(p)
     p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--lo", type=int, required=True)
-    p.add_argument("--hi", type=int, required=True)
     p.add_argument("--cap", type=float, default=300.0)
     return worker(p.parse_args())
 

@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 from forked_ranks import spawn_rank
 
 from stalwart.agent.processes import RankProcess
+from stalwart.api.restart import RankStatus
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store, StoreError
 from stalwart.local.etcd import EtcdServer
@@ -24,6 +27,22 @@ from stalwart.local.etcd import EtcdServer
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "bench" / "restart_ddp.py")
 TIMEOUT = 240
+
+
+def read_status(path: Path) -> RankStatus | None:
+    """A rank's status file, or None while it has none (or a half-written one)."""
+    try:
+        return RankStatus.from_json_bytes(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_until(what: str, check: Callable[[], object], timeout: float = 120.0) -> None:
+    """Poll ``check`` every 0.1 s until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
 
 
 def start_rank(cmd: list[str], env: dict[str, str]) -> tuple[RankProcess, int]:

@@ -15,32 +15,17 @@ from typing import Any
 
 import pytest
 from forked_ranks import spawn_rank
-from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env, run_ranks, start_rank
+from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env, read_status, run_ranks, start_rank, wait_until
 
 from stalwart.agent.handover import handover_env, write_handover
 from stalwart.agent.processes import RankProcess
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
-from stalwart.api.restart import RankStatus
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
 
 STEPS = 60
-
-
-def _status(path: Path) -> RankStatus | None:
-    try:
-        return RankStatus.from_json_bytes(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-
-
-def _wait(what: str, check: Any, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def _prepared(work: Path) -> list[dict[str, Any]]:
@@ -92,14 +77,14 @@ def test_the_spare_prepares_while_parked_and_never_again(etcd: EtcdServer, tmp_p
                                 tmp_path)
         procs["spare"] = spawn_rank(cmd, spare_env)
         spare = procs["spare"].pid
-        _wait("the parked spare's prepare and a few steps of round 1", lambda: any(
-            r["pid"] == spare for r in _prepared(tmp_path)) and (st := _status(tmp_path / "status-0.json")) is not None
-            and (st.step or 0) >= 5)
+        wait_until("the parked spare's prepare and a few steps of round 1", lambda: any(
+            r["pid"] == spare for r in _prepared(tmp_path))
+            and (st := read_status(tmp_path / "status-0.json")) is not None and (st.step or 0) >= 5)
         lost = procs.pop("slot1")
         lost.kill()
         assert lost.wait(timeout=30) == -signal.SIGKILL
         promoted = time.time()
-        assert _status(tmp_path / "status-spare.json") is None  # nothing of a round reached the spare yet
+        assert read_status(tmp_path / "status-spare.json") is None  # nothing of a round reached the spare yet
         epoch2 = store.put(keys.rendezvous + "manifest", b"{}")
         for slot, path, status, node in ((0, "handover-0.json", "status-0.json", "node-0"),
                                          (1, "handover-spare.json", "status-spare.json", "node-spare")):

@@ -17,33 +17,18 @@ import time
 from pathlib import Path
 
 from forked_ranks import spawn_rank
-from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env
+from restart_helpers import SCRIPT, expected_checksum, new_job, rank_env, read_status, wait_until
 
 from stalwart.agent.handover import handover_env, write_handover
 from stalwart.agent.processes import RankProcess
 from stalwart.agent.supervision import fault_for
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
-from stalwart.api.restart import RankStatus
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
 
 STEPS = 60
-
-
-def _status(path: Path) -> RankStatus | None:
-    try:
-        return RankStatus.from_json_bytes(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-
-
-def _wait(what: str, check: object, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def _command(work: Path, *, barrier_timeout: float) -> tuple[Path, list[str]]:
@@ -66,7 +51,7 @@ def _start_round_one(etcd: EtcdServer, keys: JobKeys, epoch: int, work: Path, cm
     parked.update({PARKED_ENV: "true", HANDOVER_FILE_ENV: str(work / "handover-spare.json"),
                    "STALWART_NODE_ID": "node-spare"})
     procs["spare"] = spawn_rank(cmd, parked)
-    _wait("a few steps", lambda: (st := _status(work / "status-0.json")) is not None and (st.step or 0) >= 5)
+    wait_until("a few steps", lambda: (st := read_status(work / "status-0.json")) is not None and (st.step or 0) >= 5)
 
 
 def test_survivor_continues_in_the_new_round_and_the_zombie_is_fenced(etcd: EtcdServer, tmp_path: Path) -> None:
@@ -88,7 +73,7 @@ def test_survivor_continues_in_the_new_round_and_the_zombie_is_fenced(etcd: Etcd
             env["STALWART_NODE_ID"] = "node-0" if slot == 0 else "node-spare"
             write_handover(tmp_path / path, Handover(epoch=epoch2, round=2, env=handover_env(env)))
         # The zombie's peer socket stays open while it is stopped; the survivor is freed by the handover.
-        _wait("the new round's first step", lambda: (st := _status(tmp_path / "status-spare.json")) is not None
+        wait_until("the new round's first step", lambda: (st := read_status(tmp_path / "status-spare.json")) is not None
               and st.state == "running" and (st.step or 0) >= 1)
         os.kill(zombie.pid, signal.SIGCONT)
 
@@ -143,12 +128,12 @@ def test_a_survivor_stuck_in_the_old_round_is_replaced_without_faulting_the_new_
             envs[slot]["STALWART_STATUS_FILE"] = str(tmp_path / status)
             envs[slot]["STALWART_NODE_ID"] = "node-0" if slot == 0 else "node-spare"
             write_handover(tmp_path / path, Handover(epoch=epoch2, round=2, env=handover_env(envs[slot])))
-        _wait("the spare at the new round's first barrier", lambda: (
-            st := _status(tmp_path / "status-spare.json")) is not None and st.epoch == epoch2
+        wait_until("the spare at the new round's first barrier", lambda: (
+            st := read_status(tmp_path / "status-spare.json")) is not None and st.epoch == epoch2
               and st.state == "barrier")
 
         # The agent's part at the hard timeout: the survivor's last status is of the ended round.
-        last = _status(tmp_path / "status-0.json")
+        last = read_status(tmp_path / "status-0.json")
         assert last is not None and last.epoch == epoch1 and last.state == "running", last
         assert fault_for(last, epoch=epoch2, slot=0, node_id="node-0", kind="hard_timeout", reason="hard timeout",
                          time=time.time()) is None
