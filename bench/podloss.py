@@ -20,7 +20,9 @@ checkpoint and ``sync_from_peers`` carry; ``--hidden`` sets the size: 21 paramet
 one step event per step, a checkpoint every ``--checkpoint-every`` steps. Faults: ``force-delete`` (the pod
 deleted with no grace), ``sigkill`` (every process of the pod killed), ``delete`` (graceful deletion; for
 torchrun: SIGTERM to the node's torchrun), ``kill-rank`` (the lost pod's rank process alone SIGKILLed, the pod
-alive: its agent replaces it, forked from the pod's fork server; torchrun restarts its worker group). Per case:
+alive: with warm spares on its agent hands the rank's place to the pod's standby process, parked with the script
+imported and its prepare hook run; off, it starts a new one forked from the pod's fork server; torchrun restarts
+its worker group). Per case:
 
 * ``seconds``: from the fault to the first step completed at full world size by every rank, minus the
   run's median fault-free step time (also printed, ``step_seconds``);
@@ -87,13 +89,15 @@ def pod_pids(pod: str) -> set[int]:
 
 
 def is_rank(pid: int) -> bool:
-    """Whether ``pid`` runs the training script itself (not the agent, whose command line ends with it, nor the
-    pod's fork server)."""
+    """Whether ``pid`` runs the training script itself in a round (not the agent, whose command line ends with it,
+    nor the pod's fork server, nor its standby process, which waits parked: ``STALWART_PARKED=true`` from its
+    start)."""
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        parked = b"STALWART_PARKED=true" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False
-    return args[1:3] == [b"-m", b"stalwart.examples.train"]
+    return args[1:3] == [b"-m", b"stalwart.examples.train"] and not parked
 
 
 def descendants(pid: int) -> list[int]:

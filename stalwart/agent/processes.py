@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import resource
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -19,19 +21,42 @@ from typing import Protocol
 
 from stalwart import exits
 from stalwart.agent.supervision import ProcView
-from stalwart.api.restart import RankStatus
-from stalwart.forkserver import ForkServer
+from stalwart.api.restart import STACKS_SIGNAL, RankStatus
+from stalwart.forkserver import ForkedProcess, ForkServer, parse_command
 from stalwart.procfs import process_state
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RankProc", "RankProcess", "RankProcesses"]
+__all__ = ["RankProc", "RankProcess", "RankProcesses", "start_fork_server"]
 
 
 #: A monotonic time before any other: a status file never read (or due now), a process started before the agent
 #: knew it. Not 0.0: ``time.monotonic()`` counts from the machine's boot, so on a node up for less than a
 #: ``status_interval`` (or a grace) 0.0 is not long ago.
 LONG_AGO = float("-inf")
+
+#: How long a hung rank process gets to write its stacks and end before it is killed (it takes milliseconds).
+STACKS_GRACE = 1.0
+
+
+def start_fork_server(command: Sequence[str], env: Mapping[str, str], *, enabled: bool,
+                      context: str = "") -> ForkServer | None:
+    """Start the pod's fork server for ``command`` now, so that its imports overlap the rendezvous (``None``:
+    not enabled, a command it cannot run, or it failed to start: rank processes start fresh)."""
+    target = parse_command(command) if enabled else None
+    if target is None:
+        if enabled:
+            log.info("%s: the command is not `python SCRIPT ...` nor `python -m MODULE ...`: its rank processes "
+                     "start fresh, each importing what it needs", context)
+        return None
+    try:
+        server = ForkServer.start(target, env, context=context)
+    except OSError as e:
+        log.warning("%s: cannot start the fork server (%s): rank processes start fresh", context, e)
+        return None
+    log.info("%s: fork server started (pid %d): rank processes start by fork once it has imported torch",
+             context, server.process.pid)
+    return server
 
 
 class RankProcess(Protocol):
@@ -66,6 +91,10 @@ class RankProc:
     done_since: float | None = None  # when its status first said "done" (the function returned)
     killed_after_done: bool = False
     started: float = LONG_AGO  # monotonic time it was started
+    #: Its handover file when not the local rank's own (a standby's, which it keeps after taking a rank's place).
+    handover: Path | None = None
+    #: Where it writes why it ended while parked (a parked process's; :mod:`stalwart.agent.standby`).
+    report: Path | None = None
 
 
 @dataclass(slots=True)
@@ -81,17 +110,34 @@ class RankProcesses:
     wrapped: set[int] = field(default_factory=set)
     #: The pod's fork server, which runs the same command (None: every process starts fresh).
     forks: ForkServer | None = None
+    #: The pod's standby process, parked behind the ranks (:mod:`stalwart.agent.standby`), if there is one.
+    standby: RankProc | None = None
 
-    def start(self, command: Sequence[str], env: Mapping[str, str], local_rank: int, *, slot: int,
-              status_file: Path, fresh: bool) -> RankProc:
-        """Start local rank ``local_rank``, forked from the fork server when there is one that can;
-        ``fresh``: a process of a round (its start time counts), not a parked one."""
+    def _popen(self, command: Sequence[str], env: Mapping[str, str]) -> RankProcess:
         popen: RankProcess | None = self.forks.spawn(env) if self.forks is not None else None
         if popen is None:
             popen = subprocess.Popen(list(command), env=dict(env), start_new_session=False)
-        p = RankProc(local_rank, slot, popen, status_file, started=time.monotonic() if fresh else LONG_AGO)
+        return popen
+
+    def start(self, command: Sequence[str], env: Mapping[str, str], local_rank: int, *, slot: int,
+              status_file: Path, fresh: bool, report: Path | None = None) -> RankProc:
+        """Start local rank ``local_rank``, forked from the fork server when there is one that can;
+        ``fresh``: a process of a round (its start time counts), not a parked one."""
+        p = RankProc(local_rank, slot, self._popen(command, env), status_file,
+                     started=time.monotonic() if fresh else LONG_AGO, report=report)
         self.procs[local_rank] = p
         return p
+
+    def start_standby(self, command: Sequence[str], env: Mapping[str, str], *, handover: Path,
+                      report: Path) -> RankProc:
+        """Start the pod's standby process, parked (no local rank, no slot until it takes one's place)."""
+        self.standby = RankProc(-1, -1, self._popen(command, env), Path(os.devnull), handover=handover,
+                                report=report)
+        return self.standby
+
+    @staticmethod
+    def forked(p: RankProc) -> bool:
+        return isinstance(p.popen, ForkedProcess)
 
     def poll(self) -> None:
         for p in self.procs.values():
@@ -159,10 +205,29 @@ class RankProcesses:
         return ProcView(p.local_rank, p.exit_code, wrapped=True, heartbeat_age=age, hard_timeout=st.hard_timeout,
                         soft_timeout=st.soft_timeout, stopped=stopped)
 
+    def dump_stacks(self, p: RankProc) -> bool:
+        """Have a hung process write its threads' stacks to the log and end itself (:mod:`stalwart.restart.stacks`:
+        the signal's own action ends it right after the dump, so it takes no step in between); the caller kills
+        it anyway. A stopped process cannot act on a signal, and one whose status does not say it takes the
+        signal is not sent it. True when it was sent."""
+        st = self.statuses.get(p.local_rank)
+        if st is None or not st.dumps_stacks or process_state(p.popen.pid) in ("T", "t"):
+            return False
+        with contextlib.suppress(OSError):  # the action is to dump core too: not a core file per hung rank
+            _, hard = resource.prlimit(p.popen.pid, resource.RLIMIT_CORE)
+            resource.prlimit(p.popen.pid, resource.RLIMIT_CORE, (0, hard))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.popen.pid, STACKS_SIGNAL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.popen.wait(timeout=STACKS_GRACE)  # faulthandler writes from its signal handler: milliseconds
+        return True
+
     def stop_all(self, grace: float) -> None:
-        """SIGTERM, then SIGKILL after ``grace``; a stopped (or traced) process gets SIGKILL at once: it cannot
-        act on SIGTERM, so waiting would only hold the pod up."""
-        running = [p for p in self.procs.values() if p.popen.poll() is None]
+        """SIGTERM, then SIGKILL after ``grace``, to every process and the standby; a stopped (or traced) process
+        gets SIGKILL at once: it cannot act on SIGTERM, so waiting would only hold the pod up."""
+        every = [*self.procs.values(), *([self.standby] if self.standby is not None else [])]
+        self.standby = None  # parked: it holds nothing of a round, and SIGTERM ends its wait at once
+        running = [p for p in every if p.popen.poll() is None]
         for p in running:
             state = process_state(p.popen.pid)
             with contextlib.suppress(ProcessLookupError):
@@ -186,7 +251,7 @@ class RankProcesses:
                 except subprocess.TimeoutExpired:  # in uninterruptible sleep; the kernel reaps it later
                     log.error("%s: local rank %d (pid %d) survived SIGKILL for 10s", self.context, p.local_rank,
                               p.popen.pid)
-        for p in self.procs.values():
+        for p in every:
             p.exit_code = p.popen.poll()
 
     def close(self) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "exited",
     "joined",
     "observed",
+    "parked_failed",
     "record",
     "respawned",
     "restarted_all",
@@ -102,6 +103,8 @@ class ProgressBook:
     running_since: tuple[tuple[tuple[int, int, int], float], ...] = ()
     process_restarts: int = 0
     last_failure: FailureInfo | None = None
+    #: The last parked process of the node that ended before a round took it (its prepare hook raised).
+    parked_failure: FailureInfo | None = None
 
 
 def joined(book: ProgressBook, round_: int, epoch: int, *, kept: bool = False) -> ProgressBook:
@@ -123,6 +126,12 @@ def restarted_all(book: ProgressBook) -> ProgressBook:
     """Every rank process of the node is stopped to start again in a new round (a script without the restart
     wrapper failed): a process restart, which the operator counts when the new round steps."""
     return replace(book, process_restarts=book.process_restarts + 1)
+
+
+def parked_failed(book: ProgressBook, failure: FailureInfo) -> ProgressBook:
+    """A parked process of the node (a warm spare's, or the standby) ended before a round took it: not a
+    failure of the running job (``last_failure`` stays), said apart for the operator."""
+    return replace(book, parked_failure=failure)
 
 
 def _signal_name(code: int) -> str:
@@ -249,7 +258,8 @@ def record(book: ProgressBook, state: NodeState, *, wall: float, world_size: int
         restarts_in_process=max((r.iteration for r in book.ranks), default=0),
         process_restarts=book.process_restarts, respawns_unplaced=len(book.pending), last_failure=book.last_failure,
         updated=wall,
-        incarnation=book.incarnation, ranks=list(book.ranks), exits=list(book.exits), history=list(book.history))
+        incarnation=book.incarnation, ranks=list(book.ranks), exits=list(book.exits), history=list(book.history),
+        parked_failure=book.parked_failure)
 
 
 WriteGuard = Literal["plain", "fenced", "hold"]

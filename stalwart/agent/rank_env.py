@@ -18,7 +18,7 @@ from stalwart.api.job_record import JobRecord
 from stalwart.api.pod_env import RankEnvironment, SnapshotEnvironment, TorchrunEnvironment
 from stalwart.api.restart_settings import RESTART_SETTINGS
 
-__all__ = ["handover_file", "parked_env", "rank_env", "shared_env", "status_file"]
+__all__ = ["handover_file", "parked_env", "parked_report", "rank_env", "shared_env", "status_file"]
 
 #: RankEnvironment field -> JobRecord field: the job's in-process restart settings a rank gets.
 _JOB_SETTINGS = {setting.option: setting.field for setting in RESTART_SETTINGS}
@@ -87,11 +87,19 @@ def rank_env(s: PodSettings, info: RoundInfo, local_rank: int, *, base_env: Mapp
     return env
 
 
-def parked_env(s: PodSettings, local_rank: int, *, base_env: Mapping[str, str], run_dir: Path) -> dict[str, str]:
-    """The environment of a warm spare's process before a round takes it: no epoch, no slot, no rank."""
+def parked_report(run_dir: Path, local_rank: int) -> Path:
+    return run_dir / f"parked-{local_rank}.json"
+
+
+def parked_env(s: PodSettings, local_rank: int | None, *, base_env: Mapping[str, str],
+               run_dir: Path) -> dict[str, str]:
+    """The environment of a parked process before a round takes it (a warm spare's, or the pod's standby):
+    no epoch, no slot, no rank; ``local_rank`` ``None``: not even that (a standby of a pod of several local
+    ranks; the caller names its handover and report files)."""
     env = shared_env(s, base_env)
-    env.update({pod_env.LOCAL_RANK: str(local_rank), pod_env.LOCAL_WORLD_SIZE: str(s.nproc_per_node),
-                pod_env.PARKED: "true", pod_env.HANDOVER_FILE: str(handover_file(run_dir, local_rank)),
-                pod_env.NODE_ID: s.node_id})
+    env.update({pod_env.LOCAL_WORLD_SIZE: str(s.nproc_per_node), pod_env.PARKED: "true", pod_env.NODE_ID: s.node_id})
+    if local_rank is not None:
+        env.update({pod_env.LOCAL_RANK: str(local_rank), pod_env.HANDOVER_FILE: str(handover_file(run_dir, local_rank)),
+                    pod_env.PARKED_REPORT: str(parked_report(run_dir, local_rank))})
     env.update(_secrets(s))
     return env

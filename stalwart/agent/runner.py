@@ -6,6 +6,9 @@ in-process restart settings among them, from the operator's JobRecord), then pol
 seconds: process exits, status files (heartbeat, step, restarts), the round's end, SIGTERM. What to do about
 the processes is :func:`~stalwart.agent.supervision.supervise`'s decision.
 
+A wrapped rank process that dies is replaced in the next in-process iteration by the pod's standby process
+when it has one (:mod:`stalwart.agent.standby`), else by a process started for it.
+
 A wrapped rank process that dies, or that the agent kills (hung past its hard timeout, or stopped past its
 soft timeout), cannot say so itself: the agent records the fault in the rank's restart iteration (fenced by
 the round's epoch), which interrupts its peers at once and names the culprit. Every wait on a process has a
@@ -20,10 +23,8 @@ import contextlib
 import functools
 import logging
 import os
-import resource
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -35,9 +36,9 @@ from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
 from stalwart.agent.handover import NextStep, grow_due, handover_env, keep_at_round_end, next_step, write_handover
 from stalwart.agent.metrics import AgentMetrics
-from stalwart.agent.processes import LONG_AGO, RankProc, RankProcesses
+from stalwart.agent.processes import LONG_AGO, RankProc, RankProcesses, start_fork_server
 from stalwart.agent.progress import NodeState, ProgressReporter
-from stalwart.agent.rank_env import handover_file, parked_env, rank_env, shared_env, status_file
+from stalwart.agent.rank_env import handover_file, parked_env, parked_report, rank_env, shared_env, status_file
 from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, slot_of_ranks, socket_path
 from stalwart.agent.rendezvous import (
     Fenced,
@@ -49,6 +50,7 @@ from stalwart.agent.rendezvous import (
     RoundInfo,
 )
 from stalwart.agent.settings import PodSettings
+from stalwart.agent.standby import Standby, parked_failure, read_report, replacement
 from stalwart.agent.supervision import fault_for, supervise
 from stalwart.agent.warm_spares import WrapperProbe, keeps_processes, park_now
 from stalwart.api import pod_env
@@ -57,20 +59,16 @@ from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
-from stalwart.api.restart import STACKS_SIGNAL, FaultKind
+from stalwart.api.restart import STACKS_SIGNAL, FailureInfo, FaultKind
 from stalwart.etcd.client import connect
 from stalwart.etcd.faults import record_fault
 from stalwart.etcd.store import StoreError
-from stalwart.forkserver import ForkedProcess, ForkServer, parse_command
+from stalwart.forkserver import ForkedProcess
 from stalwart.net import free_port
-from stalwart.procfs import process_state
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Agent", "AgentTuning"]
-
-#: How long a hung rank process gets to write its stacks and end before it is killed (it takes milliseconds).
-STACKS_GRACE = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +93,8 @@ class AgentTuning:
     warm_spares: bool = False
     #: How long a rank's barrier request waits at the relay for the pod's other ranks (:mod:`.relay`).
     relay_linger: float = DEFAULT_LINGER
+    #: Keep a parked standby process per pod to replace a rank process that dies (:mod:`.standby`).
+    standby: bool = True
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -137,6 +137,8 @@ class Agent:
             spare=settings.spare, master_port=self.master_port), incarnation=settings.pod_uid)
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"stalwart-agent-{settings.node_id}-"))
         self.ranks = RankProcesses(self.options.status_interval, self.options.finish_grace, context=self._ctx)
+        self.standby = Standby(self.ranks, self.run_dir, enabled=self.options.standby,
+                               nproc=settings.nproc_per_node, context=self._ctx)
         self.process_restarts = 0
         self.info: RoundInfo | None = None
         self.job: JobRecord | None = None
@@ -191,7 +193,8 @@ class Agent:
                 log.warning("%s: cannot serve metrics on port %d: %s", self._ctx, self.settings.metrics_port, e)
         code = int(ExitCode.FAILED)
         try:
-            self.ranks.forks = self._fork_server()
+            self.ranks.forks = start_fork_server(self.command, shared_env(self.settings, self.base_env),
+                                                 enabled=self.options.fork_server, context=self._ctx)
             code = self._run()
             return code
         finally:
@@ -260,6 +263,7 @@ class Agent:
         """Supervise until the round ends (``None``: join again) or the job ends here (the exit code)."""
         while not self._terminate.is_set():
             self.ranks.poll()
+            self._keep_standby(info)
             views = self.ranks.views()
             actions = supervise(views, restarts_used=self.process_restarts,
                                 max_restarts=self.options.max_restarts)
@@ -318,20 +322,35 @@ class Agent:
             self._launch_parked()
 
     def _note_parked_exits(self) -> None:
-        """Say once, in the pod's log, that a parked process ended before any round took it (its ``prepare``
-        hook raised: ``PREPARE_FAILED``, the exception in the process's own lines above). It is not started
-        again while the pod waits (it would fail the same way): a round that needs the pod starts its
-        processes afresh. The running job is not told: nothing of it failed."""
+        """Say once, in the pod's log and in its report to the operator (which names the pod and the exception
+        in the job's ``PrepareFailed`` condition), that a parked process ended before any round took it (its
+        ``prepare`` hook raised: ``PREPARE_FAILED``). It is not started again while the pod waits (it would
+        fail the same way): a round that needs the pod starts its processes afresh. The running job's ranks
+        are not touched: nothing of them failed."""
         if not self._parked:
             return
         for p in self.ranks.procs.values():
             if p.exit_code is None and (code := p.popen.poll()) is not None:
                 p.exit_code = code
-                what = (f"its prepare hook raised (exit code {code}, PREPARE_FAILED)"
-                        if code == ExitCode.PREPARE_FAILED else f"exit code {code}")
-                log.error("%s: parked local rank %d (pid %d) ended before a round took it: %s; the spare's "
+                failure = parked_failure(pod=self.settings.node_id, local_rank=p.local_rank, code=code,
+                                         report=read_report(p.report), now=time.time())
+                log.error("%s: parked local rank %d (pid %d) ended before a round took it: %s%s; the spare's "
                           "processes start afresh when a round needs this pod", self._ctx, p.local_rank,
-                          p.popen.pid, what)
+                          p.popen.pid, failure.reason,
+                          f" ({failure.exception}: {failure.message})" if failure.exception else "")
+                self._parked_failed(failure, "joining")
+
+    def _parked_failed(self, failure: FailureInfo, state: NodeState) -> None:
+        self.reporter.book = book_.parked_failed(self.reporter.book, failure)
+        self.reporter.publish(state, force=True)
+
+    def _keep_standby(self, info: RoundInfo) -> None:
+        ended = self.standby.keep(
+            warm=self._warm(), member=info.member is not None and not self._parked, command=self.command,
+            env=lambda lr: parked_env(self.settings, lr, base_env=self.base_env, run_dir=self.run_dir),
+            node_id=self.settings.node_id)
+        if ended is not None:
+            self._parked_failed(ended, self._state())
 
     def _lease_ttl(self) -> int:
         """The job's lease TTL (``rendezvous.leaseTTLSeconds``, at least etcd's 2 s), 10 s without its record:
@@ -387,23 +406,6 @@ class Agent:
 
     # -- processes -------------------------------------------------------------------------------------------
 
-    def _fork_server(self) -> ForkServer | None:
-        """Start the pod's fork server now, so that its imports overlap the rendezvous."""
-        target = parse_command(self.command) if self.options.fork_server else None
-        if target is None:
-            if self.options.fork_server:
-                log.info("%s: the command is not `python SCRIPT ...` nor `python -m MODULE ...`: its rank processes "
-                         "start fresh, each importing what it needs", self._ctx)
-            return None
-        try:
-            server = ForkServer.start(target, shared_env(self.settings, self.base_env), context=self._ctx)
-        except OSError as e:
-            log.warning("%s: cannot start the fork server (%s): rank processes start fresh", self._ctx, e)
-            return None
-        log.info("%s: fork server started (pid %d): rank processes start by fork once it has imported torch",
-                 self._ctx, server.process.pid)
-        return server
-
     def _rank_env(self, info: RoundInfo, local_rank: int) -> dict[str, str]:
         return rank_env(self.settings, info, local_rank, base_env=self.base_env, run_dir=self.run_dir,
                         master_port=self.master_port, spare_ranks=self.options.spare_ranks,
@@ -421,16 +423,18 @@ class Agent:
         for lr in range(self.settings.nproc_per_node):
             with contextlib.suppress(FileNotFoundError):
                 handover_file(self.run_dir, lr).unlink()
+            with contextlib.suppress(FileNotFoundError):
+                parked_report(self.run_dir, lr).unlink()
             env = parked_env(self.settings, lr, base_env=self.base_env, run_dir=self.run_dir)
             p = self.ranks.start(self.command, env, lr, slot=-1, status_file=status_file(self.run_dir, lr),
-                                 fresh=False)
+                                 fresh=False, report=parked_report(self.run_dir, lr))
             log.info("%s: started local rank %d parked (pid %d%s)", self._ctx, lr, p.popen.pid, _how(p))
 
     def _hand_over(self, info: RoundInfo) -> None:
         """Give the running processes their places in the new round (they continue there in process)."""
         for p in self.ranks.procs.values():
             env = self._rank_env(info, p.local_rank)
-            write_handover(handover_file(self.run_dir, p.local_rank),
+            write_handover(p.handover or handover_file(self.run_dir, p.local_rank),
                            Handover(epoch=info.epoch, round=info.round, env=handover_env(env)))
             p.slot, p.status_read, p.done_since = int(env[pod_env.SLOT]), LONG_AGO, None
             if self._parked:
@@ -459,8 +463,16 @@ class Agent:
                                else f"the process was killed by signal {-code}")
         self._note_exits((local_rank,))
         self.process_restarts += 1
-        log.warning("%s: respawning local rank %d (%s)", self._ctx, local_rank, why)
-        self._spawn(info, local_rank)
+        if replacement(standby_alive=self.standby.alive(), in_round=self.info is info) == "standby":
+            p = self.standby.take(local_rank, self._rank_env(info, local_rank), status=status_file(self.run_dir,
+                                                                                                    local_rank),
+                                  write=lambda path, env: write_handover(path, Handover(
+                                      epoch=info.epoch, round=info.round, env=handover_env(env))))
+            log.warning("%s: local rank %d (%s): the standby process (pid %d) takes its place", self._ctx,
+                        local_rank, why, p.popen.pid)
+        else:
+            log.warning("%s: respawning local rank %d (%s)", self._ctx, local_rank, why)
+            self._spawn(info, local_rank)
         self.reporter.book = book_.respawned(self.reporter.book, local_rank, self.ranks.procs[local_rank].popen.pid)
         # Said at once, not at the next progress tick: a forked respawn can be back in training within a
         # second, and the operator must learn of the new process before it sees the recovery, or it counts a
@@ -477,28 +489,12 @@ class Agent:
                 log.warning("%s: local rank %d (pid %d) made no progress within its hard timeout: killing it",
                             self._ctx, local_rank, p.popen.pid)
             p.killed_hung = "stopped past the soft timeout" if fault == "stopped" else "hard timeout"
-            self._dump_stacks(p)
+            if self.ranks.dump_stacks(p):
+                log.warning("%s: local rank %d (pid %d): its threads' stacks are in the pod's log above", self._ctx,
+                            p.local_rank, p.popen.pid)
             with contextlib.suppress(ProcessLookupError):
                 p.popen.kill()
             self._record_fault(p, fault, reason)
-
-    def _dump_stacks(self, p: RankProc) -> None:
-        """Have a hung process write its threads' stacks to the log and end itself (:mod:`stalwart.restart.stacks`:
-        the signal's own action ends it right after the dump, so it takes no step in between); the caller kills
-        it anyway. A stopped process cannot act on a signal, and one whose status does not say it takes the
-        signal is not sent it."""
-        st = self.ranks.statuses.get(p.local_rank)
-        if st is None or not st.dumps_stacks or process_state(p.popen.pid) in ("T", "t"):
-            return
-        with contextlib.suppress(OSError):  # the action is to dump core too: not a core file per hung rank
-            _, hard = resource.prlimit(p.popen.pid, resource.RLIMIT_CORE)
-            resource.prlimit(p.popen.pid, resource.RLIMIT_CORE, (0, hard))
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.popen.pid, STACKS_SIGNAL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.popen.wait(timeout=STACKS_GRACE)  # faulthandler writes from its signal handler: milliseconds
-        log.warning("%s: local rank %d (pid %d): its threads' stacks are in the pod's log above", self._ctx,
-                    p.local_rank, p.popen.pid)
 
     def _record_fault(self, p: RankProc, kind: FaultKind, reason: str) -> None:
         """Record the fault of a wrapped rank process that cannot (:func:`~.supervision.fault_for`), so that its

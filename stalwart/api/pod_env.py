@@ -42,9 +42,11 @@ __all__ = [
     "FORK_SERVER",
     "HANDOVER_FILE",
     "PARKED",
+    "PARKED_REPORT",
     "RANK_VARIABLES",
     "RPC_VARIABLES",
     "SNAPSHOT_VARIABLES",
+    "STANDBY",
     "TORCHRUN_VARIABLES",
     "AgentEnvironment",
     "EtcdEndpoints",
@@ -100,6 +102,11 @@ RELAY_SOCKET = "STALWART_RELAY_SOCKET"
 HANDOVER_FILE = "STALWART_HANDOVER_FILE"
 #: ``true`` for a warm spare's process that has no round yet.
 PARKED = "STALWART_PARKED"
+#: Where a parked process writes why it ended before a round took it (its prepare hook raised): a
+#: :class:`~stalwart.api.restart.FailureInfo`, in the agent's private run directory.
+PARKED_REPORT = "STALWART_PARKED_REPORT"
+#: ``false`` keeps no standby process in the pod (the container's own opt-out; see stalwart.agent.standby).
+STANDBY = "STALWART_STANDBY"
 # torchrun's
 RANK = "RANK"
 LOCAL_RANK = "LOCAL_RANK"
@@ -118,7 +125,7 @@ AGENT_VARIABLES = {
     JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", POD_UID: "pod_uid", POD_IP: "pod_ip", SPARE: "spare",
     NPROC_PER_NODE: "nproc_per_node", MIN_NODES: "min_nodes", MAX_NODES: "max_nodes",
     ETCD_ENDPOINTS: "etcd_endpoints", RPC_TOKEN: "rpc_token", ETCD_TLS: "etcd_tls", ETCD_SECRET_DIR: "etcd_secret_dir",
-    METRICS_PORT: "metrics_port", FORK_SERVER: "fork_server",
+    METRICS_PORT: "metrics_port", FORK_SERVER: "fork_server", STANDBY: "standby",
 }
 RANK_VARIABLES = {
     ETCD_ENDPOINTS: "etcd_endpoints", JOB: "job", JOB_UID: "job_uid", NODE_ID: "node_id", EPOCH: "epoch",
@@ -292,6 +299,7 @@ class AgentEnvironment(_Env):
     etcd_secret_dir: str | None = None
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
     fork_server: bool = True
+    standby: bool = True
 
     @model_validator(mode="after")
     def _bounds(self) -> AgentEnvironment:

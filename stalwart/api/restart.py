@@ -354,6 +354,10 @@ class ProgressRecord(ApiModel):
                                   description="Rank processes that ended on their own, newest last.")
     history: list[RoundSummary] = Field(default_factory=list, max_length=MAX_HISTORY,
                                         description="The node's last rounds, oldest first.")
+    parked_failure: FailureInfo | None = Field(
+        default=None, description=("The last parked process of the node (a warm spare's, or its standby) that "
+                                   "ended before a round took it: its prepare hook raised (the exception), or it "
+                                   "died. Not a failure of the running job."))
 
 
 def failure_info(rec: FaultRecord) -> FailureInfo:

@@ -49,6 +49,10 @@ class ConditionType(StrEnum):
     #: operator's linger limit (reason PodLingering; the message names the pods and whether they were
     #: deleted); False once no pod of the job is left running (reason LingeringPodsGone).
     PODS_LINGERING = "PodsLingering"
+    #: True while a live pod reports that a parked process of it (a warm spare's, or its standby) ended before a
+    #: round took it, its prepare hook having raised (reason PrepareHookRaised; the message names the pod and the
+    #: exception); False once none does (reason NoPrepareFailure). The running job is not affected.
+    PREPARE_FAILED = "PrepareFailed"
 
 
 class ConditionStatus(StrEnum):
@@ -61,7 +65,8 @@ class Condition(ApiModel):
     """One aspect of the job's state (Kubernetes condition conventions)."""
 
     type: str = Field(description=("Condition type: Created, Running, Restarting, Succeeded, Failed, Suspended, "
-                                   "Stalled, CoordinationDegraded, EtcdAccess, OwnershipConflict, PodsLingering."),
+                                   "Stalled, CoordinationDegraded, EtcdAccess, OwnershipConflict, PodsLingering, "
+                                   "PrepareFailed."),
                       min_length=1, max_length=316)
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str | None = Field(

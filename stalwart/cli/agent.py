@@ -40,6 +40,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--no-fork-server", action="store_true",
                    help="start every rank process fresh (by default a process of the pod imports torch once and "
                         "the ranks are forked from it; STALWART_FORK_SERVER=false in the container does the same)")
+    p.add_argument("--no-standby", action="store_true",
+                   help="keep no parked standby process in the pod (by default, with warm spares on, one waits "
+                        "behind the ranks to take the place of one that dies; STALWART_STANDBY=false in the "
+                        "container does the same)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the training command")
     p.set_defaults(func=run)
 
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
                               last_call_timeout=args.last_call, node_ttl=args.node_ttl,
                               spare_ranks=args.spare_ranks, warm_spares=args.warm_spares,
                               fork_server=settings.fork_server and not args.no_fork_server,
+                              standby=settings.standby and not args.no_standby,
                               **({} if args.relay_linger is None else {"relay_linger": args.relay_linger}))
     except ValueError as e:  # the pod contract's PodEnvError among them
         print(f"stalwart agent: invalid settings:\n{e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from stalwart.operator.culprits import Peer
 from stalwart.operator.failures import Fact
 from stalwart.operator.incidents import assess
 from stalwart.operator.model import PodView
+from stalwart.operator.parked_status import REASON_PREPARE_FAILED, parked_failures, prepare_verdict
 from stalwart.operator.snapshot_status import peer_snapshot
 from stalwart.operator.takeover import REASON_SPARE_TOOK_OVER, takeovers
 from stalwart.operator.work import REASON_UNSCHEDULABLE, Work, condition, to_time
@@ -58,6 +59,13 @@ def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Seq
                                          manifest.world_size) or st.peer_snapshot
     for type_, reason, message in a.events:
         w.event(type_, reason, message)
+    if w.obs.etcd.reachable:
+        prepared = prepare_verdict(parked_failures(w.obs.etcd.progress, {p.name for p in live}),
+                                   condition(st, ConditionType.PREPARE_FAILED))
+        if prepared is not None:
+            w.cond(ConditionType.PREPARE_FAILED, prepared.status, prepared.reason, prepared.message)
+            if prepared.event:
+                w.event("Warning", REASON_PREPARE_FAILED, prepared.message)
     warm = warm_spares_on(spec.restart_policy.in_process.warm_spares, spec.spares)
     took = takeovers(w.obs.job.status.round, manifest, w.obs.etcd.record, w.obs.etcd.progress, st.last_failure,
                      warm=warm, announced=st.promoted_spares or ())

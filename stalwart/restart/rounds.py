@@ -11,14 +11,23 @@ process while it waits parked (before the wait for its handover), so that what d
 process before its first session. Its result goes to every call of the training function in the process
 (``CallWrapper.prepared``); it never runs again there (not after the promotion, not at an in-process restart,
 not in a later round). On a parked process an exception from it ends the process ``PREPARE_FAILED``, logged
-with its traceback, before any round took the process: the running ranks are not touched. On any other
-process it propagates as an exception raised by the script before its first iteration does.
+with its traceback, before any round took the process: the running ranks are not touched. The process first
+writes the exception, as a :class:`~stalwart.api.restart.FailureInfo`, to ``STALWART_PARKED_REPORT`` (a file
+in its agent's private run directory), from which its agent reports it to the operator (the job's
+``PrepareFailed`` condition names the pod and the exception). On any other process it propagates as an
+exception raised by the script before its first iteration does.
+
+A parked process started without ``LOCAL_RANK`` (a pod's standby process when the pod runs several local
+ranks: it does not know which one it will replace, and a hook may choose its device by it) runs the hook
+after its handover instead, as a running rank does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +37,7 @@ from stalwart import exits
 from stalwart.api import pod_env
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import PARKED_ENV, Handover
-from stalwart.api.restart import RankStatus
+from stalwart.api.restart import FailureInfo, RankStatus
 from stalwart.etcd.fence import StaleEpoch
 from stalwart.etcd.store import StoreError
 from stalwart.restart.config import RestartConfig
@@ -70,6 +79,28 @@ def _mark_exiting() -> None:
     StatusFile(path).write(status.model_copy(update={"exiting": time.monotonic()}))
 
 
+def _report_parked_failure(e: Exception) -> None:
+    """Write why this parked process ends to ``STALWART_PARKED_REPORT`` (atomically), for its agent."""
+    path = os.environ.get(pod_env.PARKED_REPORT)
+    if not path:
+        return
+    info = FailureInfo(pod=os.environ.get(pod_env.NODE_ID, ""), exception=exception_name(e)[:512],
+                       message=str(e)[:2048], time=time.time(),
+                       reason=f"the prepare hook raised on a parked process (exit code {int(ExitCode.PREPARE_FAILED)}, "
+                              "PREPARE_FAILED)")
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".parked-", dir=os.path.dirname(path) or ".")
+        with os.fdopen(fd, "wb") as f:
+            f.write(info.to_json_bytes())
+        os.replace(tmp, path)
+    except OSError as err:  # the pod's log still has the exception
+        log.warning("cannot write the parked report %s: %s", path, err)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 def _prepare(config: RestartConfig, *, parked: bool) -> Any:
     """The result of the decorator's ``prepare`` hook (``None`` without one)."""
     if config.prepare is None:
@@ -79,10 +110,11 @@ def _prepare(config: RestartConfig, *, parked: bool) -> Any:
     try:
         return config.prepare()
     except Exception as e:
-        log.error("parked spare: the prepare hook raised %s: %s; exiting %d (%s), no round took this process",
+        log.error("parked process: the prepare hook raised %s: %s; exiting %d (%s), no round took this process",
                   exception_name(e), e, ExitCode.PREPARE_FAILED, ExitCode.PREPARE_FAILED.name, exc_info=True)
+        _report_parked_failure(e)
         raise RestartExit(ExitCode.PREPARE_FAILED,
-                          f"the prepare hook raised on a parked spare: {exception_name(e)}: {e}") from e
+                          f"the prepare hook raised on a parked process: {exception_name(e)}: {e}") from e
 
 
 def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatch | None], _Session],
@@ -101,12 +133,15 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
             if watch is None:
                 raise RestartExit(ExitCode.NON_RETRYABLE, "a parked process needs STALWART_HANDOVER_FILE")
             parent = os.getppid()
-            prepared = _prepare(base, parked=True)
+            knows_place = pod_env.LOCAL_RANK in os.environ
+            prepared = _prepare(base, parked=True) if knows_place else None
             # A warm spare waits for as long as its agent lives (the agent stops it when the job ends).
             first = watch.wait(None, alive=_parent_alive(parent))
             if first is None:
                 raise RestartExit(ExitCode.TERMINATED, "the agent ended before a round took this spare")
             _enter(watch, first)
+            if not knows_place:
+                prepared = _prepare(base, parked=False)
         else:
             prepared = _prepare(base, parked=False)
         while True:
