@@ -17,7 +17,8 @@ process sees changes only by reading again, once it notices the silence). ``--se
 training function call ``init_process_group`` itself, as a script written for torchrun does. ``--prepare
 count`` gives the decorator a ``prepare`` hook that records each of its calls (process, whether it was
 parked) in ``<marker-dir>/prepare.jsonl`` and returns that record, which the rank's result carries as
-``prepared``; ``--prepare raise`` one that raises. Each rank
+``prepared``; ``--prepare raise`` one that raises, ``--prepare hang`` one that never returns (with
+``--prepare-timeout``, the decorator's deadline for it). Each rank
 writes a JSON line to ``--out`` at the end: its final step, a checksum of the parameters, its restarts, and
 timing marks for the benchmark.
 """
@@ -79,9 +80,10 @@ def parse() -> argparse.Namespace:
                    help="seconds the rank assignment takes (widens the moment between a seal and the run)")
     p.add_argument("--silence-slot", type=int, default=None,
                    help="every etcd watch of this slot's process delivers nothing")
-    p.add_argument("--prepare", choices=["none", "count", "raise"], default="none",
+    p.add_argument("--prepare", choices=["none", "count", "raise", "hang"], default="none",
                    help="pass a prepare hook to the decorator: one that appends a line to "
-                        "<marker-dir>/prepare.jsonl (count), or one that raises (raise)")
+                        "<marker-dir>/prepare.jsonl (count), one that raises (raise), one that never returns (hang)")
+    p.add_argument("--prepare-timeout", type=float, default=1800.0, help="the decorator's prepare_timeout")
     p.add_argument("--self-init", choices=["none", "bare", "env", "timeout", "destroy", "bad-world"],
                    default="none",
                    help="the function calls init_process_group itself: ('gloo'), (init_method='env://'), "
@@ -394,6 +396,8 @@ def main() -> int:
     def prepare() -> dict[str, Any]:
         if args.prepare == "raise":
             raise ValueError("the model's configuration is invalid (injected in prepare)")
+        if args.prepare == "hang":
+            threading.Event().wait()  # blocked for good, as in a native call that never returns
         record = {"pid": os.getpid(), "parked": os.environ.get("STALWART_PARKED") == "true", "time": time.time()}
         with open(os.path.join(args.marker_dir, "prepare.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -404,7 +408,8 @@ def main() -> int:
                           initialize=StallingInit(args.backend, timeout=args.timeout),
                           finalize=FinalizeCallback(finalize),
                           rank_assignment=SlowAssignment(min_world_size=args.min_world),
-                          prepare=None if args.prepare == "none" else prepare)
+                          prepare=None if args.prepare == "none" else prepare,
+                          prepare_timeout=args.prepare_timeout)
     def run(call_wrapper: stalwart.CallWrapper) -> dict[str, Any]:
         STATE["ping"] = lambda s: call_wrapper.ping(step=s)
         STATE["atomic"] = call_wrapper.atomic

@@ -59,9 +59,10 @@ class ExitCode(enum.IntEnum):
     #: The agent found its pod fenced by the operator (counted lost, and replaced): a zombie back from a
     #: partition. It stops its rank processes and exits; the job already went on without it.
     FENCED = 99
-    #: The ``prepare`` hook of ``@stalwart.restartable(prepare=...)`` raised in a warm spare's process while it
-    #: waited parked, before any round took it: that process ends, the running ranks go on. Job failure if it
-    #: ever reaches the supervision of a round (it does not: the agent supervises no parked process).
+    #: The ``prepare`` hook of ``@stalwart.restartable(prepare=...)`` raised in a parked process (a warm spare's,
+    #: or a pod's standby) before any round took it: that process ends, the running ranks go on. Also a hook
+    #: that did not return within ``prepare_timeout``, wherever it ran. Job failure if it reaches the
+    #: supervision of a round (a rank whose hook hung; the agent supervises no parked process).
     PREPARE_FAILED = 100
 
 

@@ -49,7 +49,8 @@ class RestartConfig:
     * ``prepare``: a callable taking no arguments, run once per process before its first round (on a warm
       spare while it waits parked, so that its model is built before a round needs it); its result is
       ``CallWrapper.prepared`` in every call of the training function in that process (see
-      :func:`stalwart.restart.rounds.run_rounds`).
+      :func:`stalwart.restart.rounds.run_rounds`); ``prepare_timeout``: seconds it may take before the process
+      ends itself ``PREPARE_FAILED`` (its threads' stacks in its log; nothing else bounds a parked process).
 
     Under a TrainingJob, the options in :data:`JOB_SETTINGS` that the decorator does not set come from the
     job's ``restartPolicy.inProcess`` (:meth:`for_job`).
@@ -71,12 +72,13 @@ class RestartConfig:
     etcd_timeout: float = 5.0
     coordination_timeout: float = 60.0
     prepare: Callable[[], Any] | None = None
+    prepare_timeout: float = 1800.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts: expected an int >= 0, got {self.max_restarts!r}")
         for name in ("soft_timeout", "hard_timeout", "barrier_timeout", "start_timeout", "completion_timeout",
-                     "monitor_interval", "etcd_timeout", "coordination_timeout"):
+                     "monitor_interval", "etcd_timeout", "coordination_timeout", "prepare_timeout"):
             positive_seconds(name, getattr(self, name))
         problem = order_problem(lambda setting: getattr(self, setting.option), lambda setting: setting.option)
         if problem is not None:

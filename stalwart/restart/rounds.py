@@ -11,7 +11,10 @@ process while it waits parked (before the wait for its handover), so that what d
 process before its first session. Its result goes to every call of the training function in the process
 (``CallWrapper.prepared``); it never runs again there (not after the promotion, not at an in-process restart,
 not in a later round). On a parked process an exception from it ends the process ``PREPARE_FAILED``, logged
-with its traceback, before any round took the process: the running ranks are not touched. The process first
+with its traceback, before any round took the process: the running ranks are not touched. So does a hook that
+has not returned within ``prepare_timeout`` seconds, wherever it runs (a thread of the process watches it; the
+hook may be blocked in native code, where no exception reaches it, so the process writes its threads' stacks
+to its log and ends itself: it holds nothing of any round yet). The process first
 writes the exception, as a :class:`~stalwart.api.restart.FailureInfo`, to ``STALWART_PARKED_REPORT`` (a file
 in its agent's private run directory), from which its agent reports it to the operator (the job's
 ``PrepareFailed`` condition names the pod and the exception). On any other process it propagates as an
@@ -25,9 +28,12 @@ after its handover instead, as a running rank does.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,15 +85,16 @@ def _mark_exiting() -> None:
     StatusFile(path).write(status.model_copy(update={"exiting": time.monotonic()}))
 
 
-def _report_parked_failure(e: Exception) -> None:
-    """Write why this parked process ends to ``STALWART_PARKED_REPORT`` (atomically), for its agent."""
+def _report_parked_failure(what: str, e: Exception | None = None) -> None:
+    """Write why this parked process ends (``what``; ``e``: the exception) to ``STALWART_PARKED_REPORT``
+    (atomically), for its agent."""
     path = os.environ.get(pod_env.PARKED_REPORT)
     if not path:
         return
-    info = FailureInfo(pod=os.environ.get(pod_env.NODE_ID, ""), exception=exception_name(e)[:512],
-                       message=str(e)[:2048], time=time.time(),
-                       reason=f"the prepare hook raised on a parked process (exit code {int(ExitCode.PREPARE_FAILED)}, "
-                              "PREPARE_FAILED)")
+    info = FailureInfo(pod=os.environ.get(pod_env.NODE_ID, ""), time=time.time(),
+                       exception=None if e is None else exception_name(e)[:512],
+                       message=None if e is None else str(e)[:2048],
+                       reason=f"{what} (exit code {int(ExitCode.PREPARE_FAILED)}, PREPARE_FAILED)")
     tmp: str | None = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".parked-", dir=os.path.dirname(path) or ".")
@@ -101,20 +108,52 @@ def _report_parked_failure(e: Exception) -> None:
                 os.unlink(tmp)
 
 
+class _PrepareDeadline:
+    """Ends this process ``PREPARE_FAILED`` when the hook has not returned within ``seconds``: its threads'
+    stacks to stderr (the pod's log) first, and, parked, the report for its agent."""
+
+    def __init__(self, seconds: float, *, parked: bool) -> None:
+        self.seconds, self.parked = seconds, parked
+        self._returned = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stalwart-prepare-deadline", daemon=True)
+
+    def __enter__(self) -> None:
+        self._thread.start()
+
+    def __exit__(self, *_: object) -> None:
+        self._returned.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        if self._returned.wait(self.seconds):
+            return
+        what = f"the prepare hook did not return within {self.seconds:g} s"
+        log.error("%s; its threads' stacks follow; exiting %d (%s)", what, ExitCode.PREPARE_FAILED,
+                  ExitCode.PREPARE_FAILED.name)
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self.parked:
+            _report_parked_failure(f"{what} on a parked process")
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(int(ExitCode.PREPARE_FAILED))
+
+
 def _prepare(config: RestartConfig, *, parked: bool) -> Any:
-    """The result of the decorator's ``prepare`` hook (``None`` without one)."""
+    """The result of the decorator's ``prepare`` hook (``None`` without one), within ``prepare_timeout``."""
     if config.prepare is None:
         return None
-    if not parked:
-        return config.prepare()
-    try:
-        return config.prepare()
-    except Exception as e:
-        log.error("parked process: the prepare hook raised %s: %s; exiting %d (%s), no round took this process",
-                  exception_name(e), e, ExitCode.PREPARE_FAILED, ExitCode.PREPARE_FAILED.name, exc_info=True)
-        _report_parked_failure(e)
-        raise RestartExit(ExitCode.PREPARE_FAILED,
-                          f"the prepare hook raised on a parked process: {exception_name(e)}: {e}") from e
+    with _PrepareDeadline(config.prepare_timeout, parked=parked):
+        if not parked:
+            return config.prepare()
+        try:
+            return config.prepare()
+        except Exception as e:
+            log.error("parked process: the prepare hook raised %s: %s; exiting %d (%s), no round took this process",
+                      exception_name(e), e, ExitCode.PREPARE_FAILED, ExitCode.PREPARE_FAILED.name, exc_info=True)
+            _report_parked_failure("the prepare hook raised on a parked process", e)
+            raise RestartExit(ExitCode.PREPARE_FAILED,
+                              f"the prepare hook raised on a parked process: {exception_name(e)}: {e}") from e
 
 
 def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatch | None], _Session],

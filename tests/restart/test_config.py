@@ -37,6 +37,7 @@ from stalwart.restart.wrapper import _injection
     ({"soft_timeout": 10, "hard_timeout": 5}, "hard_timeout: must exceed soft_timeout"),
     ({"barrier_timeout": -1}, "barrier_timeout"),
     ({"heartbeat_ttl": 1}, "heartbeat_ttl"),
+    ({"prepare_timeout": 0}, "prepare_timeout"),
     ({"initialize": lambda ctx: None}, "initialize: expected a Initialize policy"),
     ({"health_check": AbortProcessGroup()}, "health_check: expected a HealthCheck policy"),
 ])

@@ -1,8 +1,10 @@
 """The decorator's ``prepare`` hook against a real etcd with real torch ranks (bench/restart_ddp.py
 ``--prepare``): a warm spare runs it while it waits parked, before any round took it, and never again (not at
 its promotion, not at an in-process restart after it), in both script styles; one that raises on a parked
-spare ends that process ``PREPARE_FAILED`` with the exception in its log while the running ranks finish; one
-that raises on a running rank fails it as an exception raised before its first iteration does."""
+spare ends that process ``PREPARE_FAILED`` with the exception in its log and in its report for the agent while
+the running ranks finish; one that raises on a running rank fails it as an exception raised before its first
+iteration does; one that never returns ends its parked process ``PREPARE_FAILED`` at ``prepare_timeout``, its
+stacks in its log and the deadline in its report."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from stalwart.agent.handover import handover_env, write_handover
 from stalwart.agent.processes import RankProcess
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
+from stalwart.api.restart import FailureInfo
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
@@ -123,6 +126,7 @@ def test_a_prepare_that_raises_ends_the_parked_spare_not_the_job(etcd: EtcdServe
         _start_workers(etcd, keys, epoch, tmp_path, _command(tmp_path, "--prepare", "count"), procs=procs)
         spare_env = _parked_env(etcd, rank_env(etcd, keys, epoch, slot=1, slots=2, target=2, work=tmp_path),
                                 tmp_path)
+        spare_env["STALWART_PARKED_REPORT"] = str(tmp_path / "parked-report.json")
         spare, pipe = start_rank(_command(tmp_path, "--prepare", "raise"), spare_env)
         procs["spare"] = spare
         with open(pipe, encoding="utf-8", errors="replace") as stream:
@@ -137,6 +141,11 @@ def test_a_prepare_that_raises_ends_the_parked_spare_not_the_job(etcd: EtcdServe
 
     assert "ValueError: the model's configuration is invalid (injected in prepare)" in err, err
     assert f"exiting {int(ExitCode.PREPARE_FAILED)} (PREPARE_FAILED)" in err, err
+    # What its agent reports for the pod: the exception, apart from any failure of the job.
+    report = FailureInfo.from_json_bytes((tmp_path / "parked-report.json").read_bytes())
+    assert (report.pod, report.exception, report.message) == (
+        "node-spare", "ValueError", "the model's configuration is invalid (injected in prepare)")
+    assert "raised on a parked process" in report.reason and "PREPARE_FAILED" in report.reason
     # They finished as a run without the spare does: no fault, no restart, a fault-free run's parameters.
     assert alive == [None, None]
     finals = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -151,3 +160,24 @@ def test_a_prepare_that_raises_on_a_running_rank_fails_it_as_the_script_would(et
     assert run.codes == [ExitCode.FAILED], run.stderr
     assert "ValueError: the model's configuration is invalid (injected in prepare)" in run.stderr[0]
     assert "Traceback" in run.stderr[0] and run.results == []
+
+
+def test_a_prepare_that_never_returns_ends_the_parked_process_at_its_deadline(etcd: EtcdServer,
+                                                                              tmp_path: Path) -> None:
+    store = Store([etcd.endpoint])
+    keys, epoch = new_job(store)
+    store.close()
+    env = _parked_env(etcd, rank_env(etcd, keys, epoch, slot=1, slots=2, target=2, work=tmp_path), tmp_path)
+    env["STALWART_PARKED_REPORT"] = str(tmp_path / "parked-report.json")
+    parked, pipe = start_rank(_command(tmp_path, "--prepare", "hang", "--prepare-timeout", "2"), env)
+    try:
+        with open(pipe, encoding="utf-8", errors="replace") as stream:
+            err = stream.read()  # to its end: the process's exit
+        assert parked.wait(timeout=60) == ExitCode.PREPARE_FAILED, err
+    finally:
+        _end({"parked": parked})
+    assert "the prepare hook did not return within 2 s" in err, err
+    assert "in prepare" in err, err  # the main thread's stack: where the hook was blocked
+    report = FailureInfo.from_json_bytes((tmp_path / "parked-report.json").read_bytes())
+    assert report.reason == "the prepare hook did not return within 2 s on a parked process (exit code 100, " \
+                            "PREPARE_FAILED)" and report.exception is None and report.pod == "node-spare"
