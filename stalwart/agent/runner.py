@@ -345,8 +345,10 @@ class Agent:
         self.reporter.publish(state, force=True)
 
     def _keep_standby(self, info: RoundInfo) -> None:
+        history = self.reporter.book.history
         ended = self.standby.keep(
             warm=self._warm(), member=info.member is not None and not self._parked, command=self.command,
+            stepped=history[-1].stepped if history and history[-1].round == info.round else None,
             env=lambda lr: parked_env(self.settings, lr, base_env=self.base_env, run_dir=self.run_dir),
             node_id=self.settings.node_id)
         if ended is not None:

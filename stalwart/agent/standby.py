@@ -11,7 +11,9 @@ as a respawn would, and the agent starts a new standby behind it.
 
 When (:func:`standby_due`, pure): the pod runs ranks of a round (not a parked spare's), every one of them
 has shown that it runs the restart wrapper (its status file: a plain script cannot wait parked; its process
-would run the script outside any round), warm spares are on for the job (the same setting that keeps a
+would run the script outside any round) and trains (:func:`settled`: each runs its training function and a
+step of their current iteration completed, so that the standby's imports and ``prepare`` never compete for
+the CPU with a start or a recovery), warm spares are on for the job (the same setting that keeps a
 pod's processes across rounds, :func:`~stalwart.agent.warm_spares.keeps_processes`), the agent's
 ``--no-standby`` and the container's ``STALWART_STANDBY=false`` do not turn it off, and no standby of this
 agent ended on its own before (its ``prepare`` raised, or it died while parked: a second one would most
@@ -41,20 +43,29 @@ from typing import Literal
 from stalwart.agent.processes import RankProc, RankProcesses
 from stalwart.api import pod_env
 from stalwart.api.exit_codes import ExitCode
-from stalwart.api.restart import FailureInfo
+from stalwart.api.restart import FailureInfo, RankStatus
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Standby", "parked_failure", "read_report", "replacement", "standby_due"]
+__all__ = ["Standby", "parked_failure", "read_report", "replacement", "settled", "standby_due"]
 
 
-def standby_due(*, enabled: bool, warm: bool, member: bool, wrapped: Sequence[bool], have: bool,
+def settled(statuses: Sequence[RankStatus | None], stepped: int | None) -> bool:
+    """Whether the pod's ranks train: each status says it runs its training function, in an iteration no later
+    than ``stepped``, the last iteration of the round in which a rank of the pod completed a step (its
+    agent's progress book: a reported step, or, for a script that reports none, 10 s in the function). Pure."""
+    return bool(statuses) and stepped is not None and all(
+        st is not None and st.state == "running" and st.iteration <= stepped for st in statuses)
+
+
+def standby_due(*, enabled: bool, warm: bool, member: bool, wrapped: Sequence[bool], settled: bool, have: bool,
                 given_up: bool) -> bool:
     """Whether the pod starts a standby process now: it is on (``enabled``: the agent's flag and the pod's
     setting; ``warm``: warm spares on for the job), the pod runs ranks of a round (``member``), each of
-    them showed the restart wrapper (``wrapped``, one per local rank), it has none (``have``: one alive), and
-    none of this agent's ended on its own (``given_up``). Pure."""
-    return enabled and warm and member and bool(wrapped) and all(wrapped) and not have and not given_up
+    them showed the restart wrapper (``wrapped``, one per local rank) and they train (``settled``), it has
+    none (``have``: one alive), and none of this agent's ended on its own (``given_up``). Pure."""
+    return (enabled and warm and member and bool(wrapped) and all(wrapped) and settled and not have
+            and not given_up)
 
 
 def replacement(*, standby_alive: bool, in_round: bool) -> Literal["standby", "spawn"]:
@@ -97,14 +108,16 @@ class Standby:
         #: Why no standby is started any more (its last one ended on its own), or ``None``.
         self.given_up: FailureInfo | None = None
 
-    def keep(self, *, warm: bool, member: bool, command: Sequence[str],
+    def keep(self, *, warm: bool, member: bool, stepped: int | None, command: Sequence[str],
              env: Callable[[int | None], dict[str, str]], node_id: str) -> FailureInfo | None:
         """Start a standby when one is due; note one that ended on its own (returned once, for the pod's
-        report). ``env(local_rank)`` is a parked process's environment (``None``: no local rank)."""
+        report). ``stepped``: see :func:`settled`; ``env(local_rank)`` is a parked process's environment
+        (``None``: no local rank)."""
         ended = self._ended(node_id)
         procs = list(self.ranks.procs.values())
         wrapped = [p.local_rank in self.ranks.wrapped and p.exit_code is None for p in procs]
-        if standby_due(enabled=self.enabled, warm=warm, member=member, wrapped=wrapped,
+        trains = settled([self.ranks.statuses.get(p.local_rank) for p in procs], stepped)
+        if standby_due(enabled=self.enabled, warm=warm, member=member, wrapped=wrapped, settled=trains,
                        have=self.ranks.standby is not None, given_up=self.given_up is not None):
             self._start(command, env)
         return ended

@@ -34,7 +34,9 @@ in-process restarts, goes into the checkpoint, and travels with the model to a r
 Fault injection for demos and tests (environment): ``STALWART_EXAMPLE_FAIL_AT_STEP=N`` makes rank
 ``STALWART_EXAMPLE_FAIL_RANK`` (default 0) raise :class:`InjectedFault` when it reaches step ``N``, at most
 ``STALWART_EXAMPLE_FAIL_TIMES`` times (default 1) per checkpoint directory (marker files count the faults, so a
-restarted or replaced rank fails again only while the count lasts).
+restarted or replaced rank fails again only while the count lasts). ``STALWART_EXAMPLE_DIE_IN_COPY=1`` makes the
+first rank that sends its state to a peer (``sync_from_peers``) SIGKILL itself once it has posted the copy's
+first bucket (once per checkpoint directory, a marker file): a source dying mid-copy.
 
 Output: one JSON object per line on stdout, each with its ``time`` (``start``, ``resume``, ``fault``, ``step`` every
 ``--log-every`` steps, ``done``). ``done`` carries ``params_sha256``, the digest of the final parameters' bytes
@@ -52,6 +54,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -75,6 +78,8 @@ FAIL_TIMES_ENV = "STALWART_EXAMPLE_FAIL_TIMES"
 CHECKPOINT_DIR_ENV = "STALWART_CHECKPOINT_DIR"
 CHECKPOINT_NAME = "checkpoint.pt"
 FAULT_MARKER = "fault-injected"
+DIE_IN_COPY_ENV = "STALWART_EXAMPLE_DIE_IN_COPY"
+COPY_FAULT_MARKER = "copy-fault-injected"
 IN_FEATURES = 16
 HIDDEN = 32
 #: The largest model whose final parameters the ``done`` line lists (larger ones: the digest only).
@@ -255,6 +260,25 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
 
 
+def arm_copy_fault(opts: Options, rank: int) -> None:
+    """With ``STALWART_EXAMPLE_DIE_IN_COPY=1``: this process SIGKILLs itself after it posted the first bucket of a
+    state copy it sends, unless a process of the job did already (a marker file)."""
+    if os.environ.get(DIE_IN_COPY_ENV) != "1":
+        return
+    from stalwart.restart import copy_wire
+
+    def die(index: int) -> None:
+        opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(opts.checkpoint_dir / COPY_FAULT_MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        emit("fault", rank=rank, step=_state.step if _state is not None else None, count=1, bucket=index)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    copy_wire.after_bucket = die
+
+
 def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
     if opts.fail_at_step is None or step != opts.fail_at_step or rank != opts.fail_rank:
         return
@@ -298,6 +322,7 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     # The most advanced replica in memory wins, the optimizer's state (momentum; plain SGD has none) with the
     # model. A newcomer asks its peers before it reads the checkpoint, which it needs only when no rank holds
     # state in memory (the job's start, every process replaced): a warm spare taking a lost rank never reads it.
+    arm_copy_fault(opts, rank)
     synced = sync_from_peers(_state.model, optimizer, step=None if fresh else _state.step)
     if synced.step is None:
         synced = sync_from_peers(_state.model, optimizer,

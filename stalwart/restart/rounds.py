@@ -165,20 +165,23 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
     # process, and its pod, alive).
     exits.guard_exit(began=_mark_exiting)
     watch = RoundWatch.from_env(0)
-    if watch is not None:
+    parked = is_parked()
+    if watch is not None and not parked:
         watch.start()
     try:
-        if is_parked():
+        if parked:
             if watch is None:
                 raise RestartExit(ExitCode.NON_RETRYABLE, "a parked process needs STALWART_HANDOVER_FILE")
             parent = os.getppid()
             knows_place = pod_env.LOCAL_RANK in os.environ
             prepared = _prepare(base, parked=True) if knows_place else None
-            # A warm spare waits for as long as its agent lives (the agent stops it when the job ends).
+            # A parked process waits for as long as its agent lives (the agent stops it when the job ends); its
+            # main thread alone watches the file until a round takes it, then the watch's own thread does.
             first = watch.wait(None, alive=_parent_alive(parent))
             if first is None:
                 raise RestartExit(ExitCode.TERMINATED, "the agent ended before a round took this spare")
             _enter(watch, first)
+            watch.start()
             if not knows_place:
                 prepared = _prepare(base, parked=False)
         else:

@@ -10,11 +10,12 @@ import pytest
 from stalwart.agent.progress import ProgressBook, parked_failed, record
 from stalwart.agent.rank_env import parked_env
 from stalwart.agent.settings import PodSettings
-from stalwart.agent.standby import parked_failure, read_report, replacement, standby_due
+from stalwart.agent.standby import parked_failure, read_report, replacement, settled, standby_due
 from stalwart.api.exit_codes import ExitCode
-from stalwart.api.restart import FailureInfo
+from stalwart.api.restart import FailureInfo, RankStatus
 
-ON = {"enabled": True, "warm": True, "member": True, "wrapped": [True], "have": False, "given_up": False}
+ON = {"enabled": True, "warm": True, "member": True, "wrapped": [True], "settled": True, "have": False,
+      "given_up": False}
 
 
 @pytest.mark.parametrize(("change", "due"), [
@@ -26,11 +27,29 @@ ON = {"enabled": True, "warm": True, "member": True, "wrapped": [True], "have": 
     ({"wrapped": [False]}, False),      # a plain script (or not shown yet): its process cannot wait parked
     ({"wrapped": [True, False]}, False),
     ({"wrapped": []}, False),           # no rank process
+    ({"settled": False}, False),        # starting, or recovering: its imports would slow them down
     ({"have": True}, False),            # one is there already
     ({"given_up": True}, False),        # the last one ended on its own: the next would too
 ])
 def test_standby_due(change: dict[str, object], due: bool) -> None:
     assert standby_due(**{**ON, **change}) is due  # type: ignore[arg-type]
+
+
+def _status(state: str, iteration: int) -> RankStatus:
+    return RankStatus(slot=0, pid=10, state=state, iteration=iteration, heartbeat=1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("statuses", "stepped", "want"), [
+    ([_status("running", 2)], 2, True),
+    ([_status("running", 2), _status("running", 2)], 2, True),
+    ([_status("running", 3)], 2, False),          # a new iteration (a recovery) has not stepped yet
+    ([_status("running", 0)], None, False),       # no step in this round yet
+    ([_status("barrier", 2)], 2, False),
+    ([_status("running", 2), None], 2, False),    # a rank without a status (a new process)
+    ([], 2, False),
+])
+def test_settled(statuses: list[RankStatus | None], stepped: int | None, want: bool) -> None:
+    assert settled(statuses, stepped) is want
 
 
 @pytest.mark.parametrize(("alive", "in_round", "what"), [
