@@ -37,6 +37,8 @@ Fault injection for demos and tests (environment): ``STALWART_EXAMPLE_FAIL_AT_ST
 restarted or replaced rank fails again only while the count lasts). ``STALWART_EXAMPLE_DIE_IN_COPY=1`` makes the
 first rank that sends its state to a peer (``sync_from_peers``) SIGKILL itself once it has posted the copy's
 first bucket (once per checkpoint directory, a marker file): a source dying mid-copy.
+``STALWART_EXAMPLE_FAIL_PREPARE=parked`` makes :func:`prepare` raise ``ValueError`` in a parked process (a warm
+spare's, or a pod's standby), never in a rank's.
 
 Output: one JSON object per line on stdout, each with its ``time`` (``start``, ``resume``, ``fault``, ``step`` every
 ``--log-every`` steps, ``done``). ``done`` carries ``params_sha256``, the digest of the final parameters' bytes
@@ -79,6 +81,7 @@ CHECKPOINT_DIR_ENV = "STALWART_CHECKPOINT_DIR"
 CHECKPOINT_NAME = "checkpoint.pt"
 FAULT_MARKER = "fault-injected"
 DIE_IN_COPY_ENV = "STALWART_EXAMPLE_DIE_IN_COPY"
+FAIL_PREPARE_ENV = "STALWART_EXAMPLE_FAIL_PREPARE"
 COPY_FAULT_MARKER = "copy-fault-injected"
 IN_FEATURES = 16
 HIDDEN = 32
@@ -299,6 +302,8 @@ def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
 def prepare(opts: Options) -> TrainState:
     """What a rank builds before it knows its world: the model and its optimizer, at step 0 (nothing here
     depends on the rank or the process group)."""
+    if os.environ.get(FAIL_PREPARE_ENV) == "parked" and os.environ.get("STALWART_PARKED") == "true":
+        raise ValueError(f"the model cannot be built here (injected: {FAIL_PREPARE_ENV}=parked)")
     model = build_model(opts.seed, opts.hidden)
     return TrainState(model, 0, make_optimizer(model, opts))
 
