@@ -21,7 +21,8 @@ likely end the same way; a dead rank is then started afresh, as without a standb
 
 What it costs: one more process per pod, with what the script and the ``prepare`` hook hold (a second model
 and optimizer, on the device if the hook moves them there), and the CPU of its imports and of ``prepare``
-once, beside the running ranks. Waiting, it only stats its handover file every 50 ms.
+once, beside the running ranks. Waiting, it sleeps in the kernel until its handover file changes (inotify),
+waking once a second to check that its agent lives.
 
 With several local ranks per pod the standby does not know which one it will replace: it is started without
 ``LOCAL_RANK`` and runs ``prepare`` after its handover (a hook may choose its device by the local rank).
@@ -124,8 +125,11 @@ class Standby:
 
     def _start(self, command: Sequence[str], make_env: Callable[[int | None], dict[str, str]]) -> None:
         self.started += 1
-        handover = self.run_dir / f"handover-standby-{self.started}.json"
-        report = self.run_dir / f"parked-standby-{self.started}.json"
+        # A directory of its own: the process sleeps until a file there changes, and the ranks' status files
+        # change all the time.
+        home = self.run_dir / f"standby-{self.started}"
+        home.mkdir(exist_ok=True)
+        handover, report = home / "handover.json", home / "parked.json"
         for stale in (handover, report):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()

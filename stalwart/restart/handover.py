@@ -6,7 +6,8 @@ file every ``interval``), interrupts the training function as for a fault (the w
 group, which frees peers blocked in collectives) and makes the wrapper leave the old round at its next
 check (:class:`RoundOver`). :func:`run_rounds` then starts a new session in the new epoch: iteration 0 of the
 new round, with the rank the new round gives. A warm spare's process starts *parked*: it imports the script
-and waits here, costing no CPU, until a round takes it.
+and waits here, costing no CPU (asleep in the kernel until its handover file changes: :mod:`.inotify`), until
+a round takes it.
 
 A process whose round was fenced out (a write refused with ``StaleEpoch``) waits for its handover for up to
 the barrier timeout; without one (its pod is no longer in any round: it is a zombie) it exits as before.
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stalwart.api.handover import HANDOVER_FILE_ENV, PARKED_ENV, Handover
+from stalwart.restart.inotify import file_wait
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +138,28 @@ class RoundWatch:
             self.on_new(found)
         return found
 
-    def wait(self, deadline: float | None, alive: Callable[[], bool] = lambda: True) -> Handover | None:
-        """Wait for a newer round until ``deadline`` (monotonic; ``None``: while ``alive()``)."""
-        while deadline is None or time.monotonic() < deadline:
-            self.poll()
-            pending = self.pending()
-            if pending is not None:
-                return pending
-            if not alive():
-                return None
-            self._stop.wait(self.interval)
-        return None
+    def wait(self, deadline: float | None, alive: Callable[[], bool] = lambda: True, *,
+             block: float | None = None) -> Handover | None:
+        """Wait for a newer round until ``deadline`` (monotonic; ``None``: while ``alive()``). With ``block``,
+        sleep in the kernel until the file changes, ``alive()`` asked every ``block`` seconds
+        (:mod:`.inotify`: a parked process's wait costs no CPU), rather than look every ``interval``."""
+        notify = file_wait(self.path) if block is not None else None
+        try:
+            while deadline is None or (now := time.monotonic()) < deadline:
+                self.poll()
+                pending = self.pending()
+                if pending is not None:
+                    return pending
+                if not alive():
+                    return None
+                if notify is not None and block is not None:
+                    notify.wait(block if deadline is None else min(block, max(0.0, deadline - now)))
+                else:
+                    self._stop.wait(self.interval)
+            return None
+        finally:
+            if notify is not None:
+                notify.close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -54,7 +54,10 @@ from stalwart.restart.monitor import StatusFile
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run_rounds"]
+__all__ = ["PARKED_CHECK", "run_rounds"]
+
+#: Seconds between a parked process's checks that its agent lives (it sleeps in the kernel in between).
+PARKED_CHECK = 1.0
 
 
 class _Session(Protocol):
@@ -177,7 +180,7 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
             prepared = _prepare(base, parked=True) if knows_place else None
             # A parked process waits for as long as its agent lives (the agent stops it when the job ends); its
             # main thread alone watches the file until a round takes it, then the watch's own thread does.
-            first = watch.wait(None, alive=_parent_alive(parent))
+            first = watch.wait(None, alive=_parent_alive(parent), block=PARKED_CHECK)
             if first is None:
                 raise RestartExit(ExitCode.TERMINATED, "the agent ended before a round took this spare")
             _enter(watch, first)

@@ -12,6 +12,7 @@ from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, n
 from stalwart.agent.supervision import ProcView
 from stalwart.api.handover import Handover
 from stalwart.restart.handover import RoundOver, RoundWatch, newer, read_handover
+from stalwart.restart.inotify import file_wait
 
 RUNNING = ProcView(0, None, wrapped=True)
 
@@ -98,3 +99,29 @@ def test_parked_wait_ends_when_the_agent_is_gone(tmp_path: Path) -> None:
     watch = RoundWatch(str(tmp_path / "h.json"), epoch=0)
     alive = threading.Event()
     assert watch.wait(deadline=None, alive=alive.is_set) is None
+
+
+def test_a_file_wait_ends_on_its_file_only(tmp_path: Path) -> None:
+    path = tmp_path / "handover.json"
+    notify = file_wait(str(path))
+    assert notify is not None, "inotify is available on Linux"
+    try:
+        (tmp_path / "rank-0.json").write_text("{}")  # another file of the directory: not a reason to wake
+        assert notify.wait(0.2) is False
+        write_handover(path, Handover(epoch=3, round=2, env={"STALWART_EPOCH": "3"}))  # by rename, as the agent
+        assert notify.wait(30) is True
+        assert notify.wait(0.1) is False  # nothing new since
+    finally:
+        notify.close()
+
+
+def test_a_parked_wait_sleeps_until_its_handover(tmp_path: Path) -> None:
+    path = tmp_path / "handover.json"
+    watch = RoundWatch(str(path), epoch=0)
+    writer = threading.Timer(0.3, write_handover, (path, Handover(epoch=5, round=2, env={"STALWART_EPOCH": "5"})))
+    writer.start()
+    try:
+        found = watch.wait(deadline=None, block=60.0)  # without the file's event it would sleep for a minute
+    finally:
+        writer.join()
+    assert found is not None and found.epoch == 5
