@@ -1,9 +1,9 @@
 """A rank that dies in the middle of a state copy, end to end: two agents (pods) of one rank each run the
-example (``sync_from_peers``, SGD with momentum, a checkpoint every 10 steps) with warm spares on. Rank 1's
-process is SIGKILLed; its replacement, holding no state, receives rank 0's state, and rank 0 SIGKILLs itself
-once it has posted the copy's first bucket of two (``STALWART_EXAMPLE_DIE_IN_COPY``). The receiver is left
-holding no state, not a part of one: the next iteration finds no replica in memory and both ranks resume from
-the checkpoint; the job ends with the parameters of a fault-free run, bit for bit."""
+example (``sync_from_peers``, SGD with momentum, a checkpoint every 10 steps) with warm spares on. worker-1's
+rank process is SIGKILLed; its replacement, holding no state, receives worker-0's state, and worker-0's rank
+SIGKILLs itself once it has posted the copy's first bucket of two (``STALWART_EXAMPLE_DIE_IN_COPY``). The
+receiver is left holding no state, not a part of one: the next iteration finds no replica in memory and both
+ranks resume from the checkpoint; the job ends with the parameters of a fault-free run, bit for bit."""
 
 from __future__ import annotations
 
@@ -71,9 +71,10 @@ def test_a_source_killed_mid_copy_leaves_no_partial_state_and_the_job_recovers(e
                 agent.kill()
                 agent.wait(timeout=30)
 
-    # Rank 0 died sending: after its first bucket, rank 1's replacement waiting for the second.
-    (fault,) = [e for e in outs[0] if e["event"] == "fault"]
-    assert fault["bucket"] == 0 and fault["rank"] == 0, outs[0]
+    # worker-0's rank (the survivor of the kill, the copy's one source) died sending, after its first bucket,
+    # worker-1's replacement waiting for the second.
+    (fault,) = [e for out in outs for e in out if e["event"] == "fault"]
+    assert fault["bucket"] == 0 and fault in outs[0], fault
     # Both ranks resumed from the checkpoint after it: no replica in memory, none presented by the receiver.
     late = [e for out in outs for e in out if e["event"] == "resume" and e["time"] > fault["time"]]
     assert late and {e["rank"] for e in late} == {0, 1}, late
