@@ -58,6 +58,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from cluster_job import ClusterJob, Events, operated_cluster, parse  # noqa: E402
 
+from stalwart.api.restart import ProgressRecord  # noqa: E402
+from stalwart.etcd.keys import JobKeys  # noqa: E402
+from stalwart.etcd.store import Store  # noqa: E402
 from stalwart.examples.train import IN_FEATURES, OUT_FEATURES  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
 from stalwart.net import free_port  # noqa: E402
@@ -89,15 +92,24 @@ def pod_pids(pod: str) -> set[int]:
 
 
 def is_rank(pid: int) -> bool:
-    """Whether ``pid`` runs the training script itself in a round (not the agent, whose command line ends with it,
-    nor the pod's fork server, nor its standby process, which waits parked: ``STALWART_PARKED=true`` from its
-    start)."""
+    """Whether ``pid`` runs the training script itself (not the agent, whose command line ends with it, nor the
+    pod's fork server)."""
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        parked = b"STALWART_PARKED=true" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False
-    return args[1:3] == [b"-m", b"stalwart.examples.train"] and not parked
+    return args[1:3] == [b"-m", b"stalwart.examples.train"]
+
+
+def rank_of(cluster: LocalCluster, job: str, pod: str) -> int:
+    """The pid of ``pod``'s rank process as its agent reports it (its progress record in etcd): with warm spares
+    the pod also runs a standby process, parked, which looks the same from outside."""
+    uid = json.loads(cluster.kubectl("get", "tj", job, "-n", NS, "-o", "json").stdout)["metadata"]["uid"]
+    with Store([str(cluster.etcd_endpoint)], timeout=5.0) as store:
+        kv = store.get(JobKeys(NS, uid).progress_of(pod))
+    assert kv is not None, f"{pod}: no progress record"
+    (pid,) = [r.pid for r in ProgressRecord.from_json_bytes(kv.value).ranks if r.slot >= 0]
+    return pid
 
 
 def descendants(pid: int) -> list[int]:
@@ -174,7 +186,8 @@ def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, p
         for pid in pod_pids(victim):
             os.kill(pid, signal.SIGKILL)
     elif fault == "kill-rank":
-        (rank,) = [pid for pid in pod_pids(victim) if is_rank(pid)]
+        rank = rank_of(cluster, name, victim)
+        assert rank in pod_pids(victim) and is_rank(rank), rank
         os.kill(rank, signal.SIGKILL)
     else:
         cluster.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
