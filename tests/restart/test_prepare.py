@@ -4,7 +4,8 @@ its promotion, not at an in-process restart after it), in both script styles; on
 spare ends that process ``PREPARE_FAILED`` with the exception in its log and in its report for the agent while
 the running ranks finish; one that raises on a running rank fails it as an exception raised before its first
 iteration does; one that never returns ends its parked process ``PREPARE_FAILED`` at ``prepare_timeout``, its
-stacks in its log and the deadline in its report."""
+stacks in its log and the deadline in its report; a parked process without LOCAL_RANK (a pod's standby of
+several local ranks) runs it after its handover, once."""
 
 from __future__ import annotations
 
@@ -181,3 +182,35 @@ def test_a_prepare_that_never_returns_ends_the_parked_process_at_its_deadline(et
     report = FailureInfo.from_json_bytes((tmp_path / "parked-report.json").read_bytes())
     assert report.reason == "the prepare hook did not return within 2 s on a parked process (exit code 100, " \
                             "PREPARE_FAILED)" and report.exception is None and report.pod == "node-spare"
+
+
+def test_a_standby_without_a_local_rank_prepares_after_its_handover(etcd: EtcdServer, tmp_path: Path) -> None:
+    # A pod's standby when the pod runs several local ranks: parked without LOCAL_RANK (it does not know which
+    # rank it will replace), it runs the hook once its handover names one, then takes that rank's place.
+    store = Store([etcd.endpoint])
+    keys, epoch = new_job(store)
+    store.close()
+    cmd = _command(tmp_path, "--prepare", "count")
+    procs: dict[str, RankProcess] = {}
+    try:
+        env0 = rank_env(etcd, keys, epoch, slot=0, slots=2, target=2, work=tmp_path)
+        env0.update({HANDOVER_FILE_ENV: str(tmp_path / "handover-0.json"), "STALWART_NODE_ID": "node-0"})
+        procs["slot0"] = spawn_rank(cmd, env0)
+        parked = _parked_env(etcd, rank_env(etcd, keys, epoch, slot=1, slots=2, target=2, work=tmp_path), tmp_path)
+        parked.pop("LOCAL_RANK")
+        procs["standby"] = spawn_rank(cmd, parked)
+        env1 = rank_env(etcd, keys, epoch, slot=1, slots=2, target=2, work=tmp_path)
+        env1["STALWART_NODE_ID"] = "node-spare"
+        handed = time.time()
+        write_handover(tmp_path / "handover-spare.json", Handover(epoch=epoch, round=1, env=handover_env(env1)))
+        assert procs["slot0"].wait(timeout=180) == 0
+        assert procs["standby"].wait(timeout=60) == 0
+    finally:
+        _end(procs)
+    standby = procs["standby"].pid
+    [record] = [r for r in _prepared(tmp_path) if r["pid"] == standby]
+    assert not record["parked"] and record["time"] >= handed, record
+    finals = {r["rank"]: r for r in (json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert finals[1]["pid"] == standby and finals[1]["prepared"] == record, finals
+    expected = expected_checksum(steps=STEPS)
+    assert all(r["step"] == STEPS and abs(r["checksum"] - expected) < 1e-4 for r in finals.values()), finals
