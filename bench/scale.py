@@ -81,6 +81,12 @@ def emit(impl: str, nodes: int, metric: str, value: float | None, **extra: Any) 
     print(json.dumps(row), flush=True)
 
 
+def rounded(costs: Costs) -> dict[str, Any]:
+    """The cost model's fields for a row (``--costs`` takes them back)."""
+    return {k: [[c, round(s, 9)] for c, s in v] if k.endswith("_batched") else round(v, 9)
+            for k, v in costs.as_dict().items()}
+
+
 def cpu_rows(impl: str, n: int, what: str, phases: dict[str, float]) -> None:
     """The CPU seconds the project's code took in ``what``, per phase, summed over the simulated processes
     (each would have its own core; the ``sealer`` phase is one process's, serial on the critical path)."""
@@ -331,12 +337,17 @@ def main() -> int:
         print(e, file=sys.stderr)
         return 2
     if given is not None:
-        emit("calibration", 0, "costs", None, calibration="given",
-             **{k: round(v, 9) for k, v in given.as_dict().items()})
+        emit("calibration", 0, "costs", None, calibration="given", **rounded(given))
     for name, c in measured.items():
         kind = CALIBRATIONS[name]
         emit("calibration", 0, "costs", None, calibration=name, published=name == publish, members=kind.members,
-             fsync=kind.fsync, tls=kind.tls, auth=kind.auth, **{k: round(v, 9) for k, v in c.as_dict().items()})
+             fsync=kind.fsync, tls=kind.tls, auth=kind.auth, **rounded(c))
+        for concurrency, seconds in c.write_batched:  # a row per concurrency: what etcd's batching is worth
+            emit("calibration", 0, "proposal_seconds", seconds, calibration=name, concurrency=int(concurrency),
+                 at_16_threads=round(c.write, 9))
+        for concurrency, seconds in c.read_batched:
+            emit("calibration", 0, "read_seconds", seconds, calibration=name, concurrency=int(concurrency),
+                 one_at_a_time_beyond_the_round_trip=round(c.read, 9))
     for row in checked:
         emit(row.pop("impl"), row.pop("nodes"), row.pop("metric"), row.pop("value"), **row)
     rows = {n: scale_rows(n, costs, args.anchor_max) for n in args.nodes}
