@@ -160,28 +160,38 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     phases_printed = False
     # Charged, as every row above: the project's CPU and the running job's background requests. Beside them,
     # "stalwart-no-background" (the CPU only) and "stalwart-uncharged" (neither: the model as published before).
-    for impl, relay, spread, cpu, bg in (("stalwart", True, 0.0, True, True),
-                                         ("stalwart-per-rank", False, 0.0, True, True),
-                                         ("stalwart-aborts-50ms-apart", True, 0.05, True, True),
-                                         ("stalwart-no-background", True, 0.0, True, False),
-                                         ("stalwart-uncharged", True, 0.0, False, False)):
+    # What-ifs, not the code (``RestartRun.pod_fanout``): every watch of a pod's ranks one watch of its agent and
+    # a pod's arrivals one record; "-pod-leases": and the ranks' liveness carried by the pod's lease (no lease per
+    # rank to refresh); "-no-background": neither the job's steady requests.
+    pod_leases = Background(ranks=0, nodes=load.nodes)
+    for impl, relay, spread, cpu, bg, fanout in (
+            ("stalwart", True, 0.0, True, load, False),
+            ("stalwart-per-rank", False, 0.0, True, load, False),
+            ("stalwart-aborts-50ms-apart", True, 0.05, True, load, False),
+            ("stalwart-no-background", True, 0.0, True, None, False),
+            ("stalwart-uncharged", True, 0.0, False, None, False),
+            ("what-if-pod-fanout", True, 0.0, True, load, True),
+            ("what-if-pod-fanout-pod-leases", True, 0.0, True, pod_leases, True),
+            ("what-if-pod-fanout-no-background", True, 0.0, True, None, True)):
         t0 = time.process_time()
-        if bg and load.busy_per_second(costs) >= SATURATED:
-            out.setdefault("barrier", None)
-            emit(impl, n, "restart_barrier_seconds", None, ranks=n, saturated=round(load.busy_per_second(costs), 3),
+        if bg is not None and bg.busy_per_second(costs) >= SATURATED:
+            if impl == "stalwart":
+                out.setdefault("barrier", None)
+            emit(impl, n, "restart_barrier_seconds", None, ranks=n, saturated=round(bg.busy_per_second(costs), 3),
                  note="the running job's background alone needs this many seconds of etcd's time per second")
             continue
-        restart = RestartRun(n, costs, relay=relay, abort_spread=spread, cpu=cpu,
-                             background=load if bg else None).restart(LIMIT)
+        restart = RestartRun(n, costs, relay=relay, abort_spread=spread, cpu=cpu, background=bg,
+                             pod_fanout=fanout).restart(LIMIT)
         if impl == "stalwart":
             out["barrier"] = restart["seconds"]
         if cpu and not phases_printed:  # once, from the first charged run
             phases_printed = True
             cpu_rows(impl, n, "restart", restart["cpu_seconds"])
         emit(impl, n, "restart_barrier_seconds", restart["seconds"], ranks=n, released=restart["released"],
-             seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu, background=bg,
-             goal="< 0.5 s at 16,384")
-        if impl in ("stalwart-no-background", "stalwart-uncharged"):
+             seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu, background=bg is not None,
+             background_busy=None if bg is None else round(bg.busy_per_second(costs), 4),
+             watch_events=restart["watch_events"], goal="< 0.5 s at 16,384")
+        if impl in ("stalwart-no-background", "stalwart-uncharged") or fanout:
             continue
         emit(impl, n, "writes_per_rank_per_restart", restart["writes"] / n, goal="<= 2",
              keys_written_per_rank=restart["keys_written"] / n,

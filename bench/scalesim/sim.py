@@ -121,12 +121,48 @@ class Subscription:
     start: int
     deliver: Callable[[list[WatchEvent], float], None]
     active: bool = True
+    #: A what-if (not how the code watches): the watches of one ``group`` (a pod) are one watch in etcd, which
+    #: the pod's agent hands on to each (``hop`` seconds later); ``None``: a watch of its own.
+    group: object | None = None
+    #: A what-if: the changes of one transaction are one record (a pod's arrivals in one key): one event.
+    per_transaction: bool = False
+    hop: float = 0.0
 
 
 @dataclass
 class _Scope:
     phase: str
     mark: float
+    owner: object = None
+
+
+@dataclass
+class _CpuLine:
+    """One process's CPU when its work runs on threads: the bursts placed so far, as the end of the last one
+    and the idle gaps left before it (the most recent :data:`_GAPS`). A burst takes the first gap that holds it
+    at or after it is ready, else the end: a thread's work after its etcd answer (which the simulator computes at
+    once, at the answer's time) does not hold back another thread's work that was ready before."""
+
+    free: float = 0.0
+    gaps: list[tuple[float, float]] = field(default_factory=list)
+
+    def place(self, ready: float, length: float) -> float:
+        """Where a burst of ``length`` seconds, ready at ``ready``, ends."""
+        for i, (a, b) in enumerate(self.gaps):
+            start = max(a, ready)
+            if start + length <= b:
+                self.gaps[i:i + 1] = [g for g in ((a, start), (start + length, b)) if g[1] > g[0]]
+                return start + length
+        start = max(ready, self.free)
+        if start > self.free:
+            self.gaps.append((self.free, start))
+            del self.gaps[:-_GAPS]
+        self.free = start + length
+        return self.free
+
+
+#: Idle gaps of a process's CPU kept for later bursts (older ones are given up: a burst then waits longer).
+_GAPS = 64
 
 
 @dataclass(order=True)
@@ -237,13 +273,17 @@ class Background:
 class Sim:
     """A discrete-event loop over simulated seconds, one model etcd server and its watch fan-out."""
 
-    def __init__(self, costs: Costs, mem: MemEtcd | None = None, *, cpu: bool = True) -> None:
+    def __init__(self, costs: Costs, mem: MemEtcd | None = None, *, cpu: bool = True, threads: bool = False) -> None:
         self.costs = costs
         self.mem = mem or MemEtcd()
         self.server = Server(costs)
         self.now = 0.0
         #: Charge the project's code its CPU time (see the module's doc); off, it runs in no simulated time.
         self.cpu = cpu
+        #: A process's work runs on threads of it (see :meth:`working`): as the real validation's processes do,
+        #: each holding thousands of ranks or nodes, their etcd calls on threads of their own.
+        self.threads = threads
+        self._lines: dict[int, _CpuLine] = {}
         #: CPU seconds measured per phase (charged or not), and per simulated process: when it is free.
         self.cpu_seconds: dict[str, float] = {}
         self.busy: dict[int, float] = {}
@@ -307,16 +347,21 @@ class Sim:
     @contextlib.contextmanager
     def working(self, owner: object, phase: str) -> Iterator[None]:
         """The block is ``owner``'s work (one simulated process): it starts when the process is free (not
-        before ``now``), and its CPU time, up to each request and after the last, advances the clock."""
+        before ``now``), and its CPU time, up to each request and after the last, advances the clock.
+
+        With :attr:`threads` the block is one of the process's threads: each piece of its CPU waits for the
+        process's CPU to be free (one interpreter lock), but its waits on etcd leave the CPU to the others."""
         assert self._scope is None, "a simulated process's work does not nest"
-        self.now = max(self.now, self.busy.get(id(owner), 0.0))
-        self._scope = _Scope(phase, time.thread_time())
+        if not self.threads:
+            self.now = max(self.now, self.busy.get(id(owner), 0.0))
+        self._scope = _Scope(phase, time.thread_time(), owner)
         try:
             yield
         finally:
             self._charge()
             self._scope = None
-            self.busy[id(owner)] = self.now
+            if not self.threads:
+                self.busy[id(owner)] = self.now
 
     def charge(self, seconds: float) -> None:
         """Charge the work under way ``seconds`` more: what it would have computed itself, had the simulator
@@ -359,7 +404,8 @@ class Sim:
 
         def deliver(events: list[WatchEvent], when: float) -> None:
             free = self.busy.get(id(owner), 0.0)
-            if not pending and (not self.cpu or free <= when):
+            # On threads (``threads``) a batch is handled at once: its CPU waits for the process's (``working``).
+            if not pending and (not self.cpu or self.threads or free <= when):
                 handle(events, when)
                 return
             if not pending:
@@ -377,7 +423,13 @@ class Sim:
 
     def _account(self, phase: str, seconds: float) -> None:
         self.cpu_seconds[phase] = self.cpu_seconds.get(phase, 0.0) + seconds
-        if self.cpu:
+        if not self.cpu:
+            return
+        if self.threads and self._scope is not None:
+            line = self._lines.setdefault(id(self._scope.owner), _CpuLine())
+            self.now = line.place(self.now, seconds)
+            self.busy[id(self._scope.owner)] = line.free
+        else:
             self.now += seconds
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -408,10 +460,12 @@ class Sim:
     # -- watch fan-out -----------------------------------------------------------------------------------
 
     def subscribe(self, ranges: tuple[WatchRange, ...], start: int,
-                  deliver: Callable[[list[WatchEvent], float], None]) -> Subscription:
+                  deliver: Callable[[list[WatchEvent], float], None], *, group: object | None = None,
+                  per_transaction: bool = False, hop: float = 0.0) -> Subscription:
         """A watch on ``ranges`` from revision ``start`` (what etcd sends a process that read at ``start - 1``
-        and then watched from the next revision)."""
-        sub = Subscription(ranges, start, deliver)
+        and then watched from the next revision); ``group``, ``per_transaction``, ``hop``: what-ifs, see
+        :class:`Subscription`."""
+        sub = Subscription(ranges, start, deliver, group=group, per_transaction=per_transaction, hop=hop)
         self.subscriptions.setdefault(ranges, []).append(sub)
         return sub
 
@@ -431,16 +485,23 @@ class Sim:
             events = [ev for ev in log if in_ranges(ranges, ev)]
             if not events:
                 continue
+            charged: set[tuple[int, int]] = set()  # (group, first revision sent) already paid for
             for sub in group:
                 sent = events if events[0].kv.mod_revision >= sub.start else \
                     [ev for ev in events if ev.kv.mod_revision >= sub.start]
                 if not sent:
                     continue
-                size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in sent)
-                cost += len(sent) * self.costs.event + size * self.costs.event_byte
-                self.events_sent += len(sent)
-                self.event_bytes_sent += size
                 sends.append((sub, sent))
+                if sub.group is not None:
+                    mark = (id(sub.group), sent[0].kv.mod_revision)
+                    if mark in charged:
+                        continue
+                    charged.add(mark)
+                size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in sent)
+                count = len({ev.kv.mod_revision for ev in sent}) if sub.per_transaction else len(sent)
+                cost += count * self.costs.event + size * self.costs.event_byte
+                self.events_sent += count
+                self.event_bytes_sent += size
         return cost, sends
 
     def _schedule_pump(self, when: float) -> None:
@@ -471,7 +532,8 @@ class Sim:
         for deliver in list(self.watchers):
             self.at(delivered, lambda d=deliver: d(start, end, delivered))  # type: ignore[misc]
         for sub, sent in sends:
-            self.at(delivered, lambda s=sub, e=sent: s.deliver(e, delivered) if s.active else None)  # type: ignore[misc]
+            self.at(delivered + sub.hop,
+                    lambda s=sub, e=sent, t=delivered + sub.hop: s.deliver(e, t) if s.active else None)  # type: ignore[misc]
         if len(self.committed_at) > end:
             self._schedule_pump(self.committed_at[end])
 

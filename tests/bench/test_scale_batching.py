@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pytest
 
 from bench.scalesim.sim import Costs, Server, Sim, TimedStore
+from stalwart.etcd.store import Put, WatchRange
 
 ROWS = ((16.0, 1e-3), (256.0, 2.5e-4), (2048.0, 1e-4))
 
@@ -100,3 +101,24 @@ def test_the_rows_survive_a_round_trip_through_json_and_bad_rows_are_named() -> 
         Costs(write_batched=((256, 1e-4), (16, 1e-3)))
     with pytest.raises(ValueError, match="read_batched"):
         Costs(read_batched=((0, 1e-4),))
+
+
+def test_the_what_if_of_one_watch_per_pod_charges_a_pods_watches_once_and_a_transaction_as_one_event() -> None:
+    costs = Costs(rtt=0.0, write=1e-3, read=0.0, event=1e-4, event_byte=0.0)
+    sim = Sim(costs, cpu=False)
+    store = TimedStore(sim)
+    got: list[tuple[str, float]] = []
+    pod = object()
+    for name, group in (("a", pod), ("b", pod), ("c", None)):
+        sim.subscribe((WatchRange("k/", prefix=True),), 1, lambda evs, when, n=name: got.append((n, when)),
+                      group=group, hop=0.001 if group is pod else 0.0)
+    sim.subscribe((WatchRange("k/", prefix=True),), 1, lambda evs, when: got.append(("d", when)),
+                  per_transaction=True)
+    store.txn((), [Put("k/1", b""), Put("k/2", b"")])  # one transaction, two keys
+    sim.run(1.0)
+    # Two events to the pod's one watch, two to c's, one (the transaction) to d's: 5 events' time, once.
+    assert sim.events_sent == 5
+    assert sim.server.busy_until == pytest.approx(1e-3 + 5 * 1e-4)
+    assert sorted(n for n, _ in got) == ["a", "b", "c", "d"]  # each watch is handed its batch
+    when = dict(got)
+    assert when["a"] == when["b"] == pytest.approx(when["c"] + 0.001)  # the agent's hop
