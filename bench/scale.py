@@ -81,6 +81,12 @@ def emit(impl: str, nodes: int, metric: str, value: float | None, **extra: Any) 
     print(json.dumps(row), flush=True)
 
 
+def rounded(costs: Costs) -> dict[str, Any]:
+    """The cost model's fields for a row (``--costs`` takes them back)."""
+    return {k: [[c, round(s, 9)] for c, s in v] if k.endswith("_batched") else round(v, 9)
+            for k, v in costs.as_dict().items()}
+
+
 def cpu_rows(impl: str, n: int, what: str, phases: dict[str, float]) -> None:
     """The CPU seconds the project's code took in ``what``, per phase, summed over the simulated processes
     (each would have its own core; the ``sealer`` phase is one process's, serial on the critical path)."""
@@ -154,28 +160,38 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     phases_printed = False
     # Charged, as every row above: the project's CPU and the running job's background requests. Beside them,
     # "stalwart-no-background" (the CPU only) and "stalwart-uncharged" (neither: the model as published before).
-    for impl, relay, spread, cpu, bg in (("stalwart", True, 0.0, True, True),
-                                         ("stalwart-per-rank", False, 0.0, True, True),
-                                         ("stalwart-aborts-50ms-apart", True, 0.05, True, True),
-                                         ("stalwart-no-background", True, 0.0, True, False),
-                                         ("stalwart-uncharged", True, 0.0, False, False)):
+    # What-ifs, not the code (``RestartRun.pod_fanout``): every watch of a pod's ranks one watch of its agent and
+    # a pod's arrivals one record; "-pod-leases": and the ranks' liveness carried by the pod's lease (no lease per
+    # rank to refresh); "-no-background": neither the job's steady requests.
+    pod_leases = Background(ranks=0, nodes=load.nodes)
+    for impl, relay, spread, cpu, bg, fanout in (
+            ("stalwart", True, 0.0, True, load, False),
+            ("stalwart-per-rank", False, 0.0, True, load, False),
+            ("stalwart-aborts-50ms-apart", True, 0.05, True, load, False),
+            ("stalwart-no-background", True, 0.0, True, None, False),
+            ("stalwart-uncharged", True, 0.0, False, None, False),
+            ("what-if-pod-fanout", True, 0.0, True, load, True),
+            ("what-if-pod-fanout-pod-leases", True, 0.0, True, pod_leases, True),
+            ("what-if-pod-fanout-no-background", True, 0.0, True, None, True)):
         t0 = time.process_time()
-        if bg and load.busy_per_second(costs) >= SATURATED:
-            out.setdefault("barrier", None)
-            emit(impl, n, "restart_barrier_seconds", None, ranks=n, saturated=round(load.busy_per_second(costs), 3),
+        if bg is not None and bg.busy_per_second(costs) >= SATURATED:
+            if impl == "stalwart":
+                out.setdefault("barrier", None)
+            emit(impl, n, "restart_barrier_seconds", None, ranks=n, saturated=round(bg.busy_per_second(costs), 3),
                  note="the running job's background alone needs this many seconds of etcd's time per second")
             continue
-        restart = RestartRun(n, costs, relay=relay, abort_spread=spread, cpu=cpu,
-                             background=load if bg else None).restart(LIMIT)
+        restart = RestartRun(n, costs, relay=relay, abort_spread=spread, cpu=cpu, background=bg,
+                             pod_fanout=fanout).restart(LIMIT)
         if impl == "stalwart":
             out["barrier"] = restart["seconds"]
         if cpu and not phases_printed:  # once, from the first charged run
             phases_printed = True
             cpu_rows(impl, n, "restart", restart["cpu_seconds"])
         emit(impl, n, "restart_barrier_seconds", restart["seconds"], ranks=n, released=restart["released"],
-             seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu, background=bg,
-             goal="< 0.5 s at 16,384")
-        if impl in ("stalwart-no-background", "stalwart-uncharged"):
+             seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu, background=bg is not None,
+             background_busy=None if bg is None else round(bg.busy_per_second(costs), 4),
+             watch_events=restart["watch_events"], goal="< 0.5 s at 16,384")
+        if impl in ("stalwart-no-background", "stalwart-uncharged") or fanout:
             continue
         emit(impl, n, "writes_per_rank_per_restart", restart["writes"] / n, goal="<= 2",
              keys_written_per_rank=restart["keys_written"] / n,
@@ -331,12 +347,17 @@ def main() -> int:
         print(e, file=sys.stderr)
         return 2
     if given is not None:
-        emit("calibration", 0, "costs", None, calibration="given",
-             **{k: round(v, 9) for k, v in given.as_dict().items()})
+        emit("calibration", 0, "costs", None, calibration="given", **rounded(given))
     for name, c in measured.items():
         kind = CALIBRATIONS[name]
         emit("calibration", 0, "costs", None, calibration=name, published=name == publish, members=kind.members,
-             fsync=kind.fsync, tls=kind.tls, auth=kind.auth, **{k: round(v, 9) for k, v in c.as_dict().items()})
+             fsync=kind.fsync, tls=kind.tls, auth=kind.auth, **rounded(c))
+        for concurrency, seconds in c.write_batched:  # a row per concurrency: what etcd's batching is worth
+            emit("calibration", 0, "proposal_seconds", seconds, calibration=name, concurrency=int(concurrency),
+                 at_16_threads=round(c.write, 9))
+        for concurrency, seconds in c.read_batched:
+            emit("calibration", 0, "read_seconds", seconds, calibration=name, concurrency=int(concurrency),
+                 one_at_a_time_beyond_the_round_trip=round(c.read, 9))
     for row in checked:
         emit(row.pop("impl"), row.pop("nodes"), row.pop("metric"), row.pop("value"), **row)
     rows = {n: scale_rows(n, costs, args.anchor_max) for n in args.nodes}

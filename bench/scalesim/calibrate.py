@@ -5,6 +5,13 @@ bound of etcd's own cost (the client's time is counted as the server's): the sim
 
 * ``rtt``: the mean latency of a small read, one at a time;
 * ``write``: wall seconds per proposal while 16 threads create keys together (the server's throughput);
+* ``write_batched``: wall seconds per proposal with ``C`` create-if-absent transactions kept in flight at once
+  (gRPC futures sent from one thread, a new one as soon as one is answered), for each ``C`` of
+  :data:`CONCURRENCY`: etcd's raft loop puts every proposal that arrived while it was busy into one append and
+  one fsync, so the more are in flight the less each costs (the simulator's server charges a proposal the
+  row of the proposals in flight when it arrives);
+* ``read_batched``: the same for linearizable reads of one small key (etcd serves the reads waiting at once
+  from one read index: one round to the followers for all of them);
 * ``read``: a read of one small key, less the round trip; ``read_key``, ``read_byte``: prefix reads of
   1,000 small keys and of 1,000 keys of 2 KiB, solved for a per-key and a per-byte part;
 * ``event``, ``event_byte``: 4 watchers (``etcdctl watch``, etcd's Go client) replaying 3,000 changes of
@@ -33,12 +40,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+from pyetcd.etcdrpc import rpc_pb2 as rpc
+
 from bench.scalesim.sim import Costs
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.errors import StoreError
 from stalwart.etcd.store import Compare, Put, Store
 from stalwart.local.etcd import find_etcd_binary
 from stalwart.local.etcd_cluster import EtcdCluster
+
+#: The proposals in flight at which ``write_batched`` is measured: from the 16 writers of ``write`` to a pod's
+#: arrivals at the barrier of 16,384 ranks (2,048 transactions).
+CONCURRENCY = (16, 64, 256, 1024, 2048)
 
 
 class CalibrationError(Exception):
@@ -123,6 +137,46 @@ def _writes(store: Store, prefix: str, threads: int, each: int) -> float:
     return (time.perf_counter() - t0) / (threads * each)
 
 
+def _in_flight(store: Store, prefix: str, concurrency: int, total: int, *, reads: bool = False) -> float:
+    """Wall seconds per proposal with ``concurrency`` create-if-absent transactions kept in flight (``reads``:
+    per linearizable read of one small key): sent as gRPC futures from this thread (with the store's login), the
+    next as soon as one is answered."""
+    member = store._members.current()
+    metadata = member.calls.metadata("calibrate")
+    slots = threading.Semaphore(concurrency)
+    failed: list[str] = []
+    value = b'{"slot":1,"pid":12345,"node":"node-00001","healthy":true}'
+
+    def done(future: grpc.Future) -> None:
+        try:
+            if not reads and not future.result().succeeded:
+                failed.append("a create-if-absent transaction found its key present")
+            future.result()
+        except grpc.RpcError as e:
+            failed.append(f"{e.code()}: {e.details()}")
+        finally:
+            slots.release()
+    t0 = time.perf_counter()
+    for i in range(total):
+        slots.acquire()
+        if reads:
+            member.kv.Range.future(rpc.RangeRequest(key=f"{prefix}{i % 1000:06d}".encode()), timeout=60,
+                                   metadata=metadata).add_done_callback(done)
+            continue
+        key = f"{prefix}{i}".encode()
+        req = rpc.TxnRequest(compare=[rpc.Compare(key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL,
+                                                  create_revision=0)],
+                             success=[rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value))])
+        member.kv.Txn.future(req, timeout=60, metadata=metadata).add_done_callback(done)
+    for _ in range(concurrency):  # every answer in
+        if not slots.acquire(timeout=120):
+            raise RuntimeError(f"calibration: requests at concurrency {concurrency} not answered in 120 s")
+    elapsed = time.perf_counter() - t0
+    if failed:
+        raise StoreError(f"calibration at concurrency {concurrency}: {failed[0]}")
+    return elapsed / total
+
+
 def _fanout(target: Target, store: Store, prefix: str, *, watchers: int, events: int, size: int) -> float:
     """Wall seconds per event per watcher for etcd to send ``events`` changes to each of ``watchers``
     watchers. The changes are written first and the watchers replay them from their revision, so only the
@@ -180,10 +234,13 @@ def _measure(target: Target, store: Store) -> Costs:
     base = f"/calibrate/{uuid.uuid4().hex[:8]}/"
     rtt = _timed(store.revision, 300)
     write = _writes(store, base + "w/", 16, 60)
+    batched = tuple((float(c), _in_flight(store, f"{base}b{c}/", c, max(2048, 2 * c))) for c in CONCURRENCY)
     small, large = 40, 2048
     _fill(store, base + "rs/", 1000, small)
     _fill(store, base + "rl/", 1000, large)
     read = max(0.0, _timed(lambda: store.get(base + "rs/000000"), 100) - rtt)
+    read_batched = tuple((float(c), _in_flight(store, base + "rs/", c, max(2048, 2 * c), reads=True))
+                         for c in CONCURRENCY)
     t_small = _timed(lambda: store.get_prefix(base + "rs/"), 10) - rtt - read
     t_large = _timed(lambda: store.get_prefix(base + "rl/"), 10) - rtt - read
     key_bytes = len(base) + 9
@@ -197,4 +254,4 @@ def _measure(target: Target, store: Store) -> Costs:
     event = max(0.0, e_small - event_byte * (key_bytes + small))
     store.delete_prefix(base)
     return Costs(rtt=rtt, write=write, read=read, read_key=read_key, read_byte=read_byte, event=event,
-                 event_byte=event_byte)
+                 event_byte=event_byte, write_batched=batched, read_batched=read_batched)

@@ -10,9 +10,10 @@ and one gRPC watch stream carrying every watch of its ranks, each still a watch 
 id, sent its own events), as etcd's own client shares a stream between watches.
 
 A rank's steps are those of the simulator's ``Rank``, which follows the wrapper: its monitor's watch (fault
-records, heartbeat deletions) brings the fault; it reads the cause through its pod's relay; it arrives
-through the relay with the read its wait starts from (the sealer then reads the prefix itself); it waits on a
-watch of the seal's key (the sealer: of the prefix, and seals with the real ``plan_seal`` /
+records, heartbeat deletions) brings the fault; it arrives through its pod's relay with the read of the
+cause (the interrupted iteration's fault records) and of what its wait starts from (the sealer then reads what
+``sealer_parts`` says itself); it waits on a watch of the seal's key (the sealer: of those parts, and seals
+with the real ``plan_seal`` /
 ``RankAssignment`` / ``try_seal``). A pod's relay is what the simulator models of the agent's
 (:mod:`stalwart.agent.relay`): the real ``due`` says when a pod's requests go and the real ``execute`` sends
 them as one fenced transaction; without its Unix socket (the ranks hand it their requests in the process).
@@ -66,12 +67,22 @@ from stalwart.etcd.records import KeyValue, WatchEvent, WatchRange, as_bytes, pr
 from stalwart.etcd.store import Put, Store
 from stalwart.restart.assignment import RankAssignment
 from stalwart.restart.coordination import Coordinator
-from stalwart.restart.protocol import Arrived, EpochView, Participant, barrier_sealer, barrier_state, plan_seal
+from stalwart.restart.protocol import (
+    Arrived,
+    EpochView,
+    Participant,
+    barrier_sealer,
+    barrier_state,
+    plan_seal,
+    sealer_parts,
+)
 
 T = TypeVar("T")
 
-#: The ranks' heartbeat lease TTL (the Coordinator's default): kept alive at a third of it.
-LEASE_TTL = 10
+#: The ranks' heartbeat lease TTL, kept alive at a third of it. Not the Coordinator's default of 10 s: with
+#: 2,000 leases a process on this shared 2-core machine, a loaded moment let the keep-alive fall behind and a
+#: lease lapse mid-run (the relay's transaction then refused, the run lost). The model's background is the same.
+LEASE_TTL = 30
 Handler = Callable[[list[WatchEvent]], None]
 
 
@@ -240,30 +251,30 @@ class PodRelay:
 class LiveRank:
     """One rank through the barrier of iteration 1, step by step as the simulator's ``Rank``."""
 
-    def __init__(self, world: World, coord: Coordinator, relay: PodRelay, sealer: bool) -> None:
+    def __init__(self, world: World, coord: Coordinator, relay: PodRelay, sealer: bool,
+                 parts: tuple[WatchRange, ...] | None = (WatchRange(f"{SEAL}1"),)) -> None:
         self.world, self.coord, self.relay, self.sealer = world, coord, relay, sealer
         self.state = "running"
         self.view: EpochView | None = None
-        self.parts = None if sealer else (WatchRange(f"{SEAL}1"),)
+        self.parts = parts
+        self.read = None if parts is None else (*parts, WatchRange(f"{FAULT}0/", prefix=True))
 
     def on_monitor(self, events: list[WatchEvent]) -> None:
         fault = self.coord.base + FAULT + "0/"
         if self.state == "running" and any(ev.type == "put" and ev.kv.key.startswith(fault) for ev in events):
             self.state = "aborting"
-            self.relay.submit(self.coord.slot, self.coord.faults_request(0), self.caused)
-
-    def caused(self, answer: RelayAnswer) -> None:
-        self.coord.answered(answer).cause(0)
-        rec = ArrivalRecord(slot=self.coord.slot, node_id=self.coord.node_id)
-        self.relay.submit(self.coord.slot, self.coord.arrival_request(1, rec, self.parts or ()), self.arrived)
+            rec = ArrivalRecord(slot=self.coord.slot, node_id=self.coord.node_id)
+            self.relay.submit(self.coord.slot, self.coord.arrival_request(
+                1, rec, () if self.sealer or self.read is None else self.read), self.arrived)
 
     def arrived(self, answer: RelayAnswer) -> None:
-        if self.sealer:  # it reads the whole prefix itself after its arrival, as Coordinator.arrive does
-            self.world.blocking(self.coord.view, self.waiting, own=True)
+        if self.sealer:  # it reads its parts itself after its arrival, as Coordinator.arrive does
+            self.world.blocking(lambda: self.coord.view(self.read), self.waiting, own=True)
         else:
             self.waiting(self.coord.answered(answer))
 
     def waiting(self, view: EpochView) -> None:
+        view.cause(0)
         self.view, self.state = view, "waiting"
         if self.check():
             return
@@ -368,8 +379,14 @@ def _serve(world: World, args: argparse.Namespace) -> int:
     world.mux = WatchMux(store, world.loop)
     monitor = (WatchRange(world.coords[args.lo].base + FAULT, prefix=True),
                WatchRange(world.coords[args.lo].base + ALIVE, prefix=True, no_put=True))
+    narrow: tuple[WatchRange, ...] | None = (WatchRange(f"{SEAL}1"),)
+    if sealer in world.coords:
+        seal0 = world.coords[sealer].view([WatchRange(f"{SEAL}0")]).seals.get(0)
+        parts = sealer_parts(1, seal0, args.ranks)
+        narrow = None if parts is None else tuple(parts)
     for slot, coord in world.coords.items():
-        rank = LiveRank(world, coord, world.relays[(slot - args.lo) // args.per_pod], slot == sealer)
+        rank = LiveRank(world, coord, world.relays[(slot - args.lo) // args.per_pod], slot == sealer,
+                        narrow if slot == sealer else (WatchRange(f"{SEAL}1"),))
         world.ranks.append(rank)
         world.mux.add(monitor, 0, rank.on_monitor)
     if not world.mux.wait_created(2 * len(world.ranks), 60):

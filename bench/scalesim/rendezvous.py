@@ -187,7 +187,7 @@ class RendezvousRun:
     errors: _SealErrors = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sim = Sim(self.costs, cpu=self.cpu)
+        self.sim = Sim(self.costs, cpu=self.cpu, threads=self.processes is not None)
         self.shared_manifests = SharedManifests(self.sim)
         store = TimedStore(self.sim)
         settings = RendezvousSettings(min_nodes=self.n, max_nodes=self.n, node_ttl=30, join_timeout=600)

@@ -8,21 +8,23 @@ wrapper (``stalwart/restart/wrapper.py``) does it:
 
 1. one rank reports a fault in iteration 0; every rank's monitor watch (one per rank, on the epoch's fault
    records and the heartbeats' deletions) brings it, and the rank is interrupted (``abort`` simulated seconds,
-   0 by default: the process group's teardown is measured by ``bench/restart.py``, not here); it reads the
-   iteration's fault records for the cause (``_take_cause``);
-2. the rank arrives at the barrier of iteration 1 (a fenced put bound to its heartbeat lease);
-3. with its arrival (one transaction) the sealer (``barrier_sealer`` of iteration 0's seal: the lowest slot
-   that took part) reads the epoch's prefix and keeps its view from a watch on the prefix
-   (``Coordinator.wait_until`` without parts); when ``barrier_complete`` holds it writes the seal. Every other
-   rank reads the seal's key with its arrival and, while it is absent, watches that key only; a rank is
-   **released** when it holds the seal.
+   0 by default: the process group's teardown is measured by ``bench/restart.py``, not here);
+2. the rank arrives at the barrier of iteration 1 (a fenced put bound to its heartbeat lease) and reads, in the
+   same request, the interrupted iteration's fault records (the cause, ``_take_cause``) and what its wait
+   starts from;
+3. the sealer (``barrier_sealer`` of iteration 0's seal: the lowest slot that took part) reads, after its
+   arrival, what ``sealer_parts`` says (this barrier's arrivals and seal and the previous seal, while that seal
+   places every slot; else the whole prefix) and keeps its view from a watch on the same
+   (``Coordinator.wait_until``); when ``barrier_complete`` holds it writes the seal. Every other rank reads the
+   seal's key with its arrival and, while it is absent, watches that key only; a rank is **released** when it
+   holds the seal.
 
-With the pods' relays (``relay``, the default; ``ranks_per_node`` ranks a pod, 8 by default), the cause's
-read and every arrival (with its read of the seal's key; the sealer reads the prefix itself after it) go
-through the pod's agent (:mod:`stalwart.agent.relay`): the real ``due`` decides when a pod's
-requests are sent and the real ``execute`` sends them as one fenced transaction through the simulated store;
-the hop between a rank and its agent (a Unix socket) costs ``hop`` seconds each way. Without
-(``relay=False``), every rank makes both requests itself.
+With the pods' relays (``relay``, the default; ``ranks_per_node`` ranks a pod, 8 by default), every arrival
+(with its reads; the sealer's reads are its own, after it) goes through the pod's agent
+(:mod:`stalwart.agent.relay`): the real ``due`` decides when a pod's requests are sent and the real
+``execute`` sends them as one fenced transaction through the simulated store; the hop between a rank and its
+agent (a Unix socket) costs ``hop`` seconds each way. Without (``relay=False``), every rank makes its request
+itself.
 
 Every rank's read of the same keys at one revision returns the same bytes, so the simulator parses them once
 (with the real ``Coordinator.parse``) and charges every rank's read to the model server.
@@ -53,6 +55,7 @@ from stalwart.restart.protocol import (
     barrier_state,
     completion_known,
     plan_seal,
+    sealer_parts,
 )
 
 KEYS = JobKeys("scale", "sim1")
@@ -91,7 +94,7 @@ class _Reads:
                     del self.kvs[old], self.cost[old]
             else:
                 self.sim.mem.counters.reads += 1
-            return self.sim.request(self.cost[key], lambda: hit)
+            return self.sim.request(self.cost[key], lambda: hit, reads=1.0)
 
     def parse(self, real: Any, coord: Coordinator, kvs: list[KeyValue], revision: int) -> EpochView:
         # A few keys (a rank's read of the seal's key with its arrival) are the same bytes at many revisions.
@@ -180,6 +183,8 @@ class Rank:
     applied: _Applied
     relay: NodeRelay | None = None
     sealer: bool = False
+    #: What this rank reads with its arrival and then watches (the sealer's: ``sealer_parts``; ``None``: all).
+    parts: tuple[WatchRange, ...] | None = (WatchRange(f"{SEAL}1"),)
     state: str = "running"  # running -> aborting -> waiting -> released
     view: EpochView | None = None
     watch: Subscription | None = None
@@ -188,6 +193,9 @@ class Rank:
     seal: SealRecord | None = None
     #: The simulated process whose CPU this rank's work takes (``None``: its own, as a rank process).
     host: object | None = None
+    #: The what-if of one watch per pod (``RestartRun.pod_fanout``): the pod whose agent watches for this rank.
+    pod: object | None = None
+    hop: float = 0.0
 
     @property
     def cpu(self) -> object:
@@ -198,42 +206,30 @@ class Rank:
         if self.state == "running" and any(ev.type == "put" and ev.kv.key.startswith(self.coord.base + FAULT + "0/")
                                            for ev in events):
             self.state = "aborting"
-            self.sim.at(when + abort, self.take_cause)
-
-    def take_cause(self) -> None:
-        if self.relay is None:
-            with self.sim.working(self.cpu, "cause"):
-                self.coord.faults(0).cause(0)
-            self.sim.at(self.sim.now, self.arrive)
-            return
-
-        def answered(answer: RelayAnswer) -> None:
-            with self.sim.working(self.cpu, "cause"):
-                self.coord.answered(answer).cause(0)
-            self.arrive()
-        with self.sim.working(self.cpu, "cause"):
-            request = self.coord.faults_request(0)
-        self.relay.submit(self.coord.slot, request, answered)
+            self.sim.at(when + abort, self.arrive)
 
     def arrive(self) -> None:
-        """The arrival, with the read of what this rank's wait looks at, in one request (the pod's relay's; the
-        sealer reads the whole prefix after it, itself: as ``Coordinator.arrive`` does); then
-        ``Coordinator.wait_until`` from that view: a watch on the same parts from the next revision."""
-        parts = None if self.sealer else (WatchRange(f"{SEAL}1"),)
+        """The arrival, with the read of what this rank's wait looks at and of the interrupted iteration's
+        fault records (its cause), in one request (the pod's relay's; the sealer reads ``parts``, what
+        ``sealer_parts`` says, itself after it: as the wrapper's ``_barrier`` does); then
+        ``Coordinator.wait_until`` from that view: a watch on ``parts`` from the next revision."""
+        parts = self.parts
+        read = None if parts is None else (*parts, WatchRange(f"{FAULT}0/", prefix=True))
         rec = ArrivalRecord(slot=self.coord.slot, node_id=self.coord.node_id)
         if self.relay is None:
             with self.sim.working(self.cpu, self.phase):
-                view = self.coord.arrive(1, rec, parts)
+                view = self.coord.arrive(1, rec, read)
+                view.cause(0)
             self.arrived(view, parts)
             return
 
         def answered(answer: RelayAnswer) -> None:
-            # The sealer reads the whole prefix itself after its arrival, as ``Coordinator.arrive`` does.
             with self.sim.working(self.cpu, self.phase):
-                view = self.coord.answered(answer) if parts is not None else self.coord.view()
+                view = self.coord.view(read) if self.sealer else self.coord.answered(answer)
+                view.cause(0)
             self.arrived(view, parts)
         with self.sim.working(self.cpu, "arrive"):
-            request = self.coord.arrival_request(1, rec, parts or ())
+            request = self.coord.arrival_request(1, rec, () if self.sealer or read is None else read)
         self.relay.submit(self.coord.slot, request, answered)
 
     @property
@@ -248,7 +244,9 @@ class Rank:
             return
         ranges = tuple(WatchRange(self.coord.base + p.key, prefix=p.prefix, no_put=p.no_put)
                        for p in (parts or (WatchRange("", prefix=True),)))
-        self.watch = self.sim.subscribe(ranges, self.view.revision + 1, self.sim.serial(self.cpu, self.on_barrier))
+        self.watch = self.sim.subscribe(ranges, self.view.revision + 1, self.sim.serial(self.cpu, self.on_barrier),
+                                        group=None if self.sealer else self.pod, hop=self.hop,
+                                        per_transaction=self.sealer and self.pod is not None)
 
     def on_barrier(self, events: list[WatchEvent], when: float) -> None:
         assert self.view is not None
@@ -302,6 +300,10 @@ class RestartRun:
     #: The running job's steady requests beside the barrier's (:class:`.sim.Background`), from a second before
     #: the fault; ``None``: none.
     background: Background | None = None
+    #: A what-if, not the code: every watch of a pod's ranks (the monitors', the waits for the seal) is one watch
+    #: of its agent, which hands each batch on to its ranks (``hop`` later), and a pod's arrivals are one record
+    #: (the sealer is sent one event per pod). What one etcd would serve were the fan-out per pod.
+    pod_fanout: bool = False
     #: The ranks and their pods' relays in this many processes, each computing one thing at a time
     #: (:func:`pod_layout`: the real validation's layout); ``None``: every rank and every relay its own process.
     processes: int | None = None
@@ -310,7 +312,7 @@ class RestartRun:
     seal0: SealRecord | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.sim = Sim(self.costs, cpu=self.cpu)
+        self.sim = Sim(self.costs, cpu=self.cpu, threads=self.processes is not None)
         self.reads = _Reads(self.sim)
         self.store = TimedStore(self.sim)
         self.store.get_prefix = lambda prefix, **_: self.reads.get_prefix(self.store, prefix)  # type: ignore[method-assign]
@@ -329,7 +331,9 @@ class RestartRun:
                                  hop=self.hop, host=hosts[k]) for k in range(0, self.n, per)] if self.relay else []
         self.ranks = [Rank(self.sim, Coordinator(self.store, KEYS, epoch, slot=i,  # type: ignore[arg-type]
                                                  node_id=f"trainjob-worker-{i // per}"), self.n, applied,
-                           self.relays[i // per] if self.relay else None, host=hosts[i])
+                           self.relays[i // per] if self.relay else None, host=hosts[i],
+                           pod=self.relays[i // per] if self.pod_fanout and self.relay else None,
+                           hop=self.hop if self.pod_fanout else 0.0)
                       for i in range(self.n)]
 
     def _patched(self) -> Any:
@@ -349,8 +353,11 @@ class RestartRun:
             seal = first.coord.try_seal(plan_seal(view, 0, me, RankAssignment(), timed_out=False))
         self.seal0 = seal
         sealer = barrier_sealer(seal)
+        narrow = sealer_parts(1, seal, self.n)
         for r in self.ranks:
             r.sealer = r.coord.slot == sealer
+            if r.sealer:
+                r.parts = None if narrow is None else tuple(narrow)
         self.sim._sent = len(self.sim.mem.log)  # the setup's changes are old news
         self.sim.committed_at = [0.0] * len(self.sim.mem.log)
 
@@ -371,7 +378,8 @@ class RestartRun:
         aborts = [self.abort + rng.uniform(0.0, self.abort_spread) for _ in self.ranks]
         for r in self.ranks:
             sim.subscribe(monitor, sim.mem.revision_now + 1,
-                          lambda evs, when, r=r, a=aborts[r.coord.slot]: r.on_monitor(evs, when, a))  # type: ignore[misc]
+                          lambda evs, when, r=r, a=aborts[r.coord.slot]: r.on_monitor(evs, when, a),  # type: ignore[misc]
+                          group=r.pod, hop=r.hop)
         with self._patched():
             culprit = self.ranks[self.n // 3]
             position = len(sim.mem.log)

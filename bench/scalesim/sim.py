@@ -29,13 +29,15 @@ collection pauses, the gRPC client's (de)serialisation and the kernel's network 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from bench.scalesim.memetcd import MemEtcd
 from stalwart.etcd.store import Compare, KeyValue, Op, TxnResult, WatchEvent, WatchRange
@@ -46,7 +48,13 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class Costs:
     """Seconds the model etcd spends: per round trip, per proposal, per read (and per key and per byte it
-    returns), per watch event per watcher (and per byte of it)."""
+    returns), per watch event per watcher (and per byte of it).
+
+    ``write_batched``: seconds per proposal measured with that many proposals in flight at once, as
+    ``(concurrency, seconds)`` rows by rising concurrency (``calibrate.py``). etcd's raft loop puts every
+    proposal that arrived while it was busy into its next append and fsync, so a proposal costs less the more
+    are in flight; the server charges a proposal the row of the proposals in flight when it arrives
+    (:meth:`write_at`). Empty: every proposal costs ``write``."""
 
     rtt: float = 0.0002
     write: float = 0.0001
@@ -55,9 +63,46 @@ class Costs:
     read_byte: float = 2e-9
     event: float = 0.000005
     event_byte: float = 2e-9
+    write_batched: tuple[tuple[float, float], ...] = ()
+    read_batched: tuple[tuple[float, float], ...] = ()
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self.__slots__}
+    def __post_init__(self) -> None:
+        for name in ("write_batched", "read_batched"):
+            given = getattr(self, name)
+            # From JSON (``--costs``) the rows come as lists.
+            rows = tuple((float(c), float(s)) for c, s in given)
+            if any(c < 1 or s < 0 for c, s in rows) or any(a[0] >= b[0] for a, b in itertools.pairwise(rows)):
+                raise ValueError(f"{name}: expected (concurrency >= 1, seconds >= 0) rows by rising concurrency, "
+                                 f"got {list(given)}")
+            object.__setattr__(self, name, rows)
+
+    def write_at(self, in_flight: float) -> float:
+        """Seconds of the server per proposal with ``in_flight`` proposals in flight (this one counted): the
+        measured rows, interpolated linearly in the logarithm of the concurrency and held at either end."""
+        return _at(self.write_batched, in_flight, self.write)
+
+    def read_at(self, in_flight: float) -> float:
+        """Seconds of the server for a read's own part (besides its keys and bytes) with ``in_flight`` reads in
+        flight (this one counted), as :meth:`write_at` for proposals; ``read`` without rows."""
+        return _at(self.read_batched, in_flight, self.read)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__}
+        for name in ("write_batched", "read_batched"):
+            out[name] = [list(r) for r in getattr(self, name)]
+        return out
+
+
+def _at(rows: tuple[tuple[float, float], ...], in_flight: float, alone: float) -> float:
+    if not rows:
+        return alone
+    if in_flight <= rows[0][0]:
+        return rows[0][1]
+    if in_flight >= rows[-1][0]:
+        return rows[-1][1]
+    hi = next(i for i, (c, _) in enumerate(rows) if c >= in_flight)
+    (c0, s0), (c1, s1) = rows[hi - 1], rows[hi]
+    return s0 + (s1 - s0) * (math.log(in_flight) - math.log(c0)) / (math.log(c1) - math.log(c0))
 
 
 def in_ranges(ranges: tuple[WatchRange, ...], ev: WatchEvent) -> bool:
@@ -76,12 +121,48 @@ class Subscription:
     start: int
     deliver: Callable[[list[WatchEvent], float], None]
     active: bool = True
+    #: A what-if (not how the code watches): the watches of one ``group`` (a pod) are one watch in etcd, which
+    #: the pod's agent hands on to each (``hop`` seconds later); ``None``: a watch of its own.
+    group: object | None = None
+    #: A what-if: the changes of one transaction are one record (a pod's arrivals in one key): one event.
+    per_transaction: bool = False
+    hop: float = 0.0
 
 
 @dataclass
 class _Scope:
     phase: str
     mark: float
+    owner: object = None
+
+
+@dataclass
+class _CpuLine:
+    """One process's CPU when its work runs on threads: the bursts placed so far, as the end of the last one
+    and the idle gaps left before it (the most recent :data:`_GAPS`). A burst takes the first gap that holds it
+    at or after it is ready, else the end: a thread's work after its etcd answer (which the simulator computes at
+    once, at the answer's time) does not hold back another thread's work that was ready before."""
+
+    free: float = 0.0
+    gaps: list[tuple[float, float]] = field(default_factory=list)
+
+    def place(self, ready: float, length: float) -> float:
+        """Where a burst of ``length`` seconds, ready at ``ready``, ends."""
+        for i, (a, b) in enumerate(self.gaps):
+            start = max(a, ready)
+            if start + length <= b:
+                self.gaps[i:i + 1] = [g for g in ((a, start), (start + length, b)) if g[1] > g[0]]
+                return start + length
+        start = max(ready, self.free)
+        if start > self.free:
+            self.gaps.append((self.free, start))
+            del self.gaps[:-_GAPS]
+        self.free = start + length
+        return self.free
+
+
+#: Idle gaps of a process's CPU kept for later bursts (older ones are given up: a burst then waits longer).
+_GAPS = 64
 
 
 @dataclass(order=True)
@@ -92,18 +173,59 @@ class _Job:
 
 
 @dataclass
+class _InFlight:
+    """When each request of one kind finished (non-decreasing: the queue is in order) and how many of that
+    kind were served up to and including it."""
+
+    done: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+
+    def at(self, arrive: float) -> float:
+        """Queued or being served at ``arrive``: arrived before, not finished by then."""
+        total = self.total[-1] if self.total else 0.0
+        first = bisect.bisect_right(self.done, arrive)
+        return total - (self.total[first - 1] if first else 0.0)
+
+    def add(self, done: float, count: float) -> None:
+        self.done.append(done)
+        self.total.append((self.total[-1] if self.total else 0.0) + count)
+
+
+@dataclass
 class Server:
-    """The model etcd's single queue; records when each request finished (for the peak request rate)."""
+    """The model etcd's single queue; records when each request finished (for the peak request rate).
+
+    A request that carries ``proposals`` raft proposals costs, besides its own ``cost``, each of them
+    :meth:`Costs.write_at` of the proposals in flight when it arrives: those that arrived before it and are not
+    done yet (the queue is served in order, so they are ahead of it), and its own. A burst of proposals is
+    thus charged as etcd's raft loop batches it: the first at the cost of one alone, each later one at the cost
+    measured with as many in flight. ``reads`` (linearizable reads, which etcd batches onto one read index
+    likewise) are charged :meth:`Costs.read_at` the same way."""
 
     costs: Costs
     busy_until: float = 0.0
     busy_total: float = 0.0
     done_at: list[float] = field(default_factory=list)
+    proposals: _InFlight = field(default_factory=_InFlight)
+    reads: _InFlight = field(default_factory=_InFlight)
 
-    def serve(self, arrive: float, cost: float, *, request: bool = True) -> float:
+    def in_flight(self, arrive: float) -> float:
+        """Proposals queued or being served at ``arrive``."""
+        return self.proposals.at(arrive)
+
+    def serve(self, arrive: float, cost: float, *, request: bool = True, proposals: float = 0.0,
+              reads: float = 0.0) -> float:
+        if proposals:
+            cost += proposals * self.costs.write_at(self.proposals.at(arrive) + proposals)
+        if reads:
+            cost += reads * self.costs.read_at(self.reads.at(arrive) + reads)
         start = max(arrive, self.busy_until)
         self.busy_until = start + cost
         self.busy_total += cost
+        if proposals:
+            self.proposals.add(self.busy_until, proposals)
+        if reads:
+            self.reads.add(self.busy_until, reads)
         if request:
             self.done_at.append(self.busy_until)
         return self.busy_until
@@ -140,22 +262,28 @@ class Background:
                 "node_lease_refresh": self.nodes / (self.node_ttl / 3),
                 "progress_write": self.nodes / self.progress_interval}
 
-    def busy_per_second(self, costs: Costs) -> float:
-        """Seconds of the server's time each second these take (its utilisation before the protocol's)."""
+    def busy_per_second(self, costs: Costs, tick: float = 0.005) -> float:
+        """Seconds of the server's time each second these take (its utilisation before the protocol's), as
+        :meth:`Sim.background` serves them: a tick's progress writes in flight together."""
         r = self.rates()
-        return (r["rank_lease_refresh"] + r["node_lease_refresh"]) * costs.read + r["progress_write"] * costs.write
+        refreshes, writes = r["rank_lease_refresh"] + r["node_lease_refresh"], r["progress_write"]
+        return refreshes * costs.read_at(refreshes * tick) + writes * costs.write_at(writes * tick)
 
 
 class Sim:
     """A discrete-event loop over simulated seconds, one model etcd server and its watch fan-out."""
 
-    def __init__(self, costs: Costs, mem: MemEtcd | None = None, *, cpu: bool = True) -> None:
+    def __init__(self, costs: Costs, mem: MemEtcd | None = None, *, cpu: bool = True, threads: bool = False) -> None:
         self.costs = costs
         self.mem = mem or MemEtcd()
         self.server = Server(costs)
         self.now = 0.0
         #: Charge the project's code its CPU time (see the module's doc); off, it runs in no simulated time.
         self.cpu = cpu
+        #: A process's work runs on threads of it (see :meth:`working`): as the real validation's processes do,
+        #: each holding thousands of ranks or nodes, their etcd calls on threads of their own.
+        self.threads = threads
+        self._lines: dict[int, _CpuLine] = {}
         #: CPU seconds measured per phase (charged or not), and per simulated process: when it is free.
         self.cpu_seconds: dict[str, float] = {}
         self.busy: dict[int, float] = {}
@@ -201,10 +329,14 @@ class Sim:
         """Serve ``load`` from ``start`` to ``until``: every ``tick`` its requests of that tick join the
         server's queue (a steady flow, spread evenly: refreshes are jittered, progress timers free-running)."""
         per_tick = sum(load.rates().values()) * tick
-        busy = load.busy_per_second(self.costs) * tick
+        rates = load.rates()
+        refreshes = (rates["rank_lease_refresh"] + rates["node_lease_refresh"]) * tick
+        writes = rates["progress_write"] * tick
 
         def step() -> None:
-            self.server.serve(self.now, busy, request=False)
+            # Batched with whatever is in flight, as the protocol's: the progress writes are proposals, the
+            # lease refreshes charged as reads (the leader renews without a proposal).
+            self.server.serve(self.now, 0.0, request=False, proposals=writes, reads=refreshes)
             self.background_requests += per_tick
             if self.now + tick <= until:
                 self.at(self.now + tick, step)
@@ -215,16 +347,21 @@ class Sim:
     @contextlib.contextmanager
     def working(self, owner: object, phase: str) -> Iterator[None]:
         """The block is ``owner``'s work (one simulated process): it starts when the process is free (not
-        before ``now``), and its CPU time, up to each request and after the last, advances the clock."""
+        before ``now``), and its CPU time, up to each request and after the last, advances the clock.
+
+        With :attr:`threads` the block is one of the process's threads: each piece of its CPU waits for the
+        process's CPU to be free (one interpreter lock), but its waits on etcd leave the CPU to the others."""
         assert self._scope is None, "a simulated process's work does not nest"
-        self.now = max(self.now, self.busy.get(id(owner), 0.0))
-        self._scope = _Scope(phase, time.thread_time())
+        if not self.threads:
+            self.now = max(self.now, self.busy.get(id(owner), 0.0))
+        self._scope = _Scope(phase, time.thread_time(), owner)
         try:
             yield
         finally:
             self._charge()
             self._scope = None
-            self.busy[id(owner)] = self.now
+            if not self.threads:
+                self.busy[id(owner)] = self.now
 
     def charge(self, seconds: float) -> None:
         """Charge the work under way ``seconds`` more: what it would have computed itself, had the simulator
@@ -267,7 +404,8 @@ class Sim:
 
         def deliver(events: list[WatchEvent], when: float) -> None:
             free = self.busy.get(id(owner), 0.0)
-            if not pending and (not self.cpu or free <= when):
+            # On threads (``threads``) a batch is handled at once: its CPU waits for the process's (``working``).
+            if not pending and (not self.cpu or self.threads or free <= when):
                 handle(events, when)
                 return
             if not pending:
@@ -285,21 +423,33 @@ class Sim:
 
     def _account(self, phase: str, seconds: float) -> None:
         self.cpu_seconds[phase] = self.cpu_seconds.get(phase, 0.0) + seconds
-        if self.cpu:
+        if not self.cpu:
+            return
+        if self.threads and self._scope is not None:
+            line = self._lines.setdefault(id(self._scope.owner), _CpuLine())
+            self.now = line.place(self.now, seconds)
+            self.busy[id(self._scope.owner)] = line.free
+        else:
             self.now += seconds
 
     # -- requests ----------------------------------------------------------------------------------------
 
-    def request(self, cost: float | Callable[[], float], call: Callable[[], T]) -> T:
+    def request(self, cost: float | Callable[[], float], call: Callable[[], T], *,
+                proposals: float | Callable[[], float] = 0.0, reads: float | Callable[[], float] = 0.0) -> T:
         """Run ``call`` on the model etcd as a request sent at ``now``; ``now`` becomes the answer's time.
-        ``cost`` may be a function, asked after the call (a transaction costs a proposal only if it wrote)."""
+        ``cost`` (the request's work besides its proposals and its read's own part), ``proposals`` (how many
+        raft proposals it makes) and ``reads`` (1 for a read that makes none), each charged by the server at
+        the concurrency it meets, may be functions, asked after the call (a transaction makes a proposal only
+        if it wrote)."""
         with self.untimed():
             before = len(self.mem.log)
             arrive = self.now + self.costs.rtt / 2
             try:
                 result = call()
             finally:
-                done = self.server.serve(arrive, cost if isinstance(cost, float) else cost())
+                done = self.server.serve(arrive, cost if isinstance(cost, float) else cost(),
+                                         proposals=proposals if isinstance(proposals, float) else proposals(),
+                                         reads=reads if isinstance(reads, float) else reads())
                 new = len(self.mem.log) - before
                 if new:
                     self.committed_at.extend([done] * new)
@@ -310,10 +460,12 @@ class Sim:
     # -- watch fan-out -----------------------------------------------------------------------------------
 
     def subscribe(self, ranges: tuple[WatchRange, ...], start: int,
-                  deliver: Callable[[list[WatchEvent], float], None]) -> Subscription:
+                  deliver: Callable[[list[WatchEvent], float], None], *, group: object | None = None,
+                  per_transaction: bool = False, hop: float = 0.0) -> Subscription:
         """A watch on ``ranges`` from revision ``start`` (what etcd sends a process that read at ``start - 1``
-        and then watched from the next revision)."""
-        sub = Subscription(ranges, start, deliver)
+        and then watched from the next revision); ``group``, ``per_transaction``, ``hop``: what-ifs, see
+        :class:`Subscription`."""
+        sub = Subscription(ranges, start, deliver, group=group, per_transaction=per_transaction, hop=hop)
         self.subscriptions.setdefault(ranges, []).append(sub)
         return sub
 
@@ -333,16 +485,23 @@ class Sim:
             events = [ev for ev in log if in_ranges(ranges, ev)]
             if not events:
                 continue
+            charged: set[tuple[int, int]] = set()  # (group, first revision sent) already paid for
             for sub in group:
                 sent = events if events[0].kv.mod_revision >= sub.start else \
                     [ev for ev in events if ev.kv.mod_revision >= sub.start]
                 if not sent:
                     continue
-                size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in sent)
-                cost += len(sent) * self.costs.event + size * self.costs.event_byte
-                self.events_sent += len(sent)
-                self.event_bytes_sent += size
                 sends.append((sub, sent))
+                if sub.group is not None:
+                    mark = (id(sub.group), sent[0].kv.mod_revision)
+                    if mark in charged:
+                        continue
+                    charged.add(mark)
+                size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in sent)
+                count = len({ev.kv.mod_revision for ev in sent}) if sub.per_transaction else len(sent)
+                cost += count * self.costs.event + size * self.costs.event_byte
+                self.events_sent += count
+                self.event_bytes_sent += size
         return cost, sends
 
     def _schedule_pump(self, when: float) -> None:
@@ -373,7 +532,8 @@ class Sim:
         for deliver in list(self.watchers):
             self.at(delivered, lambda d=deliver: d(start, end, delivered))  # type: ignore[misc]
         for sub, sent in sends:
-            self.at(delivered, lambda s=sub, e=sent: s.deliver(e, delivered) if s.active else None)  # type: ignore[misc]
+            self.at(delivered + sub.hop,
+                    lambda s=sub, e=sent, t=delivered + sub.hop: s.deliver(e, t) if s.active else None)  # type: ignore[misc]
         if len(self.committed_at) > end:
             self._schedule_pump(self.committed_at[end])
 
@@ -387,19 +547,20 @@ class TimedStore:
         self.mem = sim.mem
 
     def _read_cost(self, kvs: Sequence[KeyValue]) -> float:
+        """A read's keys and bytes (its own part, :meth:`Costs.read_at`, is the server's to charge)."""
         c = self.sim.costs
-        return c.read + c.read_key * len(kvs) + c.read_byte * sum(len(kv.key) + len(kv.value) for kv in kvs)
+        return c.read_key * len(kvs) + c.read_byte * sum(len(kv.key) + len(kv.value) for kv in kvs)
 
     def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
         with self.sim.untimed():
             kv = self.mem.get(key)
-            return self.sim.request(self._read_cost([kv] if kv else []), lambda: kv)
+            return self.sim.request(self._read_cost([kv] if kv else []), lambda: kv, reads=1.0)
 
     def get_prefix(self, prefix: str, *, keys_only: bool = False,
                    timeout: float | None = None) -> tuple[list[KeyValue], int]:
         with self.sim.untimed():
             kvs, rev = self.mem.get_prefix(prefix)
-            return self.sim.request(self._read_cost(kvs), lambda: (kvs, rev))
+            return self.sim.request(self._read_cost(kvs), lambda: (kvs, rev), reads=1.0)
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
             *, timeout: float | None = None) -> TxnResult:
@@ -410,29 +571,28 @@ class TimedStore:
             res.append(self.mem.txn(compare, success, failure))
             return res[0]
 
+        def wrote() -> float:
+            return 1.0 if self.mem.counters.proposals > before else 0.0
+
         def cost() -> float:
-            read = [kv for r in res[0].responses for kv in r] if res else []
-            if self.mem.counters.proposals > before:
-                # A write that also reads (an arrival with the keys it waits on) pays for what it returns.
-                return self.sim.costs.write + self._read_cost(read) - self.sim.costs.read if read else \
-                    self.sim.costs.write
-            return self._read_cost(read) if res else self.sim.costs.read
-        return self.sim.request(cost, call)
+            # A write that also reads (an arrival with the keys it waits on) pays for what it returns.
+            return self._read_cost([kv for r in res[0].responses for kv in r]) if res else 0.0
+        return self.sim.request(cost, call, proposals=wrote, reads=lambda: 1.0 - wrote())
 
     def put(self, key: str, value: bytes, *, lease: int = 0, timeout: float | None = None) -> int:
-        return self.sim.request(self.sim.costs.write, lambda: self.mem.put(key, value, lease=lease))
+        return self.sim.request(0.0, lambda: self.mem.put(key, value, lease=lease), proposals=1.0)
 
     def revision(self, *, timeout: float | None = None) -> int:
-        return self.sim.request(self.sim.costs.read, self.mem.revision)
+        return self.sim.request(0.0, self.mem.revision, reads=1.0)
 
     def lease_grant(self, ttl: int, *, keepalive: bool = True, timeout: float | None = None) -> int:
-        return self.sim.request(self.sim.costs.write, lambda: self.mem.lease_grant(ttl))
+        return self.sim.request(0.0, lambda: self.mem.lease_grant(ttl), proposals=1.0)
 
     def lease_revoke(self, lease_id: int, *, timeout: float | None = None) -> None:
-        self.sim.request(self.sim.costs.write, lambda: self.mem.lease_revoke(lease_id))
+        self.sim.request(0.0, lambda: self.mem.lease_revoke(lease_id), proposals=1.0)
 
     def lease_ttl(self, lease_id: int, *, timeout: float | None = None) -> int:
-        return self.sim.request(self.sim.costs.read, lambda: self.mem.lease_ttl(lease_id))
+        return self.sim.request(0.0, lambda: self.mem.lease_ttl(lease_id), reads=1.0)
 
     def lost_leases(self) -> set[int]:
         return set()

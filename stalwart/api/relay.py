@@ -1,10 +1,11 @@
 """The barrier relay's wire format: what a rank process asks its pod's agent, and the answer.
 
-At a restart barrier every rank of the world reads the interrupted iteration's fault records (the cause) and
-then writes its arrival. At 10,000 ranks that is 20,000 etcd requests, each of them a raft proposal or a
-linearizable read, and etcd serves them one after another (docs/scale.md). The ranks of one pod ask their
-agent instead: it sends what its ranks asked for together as one fenced transaction (every arrival a put bound
-to its own rank's lease; the reads once) and answers each rank with what it asked for. So the number of etcd
+At a restart barrier every rank of the world writes its arrival and, in the same request, reads the
+interrupted iteration's fault records (the cause) and what its wait starts from. At 10,000 ranks that is
+10,000 etcd requests, each of them a raft proposal, and etcd serves them one after another (docs/scale.md).
+The ranks of one pod ask their agent instead: it sends what its ranks asked for together as one fenced
+transaction (every arrival a put bound to its own rank's lease; the reads once) and answers each rank with
+what it asked for. So the number of etcd
 requests a barrier costs grows with the nodes, not the ranks. A rank whose agent does not answer in time, or
 answers that it could not do it, makes the same request itself: the relay only ever saves requests.
 

@@ -195,7 +195,8 @@ class Coordinator:
         log.warning("slot %d: heartbeat lease lost; granting a new one", self.slot)
         self.start()
 
-    def arrive(self, iteration: int, rec: ArrivalRecord, read: Sequence[WatchRange] | None = ()) -> EpochView:
+    def arrive(self, iteration: int, rec: ArrivalRecord, read: Sequence[WatchRange] | None = (), *,
+               relay_read: bool = True) -> EpochView:
         """Arrive at the barrier of ``iteration``: one write, bound to the heartbeat lease, and in the same
         request a read of ``read`` (parts of the prefix, as :meth:`view` takes them; ``None``: the whole
         prefix; by default nothing) whose view, as of the arrival, is returned: what a wait after it starts
@@ -204,15 +205,17 @@ class Coordinator:
         A lease etcd no longer has (this process was cut off past its TTL; the keepalive may not have noticed
         yet) is re-granted when etcd refuses the arrival for it, so the common case costs no lease read.
 
-        With a relay the arrival goes through it, and a narrow ``read`` with it. The whole prefix (the sealer's
-        read) is read afterwards, directly: it is large and one process's alone. The sealer's arrival still goes
-        through the relay, or the pod's other ranks would wait for it there until the relay's linger ends."""
+        With a relay the arrival goes through it, and ``read`` with it unless ``relay_read`` is false or it is
+        the whole prefix: the sealer's read is made afterwards, directly (it is large and one process's alone).
+        The sealer's arrival still goes through the relay, or the pod's other ranks would wait for it there
+        until the relay's linger ends."""
         if not self.lease or self.lease in self.store.lost_leases():
             self.ensure_lease()
         if self.relay is not None:
-            relayed = self._relayed(self.arrival_request(iteration, rec, read or ()))
+            carried = read is not None and relay_read
+            relayed = self._relayed(self.arrival_request(iteration, rec, (read or ()) if carried else ()))
             if relayed is not None:
-                return relayed if read is not None else self.view()
+                return relayed if carried else self.view(read)
         key = self.round_keys.arrival(iteration, self.slot)
         parts = list(read) if read is not None else [WatchRange("", prefix=True)]
         reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts if not p.no_put]

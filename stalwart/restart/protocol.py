@@ -35,6 +35,7 @@ from stalwart.api.restart import (
     SealRecord,
 )
 from stalwart.etcd.keys import ALIVE, ARRIVE, DONE, END, FAULT, SEAL
+from stalwart.etcd.records import WatchRange
 from stalwart.restart.assignment import Candidate, RankAssignment, WorldTooSmall, initial_ranks
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "parse_view",
     "placement",
     "plan_seal",
+    "sealer_parts",
     "stale_iterations",
     "stall_limit",
     "unhealthy_seal",
@@ -341,6 +343,28 @@ def barrier_sealer(previous: SealRecord | None) -> int:
     if previous is None or previous.error:
         return 0
     return min([int(s) for s in previous.ranks] + list(previous.inactive), default=0)
+
+
+def sealer_parts(iteration: int, previous: SealRecord | None, slots: int) -> list[WatchRange] | None:
+    """What the sealer of the barrier of ``iteration`` (whose previous seal is ``previous``) reads with its
+    arrival and then watches, as parts of the round's restart prefix; ``None``: all of it.
+
+    :func:`barrier_state` and :func:`plan_seal` look at this barrier's arrivals and seal and at the previous
+    seal; who took part in the previous iteration and who is alive (:func:`barrier_complete`) change nothing
+    while the previous seal places every slot (as a rank or inactive): each is then waited for whatever else
+    etcd holds. So only when a slot missed the last barrier (or there is no valid seal to go by) is the whole
+    prefix read and watched. At 16,384 ranks this leaves out the heartbeats and the previous iteration's
+    arrivals: 32,768 of the 49,000 records the sealer parsed on its critical path.
+    """
+    here = [WatchRange(f"{ARRIVE}{iteration}/", prefix=True), WatchRange(f"{SEAL}{iteration}")]
+    if iteration == 0:
+        return here
+    if previous is None or previous.error or previous.iteration != iteration - 1:
+        return None
+    placed = {int(s) for s in previous.ranks} | set(previous.inactive)
+    if not placed >= set(range(slots)):
+        return None
+    return [*here, WatchRange(f"{SEAL}{iteration - 1}")]
 
 
 @dataclass(frozen=True, slots=True)

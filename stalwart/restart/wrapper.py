@@ -76,6 +76,7 @@ from stalwart.restart.protocol import (
     of_another,
     placement,
     plan_seal,
+    sealer_parts,
     unhealthy_seal,
     verdict,
 )
@@ -156,6 +157,8 @@ class _Session:
         self.group_args: GroupArgs | None = None
         #: The cause of the last interrupted iteration (for the exit reason when the budget runs out).
         self.last_cause: FaultRecord | None = None
+        #: The interrupted iteration whose cause is read with the next arrival (in the same request), if any.
+        self.cause_pending: int | None = None
         #: The seal of the last barrier this process passed (who took part: see ``barrier_sealer``).
         self.last_seal: SealRecord | None = None
         self.rounds = rounds  # a handover to a later round interrupts the function; the checks then leave
@@ -190,9 +193,13 @@ class _Session:
             return None
         while True:
             self.check_round()
-            over = budget_left(iteration, self.config.max_restarts,
-                               describe(self.last_cause) if self.last_cause else "")
+            over = budget_left(iteration, self.config.max_restarts)
             if over is not None:
+                if self.cause_pending is not None:  # no arrival will read it: read it for the exit's reason
+                    self._take_cause(self.cause_pending)
+                over = budget_left(iteration, self.config.max_restarts,
+                                   describe(self.last_cause) if self.last_cause else "")
+                assert over is not None
                 self.monitor.update_status(state="failed")
                 raise RestartExit(over.code, over.reason)
             healthy, why = self._health()
@@ -207,7 +214,7 @@ class _Session:
                 if self._wait_end(place.seal, deadline=None) == "done":
                     self.monitor.update_status(state="done")
                     return None
-                self._take_cause(iteration)
+                self.cause_pending = iteration
                 iteration += 1
                 continue
             done = self._run_iteration(fn, args, kwargs, inject, iteration=iteration, rank=place.rank,
@@ -257,10 +264,19 @@ class _Session:
     def _barrier(self, iteration: int, healthy: bool) -> SealRecord:
         # One process follows the arrivals and seals; the others wait for the seal's one key (read with the
         # arrival, then watched). The sealer does its part even when it is unhealthy itself (it leaves after).
-        sealer = barrier_sealer(self._previous_seal(iteration)) == self.env.slot
-        parts = None if sealer else [WatchRange(f"{SEAL}{iteration}")]
+        # The sealer reads only what its decision looks at (sealer_parts), itself, after its arrival. The
+        # interrupted iteration's cause is read with the arrival, in the same request: a NonRetryable anywhere
+        # ends this process here, before it waits (its arrival goes with its lease when it exits).
+        previous = self._previous_seal(iteration)
+        sealer = barrier_sealer(previous) == self.env.slot
+        parts = sealer_parts(iteration, previous, self.env.slots) if sealer else [WatchRange(f"{SEAL}{iteration}")]
+        cause_of, self.cause_pending = self.cause_pending, None
+        read = parts if parts is None or cause_of is None else [*parts, WatchRange(f"{FAULT}{cause_of}/", prefix=True)]
         start = self.coord.arrive(iteration, ArrivalRecord(slot=self.env.slot, node_id=self.env.node_id,
-                                                           spare=self.env.spare, healthy=healthy), parts)
+                                                           spare=self.env.spare, healthy=healthy), read,
+                                  relay_read=not sealer)
+        if cause_of is not None:
+            self._take_cause(cause_of, start)
         if not healthy and not sealer:
             return unhealthy_seal(iteration, self.me)
         # Processes start at different speeds (imports, CUDA): the first barrier waits longer.
@@ -430,14 +446,16 @@ class _Session:
         with group_released_last(ctx.group.retired):
             self._abort(ctx)
             release_frames(fault)
-        # The iteration's cause, as every process will see it (this process's error may be a consequence).
-        self._take_cause(iteration)
+        # The iteration's cause, as every process will see it (this process's error may be a consequence): read
+        # with the next arrival.
+        self.cause_pending = iteration
         return None
 
-    def _take_cause(self, iteration: int) -> None:
-        """Note the cause of the interrupted ``iteration`` (for the status and the exit reason); when it is a
-        NonRetryable raised elsewhere, this process gives up too: no restart can help."""
-        cause = self.coord.faults(iteration, pod=True).cause(iteration)
+    def _take_cause(self, iteration: int, view: EpochView | None = None) -> None:
+        """Note the cause of the interrupted ``iteration`` (for the status and the exit reason) from ``view`` (a
+        read of its fault records; read here when not given); when it is a NonRetryable raised elsewhere, this
+        process gives up too: no restart can help."""
+        cause = (view if view is not None else self.coord.faults(iteration)).cause(iteration)
         if cause is None:
             return
         self.last_cause = cause

@@ -113,3 +113,20 @@ def test_a_barrier_under_background_load_takes_longer_than_without() -> None:
     busy = RestartRun(200, COSTS, cpu=False, background=load).restart()
     assert quiet["released"] == busy["released"] == 200
     assert busy["seconds"] > quiet["seconds"]
+
+
+def test_on_threads_a_process_computes_one_thing_at_a_time_but_its_waits_on_etcd_hold_no_one() -> None:
+    sim = Sim(Costs(rtt=0.01, write=0.0, read=0.0), threads=True)
+    store, owner = TimedStore(sim), object()
+    with sim.working(owner, "a"):  # thread A: computes, waits 10 ms on etcd, computes
+        burn(0.02)
+        store.revision()
+        burn(0.02)
+    a_done = sim.now
+    sim.now = 0.0
+    with sim.working(owner, "b"):  # thread B, ready at 0: runs in A's wait, not after A's second burn
+        burn(0.005)
+    took_a, took_b = sim.cpu_seconds["a"], sim.cpu_seconds["b"]
+    assert sim.now < a_done - took_a / 2
+    # Its CPU still waited for A's first burn: one interpreter lock.
+    assert sim.now >= took_a / 2 + took_b - 1e-9

@@ -68,7 +68,8 @@ def test_the_real_barrier_runs_beside_the_simulator_and_its_rows_say_so(
     assert real["value"] > 0 and sim["value"] > 0 and real["seal_seconds"] <= real["value"]
     assert real["real_over_sim"] == pytest.approx(real["value"] / sim["value"], rel=1e-2)
     assert len(real["client_cpu_seconds"]) == 2 and 0 <= real["machine_busy"] <= 1
-    assert real["relay_transactions"] >= 2 * 4 and sim["relay_transactions"] >= 2 * 4  # two steps, 4 pods at least
+    # One step (the arrival reads the cause), 4 pods at least.
+    assert real["relay_transactions"] >= 4 and sim["relay_transactions"] >= 4
     # The fault report, one transaction per pod for the arrivals (at least), the seal: real and modelled alike.
     writes = got[("validate-real-etcd", "writes_per_rank_per_restart")]["value"]
     assert writes * 32 >= 1 + 4 + 1 and got[("validate-sim", "writes_per_rank_per_restart")]["value"] * 32 >= 6

@@ -11,6 +11,8 @@ import pytest
 
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import AliveRecord, ArrivalRecord, FaultRecord, SealRecord
+from stalwart.etcd.keys import ALIVE, ARRIVE, SEAL
+from stalwart.etcd.records import WatchRange
 from stalwart.restart.assignment import RankAssignment
 from stalwart.restart.protocol import (
     Arrived,
@@ -41,6 +43,7 @@ from stalwart.restart.protocol import (
     parse_view,
     placement,
     plan_seal,
+    sealer_parts,
     stale_iterations,
     stall_limit,
     verdict,
@@ -315,6 +318,59 @@ def test_the_barrier_waits_for_its_sealer(alive_slots: tuple[int, ...]) -> None:
     done = EpochView(alive=alive(*alive_slots), arrivals={0: arrivals(1, 2, 3), 1: arrivals(0, 1, 2, 3)},
                      seals={0: previous})
     assert barrier_complete(done, 1, 4)
+
+
+def _entries(v: EpochView) -> list[tuple[str, bytes, int]]:
+    """``v`` as the keys etcd would hold for it (relative to the round's restart prefix)."""
+    out = [(f"{ALIVE}{s}", rec.to_json_bytes(), 1) for s, rec in v.alive.items()]
+    out += [(f"{ARRIVE}{it}/{s}", rec.to_json_bytes(), 1) for it, a in v.arrivals.items() for s, rec in a.items()]
+    return out + [(f"{SEAL}{it}", rec.to_json_bytes(), 1) for it, rec in v.seals.items()]
+
+
+def _read(v: EpochView, parts: list[WatchRange] | None) -> EpochView:
+    """What a read of ``parts`` of ``v``'s keys returns (all of them for ``None``)."""
+    kept = [e for e in _entries(v) if parts is None
+            or any(e[0].startswith(p.key) if p.prefix else e[0] == p.key for p in parts)]
+    return parse_view(kept, 9)[0]
+
+
+@pytest.mark.parametrize(("previous", "parts"), [
+    (None, None),  # no seal to go by (a process that joined later finds none): everything
+    (seal(0, {0: 0, 1: 1, 2: 2, 3: 3}), [f"{ARRIVE}1/", f"{SEAL}1", f"{SEAL}0"]),
+    (seal(0, {0: 0, 1: 1, 2: 2}, inactive=(3,)), [f"{ARRIVE}1/", f"{SEAL}1", f"{SEAL}0"]),  # a spare is placed
+    (seal(0, {0: 0, 1: 1}), None),  # slots 2 and 3 missed the last barrier: who is alive matters
+    (seal(0, {}, error="too few"), None),
+    (seal(5, {0: 0, 1: 1, 2: 2, 3: 3}), None),  # not the previous iteration's seal
+])
+def test_what_the_sealer_reads(previous: SealRecord | None, parts: list[str] | None) -> None:
+    got = sealer_parts(1, previous, 4)
+    assert (None if got is None else [p.key for p in got]) == parts
+    assert sealer_parts(0, None, 4) == [WatchRange(f"{ARRIVE}0/", prefix=True), WatchRange(f"{SEAL}0")]
+
+
+@pytest.mark.parametrize(("now", "before", "alive_slots"), [
+    ((0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3)),
+    ((0, 1, 3), (0, 1, 2, 3), (0, 1, 3)),  # slot 2 ran iteration 0 and lost its lease: still waited for
+    ((0, 1, 2), (0, 1, 2), (0, 1, 2, 3)),
+    ((0, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3)),
+    ((0, 1, 2, 3), (0, 1, 2), ()),
+], ids=["all", "lost-lease", "spare-missing", "one-missing", "no-heartbeats"])
+@pytest.mark.parametrize("inactive", [(), (3,)])
+def test_the_sealers_narrow_read_decides_as_the_whole_prefix(now: tuple[int, ...], before: tuple[int, ...],
+                                                               alive_slots: tuple[int, ...],
+                                                               inactive: tuple[int, ...]) -> None:
+    previous = seal(0, {s: s for s in range(4) if s not in inactive}, inactive=inactive)
+    whole = EpochView(alive=alive(*alive_slots), arrivals={0: arrivals(*before), 1: arrivals(*now)},
+                      seals={0: previous})
+    parts = sealer_parts(1, previous, 4)
+    assert parts is not None
+    narrow = _read(whole, parts)
+    assert not narrow.alive and 0 not in narrow.arrivals  # what it leaves out
+    full = _read(whole, None)
+    assert barrier_state(narrow, 1, 4) == barrier_state(full, 1, 4)
+    me = Participant(slot=0, node_id="n", slots=4, target_world=4)
+    assert plan_seal(narrow, 1, me, RankAssignment(), timed_out=False) == \
+        plan_seal(full, 1, me, RankAssignment(), timed_out=False)
 
 
 @pytest.mark.parametrize(("faults", "cause"), [
