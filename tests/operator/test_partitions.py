@@ -6,7 +6,7 @@ round was superseded names it in etcd's history of the job (every key's create a
 naming a node: the restart records, progress records and rendezvous keys carry the writer's node id); its ranks
 never joined the new round's group; the status names the partitioned pod; and its agent said it was fenced.
 A cut from one peer only (the other worker's node) makes no zombie: both leases live and neither end is more
-cut than the other, so the job waits the cut out (the collective waits, or its ranks restart in process after
+cut than the other, so the job waits the cut out (the collective waits, or its ranks are interrupted after
 the soft timeout, once the link is back), fences and replaces no one, and ends with the same parameters.
 
 The lease TTL is 4 s (the default is 10 s) and the node-monitor grace period 3 s (the session cluster's): what the
@@ -179,8 +179,8 @@ def test_a_live_zombie_is_fenced_and_the_job_ends_with_fault_free_parameters(
 
 
 #: How long a one-peer cut is held: past the lease TTL but short of the soft timeout (the default 60 s: the
-#: collective waits, nothing has to recover), and past a soft timeout of 4 s (the stalled collective is a hang
-#: the ranks restart from in process, once the link is back).
+#: collective waits, nothing has to recover), and past a soft timeout of 4 s (the stalled collective is a hang,
+#: recovered from once the link is back).
 PEER_HOLDS = {"short": (3 * LEASE_TTL, None), "long": (20, 4.0)}
 
 
@@ -191,7 +191,7 @@ def test_a_cut_from_one_peer_fences_no_one_and_the_job_ends_with_fault_free_para
     """A worker's node cut from the other worker's node only: both still reach etcd and the API server, so both
     leases live, neither is a zombie, and no round can leave either out (either end is as cut as the other;
     the spare reaches both). The job waits the cut out: the collective waits (short), or its ranks stall past
-    the soft timeout and restart in process once the link is back (long). It ends Succeeded with the fault-free
+    the soft timeout and the job recovers once the link is back (long). It ends Succeeded with the fault-free
     parameters bit for bit; nothing was fenced or replaced, the spare never took over; where a hang was
     detected, ``lastFailure`` names a pod at one end of the cut link, else it names nothing."""
     needs_namespaces(local_cluster)
