@@ -188,8 +188,11 @@ class Soak:
     def up(self) -> None:
         # A lost node is noticed after 3 s (a real cluster's node-monitor grace period is 40 s): what is measured
         # is stalwart's recovery, not the wait for Kubernetes to call a node lost.
+        # The network mode as the test sessions take it: $STALWART_LOCAL_NETWORK (auto, netns or loopback).
+        network = os.environ.get("STALWART_LOCAL_NETWORK", "auto")
         self.cluster = LocalCluster.up(self.directory / "cluster", nodes=3, timeout=120.0, owner_pid=os.getpid(),
-                                       settings=LocalClusterSettings(node_monitor_grace_period=3.0))
+                                       settings=LocalClusterSettings(node_monitor_grace_period=3.0,
+                                                                     network=network))
         self.install = Installation(self.cluster)
         self.install.install_chart()
         wait_for("the operator pod to be ready", self.install.operator_ready, 180)

@@ -22,7 +22,12 @@ healed. Per fault it prints one JSON object (``impl: stalwart``):
   round that left it out), which must be 0; ``rejoined``: an unfenced pod's registrations after that round (its
   lease ran out before the operator counted it lost: it rightly joins again, as a node waiting for the next
   round), not counted as stale;
-* ``culprit_ok``: where a new round came, ``lastFailure`` names the cut pod.
+* ``culprit_ok``: where a new round came, ``lastFailure`` names the cut pod;
+* ``counters_moved`` / ``counters_expected``, ``phases``, ``problems``: the status after the fault judged as
+  ``bench/soak.py`` judges its kinds (:func:`judge`): ``restarts`` moved by one recovery in process and, where
+  the operator fenced the pod, one pod replaced (nothing without a new round); the phases seen were Running,
+  perhaps Restarting, Running again; ``lastFailure`` names the cut pod where a new round came, and did not
+  change otherwise. The exit status is 1 when any fault has a problem.
 
 The last line (``kind: params``) says whether the job's final parameters equal those of the same job run without
 faults (two workers, no spare, no delay), bit for bit. Not charged: the cluster's start, the fault-free run, and
@@ -71,6 +76,44 @@ def wait_for(what: str, fn: Callable[[], Any], timeout: float, interval: float =
     raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
 
 
+def counters(status: JSON) -> tuple[int, int, int]:
+    r = status.get("restarts") or {}
+    return (int(r.get("inProcess", 0)), int(r.get("processRestarts", 0)), int(r.get("podReplacements", 0)))
+
+
+def expected_moves(new_round: bool, fenced: bool) -> tuple[int, int, int]:
+    """What ``restarts`` (inProcess, processRestarts, podReplacements) must move by after one cut: nothing when
+    the job never had to act (no new round); else one recovery in process (the warm spare takes the member's
+    ranks with its parked processes, the survivor keeps its own), and one pod replaced when the operator counted
+    the member lost and fenced it (a member whose lease ran out and came back first is not replaced)."""
+    if not new_round:
+        return (0, 0, 0)
+    return (1, 0, 1 if fenced else 0)
+
+
+def judge(before: JSON, after: JSON, moves: tuple[int, int, int], phases: list[str],
+          culprit: str | None) -> list[str]:
+    """What is wrong with the status after one cut (as ``bench/soak.py`` judges its faults): the counters moved
+    by ``moves``, ``totalRestarts`` is the recoveries, the phases seen were Running, perhaps Restarting, Running
+    again (only Running when nothing had to recover), and ``lastFailure`` names ``culprit`` (None: it did not
+    change)."""
+    problems = []
+    moved = tuple(a - b for a, b in zip(counters(after), counters(before), strict=True))
+    if moved != moves:
+        problems.append(f"counters moved {moved}, expected {moves}")
+    if after.get("totalRestarts") != sum(counters(after)[:2]):
+        problems.append(f"totalRestarts {after.get('totalRestarts')} is not the recoveries")
+    allowed = [["Running"]] if moves[:2] == (0, 0) else [["Running"], ["Running", "Restarting", "Running"]]
+    if phases not in allowed:
+        problems.append(f"phases seen {phases}")
+    lf, was = after.get("lastFailure") or {}, before.get("lastFailure") or {}
+    if culprit is None and lf != was:
+        problems.append(f"lastFailure changed without a new round: {lf}")
+    if culprit is not None and lf.get("pod") != culprit:
+        problems.append(f"lastFailure names {lf.get('pod')}, expected {culprit}")
+    return problems
+
+
 def node_of(pods: list[JSON], name: str) -> str | None:
     return next((p["spec"].get("nodeName") for p in pods if p["metadata"]["name"] == name), None)
 
@@ -81,6 +124,7 @@ class Soak:
         self.cluster: LocalCluster | None = None
         self.operator: subprocess.Popen[bytes] | None = None
         self.store: Store | None = None
+        self.seen: list[tuple[float, str]] = []  # (time, phase) at every look at the status
 
     # -- the cluster, the operator, the jobs ------------------------------------------------------------------
 
@@ -133,8 +177,28 @@ class Soak:
         return JobKeys(NS, uid)
 
     def status(self, name: str) -> JSON:
+        """The job's status; every look also keeps the phase it shows (:meth:`phases_since`)."""
         st: JSON = json.loads(self.kubectl("get", "tj", name, "-n", NS, "-o", "json")).get("status") or {}
+        self.seen.append((time.time(), str(st.get("phase"))))
         return st
+
+    def phases_since(self, t: float) -> list[str]:
+        """The phases seen from ``t`` on, repeats collapsed, starting with the last one seen before ``t``."""
+        seen = [p for when, p in self.seen if when < t][-1:] + [p for when, p in self.seen if when >= t]
+        return [p for i, p in enumerate(seen) if i == 0 or seen[i - 1] != p]
+
+    def settle(self, name: str, before: JSON, moves: tuple[int, int, int]) -> JSON:
+        """The status once its counters moved by ``moves`` and it shows Running (or after a minute, whatever it
+        says), and a moment more: a late double count shows up then."""
+        want = tuple(b + m for b, m in zip(counters(before), moves, strict=True))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            st = self.status(name)
+            if st.get("phase") == "Running" and all(c >= w for c, w in zip(counters(st), want, strict=True)):
+                break
+            time.sleep(0.2)
+        time.sleep(1.5)
+        return self.status(name)
 
     def pods(self, name: str) -> list[JSON]:
         items: list[JSON] = json.loads(self.kubectl("get", "pods", "-n", NS, "-l", f"stalwart.dev/job-name={name}",
@@ -204,7 +268,8 @@ class Soak:
         victim = next(x for x in reversed(members) if nodes.count(node_of[x]) == 1)
         other = next(x for x in members if x != victim)
         cut = {"full": None, "etcd": ["etcd"], "api": ["api"], "peer": [node_of[other]]}[kind]
-        before_lf = self.status(name).get("lastFailure")
+        before = self.status(name)
+        before_lf = before.get("lastFailure")
         cut_at = time.time()
         self.cluster.partition(node_of[victim], cut)
         detect: float | None = None
@@ -234,7 +299,10 @@ class Soak:
         node_key = keys.node(victim)[len(keys.prefix):] + "@"
         rejoined = [w for w in written if fence is None and w.startswith(node_key)]
         accepted = [w for w in written if w not in rejoined]
-        lf = self.status(name).get("lastFailure") or {}
+        moves = expected_moves(new_round, fence is not None)
+        after = self.settle(name, before, moves)
+        lf = after.get("lastFailure") or {}
+        problems = judge(before, after, moves, self.phases_since(cut_at), victim if new_round else None)
         text = self.log_text(victim)
         refused = sum(1 for line in text.splitlines() if any(w in line for w in REFUSED)
                       and line[:19] >= time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(cut_at)))
@@ -246,8 +314,10 @@ class Soak:
                 "stale_refused": refused, "stale_accepted": len(accepted), "accepted": accepted[:5],
                 "rejoined": len(rejoined),
                 "culprit_ok": (lf.get("pod") == victim) if new_round else None,
-                "last_failure": ({k: lf.get(k) for k in ("pod", "reason", "message")}
-                                 if lf != (before_lf or {}) else None)}
+                "last_failure": ({k: lf.get(k) for k in ("pod", "reason", "detectedBy", "message")}
+                                 if lf != (before_lf or {}) else None),
+                "counters_moved": [a - b for a, b in zip(counters(after), counters(before), strict=True)],
+                "counters_expected": list(moves), "phases": self.phases_since(cut_at), "problems": problems}
 
     def detected(self, name: str, keys: JobKeys, epoch: int, victim: str, before: Any) -> float | None:
         _, now = self.manifest(keys)
@@ -331,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"bench": "soak_partitions", "kind": "params", "faults": len(rows),
                           "params_match": got == expected, "params_sha256": got, "fault_free_sha256": expected}),
               flush=True)
-        return 0 if got == expected and all(r["stale_accepted"] == 0 for r in rows) else 1
+        return 0 if got == expected and all(r["stale_accepted"] == 0 and not r["problems"] for r in rows) else 1
     finally:
         soak.down()
 

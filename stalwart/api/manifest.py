@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from stalwart.api.base import MAX_RECORD_BYTES, ApiModel
-from stalwart.api.rendezvous import Manifest, Member
+from stalwart.api.rendezvous import MAX_LOST, Manifest, Member
 
 __all__ = [
     "BUCKET_BYTES",
@@ -101,6 +101,8 @@ class ManifestHeader(ApiModel):
     master_port: int | None = Field(default=None, description="MASTER_PORT offered by group rank 0, if any.")
     sealed_by: str = Field(description="Id of the node that sealed the round.")
     reason: str = Field(default="", max_length=1024, description="Why this round started.")
+    lost: list[str] = Field(default_factory=list, max_length=MAX_LOST,
+                            description="Members of the previous round whose registration went before this seal.")
     view_revision: int = Field(default=0, ge=0, description="The revision the round was planned over.")
     members: int = Field(ge=1, description="How many members the round has.")
     spares: int = Field(default=0, ge=0, description="How many spares it has.")
@@ -111,8 +113,8 @@ class ManifestHeader(ApiModel):
     @classmethod
     def of(cls, m: Manifest, buckets: list[str] | None = None) -> ManifestHeader:
         return cls(round=m.round, world_size=m.world_size, master_addr=m.master_addr, master_port=m.master_port,
-                   sealed_by=m.sealed_by, reason=m.reason, view_revision=m.view_revision, members=len(m.members),
-                   spares=len(m.spares), buckets=buckets or [])
+                   sealed_by=m.sealed_by, reason=m.reason, lost=m.lost, view_revision=m.view_revision,
+                   members=len(m.members), spares=len(m.spares), buckets=buckets or [])
 
 
 def encode_manifest(manifest: Manifest, part_bytes: int = WHOLE_MANIFEST_BYTES) -> tuple[bytes, list[bytes]]:
@@ -206,7 +208,7 @@ def decode_round(value: bytes, parts: Mapping[str, tuple[bytes, int]], *, need: 
     manifest = Manifest(round=header.round, members=ordered, spares=sorted(spares, key=spares.__getitem__),
                         world_size=header.world_size, master_addr=header.master_addr,
                         master_port=header.master_port, sealed_by=header.sealed_by, reason=header.reason,
-                        view_revision=header.view_revision)
+                        lost=header.lost, view_revision=header.view_revision)
     if len(manifest.members) != header.members or len(manifest.spares) != header.spares:
         raise ValueError(f"manifest buckets of round {header.round} hold {len(manifest.members)} members and "
                          f"{len(manifest.spares)} spares; the header says {header.members} and {header.spares}")

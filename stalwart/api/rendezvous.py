@@ -42,6 +42,7 @@ from pydantic import Field, field_validator, model_validator
 from stalwart.api.base import MAX_RECORD_BYTES, ApiModel
 
 __all__ = [
+    "MAX_LOST",
     "MAX_RECORD_BYTES",
     "ClosedRecord",
     "ExpectedNodes",
@@ -53,6 +54,9 @@ __all__ = [
     "TorchRendezvousState",
     "check_node_id",
 ]
+
+#: The most lost members a manifest lists (the round's reason counts the rest).
+MAX_LOST = 64
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
@@ -115,6 +119,10 @@ class Manifest(ApiModel):
                      "deleted after it is lost."))
     reason: str = Field(default="", max_length=1024,
                         description="Why this round started (first round, member lost, requested, ...).")
+    lost: list[str] = Field(default_factory=list, max_length=MAX_LOST,
+                            description=("Members of the previous round whose registration went before this "
+                                         "seal (a lease that ran out, an agent that left), the first "
+                                         f"{MAX_LOST}: why this round started."))
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

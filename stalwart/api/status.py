@@ -132,9 +132,9 @@ class FailureRecord(ApiModel):
     detected_by: str | None = Field(
         default=None,
         description=("How the fault was detected: Pod (the operator saw the pod fail or go), Process (an agent "
-                     "saw a rank process end), Heartbeat (a rank's heartbeat lease ran out), Peer (a survivor's "
-                     "collective error pointed at this lost peer), Rank (a rank reported it), Progress (nothing "
-                     "progressed past the soft timeout)."))
+                     "saw a rank process end), Heartbeat (a rank's heartbeat lease or the pod's agent's rendezvous "
+                     "lease ran out), Peer (a survivor's collective error pointed at this lost peer), Rank (a rank "
+                     "reported it), Progress (nothing progressed past the soft timeout)."))
     round: int | None = Field(default=None, ge=0, description="Rendezvous round in which it happened.")
     iteration: int | None = Field(default=None, ge=0,
                                   description="In-process restart iteration in which it happened.")

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from stalwart.api import pod_env
-from stalwart.drill.core import ALL_KINDS
+from stalwart.drill.core import ALL_KINDS, PARTITION_KINDS
 
 
 def register(sub: Any) -> None:
@@ -26,7 +26,15 @@ def register(sub: Any) -> None:
                    help="its namespace (default: the kubeconfig's current context's, else default)")
     p.add_argument("--faults", type=int, default=5, help="how many faults, one after another (default 5)")
     p.add_argument("--kinds", default=",".join(ALL_KINDS),
-                   help=f"comma-separated fault kinds to draw from (default: all of {', '.join(ALL_KINDS)})")
+                   help=f"comma-separated fault kinds to draw from (default: all of {', '.join(ALL_KINDS)}); on "
+                        f"a `stalwart local` cluster with a network per node also {', '.join(PARTITION_KINDS)} "
+                        "(a member's node cut from everything, etcd, the API server or another member's node "
+                        "while its processes run on, healed after --heal-after; needs --local-dir)")
+    p.add_argument("--local-dir", default=None,
+                   help="the directory of the `stalwart local` cluster the job runs on (`stalwart local up --dir`): "
+                        "the partition kinds cut its nodes' networks")
+    p.add_argument("--heal-after", type=float, default=10.0,
+                   help="seconds a partition kind holds its cut before it heals it (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random order and targets (default 0)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a fault may take to recover before the drill fails (default 300)")
@@ -52,16 +60,61 @@ def context_namespace(kubeconfig: str | None) -> str:
     return str((active or {}).get("context", {}).get("namespace") or "default")
 
 
+class LocalPartitioner:
+    """The partition kinds' cuts on a `stalwart local` cluster, its errors as the drill's (naming what is
+    wrong)."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+
+    def partition(self, node: str, from_: list[str] | None = None) -> list[str]:
+        from stalwart.drill.session import DrillError
+        from stalwart.local.cluster import ClusterError
+
+        try:
+            pods: list[str] = self.cluster.partition(node, from_)
+        except ClusterError as e:
+            raise DrillError(f"partition {node}: {e}") from None
+        return pods
+
+    def heal(self, node: str) -> str:
+        from stalwart.drill.session import DrillError
+        from stalwart.local.cluster import ClusterError
+
+        try:
+            return str(self.cluster.heal(node))
+        except ClusterError as e:
+            raise DrillError(f"heal {node}: {e}") from None
+
+
+def local_partitioner(directory: str) -> LocalPartitioner:
+    """The cuts of the local cluster in ``directory``; ValueError naming ``--local-dir`` when none runs there or
+    it has no network per node."""
+    from stalwart.local.cluster import ClusterError, LocalCluster
+
+    try:
+        cluster = LocalCluster.attach(directory)
+    except ClusterError as e:
+        raise ValueError(f"--local-dir: {e}") from None
+    if cluster.network.get("mode") != "netns":
+        raise ValueError(f"--local-dir: the partition kinds need a network per node; the cluster in {directory} "
+                         f"runs in {cluster.network.get('mode')} mode ({cluster.network.get('reason', '')})")
+    return LocalPartitioner(cluster)
+
+
 def run(args: argparse.Namespace) -> int:
     from kubernetes import client
     from kubernetes import config as kconfig
 
-    from stalwart.drill.core import parse_kinds, plan
+    from stalwart.drill.core import check_partitions, parse_kinds, plan
     from stalwart.drill.session import DrillError, DrillOptions, DrillSession
 
     try:
         kinds = plan(args.faults, parse_kinds(args.kinds), args.seed)
-        options = DrillOptions(timeout=args.timeout)
+        check_partitions(kinds, args.local_dir, args.heal_after)
+        options = DrillOptions(timeout=args.timeout, heal_after=args.heal_after)
+        cuts = args.local_dir and any(k in PARTITION_KINDS for k in kinds)
+        partitioner = local_partitioner(args.local_dir) if cuts else None
     except ValueError as e:
         print(f"stalwart drill: {e}", file=sys.stderr)
         return 2
@@ -75,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     args.namespace = args.namespace or context_namespace(args.kubeconfig)
     endpoints = [e for e in args.etcd_endpoints.split(",") if e.strip()]
     api = client.ApiClient(cfg)
-    session = DrillSession(api, args.namespace, args.job, endpoints, options, etcd_tls=args.etcd_tls)
+    session = DrillSession(api, args.namespace, args.job, endpoints, options, etcd_tls=args.etcd_tls,
+                           partitioner=partitioner)
     try:
         session.connect()
         print(f"drill of trainingjob {args.namespace}/{args.job}: {args.faults} fault(s) "

@@ -8,6 +8,7 @@ the steps done before the fault that had to be done again (from the step trainin
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,26 +20,37 @@ from stalwart.api.restart import ProgressRecord
 __all__ = [
     "ALL_KINDS",
     "HEADER",
+    "KNOWN_KINDS",
+    "PARTITION_KINDS",
     "POD_KINDS",
     "RankPoint",
     "Recovery",
     "Row",
+    "check_partitions",
+    "cut_of",
     "format_row",
     "format_table",
     "parse_kinds",
+    "partition_targets",
     "plan",
     "points",
     "recovery",
     "standing",
     "status_summary",
     "table_line",
+    "went_on",
 ]
 
 POD_KINDS: tuple[str, ...] = ("pod-delete", "pod-force-delete")
+#: The default kinds: they work on any cluster.
 ALL_KINDS: tuple[str, ...] = (*POD_KINDS, *AGENT_KINDS)
+#: Network cuts of a member's node, healed after ``--heal-after`` seconds: only on a ``stalwart local`` cluster
+#: with a network per node (``--local-dir``), which can cut a node's network while its processes run on.
+PARTITION_KINDS: tuple[str, ...] = ("partition-full", "partition-etcd", "partition-api", "partition-peer")
+KNOWN_KINDS: tuple[str, ...] = (*ALL_KINDS, *PARTITION_KINDS)
 
 
-def parse_kinds(text: str, allowed: Sequence[str] = ALL_KINDS) -> tuple[str, ...]:
+def parse_kinds(text: str, allowed: Sequence[str] = KNOWN_KINDS) -> tuple[str, ...]:
     """``"rank-kill,pod-delete"`` -> the kinds, in order, without repeats; ValueError naming ``--kinds``."""
     kinds = tuple(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
     unknown = [k for k in kinds if k not in allowed]
@@ -61,6 +73,49 @@ def plan(faults: int, kinds: Sequence[str], seed: int) -> list[str]:
     return out[:faults]
 
 
+def check_partitions(kinds: Sequence[str], local_dir: str | None, heal_after: float) -> None:
+    """ValueError naming the argument when a partition kind is asked for without a local cluster's directory,
+    or ``--heal-after`` is not a positive number of seconds."""
+    if not 0 < heal_after < math.inf:  # NaN compares false too
+        raise ValueError(f"--heal-after: expected seconds > 0, got {heal_after!r}")
+    cuts = list(dict.fromkeys(k for k in kinds if k in PARTITION_KINDS))
+    if cuts and not local_dir:
+        raise ValueError(f"--local-dir: {', '.join(cuts)} cut a node's network on a `stalwart local` cluster "
+                         "with a network per node; give that cluster's directory (as `stalwart local up --dir`)")
+
+
+def cut_of(kind: str, peer_node: str | None = None) -> list[str] | None:
+    """What a partition kind cuts the target's node from (``stalwart local partition --from``; None: everything):
+    ``partition-peer`` cuts it from ``peer_node``, the node of another member."""
+    if kind == "partition-full":
+        return None
+    if kind in ("partition-etcd", "partition-api"):
+        return [kind.removeprefix("partition-")]
+    if kind == "partition-peer":
+        if not peer_node:
+            raise ValueError("partition-peer: no other member runs on another node to cut it from")
+        return [peer_node]
+    raise ValueError(f"--kinds: {kind!r} is not a partition kind ({', '.join(PARTITION_KINDS)})")
+
+
+def partition_targets(members: Sequence[str], node_of: Mapping[str, str | None],
+                      job_pods: Sequence[str]) -> list[tuple[str, str, str | None]]:
+    """The members a cut of their node takes alone (no other pod of the job runs there), each as (pod, its node,
+    the node of another member for a peer cut, None when every other member shares its node), in ``members``'
+    order."""
+    on: dict[str | None, int] = {}
+    for pod in job_pods:
+        on[node_of.get(pod)] = on.get(node_of.get(pod), 0) + 1
+    out = []
+    for pod in members:
+        node = node_of.get(pod)
+        if node is None or on.get(node, 0) != 1:
+            continue
+        peer = next((n for m in members if m != pod and (n := node_of.get(m)) is not None and n != node), None)
+        out.append((pod, node, peer))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class RankPoint:
     """One rank as its agent last reported it."""
@@ -75,6 +130,7 @@ class RankPoint:
     step: int | None
     first_step: int | None
     first_step_time: float | None
+    step_time: float | None = None
 
     @property
     def position(self) -> tuple[int, int]:
@@ -84,7 +140,7 @@ class RankPoint:
 def points(records: Iterable[ProgressRecord]) -> list[RankPoint]:
     """Every rank of every node's latest report."""
     return [RankPoint(rec.node_id, r.local_rank, r.slot, r.rank, r.state, rec.round, r.iteration, r.step,
-                      r.first_step, r.first_step_time) for rec in records for r in rec.ranks]
+                      r.first_step, r.first_step_time, r.step_time) for rec in records for r in rec.ranks]
 
 
 def standing(pts: Sequence[RankPoint]) -> tuple[tuple[int, int], int]:
@@ -114,6 +170,23 @@ def recovery(pts: Sequence[RankPoint], before: tuple[int, int], injected_at: flo
     assert first.first_step is not None and first.first_step_time is not None
     return Recovery(round(first.first_step_time - injected_at, 3), first.first_step,
                     max(0, step_before - (first.first_step - 1)))
+
+
+def went_on(pts: Sequence[RankPoint], before: tuple[int, int], injected_at: float, step_before: int,
+            healed_at: float) -> Recovery | None:
+    """The recovery from a network cut: as :func:`recovery` when the job restarted (a later iteration or round),
+    else the first step past ``step_before`` a rank of the same round reports at or after the heal (the cut
+    held the collective, which went on once the link was back: nothing recomputed)."""
+    found = recovery(pts, before, injected_at, step_before)
+    if found is not None:
+        return found
+    later = [p for p in pts if p.position == before and p.step is not None and p.step > step_before
+             and p.step_time is not None and p.step_time >= healed_at]
+    if not later:
+        return None
+    first = min(later, key=lambda p: p.step_time or 0.0)
+    assert first.step is not None and first.step_time is not None
+    return Recovery(round(first.step_time - injected_at, 3), first.step, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from pydantic import ValidationError
 
@@ -30,22 +30,26 @@ from stalwart.api.restart import ProgressRecord
 from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
 from stalwart.drill.core import (
     HEADER,
+    PARTITION_KINDS,
     RankPoint,
     Recovery,
     Row,
+    cut_of,
     format_row,
+    partition_targets,
     points,
     recovery,
     standing,
     status_summary,
     table_line,
+    went_on,
 )
 from stalwart.drill.login import drill_credentials
 from stalwart.etcd.client import CredentialsError, connect
 from stalwart.etcd.keys import MANIFEST, JobKeys
 from stalwart.etcd.store import Store, StoreError
 
-__all__ = ["DrillError", "DrillOptions", "DrillSession", "Refused"]
+__all__ = ["DrillError", "DrillOptions", "DrillSession", "Partitioner", "Refused"]
 
 JSON = dict[str, Any]
 #: Validity of a request and the lease its key is bound to (seconds).
@@ -60,12 +64,23 @@ class Refused(DrillError):
     """An agent refused a request (its answer says why)."""
 
 
+class Partitioner(Protocol):
+    """Cuts a node's network while its processes run on, and heals it (a ``stalwart local`` cluster with a
+    network per node, adapted by the CLI). Either raises :class:`DrillError` naming what is wrong."""
+
+    def partition(self, node: str, from_: list[str] | None = None) -> list[str]: ...
+
+    def heal(self, node: str) -> str: ...
+
+
 @dataclass(frozen=True)
 class DrillOptions:
     """``timeout``: seconds a fault may take to recover; ``settle``: seconds the status may take to say so
-    afterwards; ``ready_timeout``: seconds to wait for the job to run before the first fault."""
+    afterwards; ``ready_timeout``: seconds to wait for the job to run before the first fault; ``heal_after``:
+    seconds a partition kind holds its cut."""
 
     timeout: float = 300.0
+    heal_after: float = 10.0
     settle: float = 30.0
     ready_timeout: float = 300.0
     poll: float = 0.2
@@ -73,7 +88,7 @@ class DrillOptions:
     progress_every: float = 15.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "settle", "ready_timeout", "poll", "progress_every"):
+        for name in ("timeout", "settle", "ready_timeout", "poll", "progress_every", "heal_after"):
             positive_seconds(f"--{name.replace('_', '-')}", getattr(self, name))
 
 
@@ -96,6 +111,8 @@ class DrillSession:
     token: bytes = b""
     #: Speak TLS to etcd even when the job does not say so (``--etcd-tls``).
     etcd_tls: bool = False
+    #: What carries out the partition kinds (``--local-dir``); None: they are refused.
+    partitioner: Partitioner | None = None
 
     def __post_init__(self) -> None:
         from kubernetes import client
@@ -193,6 +210,11 @@ class DrillSession:
             return []
         return [p for p in points(self.records()) if p.round == manifest.round]
 
+    def job_pods(self) -> dict[str, str | None]:
+        """The job's pods that are not being deleted, each with its node."""
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"{naming.LABEL_JOB_NAME}={self.job}")
+        return {p.metadata.name: p.spec.node_name for p in pods.items if p.metadata.deletion_timestamp is None}
+
     def wait_running(self, timeout: float) -> JSON:
         """Until the job is Running with a rank in its training function (DrillError when it ends)."""
         deadline = time.monotonic() + timeout
@@ -242,6 +264,7 @@ class DrillSession:
         """Inject one fault of ``kind`` (``pick`` chooses the target), wait for the recovery, return its row."""
         self.wait_running(self.options.ready_timeout)
         recoveries = _recoveries(self.status())
+        healed_at: float | None = None
         pts = self.current_points()
         before, step_before = standing(pts)
         if kind in AGENT_KINDS:
@@ -252,6 +275,8 @@ class DrillSession:
             injected_at = self.clock()
             result = self.agent_fault(kind, target.node, target.local_rank)
             what = f"rank {result.rank if result.rank is not None else target.rank} ({target.node})"
+        elif kind in PARTITION_KINDS:
+            injected_at, healed_at, what = self.partition_fault(index, kind, pick)
         else:
             manifest = self.manifest()
             members = sorted(m.node_id for m in manifest.members) if manifest else []
@@ -263,13 +288,44 @@ class DrillSession:
             what = pod
         self.tell(f"fault {index} ({kind}) on {what}: waiting for the next completed step "
                   f"(at most {self.options.timeout:g}s)")
-        rec = self.wait_recovered(before, injected_at, step_before)
+        rec = self.wait_recovered(before, injected_at, step_before, healed_at)
         if rec is None:
             return Row(index, kind, what, None, status_summary(self.status()),
                        note=f"not within {self.options.timeout:g}s")
+        if healed_at is not None and standing(self.current_points())[0] <= before:
+            return Row(index, kind, what, rec, status_summary(self.status()))  # waited out: nothing to count
         return Row(index, kind, what, rec, self.settled_status(recoveries))
 
-    def wait_recovered(self, before: tuple[int, int], injected_at: float, step_before: int) -> Recovery | None:
+    def partition_fault(self, index: int, kind: str, pick: Callable[[Sequence[Any]], Any]) -> tuple[float, float, str]:
+        """Cut the node of a member alone on it as ``kind`` says, hold the cut ``heal_after`` seconds, heal it;
+        the times of the cut and the heal, and the target's description."""
+        if self.partitioner is None:
+            raise DrillError(f"--local-dir: {kind} cuts a node's network on a `stalwart local` cluster; give its "
+                             "directory")
+        manifest = self.manifest()
+        members = sorted(m.node_id for m in manifest.members) if manifest else []
+        pods = self.job_pods()
+        targets = [t for t in partition_targets(members, pods, sorted(pods))
+                   if kind != "partition-peer" or t[2] is not None]
+        if not targets:
+            raise DrillError(f"{kind}: no member of the round runs alone on its node with another member elsewhere "
+                             f"(nodes: {pods}); a cut would take more than the one pod")
+        pod, node, peer = pick(targets)
+        cut = cut_of(kind, peer)
+        injected_at = self.clock()
+        self.partitioner.partition(node, cut)
+        try:
+            self.tell(f"fault {index} ({kind}): node {node} of {pod} cut from "
+                      f"{'everything' if cut is None else ', '.join(cut)}; healed in {self.options.heal_after:g}s")
+            time.sleep(self.options.heal_after)
+        finally:
+            self.partitioner.heal(node)
+        return injected_at, self.clock(), f"{pod} ({node})"
+
+    def wait_recovered(self, before: tuple[int, int], injected_at: float, step_before: int,
+                       healed_at: float | None = None) -> Recovery | None:
+        """The recovery once the ranks report it (:func:`.core.recovery`; after a cut healed at ``healed_at``,
+        :func:`.core.went_on`), None after ``timeout`` or once the job failed."""
         began = time.monotonic()
         deadline, next_word = began + self.options.timeout, began + self.options.progress_every
         best = step_before
@@ -285,9 +341,11 @@ class DrillSession:
                 continue
             # Steps a rank completed after the injection but still before the fault took hold count as done
             # (reports of the fault's round only: those of pods gone in earlier rounds are history).
+            # After a cut, a step at or after the heal is the recovery itself, not a step done before the fault.
             best = max([best, *(p.step for p in pts if p.round == before[0] and p.position <= before
-                                and p.step is not None)])
-            found = recovery(pts, before, injected_at, best)
+                                and p.step is not None and (healed_at is None or (p.step_time or 0.0) < healed_at))])
+            found = (recovery(pts, before, injected_at, best) if healed_at is None
+                     else went_on(pts, before, injected_at, best, healed_at))
             if found is not None:
                 return found
             if self.status().get("phase") == "Failed":

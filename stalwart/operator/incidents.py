@@ -130,12 +130,13 @@ def lost_members(side_facts: Sequence[Fact], progress: Sequence[ProgressRecord],
 
 def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fact] = (),
            side_facts: Sequence[Fact] = (), vanished: frozenset[str] = frozenset(), now: float,
-           soft_timeout: float, peers: Sequence[Peer] = ()) -> Assessment:
+           soft_timeout: float, peers: Sequence[Peer] = (), lease_facts: Sequence[Fact] = ()) -> Assessment:
     """Decide the training half of the status. ``status`` is the status decided so far in this reconcile;
     ``pod_facts`` are faults of pods of the current round the operator saw in it (they open an incident),
     ``side_facts`` faults of other pods (spares: recorded, but training goes on); ``vanished`` the pods that
     disappeared in it; ``peers`` the round's member pods as seen now, which a survivor's symptom may point at
-    (:mod:`.culprits`)."""
+    (:mod:`.culprits`); ``lease_facts`` the members whose lease ran out while their pod ran on
+    (:mod:`.lease_loss`): a fault of the round they were in, until a step past it is counted."""
     restarts = status.restarts or RestartCounts()
     position = status.position
     last = status.last_failure
@@ -146,7 +147,8 @@ def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fac
     round_ = manifest.round if manifest is not None else None
     here = position or (Position(round=round_, iteration=0) if round_ is not None else None)
     gone, side_facts = lost_members(side_facts, etcd.progress, round_, position)
-    pods = [*gone, *(with_position(f, here) for f in pod_facts)]
+    leased, _counted = lost_members(lease_facts, etcd.progress, round_, position)
+    pods = [*gone, *leased, *(with_position(f, here) for f in pod_facts)]
 
     if not etcd.reachable:
         if pods:

@@ -11,6 +11,7 @@ from stalwart.api.status import ConditionStatus, ConditionType, Phase, Progress
 from stalwart.operator.culprits import Peer
 from stalwart.operator.failures import Fact
 from stalwart.operator.incidents import assess
+from stalwart.operator.lease_loss import lease_facts
 from stalwart.operator.model import PodView
 from stalwart.operator.parked_status import REASON_PREPARE_FAILED, parked_failures, prepare_verdict
 from stalwart.operator.snapshot_status import peer_snapshot
@@ -47,8 +48,10 @@ def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Seq
     members = {m.node_id for m in manifest.members} if manifest is not None else set()
     in_round = [f for name, f in facts if name in members]
     outside = [f for name, f in facts if name not in members]
+    staying = {p.name for p in w.obs.pods if not p.deleting}
     a = assess(st, w.obs.etcd, pod_facts=in_round, side_facts=outside, vanished=vanished, now=w.now,
-               soft_timeout=spec.restart_policy.in_process.soft_timeout_seconds, peers=peers(w, sorted(members)))
+               soft_timeout=spec.restart_policy.in_process.soft_timeout_seconds, peers=peers(w, sorted(members)),
+               lease_facts=lease_facts(manifest, w.obs.etcd.progress, staying, w.now))
     st.last_failure = a.last_failure
     st.restarts = a.restarts
     st.position = a.position

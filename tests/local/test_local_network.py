@@ -223,6 +223,14 @@ def test_bad_partitions_name_what_is_wrong_and_change_nothing(netns_cluster: Loc
         c.heal("local-1")
     with pytest.raises(ClusterError, match=r"no node 'local-9'"):
         c.heal("local-9")
+    # From the command line: exit 1, the reason on stderr, nothing on stdout.
+    run = [sys.executable, "-m", "stalwart", "local"]
+    for args, said in ((["partition", "local-9"], "node: no node 'local-9'"),
+                       (["partition", "local-1", "--from", "etcd,bogus"], "--from: 'bogus' is not api, etcd or a node"),
+                       (["heal", "local-1"], "node 'local-1' is not partitioned")):
+        res = subprocess.run([*run, args[0], "--dir", str(c.dir), *args[1:]], capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert (res.returncode, res.stdout) == (1, "") and said in res.stderr, (args, res.stdout, res.stderr)
     assert all("cut_from" not in n and n["state"] == "up" for n in c.status()["nodes"])
     assert reaches(a, str(c.etcd_endpoint)) and reaches(a, f"{b}:{DIAL_PORT}")
 
@@ -314,3 +322,47 @@ def test_up_says_once_which_network_the_cluster_has() -> None:
     assert network_line({"mode": "loopback", "reason": "asked for (network: loopback)"}) == (
         "network: loopback, every pod on this machine's 127/8 (asked for (network: loopback)); partition/heal need "
         "a network per node (root)")
+
+
+@pytest.mark.parametrize("mode", ["netns", "loopback"])
+def test_node_loss_and_the_paused_partition_behave_alike_in_both_network_modes(tmp_path: Path, mode: str) -> None:
+    """The node faults that predate the network per node, in each mode on a cluster of its own: a node paused
+    (lose-node --partition) stops its pod's process and turns Unknown, and on restore the process runs on; a node
+    lost kills it, and the returning kubelet starts it again."""
+    if mode == "netns" and missing_rights() is not None:
+        pytest.skip(f"needs root to make network namespaces: {missing_rights()}")
+    cluster = LocalCluster.up(tmp_path / "c", nodes=2, etcd=False, owner_pid=os.getpid(),
+                              settings=LocalClusterSettings(network=mode,
+                                                            node_monitor_grace_period=1.0))
+    try:
+        assert cluster.network["mode"] == mode
+        ticks = tmp_path / "ticks"
+        script = (f"import pathlib, time\nout = pathlib.Path({str(ticks)!r})\nn = 0\n"
+                  "while True:\n    n += 1; out.with_suffix('.tmp').write_text(str(n))\n"
+                  "    out.with_suffix('.tmp').replace(out); time.sleep(0.05)\n")
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ticker"}, "spec": {
+            "nodeName": "local-1", "containers": [{"name": "c", "image": "python",
+                                                   "command": [sys.executable, "-c", script]}]}}
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        first = wait_until(lambda: (p := get_json(cluster, "pod", "ticker"))["status"].get("containerStatuses")
+                           and p["status"]["phase"] == "Running" and p, "the pod to run")
+        pid = main_pid(first)
+        wait_until(lambda: ticks.exists() and int(ticks.read_text() or 0) > 0, "the pod to tick")
+
+        assert cluster.lose_node("local-1", partition=True) == ["default/ticker"]
+        assert process_state(pid) == "T"  # paused, not killed
+        wait_until(lambda: ready_condition(cluster, "local-1") == "Unknown", "local-1 to turn Unknown", timeout=30)
+        paused = int(ticks.read_text())
+        cluster.restore_node("local-1")
+        wait_until(lambda: int(ticks.read_text()) > paused, "the paused process to tick again")
+        assert not ended(pid) and ready_condition(cluster, "local-1") == "True"
+
+        assert cluster.lose_node("local-1") == ["default/ticker"]
+        wait_until(lambda: ended(pid), "the lost node's process to end", timeout=10)
+        cluster.restore_node("local-1")
+        again = wait_until(lambda: (p := get_json(cluster, "pod", "ticker"))["status"].get("containerStatuses")
+                           and p["status"]["containerStatuses"][0].get("restartCount") == 1 and p,
+                           "the returning kubelet to start the container again", timeout=30)
+        assert again["status"]["phase"] == "Running"
+    finally:
+        cluster.down()

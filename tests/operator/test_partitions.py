@@ -5,6 +5,9 @@ link is back, the job ends Succeeded with the parameters of a fault-free run, bi
 round was superseded names it in etcd's history of the job (every key's create and mod revisions, every value
 naming a node: the restart records, progress records and rendezvous keys carry the writer's node id); its ranks
 never joined the new round's group; the status names the partitioned pod; and its agent said it was fenced.
+A cut from one peer only (the other worker's node) makes no zombie: both leases live and neither end is more
+cut than the other, so the job waits the cut out (the collective waits, or its ranks are interrupted after
+the soft timeout, once the link is back), fences and replaces no one, and ends with the same parameters.
 
 The lease TTL is 4 s (the default is 10 s) and the node-monitor grace period 3 s (the session cluster's): what the
 tests prove does not depend on them, only how long they wait."""
@@ -171,5 +174,73 @@ def test_a_live_zombie_is_fenced_and_the_job_ends_with_fault_free_parameters(
     assert took_over(jobs, name) == [spare]
     # It knew: from its own keep-alives, unanswered past the TTL while cut off, or from etcd once healed.
     assert "fenced" in zlog, (alive_in_cut, told)
+    jobs.delete(name)
+    wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
+
+
+#: How long a one-peer cut is held: past the lease TTL but short of the soft timeout (the default 60 s: the
+#: collective waits, nothing has to recover), and past a soft timeout of 4 s (the stalled collective is a hang,
+#: recovered from once the link is back).
+PEER_HOLDS = {"short": (3 * LEASE_TTL, None), "long": (20, 4.0)}
+
+
+@pytest.mark.parametrize("hold", sorted(PEER_HOLDS))
+def test_a_cut_from_one_peer_fences_no_one_and_the_job_ends_with_fault_free_parameters(
+        hold: str, start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store,
+        local_cluster: LocalCluster) -> None:
+    """A worker's node cut from the other worker's node only: both still reach etcd and the API server, so both
+    leases live, neither is a zombie, and no round can leave either out (either end is as cut as the other;
+    the spare reaches both). The job waits the cut out: the collective waits (short), or its ranks stall past
+    the soft timeout and the job recovers once the link is back (long). It ends Succeeded with the fault-free
+    parameters bit for bit; nothing was fenced or replaced, the spare never took over; where a hang was
+    detected, ``lastFailure`` names a pod at one end of the cut link, else it names nothing."""
+    needs_namespaces(local_cluster)
+    start_operator(jobs.ns)
+    expected = fault_free_digest(start_operator, jobs, local_cluster)
+    seconds, soft = PEER_HOLDS[hold]
+    name = f"part-peer-{hold}"
+    in_process: dict[str, object] = {"warmSpares": True}
+    if soft is not None:
+        in_process |= {"softTimeoutSeconds": soft, "hardTimeoutSeconds": 120}
+    body = job_body(name, replicas=2, spares=1, command=[*COMMAND, "--step-delay", "0.05"],
+                    restartPolicy={"inProcess": in_process})
+    body["spec"]["rendezvous"]["leaseTTLSeconds"] = LEASE_TTL
+    body["spec"]["template"]["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "3"}}
+    created = jobs.create(body)
+    keys = JobKeys(jobs.ns, created["metadata"]["uid"])
+    survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
+    wait_for("the spare's parked processes", lambda: rank_pids(jobs.ns, spare), timeout=240)
+    wait_for_steps(local_cluster, jobs.ns, survivor, 20)
+    where = {p.metadata.name: p.spec.node_name for p in jobs.pods(name)}
+    assert len(set(where.values())) == 3, where
+    first = manifest(etcd_store, keys)
+    assert first is not None and {m.node_id for m in first.members} == {survivor, victim}
+    start = etcd_store.revision()
+
+    local_cluster.partition(where[victim], [where[survivor]])
+    try:
+        time.sleep(seconds)
+        during = manifest(etcd_store, keys)
+    finally:
+        local_cluster.heal(where[victim])
+
+    st = wait_for("Succeeded", phase_is(jobs, name, "Succeeded", "Failed"), timeout=400)
+    assert st["phase"] == "Succeeded", (st, story(local_cluster, jobs.ns, survivor, victim))
+    # Both leases lived through the cut: no round left either out, and nothing was fenced or replaced.
+    assert during is not None and during.round == first.round, during
+    fences = [e.kv.key for e in history(etcd_store, keys.prefix + FENCED, start) if e.type == "put"]
+    assert fences == [], fences
+    assert took_over(jobs, name) == []
+    assert (st.get("restarts") or {}).get("podReplacements", 0) == 0, st["restarts"]
+    done = [e for pod in (survivor, victim) for e in events(local_cluster, jobs.ns, pod) if e["event"] == "done"]
+    assert sorted(e["rank"] for e in done) == [0, 1] and all(e["world_size"] == 2 for e in done), done
+    assert {e["params_sha256"] for e in done} == {expected}, story(local_cluster, jobs.ns, survivor, victim)
+    assert [e for e in events(local_cluster, jobs.ns, spare) if e["event"] == "done"] == []
+    lf = st.get("lastFailure")
+    if soft is None:
+        assert lf is None and st.get("totalRestarts", 0) == 0, st
+    else:
+        assert lf is not None and lf["pod"] in (survivor, victim), lf
+        assert st.get("totalRestarts", 0) >= 1, st
     jobs.delete(name)
     wait_for("the job to go", lambda: jobs.gone(name), timeout=90)

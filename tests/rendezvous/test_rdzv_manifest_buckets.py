@@ -57,6 +57,8 @@ def written(parts: list[bytes], revision: int) -> Parts:
     (manifest(400), WHOLE_MANIFEST_BYTES, 5),  # 40 KB: buckets of about 8 KiB
     (LARGE, MAX_RECORD_BYTES, 38),  # ~300 KB
     (SMALL, 1024, 4),  # any record size works alike
+    # a later round names the members it lost, in the header of a large one
+    (manifest(400).model_copy(update={"round": 2, "lost": ["trainjob-worker-400"]}), WHOLE_MANIFEST_BYTES, 5),
 ])
 def test_encode_then_decode_gives_the_same_manifest(m: Manifest, part_bytes: int, buckets: int) -> None:
     value, parts = encode_manifest(m, part_bytes)

@@ -34,7 +34,7 @@ from stalwart.agent.rendezvous.protocol import (
 )
 from stalwart.agent.rendezvous.reading import light_view
 from stalwart.agent.rendezvous.settings import RendezvousSettings
-from stalwart.api.manifest import encode_manifest, manifest_part_key
+from stalwart.api.manifest import ManifestHeader, encode_manifest, manifest_part_key
 from stalwart.api.rendezvous import (
     ExpectedNodes,
     Manifest,
@@ -164,6 +164,9 @@ def test_late_arrival_waits_and_a_lost_member_ends_the_round() -> None:
     assert seal2.over_epoch == st1.view.epoch
     assert [(x.node_id, x.group_rank) for x in seal2.manifest.members] == [("a", 0), ("late", 1)]
     assert seal2.manifest.round == 2 and "lost: b" in seal2.manifest.reason
+    # The manifest names the lost member as data too (the operator's status names it), and the header keeps it.
+    assert seal2.manifest.lost == ["b"] and seal.manifest.lost == []
+    assert ManifestHeader.of(seal2.manifest).lost == ["b"]
 
 
 def test_a_rejoined_node_is_a_new_incarnation_and_ends_the_round() -> None:

@@ -31,6 +31,7 @@ The rules:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -46,7 +47,7 @@ from stalwart.agent.rendezvous.view import (
     apply,
     parse_record,
 )
-from stalwart.api.rendezvous import Manifest, Member
+from stalwart.api.rendezvous import MAX_LOST, Manifest, Member
 
 # The records and the view live in .view; they are part of the protocol's vocabulary, so they are named here too.
 __all__ = [
@@ -146,8 +147,10 @@ def ready_to_seal(view: View, settings: RendezvousSettings) -> Literal["now", "l
     return "last-call"
 
 
-def plan_round(view: View, settings: RendezvousSettings, sealer: str, reason: str) -> Manifest:
-    """The manifest of the next round over the present nodes (see the module's membership rules)."""
+def plan_round(view: View, settings: RendezvousSettings, sealer: str, reason: str,
+               lost: Sequence[str] = ()) -> Manifest:
+    """The manifest of the next round over the present nodes (see the module's membership rules); ``lost``: the
+    members of the last round whose keys went (the operator names them in the job's status)."""
     if not view.nodes:
         raise ValueError("plan_round: no node is present")
     prev: dict[str, int] = {}
@@ -182,7 +185,7 @@ def plan_round(view: View, settings: RendezvousSettings, sealer: str, reason: st
     first = view.nodes[members[0].node_id].record
     return Manifest(round=(view.sealed.header.round + 1) if view.sealed else 1, members=members,
                     spares=spares, world_size=offset, master_addr=first.address, master_port=first.master_port,
-                    sealed_by=sealer, reason=reason, view_revision=view.revision)
+                    sealed_by=sealer, reason=reason, lost=list(lost[:MAX_LOST]), view_revision=view.revision)
 
 
 # -- the state machine ---------------------------------------------------------------------------------------
@@ -394,6 +397,6 @@ def step(state: State, event: Event, settings: RendezvousSettings) -> tuple[Stat
             return state, [*ending, WakeAt(deadline)]
     if state.sealing_at == view.revision:
         return state, []
-    manifest = plan_round(view, settings, sealer, status.reason)
+    manifest = plan_round(view, settings, sealer, status.reason, status.lost)
     seal = Seal(manifest, view.epoch, sealer, view.nodes[sealer].create_revision, view.revision)
     return replace(state, sealing_at=view.revision), [seal]
