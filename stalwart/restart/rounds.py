@@ -31,6 +31,7 @@ from stalwart.api.handover import PARKED_ENV, Handover
 from stalwart.api.restart import RankStatus
 from stalwart.etcd.fence import StaleEpoch
 from stalwart.etcd.store import StoreError
+from stalwart.restart import phase_marks
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.environment import RankEnvironment
 from stalwart.restart.errors import RestartExit, exception_name
@@ -71,13 +72,19 @@ def _mark_exiting() -> None:
 
 
 def _prepare(config: RestartConfig, *, parked: bool) -> Any:
-    """The result of the decorator's ``prepare`` hook (``None`` without one)."""
+    """The result of the decorator's ``prepare`` hook (``None`` without one), its run marked
+    (:mod:`.phase_marks`)."""
     if config.prepare is None:
         return None
+    start = time.time()
     if not parked:
-        return config.prepare()
+        result = config.prepare()
+        phase_marks.prepared(start, time.time(), parked=False)
+        return result
     try:
-        return config.prepare()
+        result = config.prepare()
+        phase_marks.prepared(start, time.time(), parked=True)
+        return result
     except Exception as e:
         log.error("parked spare: the prepare hook raised %s: %s; exiting %d (%s), no round took this process",
                   exception_name(e), e, ExitCode.PREPARE_FAILED, ExitCode.PREPARE_FAILED.name, exc_info=True)
@@ -104,6 +111,7 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
             prepared = _prepare(base, parked=True)
             # A warm spare waits for as long as its agent lives (the agent stops it when the job ends).
             first = watch.wait(None, alive=_parent_alive(parent))
+            phase_marks.knew()  # a round took this spare: a fault took a rank (or the world grows)
             if first is None:
                 raise RestartExit(ExitCode.TERMINATED, "the agent ended before a round took this spare")
             _enter(watch, first)
@@ -122,6 +130,7 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
             try:
                 return run(session, prepared)
             except RoundOver as e:
+                phase_marks.knew()
                 handover = e.handover
             except StaleEpoch as e:
                 found = None if watch is None else watch.wait(time.monotonic() + config.barrier_timeout)
