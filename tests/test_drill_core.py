@@ -11,6 +11,7 @@ import pytest
 
 from stalwart.agent.drill import judge
 from stalwart.api.drill import DrillRequest
+from stalwart.api.recovery import RecoveryPhases
 from stalwart.cli.drill import context_namespace
 from stalwart.drill.core import (
     RankPoint,
@@ -110,6 +111,20 @@ def test_the_table_and_the_status_line() -> None:
     assert header.split() == ["#", "FAULT", "TARGET", "RECOVERY", "RECOMPUTED", "STATUS", "AFTER"]
     assert first.index("3.2s") == header.index("RECOVERY") and first.endswith(line)
     assert "not within 300s" in second and second.rstrip().endswith("Restarting")
+
+
+def test_the_phases_of_a_recovery_go_under_its_row() -> None:
+    phases = RecoveryPhases(seconds=(("detect", 0.01), ("round", 1.2), ("group", 0.05), ("prepare", 0.0),
+                                     ("copy", 0.4), ("first_step", 0.3)), raw=1.96, copy_bytes=800_000_000,
+                            copy_sources=2)
+    late = RecoveryPhases(seconds=(("detect", None), ("round", 5.0), ("group", 0.1), ("prepare", None),
+                                   ("copy", None), ("first_step", 2.0)), raw=7.1)
+    table = format_table([Row(1, "pod-delete", "job-worker-1", Recovery(1.96, 51, 0), "Running", phases=phases),
+                          Row(2, "rank-kill", "rank 0 (job-worker-0)", Recovery(7.1, 60, 0), "Running", phases=late)])
+    _, _, under, _, under_late = table.splitlines()
+    assert under == ("    phases: detect 0.01s, round 1.20s, group 0.05s, prepare 0.00s, copy 0.40s (800 MB from 2, "
+                     "2.00 GB/s), first step 0.30s; fault to first full step 1.96s")
+    assert under_late.startswith("    phases: detect n/a, round 5.00s") and "copy n/a," in under_late
 
 
 @pytest.mark.parametrize(("context", "namespace"), [({"namespace": "team-a"}, "team-a"), ({}, "default")])

@@ -25,6 +25,7 @@ from stalwart.api import naming
 from stalwart.api.base import positive_seconds
 from stalwart.api.drill import AGENT_KINDS, DrillRequest, DrillResult
 from stalwart.api.manifest import decode_manifest
+from stalwart.api.recovery import RecoveryPhases, from_records
 from stalwart.api.rendezvous import Manifest
 from stalwart.api.restart import ProgressRecord
 from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
@@ -33,6 +34,7 @@ from stalwart.drill.core import (
     RankPoint,
     Recovery,
     Row,
+    format_phases,
     format_row,
     points,
     recovery,
@@ -267,7 +269,21 @@ class DrillSession:
         if rec is None:
             return Row(index, kind, what, None, status_summary(self.status()),
                        note=f"not within {self.options.timeout:g}s")
-        return Row(index, kind, what, rec, self.settled_status(recoveries))
+        phases = self.wait_phases(injected_at)
+        return Row(index, kind, what, rec, self.settled_status(recoveries), phases=phases)
+
+    def wait_phases(self, injected_at: float) -> RecoveryPhases | None:
+        """The phases of the recovery once every rank of the new world reported its first step and its marks
+        (agents publish about every second), or None after ``settle`` seconds."""
+        deadline = time.monotonic() + self.options.settle
+        while True:
+            try:
+                found = from_records(self.records(), injected_at)
+            except StoreError:
+                found = None
+            if found is not None or time.monotonic() > deadline:
+                return found
+            time.sleep(self.options.poll)
 
     def wait_recovered(self, before: tuple[int, int], injected_at: float, step_before: int) -> Recovery | None:
         began = time.monotonic()
@@ -326,6 +342,8 @@ class DrillSession:
             row = self.inject(i, kind, lambda xs: xs[rng.randrange(len(xs))])
             rows.append(row)
             self.say(format_row(row))
+            if row.phases is not None:
+                self.say(format_phases(row.phases))
             if row.recovery is None:
                 break
         return rows
