@@ -191,6 +191,8 @@ def phase_rows(impl: str, fault: str, params: int, workers: int, found: Recovery
             row["reason"] = UNMARKED.get(ph, "not marked")
         if ph == "detect" and found.first_knower:
             row["first_knower"] = found.first_knower
+        if ph == "round" and found.barrier is not None:
+            row["barrier"] = round(found.barrier, 3)  # of it: the wrapper's session and barrier
         if ph == "copy" and found.copy_bytes:
             row["bytes"] = found.copy_bytes
         rows.append(row)

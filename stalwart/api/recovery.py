@@ -54,6 +54,9 @@ class RecoveryPhases:
     copy_bytes: int = 0
     copy_sources: int = 0
     first_knower: str = ""
+    #: Of ``round``: from the last rank taking up the new round (its handover) to the last one past the barrier
+    #: (the restart wrapper's session and barrier); None when a rank did not mark it.
+    barrier: float | None = None
 
     def of(self, phase: str) -> float | None:
         if phase not in PHASES:
@@ -109,7 +112,10 @@ def phases(fault: float, ranks: Sequence[RankRecovery], agents_saw: Sequence[tup
         out[1] -= carried
         out[3] = (out[3] or 0.0) + carried
     received = [m.copy_bytes for m in copiers if m.copy_role == "received"]
-    return RecoveryPhases(seconds=tuple(zip(PHASES, out, strict=True)), raw=end - fault,
+    took_up = _latest([r.marks.entered for r in ranks])
+    sealed = marks[1]
+    barrier = None if took_up is None or sealed is None else max(0.0, sealed - max(took_up, fault))
+    return RecoveryPhases(seconds=tuple(zip(PHASES, out, strict=True)), raw=end - fault, barrier=barrier,
                           copy_bytes=max(received, default=0),
                           copy_sources=max((m.copy_sources for m in copiers), default=0),
                           first_knower=detect[1] if detect else "")

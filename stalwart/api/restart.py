@@ -233,6 +233,8 @@ class RecoveryMarks(ApiModel):
     knew: float | None = Field(
         default=None, description=("When this process first learned of the fault the iteration recovers from "
                                    "(None: it learned of none, e.g. a process started for the iteration)."))
+    entered: float | None = Field(
+        default=None, description="When the process took up the iteration's round (its handover, or its start).")
     sealed: float = Field(description="When the process passed the iteration's barrier (its rank known).")
     group: float | None = Field(default=None, description="When the iteration's process group was built.")
     prepare_start: float | None = Field(default=None, description="When the decorator's prepare hook began.")

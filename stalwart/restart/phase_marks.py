@@ -21,11 +21,12 @@ from typing import Literal
 
 from stalwart.api.restart import RecoveryMarks
 
-__all__ = ["attach", "copied", "current", "detach", "group_built", "knew", "prepared", "reset", "sealed",
-           "stepped"]
+__all__ = ["attach", "copied", "current", "detach", "entered", "group_built", "knew", "prepared", "reset",
+           "sealed", "stepped"]
 
 _lock = threading.Lock()
 _knew: float | None = None
+_entered: float | None = None
 _prepare: tuple[float, float, bool] | None = None
 _marks: RecoveryMarks | None = None
 _sink: Callable[[RecoveryMarks], None] | None = None
@@ -57,6 +58,13 @@ def knew(at: float | None = None) -> None:
             _knew = t
 
 
+def entered(at: float | None = None) -> None:
+    """The process takes up a round: its first session, or the one its handover to a newer round begins."""
+    global _entered
+    with _lock:
+        _entered = time.time() if at is None else at
+
+
 def prepared(start: float, end: float, *, parked: bool) -> None:
     """The decorator's prepare hook ran from ``start`` to ``end`` (``parked``: on a parked spare)."""
     global _prepare
@@ -69,7 +77,7 @@ def sealed(iteration: int, epoch: int | None, at: float | None = None) -> None:
     global _marks
     with _lock:
         prep = _prepare
-        _marks = RecoveryMarks(epoch=epoch, iteration=iteration, knew=_knew,
+        _marks = RecoveryMarks(epoch=epoch, iteration=iteration, knew=_knew, entered=_entered,
                                sealed=time.time() if at is None else at,
                                prepare_start=prep[0] if prep else None, prepare_end=prep[1] if prep else None,
                                prepare_parked=prep[2] if prep else False)
@@ -116,6 +124,6 @@ def detach(sink: Callable[[RecoveryMarks], None]) -> None:
 
 def reset() -> None:
     """Forget everything (a test's fresh start)."""
-    global _knew, _prepare, _marks, _sink
+    global _knew, _entered, _prepare, _marks, _sink
     with _lock:
-        _knew, _prepare, _marks, _sink = None, None, None, None
+        _knew, _entered, _prepare, _marks, _sink = None, None, None, None, None

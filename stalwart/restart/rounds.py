@@ -118,6 +118,7 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
         else:
             prepared = _prepare(base, parked=False)
         while True:
+            phase_marks.entered()
             env = RankEnvironment.from_env()
             if watch is not None:
                 watch.switched(env.epoch)

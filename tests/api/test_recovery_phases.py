@@ -61,6 +61,14 @@ def test_phases(ranks: list[RankRecovery], agents: list[tuple[str, float]], want
     assert all(v is None or v >= 0 for _, v in got.seconds)
 
 
+def test_the_barrier_part_of_round_runs_from_the_last_handover() -> None:
+    survivor = SURVIVOR.model_copy(update={"entered": FAULT + 0.7})
+    spare = SPARE.model_copy(update={"entered": FAULT + 0.8})
+    got = phases(FAULT, [RankRecovery(survivor, FAULT + 2.5), RankRecovery(spare, FAULT + 2.6)])
+    assert got is not None and got.barrier == pytest.approx(0.3)
+    assert phases(FAULT, [RankRecovery(SURVIVOR, FAULT + 2.5)]).barrier is None  # type: ignore[union-attr]
+
+
 def test_copy_bytes_and_rate_come_from_the_receivers() -> None:
     got = phases(FAULT, [RankRecovery(SURVIVOR, FAULT + 2.5), RankRecovery(SPARE, FAULT + 2.6)])
     assert got is not None
