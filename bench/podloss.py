@@ -394,7 +394,7 @@ def torchft_rows(params: int) -> list[dict[str, Any]]:
 
     try:
         return torchft_copy.run(params, ("pg",), optimizer="sgd")
-    except RuntimeError as e:  # not installed, or its run failed: said, not hidden
+    except (RuntimeError, OSError) as e:  # not installed, its run failed or timed out: said, not hidden
         return [{"bench": "podloss", "impl": "torchft", "params": params, "transport": "pg",
                  "metric": "copy_gbps", "value": None, "reason": str(e)[:500]}]
 

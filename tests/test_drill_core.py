@@ -155,3 +155,25 @@ def test_a_drill_says_what_it_waits_for_while_a_fault_has_not_recovered() -> Non
     assert len(lines) >= 3 and all(line.startswith("  still waiting: ") and line.endswith("phase Running")
                                    for line in lines)
     assert table.getvalue() == ""  # the table stays the table
+
+
+def test_a_drill_reads_the_phases_of_the_recovery_from_the_agents_records() -> None:
+    from stalwart.api.restart import ProgressRecord, RankReport, RecoveryMarks
+
+    def record(node: str, rank: int, marks: RecoveryMarks | None, first: float | None) -> ProgressRecord:
+        return ProgressRecord(node_id=node, epoch=3, round=2, state="running", updated=NOW + 9, ranks=[
+            RankReport(local_rank=0, slot=rank, rank=rank, pid=10 + rank, state="running", first_step_time=first,
+                       recovery=marks)])
+
+    marks = RecoveryMarks(epoch=3, iteration=0, knew=NOW + 0.1, sealed=NOW + 1, group=NOW + 1.1)
+    reports = [[record("w0", 0, marks, NOW + 2), record("s0", 1, None, None)],  # the spare has not said yet
+               [record("w0", 0, marks, NOW + 2), record("s0", 1, marks, NOW + 2.5)]]
+
+    class Recovering(DrillSession):
+        def records(self) -> list[Any]:
+            return reports.pop(0) if len(reports) > 1 else reports[0]
+
+    session = Recovering(api=None, namespace="ns", job="j", options=DrillOptions(settle=5, poll=0.01))
+    phases = session.wait_phases(NOW)
+    assert phases is not None and phases.raw == pytest.approx(2.5)
+    assert phases.of("detect") == pytest.approx(0.1) and phases.of("copy") is None
