@@ -37,6 +37,8 @@ alive: its agent replaces it, forked from the pod's fork server; torchrun restar
   deleted; they add up to the fault-to-first-step time of the ranks' own marks, ``total``). A phase no rank
   marked is null with the ``reason`` (after a process restart no state is copied: the checkpoint is read inside
   the training function, in ``first_step``); torchrun's workers record none;
+* ``rank_marks`` (one per rank of the new round) and ``agent_marks`` (one per agent): the marks themselves, in
+  seconds from the fault, to read which rank was the last at a boundary;
 * ``steps_recomputed``: steps done before the fault that were done again;
 * ``survivor_process_starts``: processes started again on the surviving pod (node).
 
@@ -201,6 +203,37 @@ def phase_rows(impl: str, fault: str, params: int, workers: int, found: Recovery
                  "bytes": found.copy_bytes, "sources": found.copy_sources,
                  **({} if gbps is not None else {"reason": UNMARKED["copy"]})})
     return rows
+
+
+def mark_rows(impl: str, fault: str, params: int, workers: int, records: list[ProgressRecord], *,
+              t_fault: float) -> list[dict[str, Any]]:
+    """Each rank's marks of the newest round and each agent's, in seconds from the fault: what the phases are
+    computed from, for reading where a phase's time went (which rank was the last at each boundary)."""
+    base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params, "workers": workers}
+    if not any(rec.ranks for rec in records):
+        return []
+    newest = max(rec.round for rec in records if rec.ranks)
+    out: list[dict[str, Any]] = []
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - t_fault, 3)
+
+    for rec in records:
+        for summary in rec.history[-1:]:
+            out.append({**base, "metric": "agent_marks", "node": rec.node_id, "round": summary.round,
+                        "joined": rel(summary.joined), "previous_end_seen": rel(summary.previous_end_seen)})
+        if rec.round != newest:
+            continue
+        for r in rec.ranks:
+            m = r.recovery
+            if m is None:
+                continue
+            out.append({**base, "metric": "rank_marks", "node": rec.node_id, "rank": r.rank,
+                        "iteration": m.iteration, "knew": rel(m.knew), "entered": rel(m.entered),
+                        "sealed": rel(m.sealed), "group": rel(m.group), "prepare_end": rel(m.prepare_end),
+                        "prepare_parked": m.prepare_parked, "copy_start": rel(m.copy_start),
+                        "copy_end": rel(m.copy_end), "copy_role": m.copy_role, "first_step": rel(r.first_step_time)})
+    return out
 
 
 def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, params: int, *,
@@ -456,6 +489,8 @@ def main() -> int:
                 no_marks = ("torchrun's workers run no restart wrapper: they record no marks" if impl == "torchrun"
                             else "the agents' records held no complete marks of the recovery")
                 for row in phase_rows(impl, fault, params, workers, found, why=no_marks):
+                    say(row)
+                for row in mark_rows(impl, fault, params, workers, records, t_fault=t_fault):
                     say(row)
                 if fault == args.faults[0] and params == args.params[0] and workers == args.workers[0]:
                     runs[impl] = (t_fault, events)
