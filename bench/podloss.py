@@ -389,10 +389,12 @@ def plot_phases(path: Path, rows: list[dict[str, Any]]) -> None:
     cases: dict[tuple[int, int, str, str], dict[str, float]] = {}
     rates: dict[tuple[int, int, str, str], float] = {}
     for r in rows:
+        if r.get("impl") == "torchft":  # not a pod loss: its rows are in the table beside
+            continue
         key = (int(r["params"]), int(r.get("workers", 2)), str(r["fault"]), str(r["impl"]))
         if r.get("metric") == "phase_seconds" and r.get("value") is not None:
             cases.setdefault(key, {})[str(r["phase"])] = float(r["value"])
-        elif r.get("metric") == "copy_gbps" and r.get("value") is not None and r.get("impl") != "torchft":
+        elif r.get("metric") == "copy_gbps" and r.get("value") is not None:
             rates[key] = float(r["value"])
     order = sorted(cases, key=lambda k: (k[0], k[1], k[2], k[3] != "stalwart"))
     if not order:
