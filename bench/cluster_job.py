@@ -1,5 +1,6 @@
 """The benchmarks' TrainingJobs on a local cluster with the operator: the cluster brought up (and down), a job
-applied, its status read and waited on, every pod's log kept, the rank events parsed from them.
+applied, its status read and waited on, every pod's log kept, the rank events parsed from them, and the agents'
+progress records (the marks of the recoveries: :mod:`stalwart.api.recovery`) read before the job goes.
 
 Shared by bench/podloss.py and bench/sharded.py, whose cases differ only in the job and the fault.
 """
@@ -8,12 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from stalwart.api.restart import ProgressRecord
+from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store, StoreError
 from stalwart.local.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +68,8 @@ class ClusterJob:
     def __init__(self, cluster: LocalCluster, namespace: str, body: dict[str, Any]) -> None:
         self.cluster, self.namespace, self.name = cluster, namespace, str(body["metadata"]["name"])
         self.logs: dict[str, str] = {}
+        #: The agents' progress records as :meth:`finish` read them, before the job was deleted.
+        self.records: list[ProgressRecord] = []
         cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
 
     def status(self) -> dict[str, Any]:
@@ -97,8 +104,21 @@ class ClusterJob:
         for p in pods:
             if p["metadata"]["name"].startswith(self.name):
                 self.keep_log(p["metadata"]["name"])
+        self.records = self.progress()
         self.cluster.kubectl("delete", "tj", self.name, "-n", self.namespace, "--wait=false", check=False)
         return st
+
+    def progress(self) -> list[ProgressRecord]:
+        """Every agent's progress record of the job, read from the cluster's etcd now."""
+        got = self.cluster.kubectl("get", "tj", self.name, "-n", self.namespace, "-o", "json")
+        keys = JobKeys(self.namespace, str(json.loads(got.stdout)["metadata"]["uid"]))
+        try:
+            with Store([str(self.cluster.etcd_endpoint)], timeout=5.0) as store:
+                kvs, _ = store.get_prefix(keys.progress)
+        except StoreError as e:  # the rows say that the marks are missing; the run's other figures stand
+            print(f"{self.name}: cannot read the progress records: {e}", file=sys.stderr)
+            return []
+        return [ProgressRecord.from_json_bytes(kv.value) for kv in kvs]
 
     def events(self, pod: str | None = None) -> Events:
         """The rank events of one pod's log, or of every kept log."""

@@ -1,6 +1,7 @@
 """Pod-loss benchmark: a worker pod lost under a 2-worker DDP job, recovered three ways, side by side.
 
-* ``stalwart``: the local cluster with the operator, 2 workers + 1 spare, ``restartPolicy.inProcess.warmSpares``:
+* ``stalwart``: the local cluster with the operator, 2 workers + 1 spare (``--workers 3``: 3 + 1, so that two
+  replicas send the state), ``restartPolicy.inProcess.warmSpares``:
   the survivor keeps its process, the spare's parked process takes the lost rank, the state comes from the
   survivor (``sync_from_peers``);
 * ``stalwart-process-restart``: the same job with warm spares off (every rank process of the job is started
@@ -13,7 +14,13 @@
   new round's ``MASTER_ADDR``, so the replacement and the survivor each wait for the other's keys and time
   out after 60 s (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` it fails too, sooner: the surviving agent
   loses its connection to the rendezvous store, ``RendezvousConnectionError``). Its ``seconds`` row is then
-  null with a ``reason`` (the nodes' last errors).
+  null with a ``reason`` (the nodes' last errors);
+* ``torchft``: the anchor for the state copy, once per size (``bench/torchft_copy.py``'s run, PGTransport, SGD
+  with momentum: the same 8 bytes a parameter as this job's state): torchft 0.2.0's replacement replica group
+  healing from its survivor, its ``copy_seconds``/``copy_gbps``, ``replacement_first_step_seconds`` (its process
+  started to its first step) and ``survivor_step_seconds`` (the survivor's step that sent the state). Not a pod
+  loss: nothing is detected and no pod is replaced (see that file for what it leaves out). Without torchft
+  installed (``make bench-anchors``) its row is null with the reason.
 
 The script is ``stalwart.examples.train`` (gloo, SGD with momentum 0.9, so the optimizer has state that the
 checkpoint and ``sync_from_peers`` carry; ``--hidden`` sets the size: 21 parameters per unit),
@@ -24,8 +31,16 @@ alive: with warm spares on its agent hands the rank's place to the pod's standby
 imported and its prepare hook run; off, it starts a new one forked from the pod's fork server; torchrun restarts
 its worker group). Per case:
 
-* ``seconds``: from the fault to the first step completed at full world size by every rank, minus the
-  run's median fault-free step time (also printed, ``step_seconds``);
+* ``raw_seconds``: from the fault to the first step completed at full world size by every rank;
+* ``seconds``: the same minus the run's median fault-free step time (also printed, ``step_seconds``);
+* ``phase_seconds`` (one row per ``phase``: detect, round, group, prepare, copy, first_step) and
+  ``copy_gbps`` (with the copy's bytes and sources): the phases of the recovery from the marks the ranks and
+  agents recorded (:mod:`stalwart.api.recovery`, read from the agents' progress records before the job is
+  deleted; they add up to the fault-to-first-step time of the ranks' own marks, ``total``). A phase no rank
+  marked is null with the ``reason`` (after a process restart no state is copied: the checkpoint is read inside
+  the training function, in ``first_step``); torchrun's workers record none;
+* ``rank_marks`` (one per rank of the new round) and ``agent_marks`` (one per agent): the marks themselves, in
+  seconds from the fault, to read which rank was the last at a boundary;
 * ``steps_recomputed``: steps done before the fault that were done again;
 * ``survivor_process_starts``: processes started again on the surviving pod (node).
 
@@ -58,6 +73,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from cluster_job import ClusterJob, Events, operated_cluster, parse  # noqa: E402
 
+from stalwart.api.recovery import PHASES, RecoveryPhases, from_records  # noqa: E402
 from stalwart.api.restart import ProgressRecord  # noqa: E402
 from stalwart.etcd.keys import JobKeys  # noqa: E402
 from stalwart.etcd.store import Store  # noqa: E402
@@ -132,7 +148,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Events,
-            survivor: Events, why: str = "") -> list[dict[str, Any]]:
+            survivor: Events, why: str = "", workers: int = 2) -> list[dict[str, Any]]:
     """The rows of one case. A case that never recovered prints ``seconds`` as null with a ``reason``: ``why``
     (what the run's logs say ended it), or that no rank completed a step after the fault."""
     steps = [e for e in events if e["event"] == "step"]
@@ -142,20 +158,23 @@ def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Event
     done_before = max((e["step"] for e in steps if e["time"] < t_fault), default=0)
     # Recovered: every rank resumed after the fault (a "resume" line) and completed a step after that.
     firsts = []
-    for r in (0, 1):
+    for r in range(workers):
         resumes = [e["time"] for e in events if e["event"] == "resume" and e["rank"] == r and e["time"] >= t_fault]
         after = [e["time"] for e in steps if e["rank"] == r and resumes and e["time"] > min(resumes)]
         firsts.append(min(after, default=float("nan")))
     resumed = [e["step"] for e in events if e["event"] == "resume" and e["time"] >= t_fault]
     restart_from = min(resumed) if resumed else done_before
     starts = sum(1 for e in survivor if e["event"] == "start" and e["time"] >= t_fault)
-    base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params}
-    recovery = max(firsts) - t_fault - step_s
+    base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params, "workers": workers}
+    raw_s = max(firsts) - t_fault
+    recovery = raw_s - step_s
     seconds: dict[str, Any] = {**base, "metric": "seconds", "value": round(recovery, 3)}
+    raw: dict[str, Any] = {**base, "metric": "raw_seconds", "value": round(raw_s, 3)}
     if math.isnan(recovery):
-        seconds = {**base, "metric": "seconds", "value": None,
-                   "reason": why or "no step at full world size after the fault"}
-    return [seconds,
+        reason = why or "no step at full world size after the fault"
+        seconds = {**base, "metric": "seconds", "value": None, "reason": reason}
+        raw = {**base, "metric": "raw_seconds", "value": None, "reason": reason}
+    return [raw, seconds,
             {**base, "metric": "steps_recomputed", "value": max(0, done_before - restart_from)},
             {**base, "metric": "survivor_process_starts", "value": starts},
             {**base, "metric": "step_seconds", "value": round(step_s, 4)}]
@@ -164,12 +183,80 @@ def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Event
 # -- stalwart on the local cluster ------------------------------------------------------------------------------
 
 
-def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, params: int,
-                  warm: bool) -> tuple[float, Events, Events]:
+#: Why a phase has no figure when no rank marked its end.
+UNMARKED = {
+    "detect": "no rank or agent recorded knowing of the fault after it",
+    "prepare": "no rank entered a state copy and no prepare hook ran after the fault",
+    "copy": "no state copied between ranks: every rank read the checkpoint (inside the training function, so in "
+            "first_step)",
+}
+
+
+def phase_rows(impl: str, fault: str, params: int, workers: int, found: RecoveryPhases | None, *,
+               why: str) -> list[dict[str, Any]]:
+    """The ``phase_seconds`` rows and the ``copy_gbps`` row of one case."""
+    base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params, "workers": workers,
+            "metric": "phase_seconds"}
+    if found is None:
+        return [*({**base, "phase": ph, "value": None, "reason": why} for ph in PHASES),
+                {**base, "metric": "copy_gbps", "value": None, "reason": why}]
+    rows: list[dict[str, Any]] = []
+    for ph, s in found.seconds:
+        row: dict[str, Any] = {**base, "phase": ph, "value": None if s is None else round(s, 3),
+                               "total": round(found.raw, 3)}
+        if s is None:
+            row["reason"] = UNMARKED.get(ph, "not marked")
+        if ph == "detect" and found.first_knower:
+            row["first_knower"] = found.first_knower
+        if ph == "round" and found.barrier is not None:
+            row["barrier"] = round(found.barrier, 3)  # of it: the wrapper's session and barrier
+        if ph == "copy" and found.copy_bytes:
+            row["bytes"] = found.copy_bytes
+        rows.append(row)
+    gbps = found.copy_gbps
+    rows.append({**base, "metric": "copy_gbps", "value": None if gbps is None else round(gbps, 3),
+                 "bytes": found.copy_bytes, "sources": found.copy_sources,
+                 **({} if gbps is not None else {"reason": UNMARKED["copy"]})})
+    return rows
+
+
+def mark_rows(impl: str, fault: str, params: int, workers: int, records: list[ProgressRecord], *,
+              t_fault: float) -> list[dict[str, Any]]:
+    """Each rank's marks of the newest round and each agent's, in seconds from the fault: what the phases are
+    computed from, for reading where a phase's time went (which rank was the last at each boundary)."""
+    base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params, "workers": workers}
+    if not any(rec.ranks for rec in records):
+        return []
+    newest = max(rec.round for rec in records if rec.ranks)
+    out: list[dict[str, Any]] = []
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - t_fault, 3)
+
+    for rec in records:
+        for summary in rec.history[-1:]:
+            out.append({**base, "metric": "agent_marks", "node": rec.node_id, "round": summary.round,
+                        "joined": rel(summary.joined), "previous_end_seen": rel(summary.previous_end_seen)})
+        if rec.round != newest:
+            continue
+        for r in rec.ranks:
+            m = r.recovery
+            if m is None:
+                continue
+            out.append({**base, "metric": "rank_marks", "node": rec.node_id, "rank": r.rank,
+                        "iteration": m.iteration, "knew": rel(m.knew), "entered": rel(m.entered),
+                        "sealed": rel(m.sealed), "group": rel(m.group), "prepare_end": rel(m.prepare_end),
+                        "prepare_parked": m.prepare_parked, "copy_start": rel(m.copy_start),
+                        "copy_end": rel(m.copy_end), "copy_role": m.copy_role, "first_step": rel(r.first_step_time)})
+    return out
+
+
+def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, params: int, *,
+                  warm: bool, workers: int = 2) -> tuple[float, Events, Events, list[ProgressRecord]]:
     name = f"pl-{uuid.uuid4().hex[:6]}"
     body = {"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
             "metadata": {"name": name, "namespace": NS},
-            "spec": {"replicas": 2, "spares": 1, "rendezvous": {"lastCallSeconds": 1},
+            "spec": {"replicas": workers, "spares": 1, "rendezvous": {"lastCallSeconds": 1},
                      "restartPolicy": {"inProcess": {"warmSpares": warm}},
                      "template": {"spec": {"containers": [{
                          "name": "trainer", "image": "stalwart/trainer",
@@ -192,7 +279,7 @@ def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, p
     else:
         cluster.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
     job.finish(900)
-    return t_fault, job.events(), job.events(survivor)
+    return t_fault, job.events(), job.events(survivor), job.records
 
 
 # -- torchrun -----------------------------------------------------------------------------------------------------
@@ -307,41 +394,128 @@ def plot(path: Path, runs: dict[str, tuple[float, Events]], fault: str, params: 
     fig.savefig(path, dpi=110)
 
 
+def plot_phases(path: Path, rows: list[dict[str, Any]]) -> None:
+    """One stacked bar per case (size, workers, fault, implementation): its phases' seconds, fault to first full
+    step, each phase a colour; the GB/s of the copy beside the bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases: dict[tuple[int, int, str, str], dict[str, float]] = {}
+    rates: dict[tuple[int, int, str, str], float] = {}
+    for r in rows:
+        if r.get("impl") == "torchft":  # not a pod loss: its rows are in the table beside
+            continue
+        key = (int(r["params"]), int(r.get("workers", 2)), str(r["fault"]), str(r["impl"]))
+        if r.get("metric") == "phase_seconds" and r.get("value") is not None:
+            cases.setdefault(key, {})[str(r["phase"])] = float(r["value"])
+        elif r.get("metric") == "copy_gbps" and r.get("value") is not None:
+            rates[key] = float(r["value"])
+    order = sorted(cases, key=lambda k: (k[0], k[1], k[2], k[3] != "stalwart"))
+    if not order:
+        return
+    colours = dict(zip(PHASES, ("tab:red", "tab:orange", "tab:olive", "tab:purple", "tab:blue", "tab:green"),
+                       strict=True))
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(order) + 1.6))
+    for y, key in enumerate(order):
+        left = 0.0
+        for ph in PHASES:
+            width = cases[key].get(ph, 0.0)
+            ax.barh(y, width, left=left, color=colours[ph], label=ph.replace("_", " ") if y == 0 else None)
+            left += width
+        note = f" {left:.2f} s" + (f", copy {rates[key]:.2f} GB/s" if key in rates else "")
+        ax.text(left, y, note, va="center", fontsize=7)
+    labels = [f"{p / 1e6:g} M, {w}+1, {f}, {'warm spares' if i == 'stalwart' else 'process restart'}"
+              for p, w, f, i in order]
+    ax.set_yticks(range(len(order)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the fault to the first step at full world size")
+    ax.set_xlim(0, max(sum(c.values()) for c in cases.values()) * 1.3)
+    ax.legend(loc="lower right", fontsize=7, ncol=3)
+    ax.set_title("pod loss: where the recovery's time goes (bench/podloss.py)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def torchft_rows(params: int) -> list[dict[str, Any]]:
+    """torchft's live recovery of the same state (8 bytes a parameter), from bench/torchft_copy.py."""
+    import torchft_copy
+
+    try:
+        return torchft_copy.run(params, ("pg",), optimizer="sgd")
+    except (RuntimeError, OSError) as e:  # not installed, its run failed or timed out: said, not hidden
+        return [{"bench": "podloss", "impl": "torchft", "params": params, "transport": "pg",
+                 "metric": "copy_gbps", "value": None, "reason": str(e)[:500]}]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", nargs="+", default=["force-delete", "sigkill", "delete"],
                    choices=["force-delete", "sigkill", "delete", "kill-rank"])
     p.add_argument("--params", nargs="+", type=int, default=[1_000_000])
-    p.add_argument("--impls", nargs="+", default=["stalwart", "stalwart-process-restart", "torchrun"],
-                   choices=["stalwart", "stalwart-process-restart", "torchrun"])
+    p.add_argument("--workers", nargs="+", type=int, default=[2], choices=[2, 3],
+                   help="workers of the job (each with 1 spare); torchrun runs with 2 only")
+    p.add_argument("--impls", nargs="+", default=["stalwart", "stalwart-process-restart", "torchrun", "torchft"],
+                   choices=["stalwart", "stalwart-process-restart", "torchrun", "torchft"])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=75, help="steps before the fault")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--step-delay", type=float, default=0.02)
     p.add_argument("--momentum", type=float, default=0.9, help="the script's SGD momentum (optimizer state)")
     p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--phases-plot", type=Path, default=None, help="draw the phases of every case to this PNG")
+    p.add_argument("--phases-from", type=Path, nargs="+", default=None,
+                   help="draw --phases-plot from these JSONL files of earlier runs, run nothing")
     args = p.parse_args()
+    if args.phases_from is not None:
+        if args.phases_plot is None:
+            p.error("--phases-from needs --phases-plot")
+        plot_phases(args.phases_plot, [json.loads(line) for f in args.phases_from
+                                       for line in f.read_text().splitlines() if line.startswith("{")])
+        return 0
     runs: dict[str, tuple[float, Events]] = {}
+    printed: list[dict[str, Any]] = []
+
+    def say(row: dict[str, Any]) -> None:
+        printed.append(row)
+        print(json.dumps(row), flush=True)
+
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(operated_cluster(NS, "podloss-cluster-")) \
             if any(i.startswith("stalwart") for i in args.impls) else None
         for params in args.params:
-            for fault in args.faults:
-                for impl in args.impls:
-                    why = ""
-                    if impl == "torchrun":
-                        t_fault, events, survivor, why = torchrun_case(args, fault, params)
-                    else:
-                        assert cluster is not None
-                        t_fault, events, survivor = stalwart_case(cluster, args, fault, params,
-                                                                  warm=impl == "stalwart")
-                    for row in measure(impl, fault, params, t_fault=t_fault, events=events, survivor=survivor,
-                                       why=why):
-                        print(json.dumps(row), flush=True)
-                    if fault == args.faults[0] and params == args.params[0]:
-                        runs[impl] = (t_fault, events)
+            if "torchft" in args.impls:
+                for row in torchft_rows(params):
+                    say(row)
+            for workers, fault, impl in itertools.product(args.workers, args.faults, args.impls):
+                if impl == "torchft" or (impl == "torchrun" and workers != 2):
+                    continue
+                why = ""
+                records: list[ProgressRecord] = []
+                if impl == "torchrun":
+                    t_fault, events, survivor, why = torchrun_case(args, fault, params)
+                else:
+                    assert cluster is not None
+                    t_fault, events, survivor, records = stalwart_case(cluster, args, fault, params,
+                                                                       warm=impl == "stalwart", workers=workers)
+                for row in measure(impl, fault, params, t_fault=t_fault, events=events, survivor=survivor,
+                                   why=why, workers=workers):
+                    say(row)
+                found = from_records(records, t_fault) if records else None
+                no_marks = ("torchrun's workers run no restart wrapper: they record no marks" if impl == "torchrun"
+                            else "the agents' records held no complete marks of the recovery")
+                for row in phase_rows(impl, fault, params, workers, found, why=no_marks):
+                    say(row)
+                for row in mark_rows(impl, fault, params, workers, records, t_fault=t_fault):
+                    say(row)
+                if fault == args.faults[0] and params == args.params[0] and workers == args.workers[0]:
+                    runs[impl] = (t_fault, events)
     if args.plot is not None and runs:
         plot(args.plot, runs, args.faults[0], args.params[0])
+    if args.phases_plot is not None:
+        plot_phases(args.phases_plot, printed)
     return 0
 
 

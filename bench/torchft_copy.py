@@ -5,7 +5,9 @@ What runs, per ``--params`` size and transport: torchft's lighthouse (its ``torc
 two replica groups of one process each (separate OS processes), each with its own TCPStore,
 a ``torchft.process_group.ProcessGroupGloo``, a ``torchft.manager.Manager`` (``min_replica_size=1``, the default
 async quorum), torchft's ``DistributedDataParallel`` and ``OptimizerWrapper`` around a plain MLP of about N
-parameters (four square ``Linear`` layers) with Adam. Replica group A trains alone; once it has committed a few
+parameters (four square ``Linear`` layers) with Adam (``--optimizer sgd``: SGD with momentum 0.9, one buffer a
+parameter, 8 bytes a parameter in all: the state of bench/podloss.py's job of N parameters). Replica group A
+trains alone; once it has committed a few
 steps (so Adam's two moments exist: about 12 bytes a parameter in float32), replica group B is started as a new
 process, joins the quorum at step 0 and heals from A through the Manager's state-dict callbacks and the
 checkpoint transport under test:
@@ -74,6 +76,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 TRANSPORTS = ("pg", "http")
+OPTIMIZERS = ("adam", "sgd")
 MIN_PARAMS = 1000
 LOOPBACK = "127.0.0.1"
 LAYERS = 4
@@ -96,6 +99,7 @@ class WorkerConfig:
     ready: str
     deadline_s: float
     timeout_s: float
+    optimizer: str = "adam"
 
 
 def width_for(params: int) -> int:
@@ -212,15 +216,16 @@ def _worker(cfg: WorkerConfig) -> None:
         if i < LAYERS - 1:
             layers.append(nn.ReLU())
     module = nn.Sequential(*layers)
-    adam = torch.optim.Adam(module.parameters(), lr=1e-3)
+    opt = (torch.optim.SGD(module.parameters(), lr=1e-3, momentum=0.9) if cfg.optimizer == "sgd"
+           else torch.optim.Adam(module.parameters(), lr=1e-3))
 
     def state_dict() -> dict[str, Any]:
-        return {"model": module.state_dict(), "optim": adam.state_dict()}
+        return {"model": module.state_dict(), "optim": opt.state_dict()}
 
     def load_state_dict(sd: dict[str, Any]) -> None:
         t0 = now()
         module.load_state_dict(sd["model"])
-        adam.load_state_dict(sd["optim"])
+        opt.load_state_dict(sd["optim"])
         loads.append(now() - t0)
 
     # The store's listening socket is ours so that it is bound to loopback (TCPStore alone binds every interface).
@@ -239,7 +244,7 @@ def _worker(cfg: WorkerConfig) -> None:
         checkpoint_transport=TimedTransport(inner),
     )
     model = DistributedDataParallel(manager, module)
-    optimizer = OptimizerWrapper(manager, adam)
+    optimizer = OptimizerWrapper(manager, opt)
     x = torch.randn(BATCH, width)
     y = torch.randn(BATCH, width)
 
@@ -369,7 +374,7 @@ def _lighthouse(tmp: Path, deadline: float) -> tuple[_Proc, str]:
         time.sleep(0.05)
 
 
-def _run_transport(params: int, transport: str) -> list[Row]:
+def _run_transport(params: int, transport: str, optimizer: str = "adam") -> list[Row]:
     budget = deadline_for(params)
     deadline = time.monotonic() + budget
     workers: list[_Proc] = []
@@ -383,7 +388,7 @@ def _run_transport(params: int, transport: str) -> list[Row]:
             def config(role: str) -> WorkerConfig:
                 return WorkerConfig(role=role, transport=transport, params=params, lighthouse=address,
                                     result=str(tmp / f"{role}.json"), ready=str(tmp / "a.ready"),
-                                    deadline_s=budget, timeout_s=budget / 2)
+                                    deadline_s=budget, timeout_s=budget / 2, optimizer=optimizer)
 
             workers.append(_spawn(config("a"), tmp / "a.log"))
             _wait_ready(tmp / "a.ready", workers[0], deadline)
@@ -409,7 +414,8 @@ def _run_transport(params: int, transport: str) -> list[Row]:
                                f"{proc.name in killed}):\n{_tail(proc.log)}")
         if missing:
             raise RuntimeError(f"{transport}: " + "\n".join(missing))
-    return _rows(params, transport, results["a"], results["b"], spawned_b=spawned_b, killed=killed)
+    rows = _rows(params, transport, results["a"], results["b"], spawned_b=spawned_b, killed=killed)
+    return [{**r, "optimizer": optimizer} for r in rows] if optimizer != "adam" else rows
 
 
 def _rows(params: int, transport: str, a: dict[str, Any], b: dict[str, Any], *, spawned_b: float,
@@ -447,14 +453,16 @@ def _check(params: int, transports: tuple[str, ...]) -> None:
         raise ValueError(f"transports: unknown or none {unknown or list(transports)!r}; known: {', '.join(TRANSPORTS)}")
 
 
-def run(params: int, transports: tuple[str, ...] = TRANSPORTS) -> list[dict[str, Any]]:
+def run(params: int, transports: tuple[str, ...] = TRANSPORTS, optimizer: str = "adam") -> list[dict[str, Any]]:
     """The rows of one size: each transport in turn, with a lighthouse and two replica groups of its own."""
     _check(params, transports)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     if importlib.util.find_spec("torchft") is None:
         raise RuntimeError(f"torchft is not installed for {sys.executable}: make bench-anchors")
     rows: list[Row] = []
     for transport in transports:
-        rows += _run_transport(params, transport)
+        rows += _run_transport(params, transport, optimizer)
     return rows
 
 
@@ -473,13 +481,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", type=_params_arg, nargs="+", default=[1_000_000],
                         help="model sizes in parameters (Adam's state adds two moments each)")
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                        help="adam (two moments a parameter) or sgd (momentum 0.9: one buffer a parameter)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(WorkerConfig(**json.loads(args.worker)))
         return
     for params in args.params:
-        for row in run(params, tuple(args.transports)):
+        for row in run(params, tuple(args.transports), args.optimizer):
             print(json.dumps(row), flush=True)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from stalwart.agent.drill import judge
 from stalwart.api.drill import DrillRequest
+from stalwart.api.recovery import RecoveryPhases
 from stalwart.cli.drill import context_namespace
 from stalwart.drill.core import (
     RankPoint,
@@ -112,6 +113,20 @@ def test_the_table_and_the_status_line() -> None:
     assert "not within 300s" in second and second.rstrip().endswith("Restarting")
 
 
+def test_the_phases_of_a_recovery_go_under_its_row() -> None:
+    phases = RecoveryPhases(seconds=(("detect", 0.01), ("round", 1.2), ("group", 0.05), ("prepare", 0.0),
+                                     ("copy", 0.4), ("first_step", 0.3)), raw=1.96, copy_bytes=800_000_000,
+                            copy_sources=2)
+    late = RecoveryPhases(seconds=(("detect", None), ("round", 5.0), ("group", 0.1), ("prepare", None),
+                                   ("copy", None), ("first_step", 2.0)), raw=7.1)
+    table = format_table([Row(1, "pod-delete", "job-worker-1", Recovery(1.96, 51, 0), "Running", phases=phases),
+                          Row(2, "rank-kill", "rank 0 (job-worker-0)", Recovery(7.1, 60, 0), "Running", phases=late)])
+    _, _, under, _, under_late = table.splitlines()
+    assert under == ("    phases: detect 0.01s, round 1.20s, group 0.05s, prepare 0.00s, copy 0.40s (800 MB from 2, "
+                     "2.00 GB/s), first step 0.30s; fault to first full step 1.96s")
+    assert under_late.startswith("    phases: detect n/a, round 5.00s") and "copy n/a," in under_late
+
+
 @pytest.mark.parametrize(("context", "namespace"), [({"namespace": "team-a"}, "team-a"), ({}, "default")])
 def test_the_namespace_defaults_to_the_kubeconfigs_context(tmp_path: Path, context: dict[str, str],
                                                              namespace: str) -> None:
@@ -140,3 +155,25 @@ def test_a_drill_says_what_it_waits_for_while_a_fault_has_not_recovered() -> Non
     assert len(lines) >= 3 and all(line.startswith("  still waiting: ") and line.endswith("phase Running")
                                    for line in lines)
     assert table.getvalue() == ""  # the table stays the table
+
+
+def test_a_drill_reads_the_phases_of_the_recovery_from_the_agents_records() -> None:
+    from stalwart.api.restart import ProgressRecord, RankReport, RecoveryMarks
+
+    def record(node: str, rank: int, marks: RecoveryMarks | None, first: float | None) -> ProgressRecord:
+        return ProgressRecord(node_id=node, epoch=3, round=2, state="running", updated=NOW + 9, ranks=[
+            RankReport(local_rank=0, slot=rank, rank=rank, pid=10 + rank, state="running", first_step_time=first,
+                       recovery=marks)])
+
+    marks = RecoveryMarks(epoch=3, iteration=0, knew=NOW + 0.1, sealed=NOW + 1, group=NOW + 1.1)
+    reports = [[record("w0", 0, marks, NOW + 2), record("s0", 1, None, None)],  # the spare has not said yet
+               [record("w0", 0, marks, NOW + 2), record("s0", 1, marks, NOW + 2.5)]]
+
+    class Recovering(DrillSession):
+        def records(self) -> list[Any]:
+            return reports.pop(0) if len(reports) > 1 else reports[0]
+
+    session = Recovering(api=None, namespace="ns", job="j", options=DrillOptions(settle=5, poll=0.01))
+    phases = session.wait_phases(NOW)
+    assert phases is not None and phases.raw == pytest.approx(2.5)
+    assert phases.of("detect") == pytest.approx(0.1) and phases.of("copy") is None

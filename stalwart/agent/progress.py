@@ -107,11 +107,14 @@ class ProgressBook:
     parked_failure: FailureInfo | None = None
 
 
-def joined(book: ProgressBook, round_: int, epoch: int, *, kept: bool = False) -> ProgressBook:
-    """The node runs ranks in a new round (``kept``: with the processes it already ran, none started for it)."""
+def joined(book: ProgressBook, round_: int, epoch: int, *, kept: bool = False, wall: float | None = None,
+           ended: float | None = None) -> ProgressBook:
+    """The node runs ranks in a new round (``kept``: with the processes it already ran, none started for it),
+    joined at ``wall``; ``ended``: when the agent saw the round it ran before end (marks of a recovery)."""
     if book.history and book.history[-1].round == round_:
         return replace(book, round=round_, epoch=epoch)
-    history = (*book.history, RoundSummary(round=round_, epoch=epoch, kept=kept))[-MAX_HISTORY:]
+    summary = RoundSummary(round=round_, epoch=epoch, kept=kept, joined=wall, previous_end_seen=ended)
+    history = (*book.history, summary)[-MAX_HISTORY:]
     return replace(book, round=round_, epoch=epoch, history=history, ranks=(), pending=frozenset(),
                    running_since=())
 
@@ -243,7 +246,7 @@ def _report(p: ProcView, now: float, wall: float) -> RankReport:
                       first_step_time=st.first_step_time, progress_time=progress,
                       soft_timeout=st.soft_timeout if st.soft_timeout and st.soft_timeout > 0 else None,
                       snapshot_step=st.snapshot_step, snapshot_time=st.snapshot_time,
-                      snapshot_fallback=st.snapshot_fallback)
+                      snapshot_fallback=st.snapshot_fallback, recovery=st.recovery)
 
 
 NodeState = Literal["joining", "running", "restarting", "succeeded", "failed"]
@@ -298,13 +301,17 @@ class ProgressReporter:
         self.refused_epoch = 0
         self.context = context
 
-    def join(self, round_: int, epoch: int, fence: Fence, *, kept: bool = False) -> None:
-        """The node runs ranks in the round sealed at ``epoch`` (``kept``: with the processes it already ran);
-        its records are written through ``fence``."""
+    def join(self, round_: int, epoch: int, fence: Fence, *, kept: bool = False, ended: float | None = None,
+             world_size: int | None = None) -> None:
+        """The node runs ranks in the round sealed at ``epoch`` (``kept``: with the processes it already ran;
+        ``ended``: when the agent saw its previous round end), ``world_size`` ranks; its records are written
+        through ``fence``."""
         if fence.epoch != epoch:
             raise ValueError(f"fence: the fence of epoch {fence.epoch} cannot fence the round of epoch {epoch}")
-        self.book = joined(self.book, round_, epoch, kept=kept)
+        self.book = joined(self.book, round_, epoch, kept=kept, wall=time.time(), ended=ended)
         self.fence = fence
+        if world_size is not None:
+            self.world_size = world_size
 
     def publish(self, state: NodeState, *, force: bool = False) -> bool:
         """Write the record if it is due; True when it was written."""

@@ -246,8 +246,8 @@ class Agent:
                 self._kept = keep_at_round_end(self.ranks.views(), parked=self._parked,
                                                warm=step == "park")
                 continue
-            self.reporter.join(info.round, info.epoch, self.handle.fence(), kept=step == "hand_over")
-            self.reporter.world_size = info.world_size
+            self.reporter.join(info.round, info.epoch, self.handle.fence(), kept=step == "hand_over",
+                               ended=self.handle.end_seen, world_size=info.world_size)
             if step == "hand_over":
                 self._hand_over(info)
             else:

@@ -223,6 +223,32 @@ class FailureInfo(ApiModel):
 STACKS_SIGNAL = signal.SIGQUIT
 
 
+class RecoveryMarks(ApiModel):
+    """Wall-clock times (Unix seconds) one rank process recorded of the iteration it runs: what the phases of
+    a recovery are read from (:mod:`stalwart.api.recovery`). Written by the restart wrapper
+    (:mod:`stalwart.restart.phase_marks`), carried by the status file and the agent's progress record."""
+
+    epoch: int | None = Field(default=None, ge=1, description="The round (its epoch) of the iteration.")
+    iteration: int = Field(ge=0, description="The in-process restart iteration these marks are of.")
+    knew: float | None = Field(
+        default=None, description=("When this process first learned of the fault the iteration recovers from "
+                                   "(None: it learned of none, e.g. a process started for the iteration)."))
+    entered: float | None = Field(
+        default=None, description="When the process took up the iteration's round (its handover, or its start).")
+    sealed: float = Field(description="When the process passed the iteration's barrier (its rank known).")
+    group: float | None = Field(default=None, description="When the iteration's process group was built.")
+    prepare_start: float | None = Field(default=None, description="When the decorator's prepare hook began.")
+    prepare_end: float | None = Field(default=None, description="When the prepare hook returned.")
+    prepare_parked: bool = Field(default=False, description="The prepare hook ran while the process was parked.")
+    copy_start: float | None = Field(
+        default=None, description="When sync_from_peers began, on a rank that sent or received state in it.")
+    copy_end: float | None = Field(default=None, description="When that sync_from_peers returned.")
+    copy_bytes: int = Field(default=0, ge=0, description="Bytes of state it received (or sent, as a source).")
+    copy_role: Literal["sent", "received"] | None = Field(
+        default=None, description="Whether the process sent or received state in the iteration.")
+    copy_sources: int = Field(default=0, ge=0, description="How many ranks sent a part of the state.")
+
+
 class RankStatus(ApiModel):
     """What one rank process tells its agent, through a file the agent reads (atomically replaced)."""
 
@@ -260,6 +286,8 @@ class RankStatus(ApiModel):
     exiting: float | None = Field(
         default=None, description="CLOCK_MONOTONIC time the process's interpreter began to exit (its script "
                                   "ended); the agent bounds the exit from then on.")
+    recovery: RecoveryMarks | None = Field(
+        default=None, description="The marks of the iteration the process runs (the phases of its recovery).")
 
 
 #: Most rank exits a progress record keeps (the newest).
@@ -293,6 +321,8 @@ class RankReport(ApiModel):
     soft_timeout: float | None = Field(
         default=None, gt=0, description=("The soft timeout the process itself uses (a @restartable(soft_timeout=...) "
                                          "may differ from the spec's); None: unknown, the spec's applies."))
+    recovery: RecoveryMarks | None = Field(
+        default=None, description="The marks of the iteration it runs (the phases of its recovery).")
 
 
 class RankExit(ApiModel):
@@ -327,6 +357,9 @@ class RoundSummary(ApiModel):
         default=False,
         description=("The node's rank processes entered the round already running (handed over from its last "
                      "round, or a warm spare's parked processes): none was started for it."))
+    joined: float | None = Field(default=None, description="Wall-clock time the node's agent joined the round.")
+    previous_end_seen: float | None = Field(
+        default=None, description="Wall-clock time the node's agent saw the round it ran before this one end.")
 
 
 class ProgressRecord(ApiModel):

@@ -3,7 +3,9 @@
 Recovery is measured from the ranks' own reports (their agents' progress records): the fault is injected at a
 wall-clock time while training stands at some (round, iteration); it has recovered when a rank reports the
 first step of a later iteration or round, and that step's time is the end of the recovery. Steps recomputed are
-the steps done before the fault that had to be done again (from the step training went on from).
+the steps done before the fault that had to be done again (from the step training went on from). The phases of
+the recovery (:mod:`stalwart.api.recovery`, from the same records once every rank of the new world stepped) go
+on a line under the fault's row (:func:`format_phases`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart.api.drill import AGENT_KINDS
+from stalwart.api.recovery import PHASES, RecoveryPhases
 from stalwart.api.restart import ProgressRecord
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "Row",
     "check_partitions",
     "cut_of",
+    "format_phases",
     "format_row",
     "format_table",
     "parse_kinds",
@@ -199,6 +203,7 @@ class Row:
     recovery: Recovery | None
     status: str
     note: str = ""
+    phases: RecoveryPhases | None = None
 
 
 def status_summary(status: Mapping[str, Any]) -> str:
@@ -235,6 +240,21 @@ def format_row(r: Row) -> str:
                   r.status))
 
 
+def format_phases(p: RecoveryPhases) -> str:
+    """The phases of one recovery on one line: each phase's seconds (``n/a``: no rank marked it), the copy's
+    bytes and rate."""
+    parts = [f"{name.replace('_', ' ')} {'n/a' if s is None else f'{s:.2f}s'}" for name, s in p.seconds]
+    if p.copy_bytes:
+        rate = f", {p.copy_gbps:.2f} GB/s" if p.copy_gbps else ""
+        parts[PHASES.index("copy")] += f" ({p.copy_bytes / 1e6:.0f} MB from {p.copy_sources}{rate})"
+    return f"    phases: {', '.join(parts)}; fault to first full step {p.raw:.2f}s"
+
+
 def format_table(rows: Sequence[Row]) -> str:
-    """The drill's table: a header and one row per fault."""
-    return "\n".join([table_line(HEADER), *(format_row(r) for r in rows)])
+    """The drill's table: a header and one row per fault (and its phases' line, when known)."""
+    lines = [table_line(HEADER)]
+    for r in rows:
+        lines.append(format_row(r))
+        if r.phases is not None:
+            lines.append(format_phases(r.phases))
+    return "\n".join(lines)

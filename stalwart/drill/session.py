@@ -25,6 +25,7 @@ from stalwart.api import naming
 from stalwart.api.base import positive_seconds
 from stalwart.api.drill import AGENT_KINDS, DrillRequest, DrillResult
 from stalwart.api.manifest import decode_manifest
+from stalwart.api.recovery import RecoveryPhases, from_records
 from stalwart.api.rendezvous import Manifest
 from stalwart.api.restart import ProgressRecord
 from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
@@ -35,6 +36,7 @@ from stalwart.drill.core import (
     Recovery,
     Row,
     cut_of,
+    format_phases,
     format_row,
     partition_targets,
     points,
@@ -294,7 +296,21 @@ class DrillSession:
                        note=f"not within {self.options.timeout:g}s")
         if healed_at is not None and standing(self.current_points())[0] <= before:
             return Row(index, kind, what, rec, status_summary(self.status()))  # waited out: nothing to count
-        return Row(index, kind, what, rec, self.settled_status(recoveries))
+        phases = self.wait_phases(injected_at)
+        return Row(index, kind, what, rec, self.settled_status(recoveries), phases=phases)
+
+    def wait_phases(self, injected_at: float) -> RecoveryPhases | None:
+        """The phases of the recovery once every rank of the new world reported its first step and its marks
+        (agents publish about every second), or None after ``settle`` seconds."""
+        deadline = time.monotonic() + self.options.settle
+        while True:
+            try:
+                found = from_records(self.records(), injected_at)
+            except StoreError:
+                found = None
+            if found is not None or time.monotonic() > deadline:
+                return found
+            time.sleep(self.options.poll)
 
     def partition_fault(self, index: int, kind: str, pick: Callable[[Sequence[Any]], Any]) -> tuple[float, float, str]:
         """Cut the node of a member alone on it as ``kind`` says, hold the cut ``heal_after`` seconds, heal it;
@@ -384,6 +400,8 @@ class DrillSession:
             row = self.inject(i, kind, lambda xs: xs[rng.randrange(len(xs))])
             rows.append(row)
             self.say(format_row(row))
+            if row.phases is not None:
+                self.say(format_phases(row.phases))
             if row.recovery is None:
                 break
         return rows

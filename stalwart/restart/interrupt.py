@@ -30,6 +30,8 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
+from stalwart.restart import phase_marks
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Interrupter", "RestartInterrupt"]
@@ -129,6 +131,7 @@ class Interrupter:
         with self._lock:
             if self._requested is None:
                 self._requested = reason
+                phase_marks.knew()
             return self._try_deliver()
 
     def _try_deliver(self) -> bool:

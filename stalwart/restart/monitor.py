@@ -30,7 +30,7 @@ from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import FaultRecord, RankStatus, failure_info
 from stalwart.etcd.keys import ALIVE, FAULT
 from stalwart.etcd.store import StoreError, Watch, WatchEvent, WatchRange
-from stalwart.restart import snapshot_held
+from stalwart.restart import phase_marks, snapshot_held
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
 from stalwart.restart.policies import IterationContext, free_blocked_peers
@@ -158,13 +158,16 @@ class Monitor:
         self._first_step: tuple[int, int, float] | None = None  # (iteration, step, wall time) of its first step
         self._probe = _probe() if watch_main_thread else None
         self._thread = threading.Thread(target=self._run, name=f"stalwart-monitor-{coord.slot}", daemon=True)
+        self._marks_sink: Callable[[object], None] = lambda marks: self.update_status(recovery=marks)
 
     # -- called by the main thread ----------------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
+        phase_marks.attach(self._marks_sink)
 
     def stop(self) -> None:
+        phase_marks.detach(self._marks_sink)
         self._stop.set()
         # A session whose round was over before it began (a second round sealed during a handover) closes a
         # monitor that never started.
@@ -187,6 +190,7 @@ class Monitor:
             self._pinged = False
             self.last_progress = time.monotonic()
             seen = self._faults.get(iteration)
+        phase_marks.sealed(iteration, self.coord.epoch)
         if seen is not None and of_another(seen, self.coord.slot, self.pid):
             self._interrupt(f"fault in slot {seen.slot}: {seen.kind}")
 
@@ -205,6 +209,7 @@ class Monitor:
             self._step_time = time.time()
             if self._first_step is None:
                 self._first_step = (self._iteration, step, self._step_time)
+                phase_marks.stepped()
 
     def fault_seen(self, iteration: int) -> FaultRecord | None:
         with self._lock:

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from stalwart.restart import copy_wire
+from stalwart.restart import copy_wire, phase_marks
 from stalwart.restart.copy_plan import assign_sources, plan_buckets, tensor_bytes
 
 if TYPE_CHECKING:
@@ -292,6 +293,7 @@ def sync_from_peers(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     import torch
     import torch.distributed as dist
 
+    began = time.time()
     _check_arguments(step=step, transport=transport, bucket_bytes=bucket_bytes, max_sources=max_sources,
                      streams=streams, timeout_s=timeout_s)
     if model in _PARTIAL:
@@ -355,10 +357,11 @@ def sync_from_peers(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         with torch.no_grad():
             if rank in plan.sources:
                 try:
-                    copy_wire.send(wire, buckets, senders, [_source_bytes(t) for t in tensors], me=rank,
-                                   receivers=plan.receivers, window=WINDOW, bucket_bytes=bucket_bytes)
+                    sent = copy_wire.send(wire, buckets, senders, [_source_bytes(t) for t in tensors], me=rank,
+                                          receivers=plan.receivers, window=WINDOW, bucket_bytes=bucket_bytes)
                 except copy_wire.WireError as e:
                     raise SyncInterrupted(e.bucket, e.peer, True, e) from e
+                phase_marks.copied(began, time.time(), sent, "sent", len(plan.sources))
                 return SyncResult(plan.step, src, False, 0, plan.sources, transport)
             in_place = step is None
             # A new optimizer slot is attached only at the commit: bytes may land in it whatever this rank holds.
@@ -386,4 +389,5 @@ def sync_from_peers(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             _PARTIAL.discard(model)
     finally:
         wire.close()
+    phase_marks.copied(began, time.time(), total, "received", len(plan.sources))
     return SyncResult(plan.step, src, True, total, plan.sources, transport)

@@ -46,6 +46,7 @@ from stalwart.api.handover import PARKED_ENV, Handover
 from stalwart.api.restart import FailureInfo, RankStatus
 from stalwart.etcd.fence import StaleEpoch
 from stalwart.etcd.store import StoreError
+from stalwart.restart import phase_marks
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.environment import RankEnvironment
 from stalwart.restart.errors import RestartExit, exception_name
@@ -143,20 +144,26 @@ class _PrepareDeadline:
 
 
 def _prepare(config: RestartConfig, *, parked: bool) -> Any:
-    """The result of the decorator's ``prepare`` hook (``None`` without one), within ``prepare_timeout``."""
+    """The result of the decorator's ``prepare`` hook (``None`` without one), within ``prepare_timeout``, its run
+    marked (:mod:`.phase_marks`)."""
     if config.prepare is None:
         return None
+    start = time.time()
     with _PrepareDeadline(config.prepare_timeout, parked=parked):
         if not parked:
-            return config.prepare()
+            result = config.prepare()
+            phase_marks.prepared(start, time.time(), parked=False)
+            return result
         try:
-            return config.prepare()
+            result = config.prepare()
         except Exception as e:
             log.error("parked process: the prepare hook raised %s: %s; exiting %d (%s), no round took this process",
                       exception_name(e), e, ExitCode.PREPARE_FAILED, ExitCode.PREPARE_FAILED.name, exc_info=True)
             _report_parked_failure("the prepare hook raised on a parked process", e)
             raise RestartExit(ExitCode.PREPARE_FAILED,
                               f"the prepare hook raised on a parked process: {exception_name(e)}: {e}") from e
+        phase_marks.prepared(start, time.time(), parked=True)
+        return result
 
 
 def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatch | None], _Session],
@@ -181,6 +188,7 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
             # A parked process waits for as long as its agent lives (the agent stops it when the job ends); its
             # main thread alone watches the file until a round takes it, then the watch's own thread does.
             first = watch.wait(None, alive=_parent_alive(parent), block=PARKED_CHECK)
+            phase_marks.knew()  # a round took this process: a fault took a rank (or the world grows)
             if first is None:
                 raise RestartExit(ExitCode.TERMINATED, "the agent ended before a round took this spare")
             _enter(watch, first)
@@ -190,6 +198,7 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
         else:
             prepared = _prepare(base, parked=False)
         while True:
+            phase_marks.entered()
             env = RankEnvironment.from_env()
             if watch is not None:
                 watch.switched(env.epoch)
@@ -202,6 +211,7 @@ def run_rounds(make_session: Callable[[RankEnvironment, RestartConfig, RoundWatc
             try:
                 return run(session, prepared)
             except RoundOver as e:
+                phase_marks.knew()
                 handover = e.handover
             except StaleEpoch as e:
                 found = None if watch is None else watch.wait(time.monotonic() + config.barrier_timeout)

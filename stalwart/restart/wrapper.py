@@ -41,7 +41,7 @@ from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord, failure
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.keys import ALIVE, DONE, END, FAULT, SEAL
 from stalwart.etcd.store import WatchEvent, WatchRange
-from stalwart.restart import drill, stacks
+from stalwart.restart import drill, phase_marks, stacks
 from stalwart.restart.config import RestartConfig
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
 from stalwart.restart.environment import RankEnvironment
@@ -214,6 +214,7 @@ class _Session:
                 if self._wait_end(place.seal, deadline=None) == "done":
                     self.monitor.update_status(state="done")
                     return None
+                phase_marks.knew()
                 self.cause_pending = iteration
                 iteration += 1
                 continue
@@ -405,6 +406,7 @@ class _Session:
                     self.monitor.begin(iteration, ctx, active)
                     with self._building(ctx):
                         self.config.initialize(ctx)
+                    phase_marks.group_built()
                     stand_in.install()
                     result = fn(*args, **call_kwargs)
                 finally:
@@ -419,6 +421,7 @@ class _Session:
             raise RestartExit(ExitCode.NON_RETRYABLE, f"{exception_name(e)}: {e}") from e
         except (RestartInterrupt, Exception) as e:
             self.interrupter.leave_user_code()
+            phase_marks.knew()
             fault = e
         if fault is None:
             try:

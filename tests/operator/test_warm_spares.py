@@ -18,7 +18,9 @@ import torch
 from test_operator_cluster import TRAIN, Jobs, OperatorFactory, job_body, phase_is, wait_for
 from torch import nn
 
+from stalwart.api.recovery import PHASES, from_records
 from stalwart.api.rendezvous import Manifest
+from stalwart.api.restart import ProgressRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store
 from stalwart.examples import train as example
@@ -133,12 +135,12 @@ def assert_fault_free(logs: list[list[dict[str, Any]]], steps: int, world: int) 
     ("sigkill", {"warmSpares": True}),
     ("delete", {}),  # nothing said of warm spares: on by default for a job with spares and a wrapped script
 ])
-def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, in_process: dict[str, bool],
+def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, in_process: dict[str, bool], *,
                                                             start_operator: OperatorFactory, jobs: Jobs,
-                                                            local_cluster: LocalCluster) -> None:
+                                                            local_cluster: LocalCluster, etcd_store: Store) -> None:
     name = f"warm-{fault.replace('-', '')}"
     start_operator(jobs.ns)
-    jobs.create(job_body(name, replicas=2, spares=1,
+    created = jobs.create(job_body(name, replicas=2, spares=1,
                          command=[*TRAIN, "--steps", str(STEPS), "--step-delay", "0.05", "--step-delay-until",
                                   str(SLOW_UNTIL), "--checkpoint-every", "1000", "--log-every", "1"],
                          restartPolicy={"inProcess": in_process}))
@@ -156,6 +158,7 @@ def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, in_proces
 
     # The fault must land while the job trains slowly: its schedule leaves it a hundred steps (5 s) and more.
     assert at < SLOW_UNTIL - 50, f"the job reached step {at} before the fault: too late to inject it"
+    t_fault = time.time()
     if fault == "force-delete":
         local_cluster.kubectl("delete", "pod", victim, "-n", jobs.ns, "--grace-period=0", "--force", "--wait=false")
     elif fault == "sigkill":
@@ -180,6 +183,15 @@ def test_worker_lost_with_a_warm_spare_recovers_in_process(fault: str, in_proces
     assert st["restarts"] == {"inProcess": 1, "processRestarts": 0, "podReplacements": 1}, st
     assert st["lastFailure"]["pod"] == victim, st["lastFailure"]  # the lost pod, not the survivor
     assert took_over(jobs, name) == [spare]
+    # The ranks' and agents' marks give every phase of the recovery, in order, each >= 0, adding up to the
+    # time from the fault to the first step at full world size (the spare's model was built while it waited).
+    kvs, _ = etcd_store.get_prefix(JobKeys(jobs.ns, created["metadata"]["uid"]).progress)
+    phases = from_records([ProgressRecord.from_json_bytes(kv.value) for kv in kvs], t_fault)
+    assert phases is not None, story(local_cluster, jobs.ns, survivor, spare)
+    assert [name for name, _ in phases.seconds] == list(PHASES)
+    assert all(s is not None and s >= 0 for _, s in phases.seconds), phases
+    assert sum(s or 0.0 for _, s in phases.seconds) == pytest.approx(phases.raw)
+    assert phases.copy_bytes > 0 and phases.copy_sources == 1 and phases.first_knower, phases
     jobs.delete(name)
     wait_for("the job to go", lambda: jobs.gone(name), timeout=90)
 

@@ -106,6 +106,10 @@ def test_the_spare_prepares_while_parked_and_never_again(etcd: EtcdServer, tmp_p
     assert sorted(r["pid"] for r in calls) == sorted([procs["slot0"].pid, lost.pid, spare]), calls
     [by_spare] = [r for r in calls if r["pid"] == spare]
     assert by_spare["parked"] and by_spare["time"] < promoted, by_spare
+    # Its status carries the hook's run among the marks of its recovery (the phases' "prepare").
+    marks = (read_status(tmp_path / "status-spare.json") or pytest.fail("no status of the spare")).recovery
+    assert marks is not None and marks.prepare_parked and marks.prepare_end is not None, marks
+    assert marks.prepare_end < promoted < marks.sealed and marks.epoch == epoch2, marks
     assert not any(r["parked"] for r in calls if r["pid"] != spare)
     finals = {r["rank"]: r for r in (json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines())
               if not r.get("leak")}

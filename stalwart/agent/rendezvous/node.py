@@ -74,6 +74,7 @@ class NodeHandle:
         self.lease: int | None = None
         self.create_revision: int | None = None
         self.info: RoundInfo | None = None
+        self._end_seen: tuple[int, float | None] = (0, None)
         self._wake = threading.Event()
         self._cancel = threading.Event()
         self._left = False
@@ -290,7 +291,19 @@ class NodeHandle:
             self._wake.wait(min(remaining, 1.0))
 
     def round_end(self) -> RoundEnd | None:
-        """Why the round last returned by :meth:`join` is over, or ``None`` while it is live (no waiting)."""
+        """Why the round last returned by :meth:`join` is over, or ``None`` while it is live (no waiting). The
+        first time a round's end is seen is kept (:attr:`end_seen`: a mark of the recovery's detection)."""
+        end = self._round_end()
+        if end is not None and self._end_seen[0] != end.epoch:
+            self._end_seen = (end.epoch, time.time())
+        return end
+
+    @property
+    def end_seen(self) -> float | None:
+        """Wall-clock time this handle first saw the end of a round it ran in, the last one (None: none)."""
+        return self._end_seen[1]
+
+    def _round_end(self) -> RoundEnd | None:
         info = self.info
         if info is None:
             return None
