@@ -77,9 +77,10 @@ def test_a_killed_rank_is_replaced_by_its_pods_standby(etcd: EtcdServer, tmp_pat
     before = [int(p) for p in STARTED.findall(err[:at])]
     after = [int(p) for p in STARTED.findall(err[at:])]
     assert took in before and len(after) == 1 and after[0] != took, err[-4000:]
-    # The rank's place is the standby's process to the end, with the parameters of a fault-free run.
+    # The rank's place is the standby's process to the end, with the parameters of a fault-free run (which rank
+    # it holds then is the rendezvous' choice: a later round under load may number the pods the other way).
     res = {r["rank"]: r for r in results(tmp_path)}
-    assert sorted(res) == [0, 1] and res[1]["pid"] == took, res
+    assert sorted(res) == [0, 1] and took in {r["pid"] for r in res.values()}, res
     reference = expected_checksum(steps=STEPS)
     assert all(r["step"] == STEPS and r["restarts"] >= 1 and r["checksum"] == pytest.approx(reference, abs=1e-6)
                for r in res.values()), res

@@ -268,7 +268,7 @@ def test_a_lost_nodes_pod_is_named_within_5s_not_the_survivor_whose_connection_c
 
 def test_a_stopped_rank_is_named_within_the_soft_timeout_not_the_survivor_that_timed_out(
         start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store) -> None:
-    from test_warm_spares import rank_pids
+    from test_warm_spares import slotted_rank_pid
 
     start_operator(jobs.ns)
     soft = 5
@@ -279,7 +279,7 @@ def test_a_stopped_rank_is_named_within_the_soft_timeout_not_the_survivor_that_t
     assert kv is not None
     member = Manifest.from_json_bytes(kv.value).member("stop-worker-1")
     assert member is not None
-    (pid,) = rank_pids(jobs.ns, "stop-worker-1")
+    pid = slotted_rank_pid(etcd_store, JobKeys(jobs.ns, uid), "stop-worker-1")
     os.kill(pid, signal.SIGSTOP)
     try:
         seen = culprits_after(jobs, "stop", soft + 2.0, before.get("lastFailure"))

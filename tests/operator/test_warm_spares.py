@@ -74,6 +74,18 @@ def rank_pids(ns: str, pod: str) -> set[int]:
     return found
 
 
+def slotted_rank_pid(store: Store, keys: JobKeys, pod: str) -> int:
+    """The pid of ``pod``'s one rank process with a slot, as its agent reports it (its progress record): with
+    warm spares the pod also runs a parked standby process, which looks the same from outside."""
+    def found() -> list[int] | None:
+        kv = store.get(keys.progress_of(pod))
+        pids = [] if kv is None else [r.pid for r in ProgressRecord.from_json_bytes(kv.value).ranks if r.slot >= 0]
+        return pids or None
+    pids = wait_for(f"{pod}'s progress record naming its rank", found, timeout=60)
+    assert len(pids) == 1, f"{pod}: ranks with a slot {pids}, expected one"
+    return pids[0]
+
+
 def manifest(store: Store, keys: JobKeys) -> Manifest | None:
     kv = store.get(keys.rendezvous + "manifest")
     return None if kv is None else Manifest.from_json_bytes(kv.value)
