@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # pytest-xdist workers for `make test`: most tests wait on etcd, clusters and rank processes rather than compute,
 # so six share two cores. Measured on one 2-core machine with other work beside it, the same suite: 690 s on six
-# against 762 s and 822 s on four; alone, from a clean clone, 2,178 tests on six: pytest 529 s and 582 s. The rank
+# against 762 s and 822 s on four; alone, from a clean clone, 2,335 tests on six: pytest 591 s. The rank
 # processes the tests start are forked from a preloaded server, so a test costs less CPU than when four were the
 # measured best. `make test WORKERS=0` runs serially.
 WORKERS ?= 6

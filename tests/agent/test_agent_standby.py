@@ -20,7 +20,9 @@ from test_agent import TIMEOUT, progress, results, start_agent  # puts tests/res
 
 from restart_helpers import expected_checksum, wait_until  # isort: skip
 
+from stalwart.api.rendezvous import Manifest
 from stalwart.etcd.keys import JobKeys
+from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
 from stalwart.procfs import process_state
 
@@ -94,15 +96,36 @@ def test_a_killed_rank_is_replaced_by_its_pods_standby(etcd: EtcdServer, tmp_pat
     assert {pid: process_state(pid) for pid in started if process_state(pid) not in ("", "Z")} == {}
 
 
+def workers_sealed(etcd: EtcdServer, keys: JobKeys) -> bool:
+    """Whether the job's round manifest names both workers as members."""
+    with Store([etcd.endpoint]) as store:
+        kv = store.get(keys.rendezvous + "manifest")
+    if kv is None:
+        return False
+    manifest = Manifest.from_json_bytes(kv.value)
+    return all(manifest.member(f"job-worker-{i}") is not None for i in range(2))
+
+
+#: Long enough (0.1 s a step) for the spare, started once the workers hold the round, to park and run its hook.
+SPARE_STEPS = 100
+
+
 def test_a_spare_whose_prepare_raises_is_reported_and_the_job_runs_on(etcd: EtcdServer, tmp_path: Path) -> None:
     keys = JobKeys("test", uuid.uuid4().hex[:12])
-    workers = [start_agent(etcd, tmp_path, "--steps", "40", "--step-sleep", "0.1", "--prepare", "count", keys=keys,
-                           pod=f"job-worker-{i}", nproc=1, nodes=2, agent_args=("--warm-spares", "--no-standby"))[0]
+    workers = [start_agent(etcd, tmp_path, "--steps", str(SPARE_STEPS), "--step-sleep", "0.1", "--prepare", "count",
+                           keys=keys, pod=f"job-worker-{i}", nproc=1, nodes=2,
+                           agent_args=("--warm-spares", "--no-standby"))[0]
                for i in range(2)]
-    spare, _ = start_agent(etcd, tmp_path, "--steps", "40", "--prepare", "raise", keys=keys, pod="job-spare-0",
-                           nproc=1, nodes=2, agent_args=("--warm-spares",), extra_env={"STALWART_SPARE": "true"})
-    agents = [*workers, spare]
+    agents = list(workers)
     try:
+        # The spare comes once the workers hold the round (its manifest names both): started beside them, a loaded
+        # machine may let it register first and take a worker's place as a member, where its hook fails a rank,
+        # not a parked process. The workers' ranks are still starting then, so the spare parks while they train.
+        wait_until("a round of both workers", lambda: workers_sealed(etcd, keys), timeout=240)
+        spare, _ = start_agent(etcd, tmp_path, "--steps", str(SPARE_STEPS), "--prepare", "raise", keys=keys,
+                               pod="job-spare-0", nproc=1, nodes=2, agent_args=("--warm-spares",),
+                               extra_env={"STALWART_SPARE": "true"})
+        agents.append(spare)
         errs = []
         for agent in agents:
             _, err = agent.communicate(timeout=TIMEOUT)
@@ -122,6 +145,6 @@ def test_a_spare_whose_prepare_raises_is_reported_and_the_job_runs_on(etcd: Etcd
     assert "parked local rank 0 (pid" in errs[2] and "ValueError: the model's configuration is invalid" in errs[2]
     # The job: both ranks to the end, no restart, a fault-free run's parameters.
     res = results(tmp_path)
-    reference = expected_checksum(steps=40)
+    reference = expected_checksum(steps=SPARE_STEPS)
     assert sorted(r["rank"] for r in res) == [0, 1], res
     assert all(r["restarts"] == 0 and r["checksum"] == pytest.approx(reference, abs=1e-6) for r in res), res
