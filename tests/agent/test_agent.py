@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,28 @@ def start_agent(etcd: EtcdServer, tmp: Path, *script_args: str, mode: str = "wra
         cmd = ["sh", "-c", 'trap "" QUIT; exec "$@"', "sh", *cmd]
     env = {**agent_env(etcd, keys, pod=pod, nproc=nproc, nodes=nodes), **(extra_env or {})}
     return WatchedProcess(cmd, env=env, stderr=subprocess.PIPE, text=True), keys
+
+
+@contextlib.contextmanager
+def agents_end(agents: list[subprocess.Popen[str]]) -> Iterator[None]:
+    """Kill (and reap) every agent of ``agents`` still running when the block is left, whatever ended it."""
+    try:
+        yield
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(timeout=30)
+
+
+def ended_ok(agents: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:
+    """Each agent's standard output and error once it ended, in order; each must end with 0 within TIMEOUT."""
+    ended = []
+    for agent in agents:
+        out, err = agent.communicate(timeout=TIMEOUT)
+        assert agent.returncode == 0, err[-3000:]
+        ended.append((out, err))
+    return ended
 
 
 def results(tmp: Path) -> list[dict[str, Any]]:

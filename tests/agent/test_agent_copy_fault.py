@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_agent import TIMEOUT, agent_env, progress  # puts tests/restart on the path
+from test_agent import agent_env, agents_end, ended_ok, progress  # puts tests/restart on the path
 
 from restart_helpers import wait_until  # isort: skip
 from stalwart.etcd.keys import JobKeys
@@ -54,22 +54,13 @@ def test_a_source_killed_mid_copy_leaves_no_partial_state_and_the_job_recovers(e
         env = {**agent_env(etcd, keys, pod=f"job-worker-{i}", nproc=1, nodes=2), "OMP_NUM_THREADS": "1",
                "STALWART_EXAMPLE_DIE_IN_COPY": "1"}
         agents.append(WatchedProcess(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
+    with agents_end(agents):
         wait_until("worker-1 past the first checkpoint", lambda: at_step(etcd, keys, "job-worker-1", 14), 240)
         victim = at_step(etcd, keys, "job-worker-1", 14)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
-        outs, errs = [], []
-        for agent in agents:
-            out, err = agent.communicate(timeout=TIMEOUT)
-            outs.append(events(out))
-            errs.append(err)
-            assert agent.returncode == 0, err[-3000:]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait(timeout=30)
+        ended = ended_ok(agents)
+    outs = [events(out) for out, _ in ended]
 
     # worker-0's rank (the survivor of the kill, the copy's one source) died sending, after its first bucket,
     # worker-1's replacement waiting for the second.

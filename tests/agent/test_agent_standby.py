@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_agent import TIMEOUT, progress, results, start_agent  # puts tests/restart on the path
+from test_agent import agents_end, ended_ok, progress, results, start_agent  # puts tests/restart on the path
 
 from restart_helpers import expected_checksum, wait_until  # isort: skip
 
@@ -51,7 +51,7 @@ def test_a_killed_rank_is_replaced_by_its_pods_standby(etcd: EtcdServer, tmp_pat
     agents = [start_agent(etcd, tmp_path, "--steps", str(STEPS), "--step-sleep", "0.15", "--prepare", "count",
                           keys=keys, pod=f"job-worker-{i}", nproc=1, nodes=2, agent_args=("--warm-spares",))[0]
               for i in range(2)]
-    try:
+    with agents_end(agents):
         # Both pods' standbys prepared while parked, and the ranks train.
         wait_until("two parked standbys and steps on worker-1", lambda: sum(
             r["parked"] for r in prepared(tmp_path)) >= 2 and running_pid(etcd, keys, "job-worker-1") is not None)
@@ -59,16 +59,7 @@ def test_a_killed_rank_is_replaced_by_its_pods_standby(etcd: EtcdServer, tmp_pat
         assert victim is not None
         parked_before = {r["pid"] for r in prepared(tmp_path) if r["parked"]}
         os.kill(victim, signal.SIGKILL)
-        errs = []
-        for agent in agents:
-            _, err = agent.communicate(timeout=TIMEOUT)
-            errs.append(err)
-            assert agent.returncode == 0, err[-3000:]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait(timeout=30)
+        errs = [err for _, err in ended_ok(agents)]
 
     err = errs[1]
     (took,) = [int(pid) for pid in TOOK.findall(err)]
@@ -117,7 +108,7 @@ def test_a_spare_whose_prepare_raises_is_reported_and_the_job_runs_on(etcd: Etcd
                            agent_args=("--warm-spares", "--no-standby"))[0]
                for i in range(2)]
     agents = list(workers)
-    try:
+    with agents_end(agents):
         # The spare comes once the workers hold the round (its manifest names both): started beside them, a loaded
         # machine may let it register first and take a worker's place as a member, where its hook fails a rank,
         # not a parked process. The workers' ranks are still starting then, so the spare parks while they train.
@@ -126,16 +117,7 @@ def test_a_spare_whose_prepare_raises_is_reported_and_the_job_runs_on(etcd: Etcd
                                pod="job-spare-0", nproc=1, nodes=2, agent_args=("--warm-spares",),
                                extra_env={"STALWART_SPARE": "true"})
         agents.append(spare)
-        errs = []
-        for agent in agents:
-            _, err = agent.communicate(timeout=TIMEOUT)
-            errs.append(err)
-            assert agent.returncode == 0, err[-3000:]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait(timeout=30)
+        errs = [err for _, err in ended_ok(agents)]
     rec = progress(etcd, keys, "job-spare-0")
     assert rec is not None and rec.parked_failure is not None, errs[2][-3000:]
     failure = rec.parked_failure
