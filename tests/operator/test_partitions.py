@@ -18,6 +18,7 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_operator_cluster import TRAIN, Jobs, OperatorFactory, job_body, phase_is, wait_for
@@ -103,16 +104,13 @@ def pod_log(cluster: LocalCluster, ns: str, pod: str) -> str:
     return "".join(Path(d, "trainer.log").read_text(errors="replace") for d in dirs if Path(d, "trainer.log").exists())
 
 
-@pytest.mark.parametrize("cut", sorted(CUTS))
-def test_a_live_zombie_is_fenced_and_the_job_ends_with_fault_free_parameters(
-        cut: str, start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store,
-        local_cluster: LocalCluster) -> None:
-    needs_namespaces(local_cluster)
-    start_operator(jobs.ns)
-    expected = fault_free_digest(start_operator, jobs, local_cluster)
-    name = f"part-{cut}"
+def start_spread_job(jobs: Jobs, local_cluster: LocalCluster, name: str,
+                     in_process: dict[str, Any]) -> tuple[JobKeys, str, str, str]:
+    """Start job ``name`` (2 workers and a spare, the test's lease TTL, ``in_process`` as its
+    restartPolicy.inProcess), one pod a node, and wait until the spare is parked and worker-0 trains; its keys and
+    its survivor's, victim's and spare's pod names."""
     body = job_body(name, replicas=2, spares=1, command=[*COMMAND, "--step-delay", "0.05"],
-                    restartPolicy={"inProcess": {"warmSpares": True}})
+                    restartPolicy={"inProcess": in_process})
     body["spec"]["rendezvous"]["leaseTTLSeconds"] = LEASE_TTL
     # 3 CPUs a pod on nodes of 8: the scheduler spreads the three pods, one per node.
     body["spec"]["template"]["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "3"}}
@@ -121,6 +119,18 @@ def test_a_live_zombie_is_fenced_and_the_job_ends_with_fault_free_parameters(
     survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
     wait_for("the spare's parked processes", lambda: rank_pids(jobs.ns, spare), timeout=240)
     wait_for_steps(local_cluster, jobs.ns, survivor, 20)
+    return keys, survivor, victim, spare
+
+
+@pytest.mark.parametrize("cut", sorted(CUTS))
+def test_a_live_zombie_is_fenced_and_the_job_ends_with_fault_free_parameters(
+        cut: str, start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store,
+        local_cluster: LocalCluster) -> None:
+    needs_namespaces(local_cluster)
+    start_operator(jobs.ns)
+    expected = fault_free_digest(start_operator, jobs, local_cluster)
+    name = f"part-{cut}"
+    keys, survivor, victim, spare = start_spread_job(jobs, local_cluster, name, {"warmSpares": True})
     node = next(p.spec.node_name for p in jobs.pods(name) if p.metadata.name == victim)
     assert [p.metadata.name for p in jobs.pods(name) if p.spec.node_name == node] == [victim]
     first = manifest(etcd_store, keys)
@@ -202,15 +212,7 @@ def test_a_cut_from_one_peer_fences_no_one_and_the_job_ends_with_fault_free_para
     in_process: dict[str, object] = {"warmSpares": True}
     if soft is not None:
         in_process |= {"softTimeoutSeconds": soft, "hardTimeoutSeconds": 120}
-    body = job_body(name, replicas=2, spares=1, command=[*COMMAND, "--step-delay", "0.05"],
-                    restartPolicy={"inProcess": in_process})
-    body["spec"]["rendezvous"]["leaseTTLSeconds"] = LEASE_TTL
-    body["spec"]["template"]["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "3"}}
-    created = jobs.create(body)
-    keys = JobKeys(jobs.ns, created["metadata"]["uid"])
-    survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
-    wait_for("the spare's parked processes", lambda: rank_pids(jobs.ns, spare), timeout=240)
-    wait_for_steps(local_cluster, jobs.ns, survivor, 20)
+    keys, survivor, victim, spare = start_spread_job(jobs, local_cluster, name, in_process)
     where = {p.metadata.name: p.spec.node_name for p in jobs.pods(name)}
     assert len(set(where.values())) == 3, where
     first = manifest(etcd_store, keys)
