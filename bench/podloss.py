@@ -75,8 +75,6 @@ from cluster_job import ClusterJob, Events, operated_cluster, parse  # noqa: E40
 
 from stalwart.api.recovery import PHASES, RecoveryPhases, from_records  # noqa: E402
 from stalwart.api.restart import ProgressRecord  # noqa: E402
-from stalwart.etcd.keys import JobKeys  # noqa: E402
-from stalwart.etcd.store import Store  # noqa: E402
 from stalwart.examples.train import IN_FEATURES, OUT_FEATURES  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
 from stalwart.net import free_port  # noqa: E402
@@ -117,15 +115,12 @@ def is_rank(pid: int) -> bool:
     return args[1:3] == [b"-m", b"stalwart.examples.train"]
 
 
-def rank_of(cluster: LocalCluster, job: str, pod: str) -> int:
+def rank_of(job: ClusterJob, pod: str) -> int:
     """The pid of ``pod``'s rank process as its agent reports it (its progress record in etcd): with warm spares
     the pod also runs a standby process, parked, which looks the same from outside."""
-    uid = json.loads(cluster.kubectl("get", "tj", job, "-n", NS, "-o", "json").stdout)["metadata"]["uid"]
-    with Store([str(cluster.etcd_endpoint)], timeout=5.0) as store:
-        kv = store.get(JobKeys(NS, uid).progress_of(pod))
-    assert kv is not None, f"{pod}: no progress record"
-    (pid,) = [r.pid for r in ProgressRecord.from_json_bytes(kv.value).ranks if r.slot >= 0]
-    return pid
+    pids = [r.pid for rec in job.progress() if rec.node_id == pod for r in rec.ranks if r.slot >= 0]
+    assert len(pids) == 1, f"{pod}: ranks with a slot in its progress record {pids}, expected one"
+    return pids[0]
 
 
 def descendants(pid: int) -> list[int]:
@@ -273,7 +268,7 @@ def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, p
         for pid in pod_pids(victim):
             os.kill(pid, signal.SIGKILL)
     elif fault == "kill-rank":
-        rank = rank_of(cluster, name, victim)
+        rank = rank_of(job, victim)
         assert rank in pod_pids(victim) and is_rank(rank), rank
         os.kill(rank, signal.SIGKILL)
     else:
