@@ -71,6 +71,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
 from stalwart.restart import CallWrapper, Restartable, sync_from_peers
+from stalwart.restart.peers import BUCKET_BYTES
 
 log = logging.getLogger("stalwart.examples.train")
 
@@ -112,6 +113,8 @@ class Options:
     momentum: float = 0.0
     #: the step delay applies to the steps before this one only (None: to every step)
     step_delay_until: int | None = None
+    #: the largest bucket of a state copy between peers (``sync_from_peers``'s ``bucket_bytes``)
+    copy_bucket_bytes: int = BUCKET_BYTES
 
 
 @dataclass
@@ -166,6 +169,9 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                         help="sleep --step-delay after the steps before STEP only, the rest at full speed (a test "
                              "injects its fault while the job is slow and need not wait out the rest; default: "
                              "every step)")
+    parser.add_argument("--copy-bucket-bytes", type=int, default=BUCKET_BYTES, metavar="BYTES",
+                        help=f"the largest bucket of a state copy from a peer (default {BUCKET_BYTES}): a small "
+                             "model still copies in several buckets")
     args = parser.parse_args(argv)
     steps = _positive("--epochs", args.epochs) * _positive("--steps-per-epoch", args.steps_per_epoch) \
         if args.epochs is not None else args.steps
@@ -198,6 +204,7 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
     return Options(steps=_positive("--steps", steps), batch_size=_positive("--batch-size", args.batch_size),
                    lr=lr, seed=args.seed, checkpoint_dir=Path(checkpoint_dir),
                    checkpoint_every=_positive("--checkpoint-every", args.checkpoint_every),
+                   copy_bucket_bytes=_positive("--copy-bucket-bytes", args.copy_bucket_bytes),
                    log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
                    fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times,
                    hidden=hidden, momentum=args.momentum,
@@ -328,9 +335,10 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     # model. A newcomer asks its peers before it reads the checkpoint, which it needs only when no rank holds
     # state in memory (the job's start, every process replaced): a warm spare taking a lost rank never reads it.
     arm_copy_fault(opts, rank)
-    synced = sync_from_peers(_state.model, optimizer, step=None if fresh else _state.step)
+    bucket = opts.copy_bucket_bytes
+    synced = sync_from_peers(_state.model, optimizer, step=None if fresh else _state.step, bucket_bytes=bucket)
     if synced.step is None:
-        synced = sync_from_peers(_state.model, optimizer,
+        synced = sync_from_peers(_state.model, optimizer, bucket_bytes=bucket,
                                  step=load_checkpoint(opts.checkpoint_dir, _state.model, optimizer))
     _state.step, source = synced.step or 0, synced.source
     if fresh:

@@ -29,10 +29,12 @@ from test_train import run_ranks  # isort: skip
 
 pytestmark = pytest.mark.integration
 
-STEPS = 60
-# 21 parameters per unit: 6.3 M parameters, 50 MB with the momentum, two 32 MB buckets.
-ARGS = ["--steps", str(STEPS), "--hidden", "300000", "--momentum", "0.9", "--checkpoint-every", "10",
-        "--log-every", "1", "--step-delay", "0.1"]
+STEPS = 30
+# 21 parameters per unit: 0.63 M parameters, 5 MB with the momentum, in buckets of 1 MB: the copy is several
+# buckets, as a large model's is in the default 32 MB ones (bench/podloss.py copies those), so the source dies
+# with most of the state unsent, at a cost this suite can carry beside its other tests.
+ARGS = ["--steps", str(STEPS), "--hidden", "30000", "--momentum", "0.9", "--checkpoint-every", "10",
+        "--log-every", "1", "--step-delay", "0.1", "--copy-bucket-bytes", str(1 << 20)]
 
 
 def events(out: str) -> list[dict[str, Any]]:
