@@ -113,6 +113,9 @@ class Options:
     momentum: float = 0.0
     #: the step delay applies to the steps before this one only (None: to every step)
     step_delay_until: int | None = None
+    #: the step delay ends once this process resumes a job under way (past step 0: a restart, or a spare or a new
+    #: process taking a rank), whatever step that is
+    step_delay_until_resume: bool = False
     #: the largest bucket of a state copy between peers (``sync_from_peers``'s ``bucket_bytes``)
     copy_bucket_bytes: int = BUCKET_BYTES
 
@@ -129,6 +132,8 @@ class TrainState:
 
 # The state of this process, kept across in-process restarts of :func:`train`.
 _state: TrainState | None = None
+# Whether this process has resumed the job past step 0 (``--step-delay-until-resume`` ends the delay then).
+_resumed_under_way = False
 
 
 def _positive(name: str, value: int) -> int:
@@ -169,6 +174,11 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                         help="sleep --step-delay after the steps before STEP only, the rest at full speed (a test "
                              "injects its fault while the job is slow and need not wait out the rest; default: "
                              "every step)")
+    parser.add_argument("--step-delay-until-resume", action="store_true",
+                        help="sleep --step-delay per step only until this process resumes the job past step 0 (after "
+                             "a restart, or as a spare or new process taking a rank), then at full speed: a test's "
+                             "fault lands while the job is slow however loaded the machine, and the steps after "
+                             "the recovery do not wait")
     parser.add_argument("--copy-bucket-bytes", type=int, default=BUCKET_BYTES, metavar="BYTES",
                         help=f"the largest bucket of a state copy from a peer (default {BUCKET_BYTES}): a small "
                              "model still copies in several buckets")
@@ -208,6 +218,7 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                    log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
                    fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times,
                    hidden=hidden, momentum=args.momentum,
+                   step_delay_until_resume=args.step_delay_until_resume,
                    step_delay_until=None if args.step_delay_until is None
                    else _positive("--step-delay-until", args.step_delay_until))
 
@@ -324,7 +335,7 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
     :func:`prepare` built before the process's first round (``call_wrapper.prepared``), which the first call
     adopts (without it, as in plain mode, the first call builds it).
     """
-    global _state
+    global _state, _resumed_under_way
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fresh = _state is None
     if _state is None:
@@ -341,6 +352,7 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
         synced = sync_from_peers(_state.model, optimizer, bucket_bytes=bucket,
                                  step=load_checkpoint(opts.checkpoint_dir, _state.model, optimizer))
     _state.step, source = synced.step or 0, synced.source
+    _resumed_under_way = _resumed_under_way or _state.step > 0
     if fresh:
         emit("start", rank=rank, world_size=world_size, step=_state.step)
     emit("resume", rank=rank, world_size=world_size, step=_state.step, source=source,
@@ -373,7 +385,8 @@ def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:
                 save_checkpoint(opts.checkpoint_dir, _state.model, _state.step, optimizer)
         if _state.step % opts.log_every == 0 or _state.step == opts.steps:
             emit("step", rank=rank, step=_state.step, loss=round(last_loss, 6))
-        if opts.step_delay and (opts.step_delay_until is None or _state.step < opts.step_delay_until):
+        if opts.step_delay and (opts.step_delay_until is None or _state.step < opts.step_delay_until) and not (
+                opts.step_delay_until_resume and _resumed_under_way):
             time.sleep(opts.step_delay)
     emit("done", rank=rank, world_size=world_size, step=_state.step, loss=round(last_loss, 6),
          **final_parameters(_state.model))

@@ -38,10 +38,11 @@ def test_demo_path(tmp_path_factory: pytest.TempPathFactory) -> None:
     """`stalwart demo`: the job survives a rank exception and a killed worker pod and ends Succeeded."""
     directory = tmp_path_factory.mktemp("demo")
     out = io.StringIO()
-    # 540 steps (27 s and more) after the kill's step: the demo sees the recovery from the exception, then step
+    # 940 steps (47 s and more) after the kill's step: the demo sees the recovery from the exception, then step
     # 60, by polling kubectl, and on a loaded machine that has lagged by more than 12 s (140 and 240 steps were
-    # each once too few with four workers busy); a job that finished first leaves nothing to recover from.
-    result = run_demo(DemoOptions(directory=directory, steps=600, step_delay=0.05, fail_at_step=20,
+    # each once too few with four workers busy, 540 with two suites at once); a job that finished first leaves
+    # nothing to recover from.
+    result = run_demo(DemoOptions(directory=directory, steps=1000, step_delay=0.05, fail_at_step=20,
                                   kill_at_step=60, timeout=540.0), out)
     text = out.getvalue()
     assert result.phase == "Succeeded", text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -127,6 +128,28 @@ def test_the_step_delay_ends_at_the_step_it_is_told(tmp_path: Path, monkeypatch:
         torch.distributed.destroy_process_group()
     assert slept == [0.5, 0.5]
     assert train.parse_options(["--step-delay", "0.5"], {}).step_delay_until is None  # by default every step
+
+
+def test_the_step_delay_until_resume_ends_when_the_process_resumes_a_job_under_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the job's start the steps sleep; called again in the same process (a restart in process, at step 3),
+    none does: the recovery is over, the rest need not wait."""
+    slept: list[float] = []
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    monkeypatch.setattr(train, "_state", None)
+    monkeypatch.setattr(train, "_resumed_under_way", False)
+    opts = train.parse_options(["--steps", "3", "--step-delay", "0.5", "--step-delay-until-resume",
+                                "--checkpoint-dir", str(tmp_path)], {})
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        train.train(opts)
+        assert slept == [0.5, 0.5, 0.5]
+        train.train(dataclasses.replace(opts, steps=6))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert slept == [0.5, 0.5, 0.5] and train._state is not None and train._state.step == 6
+    assert not train.parse_options(["--step-delay", "0.5"], {}).step_delay_until_resume  # off by default
 
 
 def test_fault_injection_count(tmp_path: Path) -> None:
