@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import mp_ranks
 import pytest
 from forked_ranks import close_fork_server
 from recording_server import Recorder
@@ -71,6 +72,14 @@ def _rank_fork_server() -> Iterator[None]:
     # would still pass), and it ends on its own when its socket closes.
     assert not lost, "the tests' fork server was lost"
     assert code in (None, 0), f"the tests' fork server ended with {code}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _multiprocessing_fork_server() -> Iterator[None]:
+    """The multiprocessing fork server of the tests' rank functions (tests/mp_ranks.py) ends with the session."""
+    yield
+    code = mp_ranks.stop_server()
+    assert code in (None, 0), f"the tests' multiprocessing fork server ended with {code}"
 
 
 @pytest.fixture(scope="session")

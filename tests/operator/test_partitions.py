@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ from stalwart.etcd.records import WatchEvent
 from stalwart.etcd.store import Store
 from stalwart.local.cluster import LocalCluster
 from stalwart.local.processes import ended
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from test_train import run_ranks  # isort: skip
 
 pytestmark = pytest.mark.integration
 
@@ -48,19 +52,16 @@ def needs_namespaces(cluster: LocalCluster) -> None:
                     f"in {cluster.network.get('mode')} mode")
 
 
-def fault_free_digest(start_operator: OperatorFactory, jobs: Jobs, cluster: LocalCluster) -> str:
-    """The ``params_sha256`` of the same job without a fault (two workers, no spare): the digest every partitioned
-    run must end with."""
+def fault_free_digest(tmp_path: Path) -> str:
+    """The ``params_sha256`` of the same training without a fault (two ranks, forked as an agent forks them, no
+    cluster: the digest does not depend on how the ranks were started, as tests/agent/test_agent_copy_fault.py
+    shows against an agent-run job): the digest every partitioned run must end with."""
     if "sha" not in _BASELINE:
-        name = "part-base"
-        jobs.create(job_body(name, replicas=2, command=COMMAND))
-        st = wait_for("the fault-free run", phase_is(jobs, name, "Succeeded", "Failed"), timeout=400)
-        assert st["phase"] == "Succeeded", st
-        done = [e for i in (0, 1) for e in events(cluster, jobs.ns, f"{name}-worker-{i}") if e["event"] == "done"]
+        results = run_ranks(2, [*COMMAND[3:], "--checkpoint-dir", str(tmp_path / "fault-free")])
+        assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+        done = [e for _, evs, _ in results for e in evs if e["event"] == "done"]
         assert len(done) == 2 and len({d["params_sha256"] for d in done}) == 1, done
         _BASELINE["sha"] = done[0]["params_sha256"]
-        jobs.delete(name)
-        wait_for("the fault-free job to go", lambda: jobs.gone(name), timeout=90)
     return _BASELINE["sha"]
 
 
@@ -124,11 +125,11 @@ def start_spread_job(jobs: Jobs, local_cluster: LocalCluster, name: str,
 
 @pytest.mark.parametrize("cut", sorted(CUTS))
 def test_a_live_zombie_is_fenced_and_the_job_ends_with_fault_free_parameters(
-        cut: str, start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store,
-        local_cluster: LocalCluster) -> None:
+        cut: str, *, start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store,
+        local_cluster: LocalCluster, tmp_path: Path) -> None:
     needs_namespaces(local_cluster)
     start_operator(jobs.ns)
-    expected = fault_free_digest(start_operator, jobs, local_cluster)
+    expected = fault_free_digest(tmp_path)
     name = f"part-{cut}"
     keys, survivor, victim, spare = start_spread_job(jobs, local_cluster, name, {"warmSpares": True})
     node = next(p.spec.node_name for p in jobs.pods(name) if p.metadata.name == victim)
@@ -196,8 +197,8 @@ PEER_HOLDS = {"short": (3 * LEASE_TTL, None), "long": (20, 4.0)}
 
 @pytest.mark.parametrize("hold", sorted(PEER_HOLDS))
 def test_a_cut_from_one_peer_fences_no_one_and_the_job_ends_with_fault_free_parameters(
-        hold: str, start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store,
-        local_cluster: LocalCluster) -> None:
+        hold: str, *, start_operator: OperatorFactory, jobs: Jobs, etcd_store: Store,
+        local_cluster: LocalCluster, tmp_path: Path) -> None:
     """A worker's node cut from the other worker's node only: both still reach etcd and the API server, so both
     leases live, neither is a zombie, and no round can leave either out (either end is as cut as the other;
     the spare reaches both). The job waits the cut out: the collective waits (short), or its ranks stall past
@@ -206,7 +207,7 @@ def test_a_cut_from_one_peer_fences_no_one_and_the_job_ends_with_fault_free_para
     detected, ``lastFailure`` names a pod at one end of the cut link, else it names nothing."""
     needs_namespaces(local_cluster)
     start_operator(jobs.ns)
-    expected = fault_free_digest(start_operator, jobs, local_cluster)
+    expected = fault_free_digest(tmp_path)
     seconds, soft = PEER_HOLDS[hold]
     name = f"part-peer-{hold}"
     in_process: dict[str, object] = {"warmSpares": True}

@@ -5,10 +5,10 @@ mismatched model fails every rank before anything is copied)."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 from typing import Any
 
+import mp_ranks
 import pytest
 
 from stalwart.net import free_port
@@ -97,7 +97,7 @@ def _rank(rank: int, world: int, port: int, case: str, out: Any) -> None:
 
 
 def _run(case: str) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
+    ctx = mp_ranks.context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, 3, port, case, out)) for r in range(3)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -16,12 +15,14 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import mp_ranks
+
 from stalwart.net import free_port
 
 
 def _run(target: Any, world: int, *args: Any) -> tuple[dict[int, dict[str, Any]], list[int | None]]:
     """Start ``world`` ranks of ``target``; their records (one each) and their exit codes, every one ended."""
-    ctx = mp.get_context("spawn")
+    ctx = mp_ranks.context()
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(world)]
     for p in procs:

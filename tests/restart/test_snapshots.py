@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import signal
 import time
 from typing import Any
 
+import mp_ranks
 import pytest
 
 from stalwart.net import free_port
@@ -307,7 +307,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
+    ctx = mp_ranks.context()
     out = ctx.Queue()
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -4,13 +4,13 @@ learn that the old one died (its calls fail, its values are lost), and keep reac
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import time
 import uuid
 from typing import Any
 
+import mp_ranks
 import pytest
 from rpc_helpers import TOKEN, sealed, wait_for, world
 
@@ -51,7 +51,7 @@ def incarnation_main(endpoint: str, job: tuple[str, str], stop: Any) -> None:
 
 
 def test_a_respawned_incarnation_reports_the_old_one_dead(etcd: EtcdServer) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = mp_ranks.context()
     job = ("test", uuid.uuid4().hex[:12])
     pipes: list[Any] = []
     procs: list[Any] = []

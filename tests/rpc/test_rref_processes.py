@@ -4,7 +4,6 @@ and a worker killed in the middle of the protocol."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -13,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import mp_ranks
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -44,7 +44,7 @@ class Cluster:
 
 
 def start_cluster(etcd: EtcdServer) -> Cluster:
-    ctx = mp.get_context("spawn")
+    ctx = mp_ranks.context()
     uid = uuid.uuid4().hex[:12]
     stop = []  # one pipe per worker: an Event's lock would be left broken by the worker we kill
     procs = {}
