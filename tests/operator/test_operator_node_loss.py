@@ -213,8 +213,17 @@ def culprits_after(jobs: Jobs, name: str, seconds: float, before: dict[str, Any]
     return seen
 
 
+def nodes_free_of_other_pods(jobs: Jobs) -> bool:
+    """No pod of the cluster holds a node's resources (bound and not finished: Terminating ones still count), so
+    that the scheduler, which takes the least loaded node, spreads a new job's first three pods one a node; a
+    previous test's pods still terminating once tipped it into putting two workers on one node."""
+    return not [p for p in jobs.core.list_pod_for_all_namespaces().items
+                if p.spec.node_name and p.status.phase not in ("Succeeded", "Failed")]
+
+
 def training_job(jobs: Jobs, name: str, **spec: Any) -> dict[str, Any]:
     """2 workers + 1 spare of the example trainer, one pod a node, training (status Running, step >= 10)."""
+    wait_for("the nodes free of other tests' pods", lambda: nodes_free_of_other_pods(jobs), timeout=120)
     jobs.create(requesting(job_body(name, replicas=2, spares=1, command=[
         *TRAIN, "--steps", "100000", "--step-delay", "0.05"], **spec), "3"))
     st: dict[str, Any] = wait_for("training", lambda: (s := jobs.status(name)).get("phase") == "Running" and s.get(

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from test_operator_cluster import TRAIN, Jobs, OperatorFactory, job_body, phase_is, wait_for
+from test_operator_node_loss import nodes_free_of_other_pods
 from test_warm_spares import events, manifest, pod_pids, rank_pids, story, took_over, wait_for_steps
 
 from stalwart.api.rendezvous import Manifest
@@ -115,6 +116,7 @@ def start_spread_job(jobs: Jobs, local_cluster: LocalCluster, name: str,
     body["spec"]["rendezvous"]["leaseTTLSeconds"] = LEASE_TTL
     # 3 CPUs a pod on nodes of 8: the scheduler spreads the three pods, one per node.
     body["spec"]["template"]["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "3"}}
+    wait_for("the nodes free of other tests' pods", lambda: nodes_free_of_other_pods(jobs), timeout=120)
     created = jobs.create(body)
     keys = JobKeys(jobs.ns, created["metadata"]["uid"])
     survivor, victim, spare = f"{name}-worker-0", f"{name}-worker-1", f"{name}-spare-0"
