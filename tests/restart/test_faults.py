@@ -36,7 +36,10 @@ def assert_recovered(run: Run, reference: float, *, ranks: int = 2, restarts: in
     """Every rank ended 0 at the last step with the fault-free checksum, at the full world, after ``restarts``
     restarts; on failure the ranks' logs say why (under load, once, the hung rank ended itself as ABANDONED)."""
     run_codes, results = run.codes, run.results
-    assert run_codes == [0] * len(run_codes), (run_codes, [err[-3000:] for err in run.stderr])
+    if run_codes != [0] * len(run_codes):
+        for slot, err in enumerate(run.stderr):  # printed whole: an assertion's message is cut short
+            print(f"--- slot {slot} (exit code {run_codes[slot]}):\n{err[-12000:]}")
+    assert run_codes == [0] * len(run_codes), run_codes
     assert sorted(r["rank"] for r in results if r["world"] == ranks) == list(range(ranks))
     for r in results:
         assert r["step"] == 8
