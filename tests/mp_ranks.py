@@ -14,14 +14,14 @@ import time
 from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext
 
-#: What a rank function needs before its first step (the optimizer's first step imports torch._dynamo).
-PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo"]
+from stalwart.forkserver import PRELOAD
 
 
 def context() -> ForkServerContext:
+    """The ``forkserver`` context, its server preloading what the pods' fork servers preload."""
     ctx = multiprocessing.get_context("forkserver")
     assert isinstance(ctx, ForkServerContext)
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 

@@ -58,7 +58,8 @@ def fault_free_digest(tmp_path: Path) -> str:
     cluster: the digest does not depend on how the ranks were started, as tests/agent/test_agent_copy_fault.py
     shows against an agent-run job): the digest every partitioned run must end with."""
     if "sha" not in _BASELINE:
-        results = run_ranks(2, [*COMMAND[3:], "--checkpoint-dir", str(tmp_path / "fault-free")])
+        args = COMMAND[COMMAND.index("stalwart.examples.train") + 1:]  # the job's arguments, without the command
+        results = run_ranks(2, [*args, "--checkpoint-dir", str(tmp_path / "fault-free")])
         assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
         done = [e for _, evs, _ in results for e in evs if e["event"] == "done"]
         assert len(done) == 2 and len({d["params_sha256"] for d in done}) == 1, done
