@@ -88,6 +88,8 @@ class Interrupter:
         self._atomic_depth = 0
         self._requested: str | None = None
         self._delivered = False
+        #: Counts the training function's runs: a request made for one run must not land in a later one.
+        self._generation = 0
         self._use_signal = False
         if threading.current_thread() is threading.main_thread():
             try:
@@ -101,6 +103,11 @@ class Interrupter:
     def requested(self) -> str | None:
         """Why an interrupt was requested in this iteration, or ``None``."""
         return self._requested
+
+    @property
+    def generation(self) -> int:
+        """Which run of the training function is (or was last) inside: one more at every enter."""
+        return self._generation
 
     @property
     def in_user_code(self) -> bool:
@@ -119,6 +126,7 @@ class Interrupter:
             self._delivered = False
             self._in_user_code = True
             self._atomic_depth = 0
+            self._generation += 1
 
     def leave_user_code(self) -> None:
         """Called when the training function ends however it ends; cancels an undelivered interrupt."""
@@ -126,9 +134,15 @@ class Interrupter:
             self._in_user_code = False
             set_async_exc(self._thread_id, None)
 
-    def request(self, reason: str) -> bool:
-        """Interrupt the training function (from any thread). Returns ``True`` if this call delivered it."""
+    def request(self, reason: str, *, generation: int | None = None) -> bool | None:
+        """Interrupt the training function (from any thread). Returns ``True`` if this call delivered it.
+
+        With ``generation``, only that run of it (see :attr:`generation`): a decision taken in one iteration and
+        acted on late (its report took seconds to write) must not end the next one, which the ranks are
+        building a group for; returns ``None`` then, and requests nothing."""
         with self._lock:
+            if generation is not None and generation != self._generation:
+                return None
             if self._requested is None:
                 self._requested = reason
                 phase_marks.knew()

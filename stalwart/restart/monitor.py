@@ -37,6 +37,7 @@ from stalwart.restart.policies import IterationContext, free_blocked_peers
 from stalwart.restart.protocol import (
     Report,
     better_cause,
+    interrupts_current,
     kill_limit,
     lost_peer_report,
     of_another,
@@ -131,6 +132,7 @@ class Monitor:
         # the slowest peer takes, which the barrier timeout bounds, not the soft timeout.
         self.startup_timeout = max(soft_timeout, startup_timeout or soft_timeout)
         self._pinged = False
+        self._generation = 0
         self.interval = interval
         self.status_file = status
         self._lock = threading.Lock()
@@ -189,10 +191,11 @@ class Monitor:
             self._first_step = None
             self._pinged = False
             self.last_progress = time.monotonic()
+            self._generation = self.interrupter.generation  # the wrapper entered user code just before
             seen = self._faults.get(iteration)
         phase_marks.sealed(iteration, self.coord.epoch)
         if seen is not None and of_another(seen, self.coord.slot, self.pid):
-            self._interrupt(f"fault in slot {seen.slot}: {seen.kind}")
+            self._interrupt(f"fault in slot {seen.slot}: {seen.kind}", iteration)
 
     def end(self) -> None:
         with self._lock:
@@ -224,16 +227,22 @@ class Monitor:
 
     # -- the thread ---------------------------------------------------------------------------------------------
 
-    def _interrupt(self, reason: str) -> None:
+    def _interrupt(self, reason: str, iteration: int | None = None) -> None:
+        """Interrupt the running iteration: ``iteration`` only, when given (the one a report was made in)."""
         with self._lock:
-            ctx = self._ctx
-            running = self._running
+            ctx, running, current, generation = self._ctx, self._running, self._iteration, self._generation
         if not running or ctx is None:
+            return
+        if not interrupts_current(iteration, current):
+            log.info("slot %d: not interrupting iteration %d for what happened in iteration %s: %s",
+                     self.coord.slot, current, iteration, reason)
             return
         # The request first: freeing the connections fails this process's own collective at once, and the
         # training thread must then find the interrupt requested, or it takes that failure for a fault of its
         # own and records it over this process's report (a hang then reads as an exception).
-        delivered = self.interrupter.request(reason)
+        delivered = self.interrupter.request(reason, generation=generation)
+        if delivered is None:
+            return  # that run ended meanwhile: its connections are gone, the next run's are not ours to free
         free_blocked_peers(ctx)
         if delivered:
             log.info("slot %d iteration %d: interrupting: %s", self.coord.slot, ctx.iteration, reason)
@@ -250,7 +259,7 @@ class Monitor:
         if better:
             self.update_status(last_failure=failure_info(rec))
         if rec.iteration == current and of_another(rec, self.coord.slot, self.pid):
-            self._interrupt(f"fault in slot {rec.slot}: {rec.kind}")
+            self._interrupt(f"fault in slot {rec.slot}: {rec.kind}", rec.iteration)
 
     def _open_watch(self) -> Watch:
         # One read, not the coordinator's retrying one: the thread must keep ticking during an outage. Only the
@@ -293,7 +302,9 @@ class Monitor:
         except Exception as e:  # interrupting matters more than reporting, but a lost report must be seen
             log.warning("slot %d iteration %d: the %s fault was not recorded (%s: %s); interrupting anyway",
                         self.coord.slot, report.iteration, report.kind, type(e).__name__, e)
-        self._interrupt(report.reason)
+        # The report may have taken seconds to write (etcd under load): meanwhile a peer's fault may have ended
+        # the iteration, and the next one must not be interrupted for this one's hang.
+        self._interrupt(report.reason, report.iteration)
 
     def _run(self) -> None:
         # Ticks (the soft timeout, the probe, the status file) go on at every interval whatever etcd does:

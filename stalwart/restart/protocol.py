@@ -58,6 +58,7 @@ __all__ = [
     "completes",
     "completion_known",
     "fault_report",
+    "interrupts_current",
     "iteration_end",
     "join",
     "kill_limit",
@@ -527,6 +528,14 @@ def lost_peer_report(slot: int, own_slot: int, *, iteration: int, rank: int | No
     if slot == own_slot or slot not in active:
         return None
     return Report(iteration, rank, "peer_lost", f"the heartbeat lease of slot {slot} ended", (slot,))
+
+
+def interrupts_current(about: int | None, current: int) -> bool:
+    """Whether what happened in iteration ``about`` (None: in whatever iteration runs, e.g. a new round took
+    over) interrupts the ``current`` one. A hang seen in one iteration and acted on after the next began (its
+    report was slow to write) would otherwise end the next one inside its group's construction, where peers
+    wait in native code that no interrupt frees."""
+    return about is None or about == current
 
 
 def stall_limit(soft_timeout: float, startup_timeout: float, *, pinged: bool) -> float:

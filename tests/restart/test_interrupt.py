@@ -68,6 +68,26 @@ def test_no_interrupt_outside_user_code() -> None:
     it.close()
 
 
+def test_a_request_for_an_earlier_run_requests_nothing() -> None:
+    it = Interrupter()
+    it.enter_user_code()
+    first = it.generation
+    it.leave_user_code()
+    it.enter_user_code()  # the next iteration's run
+    try:
+        assert it.request("a hang of the run before", generation=first) is None
+        assert it.requested is None
+        for _ in range(1000):
+            pass  # a stray interrupt would be raised here
+        with pytest.raises(RestartInterrupt):
+            assert it.request("this run's own fault", generation=it.generation) is True
+            for _ in range(1000):
+                pass
+    finally:
+        it.leave_user_code()
+        it.close()
+
+
 def test_only_one_interrupt_per_iteration() -> None:
     it = Interrupter()
     it.enter_user_code()

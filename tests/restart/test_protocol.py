@@ -34,6 +34,7 @@ from stalwart.restart.protocol import (
     completes,
     completion_known,
     fault_report,
+    interrupts_current,
     iteration_end,
     join,
     kill_limit,
@@ -389,6 +390,15 @@ def test_the_cause_of_an_iteration(faults: list[tuple[int, FaultRecord]], cause:
     for _, rec in faults:  # what the monitor knows as records arrive, in revision order
         known = rec if better_cause(known, rec) else known
     assert (known.slot if known is not None else None) == cause
+
+
+@pytest.mark.parametrize(("about", "current", "interrupts"), [
+    (3, 3, True),      # a hang or a peer's fault of the running iteration
+    (3, 4, False),     # seen in 3, acted on once 4 had begun (a slow report): 4 is not interrupted
+    (None, 4, True),   # a new round took over: whatever runs ends
+])
+def test_interrupts_current(about: int | None, current: int, interrupts: bool) -> None:
+    assert interrupts_current(about, current) is interrupts
 
 
 @pytest.mark.parametrize(("soft", "startup", "pinged", "limit"), [
