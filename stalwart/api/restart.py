@@ -195,6 +195,11 @@ class FaultRecord(ApiModel):
     lost_slots: list[int] = Field(
         default_factory=list, max_length=4096,
         description="For peer_lost: the slots whose heartbeat lease ended (the culprits, not the reporter).")
+    unreachable: list[str] = Field(
+        default_factory=list, max_length=64,
+        description=("For soft_timeout: the peers (``ip:port``) to which this process's group connections held sent "
+                     "bytes that the kernel was retransmitting unacknowledged when the timeout fired. A hung or "
+                     "paused peer's kernel still acknowledges; only a network that carries nothing does not."))
 
 
 class DoneRecord(ApiModel):

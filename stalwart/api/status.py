@@ -139,6 +139,11 @@ class FailureRecord(ApiModel):
     iteration: int | None = Field(default=None, ge=0,
                                   description="In-process restart iteration in which it happened.")
     time: datetime | None = Field(default=None, description="When the failure happened (or was detected).")
+    peer: str | None = Field(
+        default=None,
+        description=("For a Hang on a link that stopped carrying data (sent bytes left unacknowledged: the network "
+                     "between two pods, not either process): the pod at the link's other end. The fault is then "
+                     "the link between ``pod`` and ``peer``."))
     secondary: list[SecondaryFailure] | None = Field(
         default=None, max_length=MAX_SECONDARY,
         description="Errors other ranks saw during the same fault (consequences, not the cause).")

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stalwart.operator.failures import Fact
 
-__all__ = ["PEER_SILENT_SECONDS", "Peer", "peer_facts"]
+__all__ = ["PEER_SILENT_SECONDS", "Peer", "link_facts", "peer_facts"]
 
 #: How long a member's agent must have been silent to count as gone (a live agent reports every second; the
 #: margin absorbs a loaded node and clock skew).
@@ -131,11 +131,32 @@ def _suspect(symptom: Fact, peers: Sequence[Peer]) -> Fact | None:
                 rank if hang else peer.only_rank(), peer.pod, None, why)
 
 
+def link_facts(facts: Sequence[Fact], peers: Sequence[Peer]) -> list[Fact]:
+    """``facts`` with each hang whose rank was retransmitting to a member pod's address unacknowledged (its
+    ``unreachable``) given that pod as its ``peer``: the network between the two carries nothing. Neither end
+    is more at fault than the other (a cut from one peer only leaves both agents and leases alive), so the
+    status names the link, not a culprit pod. An address that names no member pod, or the rank's own, is left."""
+    out = []
+    for f in facts:
+        if f.reason != "Hang" or not f.unreachable or f.peer is not None:
+            out.append(f)
+            continue
+        ips = {address.rpartition(":")[0] for address in f.unreachable}
+        ends = sorted({p.pod for p in peers if p.ip in ips and p.pod != f.pod})
+        if not ends:
+            out.append(f)
+            continue
+        link = f"the link between pod {f.pod} and {', '.join(ends)} carries nothing"
+        out.append(replace(f, peer=ends[0], message=f"{link}: {f.message}" if f.message else link))
+    return out
+
+
 def peer_facts(facts: Sequence[Fact], peers: Sequence[Peer]) -> list[Fact]:
     """The ``Peer`` facts the survivors' symptoms among ``facts`` point at (one per position: the earliest
     symptom's), given the round's member pods as ``peers``. A lost peer that a heartbeat names already has its
     ``Heartbeat`` fact: those symptoms are left alone."""
-    spoke = _spoke_for_itself(facts)
+    # Where a link was seen down (:func:`link_facts`), the stalls are its consequence: no peer is blamed.
+    spoke = _spoke_for_itself(facts) | {f.position.key() if f.position else None for f in facts if f.peer}
     by_position: dict[tuple[int, int] | None, Fact] = {}
     for f in sorted(facts, key=lambda f: (f.order, f.time)):
         if f.detected_by != "Rank" or not f.symptom or f.reason == "PeerLost":

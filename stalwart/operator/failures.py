@@ -74,6 +74,10 @@ class Fact:
     #: A rank's report of what it suffered from a peer (a collective error, a timeout, a lost peer), not a
     #: fault seen at the faulty process itself.
     symptom: bool = False
+    #: For a hang: the ``ip:port`` its rank's connections were retransmitting to unacknowledged, and the pod at
+    #: that address once known (:func:`stalwart.operator.culprits.link_facts`): the fault is the link between.
+    unreachable: tuple[str, ...] = ()
+    peer: str | None = None
 
     def sort_key(self) -> tuple[int, bool, float, int]:
         """Lower is the likelier culprit."""
@@ -191,7 +195,7 @@ def rank_facts(faults: Sequence[tuple[int, FaultRecord]], round_: int, places: M
         else:
             exception_type, message = None, rec.reason
         out.append(Fact("Rank", reason, rec.time, position, revision, rec.rank, rec.node_id, rec.slot, message,
-                        exception_type, symptom=symptom_of(rec)))
+                        exception_type, symptom=symptom_of(rec), unreachable=tuple(rec.unreachable)))
         for slot in rec.lost_slots:
             if (slot, rec.iteration) in ended or slot == rec.slot:
                 continue
@@ -236,7 +240,17 @@ def fact_of_record(record: FailureRecord) -> Fact | None:
     symptom = detected == "Rank" and (record.reason in ("PeerLost", "Hang") or peer_error(record.message or ""))
     return Fact(detected, record.reason, record.time.timestamp() if record.time else 0.0, position, 0,
                 record.rank, record.pod, None, record.message or "", record.exception_type, record.exit_code,
-                record.signal, symptom)
+                record.signal, symptom, peer=record.peer)
+
+
+def _link_peer(culprit: Fact, facts: Sequence[Fact]) -> str | None:
+    """The other end of the culprit's link: the pod its own connections could not reach, else a pod whose hang at
+    the same place could not reach the culprit's (a link cut is seen from whichever end had bytes in flight)."""
+    if culprit.peer is not None or culprit.reason != "Hang":
+        return culprit.peer
+    at = culprit.position.key() if culprit.position else None
+    return next((f.pod for f in facts if f.peer is not None and f.peer == culprit.pod and f.pod != culprit.pod
+                 and (f.position.key() if f.position else None) == at), None)
 
 
 def compose(facts: Sequence[Fact], existing: FailureRecord | None = None) -> FailureRecord | None:
@@ -266,8 +280,12 @@ def compose(facts: Sequence[Fact], existing: FailureRecord | None = None) -> Fai
             if (s.rank, s.pod, s.reason) != (culprit.rank, culprit.pod, culprit.reason) and not any(
                     (s.rank, s.pod, s.reason) == (x.rank, x.pod, x.reason) for x in secondary):
                 secondary.append(s)
+    peer = _link_peer(culprit, candidates)
+    message = culprit.message
+    if peer is not None and culprit.peer is None:  # the link was seen from its other end
+        message = f"the link between pod {culprit.pod} and {peer} carries nothing: {message}".rstrip(": ")
     return FailureRecord(
-        rank=culprit.rank, pod=culprit.pod, reason=culprit.reason, message=culprit.message or None,
+        rank=culprit.rank, pod=culprit.pod, peer=peer, reason=culprit.reason, message=message or None,
         exception_type=culprit.exception_type, exit_code=culprit.exit_code, signal=culprit.signal,
         detected_by=culprit.detected_by,
         round=culprit.position.round if culprit.position else None,

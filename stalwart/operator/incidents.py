@@ -27,7 +27,7 @@ from stalwart.api.status import (
     RestartCounts,
     TrainingJobStatus,
 )
-from stalwart.operator.culprits import Peer, peer_facts
+from stalwart.operator.culprits import Peer, link_facts, peer_facts
 from stalwart.operator.evidence import Evidence, gather
 from stalwart.operator.failures import Fact, at_or_after, compose, exit_facts, rank_facts, with_position
 from stalwart.operator.ledger import advance, round_facts
@@ -66,6 +66,8 @@ def describe(record: FailureRecord | None) -> str:
         where.append(f"rank {record.rank}")
     if record.pod:
         where.append(f"pod {record.pod}")
+    if record.peer:
+        where.append(f"link to pod {record.peer}")
     what = record.reason or "failure"
     if record.exception_type:
         what += f" {record.exception_type}"
@@ -169,7 +171,7 @@ def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fac
     seen = exit_facts(exits)
     if round_ is not None:
         ended = [(ex.slot, ex.iteration) for _, ex in exits if ex.round == round_]
-        seen += rank_facts(etcd.faults, round_, evidence.places or {}, ended)
+        seen = link_facts([*seen, *rank_facts(etcd.faults, round_, evidence.places or {}, ended)], peers)
         seen += peer_facts(seen, peers)
     fresh = [f for f in seen if position is None or f.position is None or f.position.key() >= position.key()]
 

@@ -45,7 +45,7 @@ from stalwart.restart.protocol import (
     when_stuck,
 )
 from stalwart.restart.snapshot_spill import directory_for
-from stalwart.restart.sockets import connection_states
+from stalwart.restart.sockets import connection_states, retransmitting
 
 log = logging.getLogger(__name__)
 
@@ -358,11 +358,20 @@ class Monitor:
         if stalled and ctx is not None:
             which = "soft timeout" if limit == self.soft_timeout else "startup timeout, before the first ping"
             reason = f"no progress for {now - self.last_progress:.1f}s ({which} {limit}s)"
+            unreachable: list[str] = []
+            if ctx.group.sockets_before is not None:
+                # Read before the interrupt frees the connections: what they held says whether the network is
+                # at fault (sent bytes retransmitted unacknowledged) rather than a process.
+                unreachable = retransmitting(ctx.group.sockets_before)
+                if unreachable:
+                    reason += (f"; bytes sent to {', '.join(unreachable[:4])} are retransmitted unacknowledged: "
+                               "the link to it carries nothing")
             log.warning("slot %d iteration %d: %s", self.coord.slot, iteration, reason)
-            if ctx is not None and ctx.group.sockets_before is not None:
+            if ctx.group.sockets_before is not None:
                 log.warning("slot %d iteration %d: its process groups' connections: %s", self.coord.slot, iteration,
                             "; ".join(connection_states(ctx.group.sockets_before)) or "none")
-            self._report_and_interrupt(Report(iteration, ctx.rank, "soft_timeout", reason))
+            self._report_and_interrupt(Report(iteration, ctx.rank, "soft_timeout", reason,
+                                              unreachable=tuple(unreachable)))
         self._flush_status()
 
     def _kill_limit(self) -> float | None:

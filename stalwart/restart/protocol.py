@@ -232,12 +232,14 @@ class Report:
     kind: FaultKind
     reason: str
     lost_slots: tuple[int, ...] = ()
+    unreachable: tuple[str, ...] = ()
 
     def record(self, slot: int, node_id: str, time: float, *, pid: int | None = None, exception: str | None = None,
                message: str | None = None) -> FaultRecord:
         """The record of this report by the process ``pid`` of ``slot`` on ``node_id``, at wall-clock ``time``."""
         return FaultRecord(slot=slot, pid=pid, rank=self.rank, node_id=node_id, iteration=self.iteration,
                            kind=self.kind, reason=self.reason[:2048], time=time, lost_slots=list(self.lost_slots),
+                           unreachable=list(self.unreachable[:64]),
                            exception=None if exception is None else exception[:512],
                            message=None if message is None else message[:2048])
 

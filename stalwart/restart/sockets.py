@@ -22,7 +22,8 @@ from collections.abc import Iterable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SocketSnapshot", "connection_states", "shutdown_sockets_since", "socket_inodes"]
+__all__ = ["SocketSnapshot", "connection_states", "retransmitting", "retransmitting_peers", "shutdown_sockets_since",
+           "socket_inodes"]
 
 _FD_DIR = "/proc/self/fd"
 
@@ -125,3 +126,47 @@ def connection_states(snapshot: SocketSnapshot) -> list[str]:
                 out.append(f"fd {fds[cols[9]]} {_TCP_STATES.get(cols[3], cols[3])} {cols[1]} -> {cols[2]} "
                            f"queued {int(tx, 16)}/{int(rx, 16)}")
     return sorted(out, key=lambda line: int(line.split()[1]))
+
+
+def _endpoint(hex_address: str) -> str:
+    """``ip:port`` of a /proc/net/tcp address (``0100007F:1F90``: the address in the kernel's byte order)."""
+    host, _, port = hex_address.partition(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        ip = socket.inet_ntop(socket.AF_INET, raw[::-1])
+    else:  # four 32-bit words, each in host (little-endian) order
+        ip = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+        if ip.startswith("::ffff:"):
+            ip = ip[len("::ffff:"):]
+    return f"{ip}:{int(port, 16)}"
+
+
+def retransmitting_peers(rows: Iterable[str], inodes: frozenset[str]) -> list[str]:
+    """The remote ``ip:port`` of each connection among ``inodes`` (``/proc/net/tcp`` rows) that holds sent bytes
+    the kernel is retransmitting unacknowledged: ESTABLISHED, bytes queued to send, the retransmission timer
+    armed and at least one retransmission made. A peer whose process hangs or is paused still has its kernel
+    acknowledge (a full receive window arms the zero-window probe instead, timer 4): such a connection means the
+    network between the two carries nothing. Pure: the rows are read by :func:`retransmitting`."""
+    out = []
+    for row in rows:
+        cols = row.split()
+        if len(cols) <= 9 or cols[9] not in inodes or cols[3] != "01":
+            continue
+        tx = int(cols[4].partition(":")[0], 16)
+        timer = cols[5].partition(":")[0]
+        if tx > 0 and timer == "01" and int(cols[6], 16) >= 1:
+            out.append(_endpoint(cols[2]))
+    return sorted(set(out))
+
+
+def retransmitting(snapshot: SocketSnapshot) -> list[str]:
+    """:func:`retransmitting_peers` of the TCP connections this process opened since ``snapshot``."""
+    inodes = frozenset(inode[len("socket:["):-1] for inode in socket_inodes().values() if inode not in snapshot.inodes)
+    rows: list[str] = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows += f.read().splitlines()[1:]
+        except OSError:
+            continue
+    return retransmitting_peers(rows, inodes)

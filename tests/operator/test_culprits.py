@@ -12,7 +12,7 @@ from opbuild import JOB, NOW, etcd, job, manifest, observe, of, pod, progress, r
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import FaultRecord, RoundSummary
 from stalwart.api.status import Phase, Position, RestartCounts
-from stalwart.operator.culprits import PEER_SILENT_SECONDS, Peer, peer_facts
+from stalwart.operator.culprits import PEER_SILENT_SECONDS, Peer, link_facts, peer_facts
 from stalwart.operator.failures import Fact, compose
 from stalwart.operator.model import EmitEvent, EtcdView
 from stalwart.operator.reconcile import reconcile
@@ -76,6 +76,48 @@ def test_the_peer_a_symptom_points_at(facts: list[Fact], peers: list[Peer],
     assert record.secondary is not None and [s.pod for s in record.secondary] == ["p0"]  # the survivor's error
 
 
+# -- a link that carries nothing ------------------------------------------------------------------------------
+
+STALL = "no progress for 4.1s (soft timeout 4.0s)"
+
+
+def hang(pod: str, rank: int, order: int, *unreachable: str) -> Fact:
+    return Fact("Rank", "Hang", T, AT, order, rank, pod, rank, STALL, None, symptom=True,
+                unreachable=tuple(unreachable))
+
+
+@pytest.mark.parametrize(("facts", "expected"), [
+    # One end saw its sends to the other's pod IP retransmitted unacknowledged: the link between them.
+    ([hang("p0", 0, 10, "10.0.0.1:4242")], ("p0", "p1")),
+    # Both ends report; the first record is the culprit, and the other end's record names it: the same link.
+    ([hang("p0", 0, 10), hang("p1", 1, 11, "10.0.0.0:5151")], ("p0", "p1")),
+    ([hang("p1", 1, 10, "10.0.0.0:5151"), hang("p0", 0, 11, "10.0.0.1:4242")], ("p1", "p0")),
+    # An address that is no member's (or the reporter's own) says nothing about a link.
+    ([hang("p0", 0, 10, "10.9.9.9:4242")], ("p0", None)),
+    ([hang("p0", 0, 10, "10.0.0.0:4242")], ("p0", None)),
+    # No bytes left unacknowledged: a hang as before.
+    ([hang("p0", 0, 10)], ("p0", None)),
+], ids=["one-end", "other-end-names-it", "reversed", "no-member", "own-address", "no-link"])
+def test_a_hang_on_a_link_that_carries_nothing_names_both_ends(facts: list[Fact],
+                                                              expected: tuple[str, str | None]) -> None:
+    linked = link_facts(facts, TWO)
+    record = compose([*linked, *peer_facts(linked, TWO)])
+    assert record is not None and (record.pod, record.peer) == expected, record
+    assert record.reason == "Hang"
+    if expected[1] is not None:
+        assert f"the link between pod {min(expected)} and {max(expected)}" in (record.message or "") or \
+            f"the link between pod {max(expected)} and {min(expected)}" in (record.message or ""), record.message
+
+
+def test_a_link_down_blames_no_peer_that_stopped_first() -> None:
+    # Without the link, p1 stopping first would be blamed for p0's timeout (a Peer fact outranks the Rank's).
+    peers = [peer("p0", rank=0, progress=T - 5), peer("p1", rank=1, progress=T - 5.3)]
+    plain = [hang("p0", 0, 10)]
+    assert [f.pod for f in peer_facts(plain, peers)] == ["p1"]
+    linked = link_facts([hang("p0", 0, 10), hang("p1", 1, 11, "10.0.0.0:5151")], peers)
+    assert peer_facts(linked, peers) == []
+
+
 # -- through the reconcile ----------------------------------------------------------------------------------
 
 W0, W1, S0 = (f"{JOB}-{n}" for n in ("worker-0", "worker-1", "spare-0"))
@@ -87,6 +129,29 @@ def job_record() -> JobRecord:
                      max_nodes=2, nproc_per_node=1, join_timeout_seconds=600, last_call_seconds=1,
                      leaseTTLSeconds=10, max_restarts=10, soft_timeout_seconds=60, hard_timeout_seconds=90,
                      barrier_timeout_seconds=120, backoff_limit=5)
+
+
+def test_a_link_cut_between_two_live_pods_is_the_status_failure_with_both_ends() -> None:
+    # Both agents report and both leases live (a cut from one peer only): the soft-timeout record of worker-0
+    # names worker-1's pod IP as unreachable.
+    stall = FaultRecord(slot=0, rank=0, node_id=W0, iteration=0, kind="soft_timeout", time=NOW - 0.5,
+                        reason=f"{STALL}; bytes sent to 10.1.0.2:40001 are retransmitted unacknowledged",
+                        unreachable=["10.1.0.2:40001"])
+    st = status(Phase.RUNNING, position=Position(round=1, iteration=0), round=1, world_size=2,
+                tracked_pods=sorted([W0, W1, S0]))
+    pods = [pod("worker-0", node="n0", ip="10.1.0.1"), pod("worker-1", node="n1", ip="10.1.0.2"),
+            pod("spare-0", node="n2", ip="10.1.0.3")]
+    records = (progress("worker-0", step=50, history=(R1,), ranks=(rank_report(0, step=50, first_step=0),)),
+               progress("worker-1", step=50, history=(R1,), ranks=(rank_report(1, step=50, first_step=0),)))
+    view = replace(etcd("worker-0", "worker-1", faults=((100, stall),), progress=records,
+                        leases={"worker-0": 9, "worker-1": 9}), record=job_record())
+    d = reconcile(observe(job(st, spares=1), pods, view))
+    lf = d.status.last_failure
+    assert lf is not None and (lf.pod, lf.peer, lf.reason, lf.detected_by) == (W0, W1, "Hang", "Rank"), lf
+    assert f"the link between pod {W0} and {W1} carries nothing" in (lf.message or "")
+    faults = [e.message for e in of(d, EmitEvent) if e.reason == "Fault"]
+    assert len(faults) == 1 and f"link to pod {W1}" in faults[0], faults
+    assert d.status.restarts == RestartCounts()  # nobody was fenced or replaced for it
 
 
 def test_a_lost_node_is_named_from_the_first_report_and_its_confirmation_updates_the_same_incident() -> None:

@@ -11,7 +11,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from stalwart.restart.sockets import SocketSnapshot, connection_states, shutdown_sockets_since, socket_inodes
+from stalwart.restart.sockets import (
+    SocketSnapshot,
+    connection_states,
+    retransmitting_peers,
+    shutdown_sockets_since,
+    socket_inodes,
+)
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -108,3 +114,30 @@ def test_connection_states_name_each_new_connection_and_what_waits_in_it() -> No
         _states_until(before, lambda st: any(line.split()[1:3] == [str(client.fileno()), "CLOSE_WAIT"]
                                              for line in st))
         assert connection_states(SocketSnapshot()) == []  # none opened since now
+
+
+# Rows of /proc/net/tcp as the kernel wrote them: a connection from 10.251.0.1 to 10.251.0.2:7777 idle, then with
+# 1,000 bytes sent after its peer's neighbour entry was pointed nowhere (4 retransmissions in 4 s), then others.
+IDLE = "   0: 0100FB0A:B776 0200FB0A:1E61 01 00000000:00000000 00:00000000 00000000     0        0 3016563 1"
+CUT = "   0: 0100FB0A:B776 0200FB0A:1E61 01 000003E8:00000000 01:00000105 00000004     0        0 3016563 2"
+# In flight on a healthy link: the retransmission timer is armed, nothing was retransmitted yet.
+IN_FLIGHT = "   1: 0100007F:A000 0100007F:B000 01 00000200:00000000 01:00000014 00000000     0        0 3016570 2"
+# A receiver that does not read (a hung peer): its window is full, the zero-window probe timer (4) runs.
+FULL_WINDOW = "   2: 0100007F:A001 0100007F:B001 01 00010000:00000000 04:00000064 00000003     0        0 3016571 2"
+# Shut down by the abort: not ESTABLISHED any more.
+SHUT = "   3: 0100007F:A002 0100007F:B002 04 00000001:00000000 01:00000064 00000002     0        0 3016572 2"
+# An IPv6 row for a v4-mapped peer (::ffff:10.251.0.2), retransmitting.
+V6 = ("   4: 0000000000000000FFFF00000100FB0A:B777 0000000000000000FFFF00000200FB0A:1E62 01 00000010:00000000 "
+      "01:00000105 00000002     0        0 3016573 2")
+
+
+@pytest.mark.parametrize(("rows", "inodes", "expected"), [
+    ([IDLE], {"3016563"}, []),
+    ([CUT], {"3016563"}, ["10.251.0.2:7777"]),
+    ([CUT], {"9"}, []),  # not one of the group's connections (etcd's, or opened before the group)
+    ([IN_FLIGHT, FULL_WINDOW, SHUT], {"3016570", "3016571", "3016572"}, []),
+    ([V6, CUT], {"3016573", "3016563"}, ["10.251.0.2:7777", "10.251.0.2:7778"]),
+], ids=["idle", "cut", "not-the-groups", "healthy-or-hung-or-shut", "ipv6"])
+def test_a_link_is_down_where_sent_bytes_are_retransmitted_unacknowledged(
+        rows: list[str], inodes: set[str], expected: list[str]) -> None:
+    assert retransmitting_peers(rows, frozenset(inodes)) == expected
