@@ -48,7 +48,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["plain", "wrapped"], default="wrapped")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--fault", choices=["none", "exception", "sigkill", "sigstop", "hang", "hang-hard",
+    p.add_argument("--fault", choices=["none", "exception", "sigkill", "sigstop", "hang", "hang-hard", "spin",
                                             "exception-always"],
                    default="none")
     p.add_argument("--fault-rank", type=int, default=1)
@@ -78,6 +78,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--late-seconds", type=float, default=0.0)
     p.add_argument("--slow-assignment", type=float, default=0.0,
                    help="seconds the rank assignment takes (widens the moment between a seal and the run)")
+    p.add_argument("--slow-report", type=float, default=0.0,
+                   help="seconds each fault report of this process takes to return after it is written (etcd slow "
+                        "to answer under load)")
     p.add_argument("--silence-slot", type=int, default=None,
                    help="every etcd watch of this slot's process delivers nothing")
     p.add_argument("--prepare", choices=["none", "count", "raise", "hang"], default="none",
@@ -139,6 +142,10 @@ def inject(kind: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "hang":
         time.sleep(3600)
+    if kind == "spin":
+        # Busy in Python for good: progress to its own monitor (no soft timeout of its own), a hang to its peers.
+        while True:
+            time.sleep(0.05)
     if kind == "hang-hard":
         # Blocked in C with the wakeup signal masked: only the agent's hard timeout can end this.
         import ctypes
@@ -241,6 +248,19 @@ def silence_watches() -> None:
             self.Watch = lambda *a, **kw: SilentStream(inner(*a, **kw))
 
     members.rpc_grpc.WatchStub = Stub
+
+
+def slow_reports(seconds: float) -> None:
+    """Fault injection on top of the real etcd: each fault report returns ``seconds`` after it was written."""
+    from stalwart.restart.coordination import Coordinator
+
+    write = Coordinator.report_fault
+
+    def slow(self: Coordinator, rec: Any) -> None:
+        write(self, rec)
+        time.sleep(seconds)
+
+    Coordinator.report_fault = slow  # type: ignore[method-assign]
 
 
 def train(args: argparse.Namespace, restarts: int = 0) -> dict[str, Any]:
@@ -390,6 +410,8 @@ def main() -> int:
         if args.finalize_hang and injected:
             time.sleep(3600)  # blocked: no progress, no exit
 
+    if args.slow_report:
+        slow_reports(args.slow_report)
     if args.silence_slot is not None and int(os.environ.get("RANK", "0")) == args.silence_slot:
         silence_watches()
 

@@ -214,6 +214,13 @@ class Monitor:
                 self._first_step = (self._iteration, step, self._step_time)
                 phase_marks.stepped()
 
+    def hung(self, iteration: int) -> bool:
+        """Whether this process's own soft timeout fired in ``iteration``: its report is written or on its way, and
+        the interrupt follows it. An error the main thread meets meanwhile (its peer, interrupted by that report,
+        closed their connections) is the hang's consequence, not a fault to record over the report."""
+        with self._lock:
+            return self._timed_out and self._iteration == iteration
+
     def fault_seen(self, iteration: int) -> FaultRecord | None:
         with self._lock:
             return self._faults.get(iteration)

@@ -471,7 +471,8 @@ class _Session:
     def _on_fault(self, ctx: IterationContext, fault: BaseException) -> None:
         """Report ``fault`` unless the iteration was interrupted, or it followed another process's fault."""
         iteration, rank = ctx.iteration, ctx.rank
-        interrupted = isinstance(fault, RestartInterrupt) or self.interrupter.requested is not None
+        interrupted = (isinstance(fault, RestartInterrupt) or self.interrupter.requested is not None
+                       or self.monitor.hung(iteration))
         peer = None if interrupted else self._peer_fault(iteration)
         report = fault_report(iteration, rank, interrupted=interrupted, peer_fault=peer,
                               init_deadline_hit=ctx.store.deadline_hit, barrier_timeout=self.config.barrier_timeout,

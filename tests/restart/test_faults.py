@@ -71,6 +71,19 @@ def test_hang_past_the_soft_timeout(etcd: EtcdServer, tmp_path: Path, reference:
     assert first["time"] - hung <= 3 + 1, (faults, run.stderr)
 
 
+def test_a_hang_reported_slowly_stays_the_cause_when_its_peer_closes_first(etcd: EtcdServer, tmp_path: Path,
+                                                                          reference: float) -> None:
+    # Rank 1 spins in Python (progress to its own monitor: it reports nothing). Rank 0 waits in its collective,
+    # its soft timeout fires and its report is written, but etcd answers 2 s late. Rank 1, interrupted by that
+    # record, closes its connections, and rank 0's collective fails before its own monitor has asked for the
+    # interrupt: that error is the hang's consequence and must not be recorded over the hang's report.
+    run = run_ranks(etcd, tmp_path, *STEPS, "--fault", "spin", "--fault-step", "3", "--soft-timeout", "3",
+                    "--slow-report", "2")
+    assert_recovered(run, reference)
+    faults = restart_records(etcd, run.keys, "fault")
+    assert [(key, f["kind"]) for key, f in sorted(faults.items())] == [("0/0", "soft_timeout")], faults
+
+
 def test_second_fault_during_the_restart(etcd: EtcdServer, tmp_path: Path, reference: float) -> None:
     run = run_ranks(etcd, tmp_path, *STEPS, "--fault", "exception", "--fault-step", "4",
                     "--second-fault", "exception")
