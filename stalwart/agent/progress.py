@@ -245,6 +245,7 @@ def _report(p: ProcView, now: float, wall: float) -> RankReport:
                       iteration=st.iteration, step=st.step, step_time=st.step_time, first_step=st.first_step,
                       first_step_time=st.first_step_time, progress_time=progress,
                       soft_timeout=st.soft_timeout if st.soft_timeout and st.soft_timeout > 0 else None,
+                      stall_limit=st.stall_limit,
                       snapshot_step=st.snapshot_step, snapshot_time=st.snapshot_time,
                       snapshot_fallback=st.snapshot_fallback, recovery=st.recovery)
 

@@ -278,6 +278,11 @@ class RankStatus(ApiModel):
     hard_timeout: float | None = Field(
         default=None, description=("Seconds without progress after which the agent kills the process: the hard "
                                    "timeout, longer before an iteration's first ping by the startup allowance."))
+    stall_limit: float | None = Field(
+        default=None, gt=0,
+        description=("Seconds without progress after which the process counts its iteration hung now: the soft "
+                     "timeout once it pinged in the iteration, the startup allowance before (its group may wait "
+                     "for a peer that is still starting)."))
     heartbeat: float = Field(
         description="CLOCK_MONOTONIC time of the last sign of progress of the process's main thread.")
     dumps_stacks: bool = Field(
@@ -326,6 +331,10 @@ class RankReport(ApiModel):
     soft_timeout: float | None = Field(
         default=None, gt=0, description=("The soft timeout the process itself uses (a @restartable(soft_timeout=...) "
                                          "may differ from the spec's); None: unknown, the spec's applies."))
+    stall_limit: float | None = Field(
+        default=None, gt=0,
+        description=("The limit the process judges itself by now (RankStatus.stall_limit): above the soft timeout "
+                     "before the iteration's first ping; None: unknown, the soft timeout applies."))
     recovery: RecoveryMarks | None = Field(
         default=None, description="The marks of the iteration it runs (the phases of its recovery).")
 

@@ -2,7 +2,8 @@
 Pure functions over the :class:`~stalwart.api.restart.ProgressRecord` of the current round.
 
 A rank is *stalled* when it is in its training function (state ``running``) and its main thread has not made
-progress for longer than its soft timeout (the one the rank reports it uses, else the spec's), or when its node
+progress for longer than the limit it judges itself by (the one the rank reports: its startup allowance before
+the iteration's first ping, its soft timeout after; else the spec's soft timeout), or when its node
 is a member of the round and its agent has not reported for the spec's soft timeout. Ranks at a barrier or
 waiting as spares are not stalled: they wait on etcd with deadlines of their own.
 """
@@ -31,6 +32,8 @@ class Evidence:
     stalled_for: float = 0.0
     places: dict[int, RankPlace] | None = None
     soft_timeout: float | None = None
+    #: What that limit is: the soft timeout, or a rank's startup allowance before its iteration's first ping.
+    limit_name: str = "soft timeout"
 
 
 def _current(records: Iterable[ProgressRecord], epoch: int) -> list[ProgressRecord]:
@@ -48,24 +51,28 @@ def gather(records: Sequence[ProgressRecord], *, epoch: int, members: Iterable[s
     step, step_time = max(steps, key=lambda s: (s[0], s[1])) if steps else (None, None)
     places = {rank.slot: RankPlace(rank.rank, rec.node_id) for rec in current for rank in rec.ranks}
     stalled: list[tuple[int | None, str]] = []
-    oldest, judged_by = now, None
+    oldest, judged_by, named = now, None, "soft timeout"
     member_set = set(members)
     for rec in current:
         agent_silent = now - max(rec.updated, seen_since) > soft_timeout and rec.node_id in member_set
         for rank in rec.ranks:
             seen = max(_progress(rank, rec.updated), seen_since)
-            limit = rank.soft_timeout or soft_timeout  # the rank's own, where it says which it uses
+            # The limit the rank judges itself by now, where it says: before its first ping in the iteration the
+            # startup allowance (its group may wait for a peer still starting), else its soft timeout.
+            limit = rank.stall_limit or rank.soft_timeout or soft_timeout
             if rank.state == "running" and (now - seen > limit or agent_silent):
                 stalled.append((rank.rank, rec.node_id))
                 if seen <= oldest:
                     oldest, judged_by = seen, (soft_timeout if agent_silent else limit)
+                    startup = not agent_silent and limit > (rank.soft_timeout or soft_timeout)
+                    named = "startup allowance" if startup else "soft timeout"
         if agent_silent and not rec.ranks:
             stalled.append((None, rec.node_id))
             if max(rec.updated, seen_since) <= oldest:
-                oldest, judged_by = max(rec.updated, seen_since), soft_timeout
+                oldest, judged_by, named = max(rec.updated, seen_since), soft_timeout, "soft timeout"
     stalled.sort(key=lambda s: (s[0] is None, s[0] or 0, s[1]))
     return Evidence(step, step_time, tuple(stalled), now - oldest if stalled else 0.0, places,
-                    judged_by if stalled else None)
+                    judged_by if stalled else None, named)
 
 
 def _progress(rank: RankReport, updated: float) -> float:

@@ -208,7 +208,7 @@ def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fac
     if evidence.stalled:
         ranks = ", ".join(f"rank {r} (pod {p})" if r is not None else f"pod {p}" for r, p in evidence.stalled[:8])
         limit = evidence.soft_timeout or soft_timeout
-        stalled = (f"no progress for {evidence.stalled_for:.0f}s (soft timeout {limit:g}s) on "
+        stalled = (f"no progress for {evidence.stalled_for:.0f}s ({evidence.limit_name} {limit:g}s) on "
                    f"{ranks}" + (f" and {len(evidence.stalled) - 8} more" if len(evidence.stalled) > 8 else ""))
         if not open_:
             rank, pod = evidence.stalled[0]

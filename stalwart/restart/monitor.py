@@ -452,6 +452,7 @@ class Monitor:
             snapshot = snapshot_held.published()
             self.status = self.status.model_copy(update={
                 "heartbeat": beat, "hard_timeout": self._kill_limit(), "step": self._step, "step_time": self._step_time,
+                "stall_limit": stall_limit(self.soft_timeout, self.startup_timeout, pinged=self._pinged),
                 "first_step": first[1] if first else None, "first_step_time": first[2] if first else None,
                 "snapshot_step": snapshot.step, "snapshot_time": snapshot.time,
                 "snapshot_fallback": snapshot.fallback})

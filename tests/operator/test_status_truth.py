@@ -192,17 +192,24 @@ def test_no_progress_past_the_soft_timeout_is_stalled() -> None:
     assert d.status.phase == Phase.RUNNING and d.status.restarts == RestartCounts()
 
 
-@pytest.mark.parametrize(("own", "silent_for", "stalled"), [
-    (None, 45, False),  # the spec's 60 s: not yet
-    (30.0, 45, True),   # @restartable(soft_timeout=30): the rank's own limit, passed
-    (120.0, 70, False),  # a longer one of its own: 70 s is no stall for it, though past the spec's 60 s
-    (None, 70, True),
-], ids=["spec-not-yet", "own-shorter", "own-longer", "spec-passed"])
-def test_a_stall_is_judged_by_the_soft_timeout_the_rank_uses(own: float | None, silent_for: float,
-                                                              stalled: bool) -> None:
+@pytest.mark.parametrize(("own", "now_limit", "silent_for", "stalled"), [
+    (None, None, 45, False),  # the spec's 60 s: not yet
+    (30.0, None, 45, True),   # @restartable(soft_timeout=30): the rank's own limit, passed
+    (120.0, None, 70, False),  # a longer one of its own: 70 s is no stall for it, though past the spec's 60 s
+    (None, None, 70, True),
+    # Before its first ping in a new iteration the rank gives itself the startup allowance (its group waits for
+    # a respawned peer): 70 s there is no stall, though past its soft timeout of 30 s ...
+    (30.0, 120.0, 70, False),
+    # ... until the allowance has passed too; after the ping its soft timeout is the limit again.
+    (30.0, 120.0, 130, True),
+    (30.0, 30.0, 45, True),
+], ids=["spec-not-yet", "own-shorter", "own-longer", "spec-passed", "startup-not-yet", "startup-passed",
+        "pinged"])
+def test_a_stall_is_judged_by_the_limit_the_rank_uses(own: float | None, now_limit: float | None,
+                                                       silent_for: float, stalled: bool) -> None:
     st = status(Phase.RUNNING, position=AT_START)
     stuck = rank_report(1, step=50, step_time=NOW - silent_for, progress_time=NOW - silent_for)
-    stuck = stuck.model_copy(update={"soft_timeout": own})
+    stuck = stuck.model_copy(update={"soft_timeout": own, "stall_limit": now_limit})
     view = etcd("worker-0", "worker-1", progress=(
         stepping("worker-0", 0, step=50), progress("worker-1", ranks=(stuck,),
                                                    history=(RoundSummary(round=1, epoch=7, stepped=0),))))
@@ -210,7 +217,9 @@ def test_a_stall_is_judged_by_the_soft_timeout_the_rank_uses(own: float | None, 
     assert (cond is not None and cond.status == ConditionStatus.TRUE) is stalled
     if stalled:
         assert cond is not None and cond.message is not None
-        assert f"(soft timeout {own or 60:g}s) on rank 1 (pod {JOB}-worker-1)" in cond.message
+        limit = now_limit or own or 60
+        named = "startup allowance" if limit > (own or 60) else "soft timeout"
+        assert f"({named} {limit:g}s) on rank 1 (pod {JOB}-worker-1)" in cond.message
 
 
 # -- 4. no false alarms ---------------------------------------------------------------------------------------

@@ -156,8 +156,9 @@ def test_restart_budget_exhausted(etcd: EtcdServer, tmp_path: Path) -> None:
 def assert_no_growth(reports: dict[int, dict[str, Any]], what: str) -> None:
     """A leak stays: every report after it counts more. A thread or descriptor still ending when a report was
     taken (a helper thread of an etcd call ended just before, on a loaded machine: the report names the
-    threads) shows in that report only and is gone by the next. So the floor is the least count, and no two
-    reports in a row may be above it."""
+    threads) shows in that report only and is gone by the next (each report is the least of four samples over
+    0.3 s, so one ending within that is not counted at all). So the floor is the least count, and no two reports
+    in a row may be above it."""
     floor = min(r[what] for r in reports.values())
     its = sorted(reports)
     for a, b in itertools.pairwise(its):
