@@ -65,6 +65,11 @@ class Captured:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(30)
+            for reader in self.readers:
+                reader.join(30)
+            # Its own words say where it waited: pytest shows them with the failure.
+            print(f"--- {getattr(self.proc, 'args', '?')} timed out after {timeout}s; the end of its stderr:\n"
+                  f"{self.streams.get('stderr', '')[-8000:]}")
             raise
         finally:
             for reader in self.readers:
