@@ -107,24 +107,35 @@ _TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "F
                "0B": "CLOSING"}
 
 
+def _opened_since(snapshot: SocketSnapshot) -> dict[str, int]:
+    """Inode number (as /proc/net/tcp writes it) -> descriptor of each socket opened since ``snapshot``."""
+    return {inode[len("socket:["):-1]: fd for fd, inode in socket_inodes().items() if inode not in snapshot.inodes}
+
+
+def _tcp_rows() -> list[str]:
+    """The rows of this process's network namespace's TCP tables (IPv4 and IPv6), headers left out."""
+    rows: list[str] = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows += f.read().splitlines()[1:]
+        except OSError:
+            continue
+    return rows
+
+
 def connection_states(snapshot: SocketSnapshot) -> list[str]:
     """Each TCP socket opened since ``snapshot``, as the kernel has it: descriptor, state, local and remote
     address (hex, as /proc/net/tcp), bytes queued to send and to read. For the log of a rank that makes no
     progress: a connection still ESTABLISHED after its shutdown, or one with bytes queued, says where it waits."""
-    fds = {inode[len("socket:["):-1]: fd for fd, inode in socket_inodes().items() if inode not in snapshot.inodes}
+    fds = _opened_since(snapshot)
     out = []
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) > 9 and cols[9] in fds:
-                tx, _, rx = cols[4].partition(":")
-                out.append(f"fd {fds[cols[9]]} {_TCP_STATES.get(cols[3], cols[3])} {cols[1]} -> {cols[2]} "
-                           f"queued {int(tx, 16)}/{int(rx, 16)}")
+    for row in _tcp_rows():
+        cols = row.split()
+        if len(cols) > 9 and cols[9] in fds:
+            tx, _, rx = cols[4].partition(":")
+            out.append(f"fd {fds[cols[9]]} {_TCP_STATES.get(cols[3], cols[3])} {cols[1]} -> {cols[2]} "
+                       f"queued {int(tx, 16)}/{int(rx, 16)}")
     return sorted(out, key=lambda line: int(line.split()[1]))
 
 
@@ -161,12 +172,4 @@ def retransmitting_peers(rows: Iterable[str], inodes: frozenset[str]) -> list[st
 
 def retransmitting(snapshot: SocketSnapshot) -> list[str]:
     """:func:`retransmitting_peers` of the TCP connections this process opened since ``snapshot``."""
-    inodes = frozenset(inode[len("socket:["):-1] for inode in socket_inodes().values() if inode not in snapshot.inodes)
-    rows: list[str] = []
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows += f.read().splitlines()[1:]
-        except OSError:
-            continue
-    return retransmitting_peers(rows, inodes)
+    return retransmitting_peers(_tcp_rows(), frozenset(_opened_since(snapshot)))
