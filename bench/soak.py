@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from stalwart.api.exit_codes import ExitCode  # noqa: E402
 from stalwart.demo import EXAMPLE, JOB_NAMESPACE, DemoOptions, Installation, demo_job  # noqa: E402
 from stalwart.drill.core import RankPoint, Recovery, standing  # noqa: E402
 from stalwart.drill.session import DrillOptions, DrillSession  # noqa: E402
@@ -444,12 +445,14 @@ class Soak:
             return problems
         reason, detected, extra = CULPRITS[kind]
         if kind == "rank-hang" and lf.get("detectedBy") == "Process":
-            # Thawed but stuck: killed at its hard timeout. The agent asks for its stacks first (SIGQUIT, on which
-            # the process dumps and ends), and kills it (SIGKILL) only if it has not ended a moment later. Its
-            # agent's record says why: no progress, a Hang (stalwart/operator/failures.py, exit_facts).
+            # Thawed but stuck where no interrupt frees it. Either the process ends itself 10 s after its interrupt
+            # (exit code ABANDONED), or its agent kills it at its hard timeout: the agent asks for its stacks first
+            # (SIGQUIT, on which the process dumps and ends), and kills it (SIGKILL) only if it has not ended a
+            # moment later. Both are the hang, a Hang (stalwart/operator/failures.py, exit_facts).
             reason, detected, extra = "Hang", "Process", {}
-            if lf.get("signal") not in ("SIGQUIT", "SIGKILL"):
-                problems.append(f"lastFailure signal {lf.get('signal')}, expected SIGQUIT or SIGKILL")
+            if lf.get("signal") not in ("SIGQUIT", "SIGKILL") and lf.get("exitCode") != ExitCode.ABANDONED:
+                problems.append(f"lastFailure signal {lf.get('signal')}, exit code {lf.get('exitCode')}: expected "
+                                f"SIGQUIT or SIGKILL, or exit code {int(ExitCode.ABANDONED)}")
         want: JSON = {"reason": reason, "detectedBy": detected, "pod": target, **extra}
         if rank is not None:
             want["rank"] = rank

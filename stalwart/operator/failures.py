@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal
 
+from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import DIRECT_KINDS, FaultRecord, RankExit
 from stalwart.api.status import MAX_SECONDARY, FailureRecord, Position, SecondaryFailure
 
@@ -208,12 +209,17 @@ def rank_facts(faults: Sequence[tuple[int, FaultRecord]], round_: int, places: M
 
 
 def exit_facts(exits: Iterable[tuple[str, RankExit]]) -> list[Fact]:
-    """Facts from the agents' rank exits ``(node, exit)``: the process ended on its own (or was killed by its
-    agent for making no progress: a hang)."""
+    """Facts from the agents' rank exits ``(node, exit)``: the process ended on its own, or it hung: killed by its
+    agent for making no progress, or ended by itself because its main thread stayed blocked after its interrupt
+    (exit code ABANDONED: the same hang, caught sooner by the process than by its agent's hard timeout)."""
     out: list[Fact] = []
     for node, ex in exits:
         if ex.hung:
             reason, message = "Hang", "no progress within its hard timeout: killed by its agent and respawned"
+        elif ex.exit_code == ExitCode.ABANDONED:
+            reason = "Hang"
+            message = (f"blocked after its interrupt where no interrupt frees it: ended itself (exit code "
+                       f"{ex.exit_code}) and was respawned")
         else:
             reason = "ProcessExited"
             message = f"killed by {ex.signal}" if ex.signal else f"exited with code {ex.exit_code}"

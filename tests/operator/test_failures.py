@@ -46,6 +46,23 @@ def test_a_killed_rank_is_the_culprit_not_the_survivor_whose_connection_reset() 
                                                  message="Connection reset by peer")]
 
 
+@pytest.mark.parametrize(("ended", "reason", "words"), [
+    (RankExit(local_rank=0, slot=1, rank=1, round=2, pid=7, exit_code=98, time=T), "Hang", "ended itself"),
+    (RankExit(local_rank=0, slot=1, rank=1, round=2, pid=7, signal="SIGQUIT", hung=True, time=T), "Hang",
+     "hard timeout"),
+    (RankExit(local_rank=0, slot=1, rank=1, round=2, pid=7, exit_code=1, time=T), "ProcessExited", "code 1"),
+    (RankExit(local_rank=0, slot=1, rank=1, round=2, pid=7, signal="SIGKILL", time=T), "ProcessExited", "SIGKILL"),
+])
+def test_a_process_that_ended_itself_blocked_after_its_interrupt_hung(ended: RankExit, reason: str,
+                                                                       words: str) -> None:
+    # Exit code 98 (ABANDONED): the main thread stayed blocked where no interrupt frees it, the hang its agent's
+    # hard timeout would have killed; any other exit is the process's own end.
+    (fact,) = exit_facts([("job-worker-1", ended)])
+    assert (fact.reason, fact.detected_by, fact.pod, fact.exit_code) == (reason, "Process", "job-worker-1",
+                                                                         ended.exit_code)
+    assert words in fact.message
+
+
 def test_a_missed_heartbeat_is_blamed_on_the_hung_rank_not_on_the_one_that_noticed() -> None:
     noticed = fault(0, "peer_lost", "the heartbeat lease of slot 1 ended", lost=[1])
     later = fault(1, "exception", "RuntimeError('Connection closed by peer')")
