@@ -6,6 +6,7 @@ lost server, starts a plain process instead, as the agent does."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,8 +23,11 @@ def fork_server() -> ForkServer | None:
     if not _SERVER:
         target = parse_command([sys.executable, "-m", "stalwart.examples.train"])
         assert target is not None
-        # With the environment ranks share (libgomp reads OMP_NUM_THREADS when torch loads, in the server).
-        _SERVER.append(ForkServer.start(target, {**os.environ, "OMP_NUM_THREADS": "1"}, context="tests"))
+        # With the environment ranks share (libgomp reads OMP_NUM_THREADS when torch loads, in the server), and
+        # faulthandler on, inherited by every fork: a rank that times out in a test is sent SIGABRT and dumps
+        # every thread's stack first (Captured.communicate).
+        _SERVER.append(ForkServer.start(target, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
+                                        context="tests"))
     server = _SERVER[0]
     return None if server.dead else server
 
@@ -63,11 +67,16 @@ class Captured:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+            self.proc.send_signal(signal.SIGABRT)  # faulthandler writes where every thread waits, then it ends
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
             for reader in self.readers:
                 reader.join(30)
-            # Its own words say where it waited: pytest shows them with the failure.
+            # Its own words say where it waited (its stacks, when faulthandler is on): pytest shows them with the
+            # failure.
             print(f"--- {getattr(self.proc, 'args', '?')} timed out after {timeout}s; the end of its stderr:\n"
                   f"{self.streams.get('stderr', '')[-8000:]}")
             raise

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 import uuid
 from collections.abc import Callable
@@ -39,8 +41,14 @@ def run_ranks(world: int, args: list[str], extra_env: dict[str, str] | None = No
                **(per_rank(rank) if per_rank else {})}
         procs.append(start_captured([sys.executable, "-m", "stalwart.examples.train", *args], env))
     results = []
-    for proc in procs:
-        code, out, err = proc.communicate(timeout=WAIT)
+    try:
+        ended = [proc.communicate(timeout=WAIT) for proc in procs]
+    finally:
+        for proc in procs:  # those a timeout left running (each timed-out one dumped its stacks first)
+            if proc.proc.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.communicate(timeout=0.1)
+    for code, out, err in ended:
         events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         for event in events:
             assert isinstance(event.pop("time"), float)
