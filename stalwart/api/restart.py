@@ -63,7 +63,7 @@ __all__ = [
 
 FaultKind = Literal["exception", "soft_timeout", "peer_lost", "unhealthy", "barrier_timeout",
                     "completion_timeout", "process_died", "hard_timeout", "stopped", "init_timeout",
-                    "non_retryable"]
+                    "non_retryable", "link_down"]
 """What a fault record says happened. ``exception``: the training function raised (``exception`` and
 ``message`` say what); ``non_retryable``: it raised :class:`stalwart.NonRetryable` (every process of the
 job then gives up: no restart can help). ``soft_timeout``: the process's main thread made no progress for
@@ -71,7 +71,9 @@ the soft timeout. ``hard_timeout``: its agent killed it after the hard timeout; 
 it stopped (SIGSTOP) past the soft timeout and killed it; ``process_died``: it exited or was killed during the
 iteration (recorded by its agent, or by its respawned successor). ``init_timeout``: the iteration's process
 group was not built within its deadline. ``peer_lost``: a peer's heartbeat lease ended;
-``completion_timeout``: not every rank returned in time; ``barrier_timeout``, ``unhealthy``: as named. The
+``completion_timeout``: not every rank returned in time; ``link_down``: interrupted by a peer's hang, the
+process found bytes it had sent retransmitted unacknowledged (``unreachable`` names where: the link between
+carries nothing); ``barrier_timeout``, ``unhealthy``: as named. The
 kinds in :data:`DIRECT_KINDS` are seen at the faulty process itself (or by its agent); the others are
 symptoms a peer observes."""
 

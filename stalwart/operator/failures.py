@@ -149,6 +149,7 @@ _KIND_REASON: dict[str, str] = {
     "stopped": "Hang",
     "init_timeout": "Hang",
     "non_retryable": "Exception",
+    "link_down": "Hang",  # the other end of a hang's cut link: the status names the link (culprits.link_facts)
 }
 
 

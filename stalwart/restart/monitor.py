@@ -33,16 +33,19 @@ from stalwart.etcd.store import StoreError, Watch, WatchEvent, WatchRange
 from stalwart.restart import phase_marks, snapshot_held
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
+from stalwart.restart.monitor_rules import (
+    interrupts_current,
+    kill_limit,
+    link_report,
+    lost_peer_report,
+    stall_limit,
+    when_stuck,
+)
 from stalwart.restart.policies import IterationContext, free_blocked_peers
 from stalwart.restart.protocol import (
     Report,
     better_cause,
-    interrupts_current,
-    kill_limit,
-    lost_peer_report,
     of_another,
-    stall_limit,
-    when_stuck,
 )
 from stalwart.restart.snapshot_spill import directory_for
 from stalwart.restart.sockets import connection_states, retransmitting
@@ -266,7 +269,21 @@ class Monitor:
         if better:
             self.update_status(last_failure=failure_info(rec))
         if rec.iteration == current and of_another(rec, self.coord.slot, self.pid):
+            link = self._link_seen_down(rec)
             self._interrupt(f"fault in slot {rec.slot}: {rec.kind}", rec.iteration)
+            if link is not None:  # written once the connections are freed: the interrupt does not wait for etcd
+                log.warning("slot %d iteration %d: %s", self.coord.slot, link.iteration, link.reason)
+                self._report(link)
+
+    def _link_seen_down(self, peer: FaultRecord) -> Report | None:
+        """This end's word on a link a peer's hang report may be about, read before the interrupt frees the
+        connections (:func:`~.monitor_rules.link_report`)."""
+        with self._lock:
+            ctx, iteration, reported = self._ctx, self._iteration, self._timed_out
+        if ctx is None or ctx.group.sockets_before is None or peer.kind != "soft_timeout":
+            return None
+        return link_report(peer, self.coord.slot, iteration=iteration, rank=ctx.rank, reported=reported,
+                           unreachable=tuple(retransmitting(ctx.group.sockets_before)))
 
     def _open_watch(self) -> Watch:
         # One read, not the coordinator's retrying one: the thread must keep ticking during an outage. Only the
@@ -303,12 +320,15 @@ class Monitor:
         if report is not None:
             self._report_and_interrupt(report)
 
-    def _report_and_interrupt(self, report: Report) -> None:
+    def _report(self, report: Report) -> None:
         try:
             self.coord.report_fault(report.record(self.coord.slot, self.coord.node_id, time.time(), pid=self.pid))
         except Exception as e:  # interrupting matters more than reporting, but a lost report must be seen
-            log.warning("slot %d iteration %d: the %s fault was not recorded (%s: %s); interrupting anyway",
-                        self.coord.slot, report.iteration, report.kind, type(e).__name__, e)
+            log.warning("slot %d iteration %d: the %s fault was not recorded (%s: %s)", self.coord.slot,
+                        report.iteration, report.kind, type(e).__name__, e)
+
+    def _report_and_interrupt(self, report: Report) -> None:
+        self._report(report)
         # The report may have taken seconds to write (etcd under load): meanwhile a peer's fault may have ended
         # the iteration, and the next one must not be interrupted for this one's hang.
         self._interrupt(report.reason, report.iteration)
@@ -389,7 +409,7 @@ class Monitor:
     def _act_if_stuck(self, now: float, stuck: bool) -> None:
         """A main thread still blocked after its interrupt waits on what no interrupt frees (a transfer gloo does
         not fail): write the snapshots this process holds where the process that takes its place finds them,
-        then end this one for its agent to start that one (:func:`~.protocol.when_stuck`)."""
+        then end this one for its agent to start that one (:func:`~.monitor_rules.when_stuck`)."""
         with self._lock:
             self._stuck_since = (self._stuck_since or now) if stuck else None
             since, iteration = self._stuck_since, self._iteration

@@ -11,7 +11,7 @@ from opbuild import JOB, NOW, etcd, job, manifest, observe, of, pod, progress, r
 
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import FaultRecord, RoundSummary
-from stalwart.api.status import Phase, Position, RestartCounts
+from stalwart.api.status import FailureRecord, Phase, Position, RestartCounts
 from stalwart.operator.culprits import PEER_SILENT_SECONDS, Peer, link_facts, peer_facts
 from stalwart.operator.failures import Fact, compose
 from stalwart.operator.model import EmitEvent, EtcdView
@@ -152,6 +152,34 @@ def test_a_link_cut_between_two_live_pods_is_the_status_failure_with_both_ends()
     faults = [e.message for e in of(d, EmitEvent) if e.reason == "Fault"]
     assert len(faults) == 1 and f"link to pod {W1}" in faults[0], faults
     assert d.status.restarts == RestartCounts()  # nobody was fenced or replaced for it
+
+
+def test_the_end_a_hang_interrupted_names_the_link_when_the_reporter_saw_nothing_in_flight() -> None:
+    # worker-0's soft timeout fired first, with every byte it sent acknowledged (it was waiting to receive); the
+    # interrupt found worker-1's bytes to worker-0 retransmitted unacknowledged: its link_down record says so.
+    stall = FaultRecord(slot=0, rank=0, node_id=W0, iteration=0, kind="soft_timeout", time=NOW - 0.5,
+                        reason=STALL)
+    other_end = FaultRecord(slot=1, rank=1, node_id=W1, iteration=0, kind="link_down", time=NOW - 0.4,
+                            reason="interrupted by the hang of slot 0 (rank 0); bytes sent to 10.1.0.1:40001 are "
+                                   "retransmitted unacknowledged: the link to it carries nothing",
+                            unreachable=["10.1.0.1:40001"])
+    st = status(Phase.RUNNING, position=Position(round=1, iteration=0), round=1, world_size=2,
+                tracked_pods=sorted([W0, W1, S0]))
+    pods = [pod("worker-0", node="n0", ip="10.1.0.1"), pod("worker-1", node="n1", ip="10.1.0.2"),
+            pod("spare-0", node="n2", ip="10.1.0.3")]
+    records = (progress("worker-0", step=50, history=(R1,), ranks=(rank_report(0, step=50, first_step=0),)),
+               progress("worker-1", step=50, history=(R1,), ranks=(rank_report(1, step=50, first_step=0),)))
+
+    def last_failure(*faults: FaultRecord) -> FailureRecord | None:
+        view = replace(etcd("worker-0", "worker-1", faults=tuple(enumerate(faults, 100)), progress=records,
+                            leases={"worker-0": 9, "worker-1": 9}), record=job_record())
+        return reconcile(observe(job(st, spares=1), pods, view)).status.last_failure
+
+    alone = last_failure(stall)  # without the other end's word: a hang of worker-0, no link
+    assert alone is not None and (alone.pod, alone.peer, alone.reason) == (W0, None, "Hang"), alone
+    lf = last_failure(stall, other_end)
+    assert lf is not None and (lf.pod, lf.peer, lf.reason, lf.detected_by) == (W0, W1, "Hang", "Rank"), lf
+    assert [(s.pod, s.reason) for s in lf.secondary or []] == [(W1, "Hang")], lf.secondary
 
 
 def test_a_lost_node_is_named_from_the_first_report_and_its_confirmation_updates_the_same_incident() -> None:

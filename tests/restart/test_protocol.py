@@ -34,11 +34,8 @@ from stalwart.restart.protocol import (
     completes,
     completion_known,
     fault_report,
-    interrupts_current,
     iteration_end,
     join,
-    kill_limit,
-    lost_peer_report,
     missing_slots,
     of_another,
     parse_view,
@@ -46,9 +43,7 @@ from stalwart.restart.protocol import (
     plan_seal,
     sealer_parts,
     stale_iterations,
-    stall_limit,
     verdict,
-    when_stuck,
 )
 
 ME = Participant(slot=1, node_id="n", slots=3, target_world=2)
@@ -227,15 +222,6 @@ def test_a_non_retryable_cause_ends_every_process() -> None:
     assert verdict(fault(0, "non_retryable"), "rank 0: E") == Exit(ExitCode.NON_RETRYABLE, "rank 0: E")
 
 
-@pytest.mark.parametrize(("slot", "active", "expected"), [
-    (0, frozenset({0, 1}), Report(5, 1, "peer_lost", "the heartbeat lease of slot 0 ended", (0,))),
-    (1, frozenset({0, 1}), None),  # its own lease: not a peer
-    (2, frozenset({0, 1}), None),  # a spare's: not in the iteration
-])
-def test_a_lost_peer(slot: int, active: frozenset[int], expected: Report | None) -> None:
-    assert lost_peer_report(slot, ME.slot, iteration=5, rank=1, active=active) == expected
-
-
 @pytest.mark.parametrize(("sealed", "removed"), [(0, []), (1, []), (2, [0]), (3, [0, 1]), (7, [4, 5])])
 def test_the_sealer_removes_the_iterations_before_the_previous(sealed: int, removed: list[int]) -> None:
     assert list(stale_iterations(sealed)) == removed
@@ -390,45 +376,6 @@ def test_the_cause_of_an_iteration(faults: list[tuple[int, FaultRecord]], cause:
     for _, rec in faults:  # what the monitor knows as records arrive, in revision order
         known = rec if better_cause(known, rec) else known
     assert (known.slot if known is not None else None) == cause
-
-
-@pytest.mark.parametrize(("about", "current", "interrupts"), [
-    (3, 3, True),      # a hang or a peer's fault of the running iteration
-    (3, 4, False),     # seen in 3, acted on once 4 had begun (a slow report): 4 is not interrupted
-    (None, 4, True),   # a new round took over: whatever runs ends
-])
-def test_interrupts_current(about: int | None, current: int, interrupts: bool) -> None:
-    assert interrupts_current(about, current) is interrupts
-
-
-@pytest.mark.parametrize(("soft", "startup", "pinged", "limit"), [
-    (5.0, 60.0, True, 5.0),    # training has stepped: the soft timeout
-    (5.0, 60.0, False, 60.0),  # still in the first collectives, a peer may be starting: the barrier's allowance
-    (90.0, 60.0, False, 90.0),  # never shorter than the soft timeout
-])
-def test_stall_limit(soft: float, startup: float, pinged: bool, limit: float) -> None:
-    assert stall_limit(soft, startup, pinged=pinged) == limit
-
-
-@pytest.mark.parametrize(("soft", "hard", "startup", "pinged", "limit"), [
-    (4.0, 8.0, 60.0, True, 8.0),     # training has stepped: the hard timeout
-    (4.0, 8.0, 60.0, False, 64.0),   # waiting for a slower peer: the agent gives as much more as the rank does
-    (90.0, 120.0, 60.0, False, 120.0),  # the startup allowance shorter than the soft timeout adds nothing
-])
-def test_kill_limit(soft: float, hard: float, startup: float, pinged: bool, limit: float) -> None:
-    assert kill_limit(soft, hard, startup, pinged=pinged) == limit
-
-
-@pytest.mark.parametrize(("stuck_for", "spilled", "action"), [
-    (None, False, "wait"),    # the main thread is not blocked after an interrupt
-    (0.5, False, "wait"),     # blocked for a moment: shutting its connections down frees it within milliseconds
-    (2.0, False, "spill"),    # still blocked: a transfer gloo does not fail; what it holds is written out
-    (5.0, True, "wait"),      # written out; a native call of a step may still return
-    (10.0, False, "spill"),   # never abandoned before its copies are written
-    (10.0, True, "abandon"),  # given up: the agent starts a new process, which takes the copies
-])
-def test_when_stuck(stuck_for: float | None, spilled: bool, action: str) -> None:
-    assert when_stuck(stuck_for, spilled=spilled) == action
 
 
 @pytest.mark.parametrize(("slot", "pid", "other"), [
