@@ -128,7 +128,7 @@ class Monitor:
         #: the exit bound (tests pass a recorder).
         self._end_process = end_process
         self.soft_timeout = soft_timeout
-        #: What the agent is told (the status file's ``hard_timeout``): see :func:`~.protocol.kill_limit`.
+        #: What the agent is told (the status file's ``hard_timeout``): see :func:`~.monitor_rules.kill_limit`.
         self.hard_timeout = hard_timeout
         # Until an iteration's first ping its ranks may wait in the group's first collectives (DDP's parameter
         # broadcast) for a peer that is still starting: the main thread shows no progress there for as long as

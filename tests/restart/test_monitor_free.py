@@ -25,7 +25,7 @@ from stalwart.restart.interrupt import Interrupter, RestartInterrupt
 from stalwart.restart.monitor import Monitor, StatusFile
 from stalwart.restart.peers import TensorSpec
 from stalwart.restart.policies import IterationContext
-from stalwart.restart.protocol import ABANDON_AFTER, SPILL_AFTER
+from stalwart.restart.monitor_rules import ABANDON_AFTER, SPILL_AFTER
 from stalwart.restart.sockets import SocketSnapshot
 
 
