@@ -23,9 +23,9 @@ from stalwart.restart import snapshot_held, snapshot_spill
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter, RestartInterrupt
 from stalwart.restart.monitor import Monitor, StatusFile
+from stalwart.restart.monitor_rules import ABANDON_AFTER, SPILL_AFTER
 from stalwart.restart.peers import TensorSpec
 from stalwart.restart.policies import IterationContext
-from stalwart.restart.monitor_rules import ABANDON_AFTER, SPILL_AFTER
 from stalwart.restart.sockets import SocketSnapshot
 
 
