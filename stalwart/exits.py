@@ -188,7 +188,9 @@ def leave(code: int, *, bound: float = EXIT_BOUND) -> NoReturn:
     decided(code, bound=bound)
     decision = _decision
     assert decision is not None
-    log.info("%sleaving with exit code %d (bound %gs)", _prefix(), decision.code, decision.bound)
+    # The pid tells the exit check (stalwart.local.exitcheck) the main process's line from its ranks', which
+    # write to the same log.
+    log.info("%sleaving with exit code %d (bound %gs, pid %d)", _prefix(), decision.code, decision.bound, os.getpid())
 
     def left() -> float:
         return decision.deadline - _FLUSH_RESERVE - time.monotonic()

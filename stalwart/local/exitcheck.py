@@ -3,9 +3,10 @@ interpreter exit after "every rank returned" must show up as a failure, not as a
 
 What a process decided, and when, comes from its own log (the ``%(asctime)s`` of stalwart's log lines, to the
 millisecond): the agent's ``every rank returned`` or ``nothing left to run``, and the ``leaving with exit code N``
-line of :mod:`stalwart.exits` that every stalwart process logs once it has decided to exit (the last such line of
-a log is the main process's: its ranks, which write to the same log, end before it). When it ended comes from
-who saw it end:
+line of :mod:`stalwart.exits` that every stalwart process logs once it has decided to exit, naming its pid (its
+ranks write to the same log, and their own leaving lines are not its decision; nor is a rank's error that
+happens to say "every rank returned": only the agent's runner's lines that end so count). When it ended comes
+from who saw it end:
 
 * a container of a local cluster: the kubelet's book (:mod:`.containerbook`), to the millisecond, with the
   container's processes that outlived its main process (``leftovers``: the kubelet killed them); a cluster
@@ -53,15 +54,17 @@ SLACK = 5.0
 LEAVING = "leaving with exit code"
 #: Seconds the kubelet may take to write a container's end to its book once the process is gone.
 BOOK_GRACE = 3.0
-#: The agent's lines on deciding that its job is over here (before it closes its streams and leaves).
+#: The agent's lines on deciding that its job is over here (before it closes its streams and leaves): a line of
+#: its runner's logger that ends with one of these (a rank's error may say "before every rank returned").
 DECIDED = ("every rank returned", "nothing left to run")
+DECIDER = " stalwart.agent.runner: "
 #: Main processes that only wrap the one that logs (``sh -c 'stalwart agent -- ...; ...'``): the kubelet sees the
 #: shell's end, not the logging process's, so such a container is not judged.
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ash", "busybox"})
 #: How much of the end of a log is read: the lines that matter are its last ones.
 LOG_TAIL_BYTES = 512 * 1024
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-_BOUND = re.compile(r"\(bound ([0-9.]+)s\)")
+_BOUND = re.compile(r"\(bound ([0-9.]+)s(?:, pid (\d+))?\)")
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,9 @@ def _stamp(line: str) -> float | None:
     return None
 
 
-def log_facts(text: str, tail_lines: int = 25) -> LogFacts:
+def log_facts(text: str, tail_lines: int = 25, *, pid: int | None = None) -> LogFacts:
+    """What ``text``, a process's log, says of its end. ``pid``: the process judged, when its children (its ranks)
+    write to the same log: their ``leaving`` lines, which name their own pids, are theirs, not its."""
     lines = text.splitlines()
     decisions: list[float] = []
     leaving: float | None = None
@@ -108,10 +113,12 @@ def log_facts(text: str, tail_lines: int = 25) -> LogFacts:
                     returned = max(returned or 0.0, float(event["time"]))
             continue
         if LEAVING in line:
-            leaving = _stamp(line) or leaving
             m = _BOUND.search(line)
+            if pid is not None and m is not None and m[2] is not None and int(m[2]) != pid:
+                continue  # a child's
+            leaving = _stamp(line) or leaving
             declared = float(m[1]) if m else declared
-        elif any(d in line for d in DECIDED):
+        elif DECIDER in line and line.rstrip().endswith(DECIDED):
             t = _stamp(line)
             if t is not None:
                 decisions.append(t)
@@ -197,7 +204,7 @@ class Instance:
         return self.log.with_name(f"{self.container}.previous.log") if self.superseded else self.log
 
     def facts(self) -> LogFacts:
-        return log_facts(read_log(self.log_path()))
+        return log_facts(read_log(self.log_path()), pid=self.pid)
 
     def running(self) -> bool:
         """No end in the book, and the pid is still this container's process."""
@@ -384,7 +391,7 @@ def judge_watched(procs: Iterable[WatchedProcess], bound: float | None = None) -
         args: Any = p.args
         argv: list[Any] = list(args) if isinstance(args, list | tuple) else [args]
         who = f"process {p.pid} ({' '.join(os.fsdecode(a) for a in argv[:6])})"
-        facts = log_facts(p.output)
+        facts = log_facts(p.output, pid=p.pid)
         if not p.ended():
             # Its end may be a moment from being seen (the owner just reaped it); one that decided to exit is
             # given the rest of its bound.
@@ -395,11 +402,11 @@ def judge_watched(procs: Iterable[WatchedProcess], bound: float | None = None) -
                 # Ended, but the owner never read its output: read it now (its pipes are at their end).
                 with contextlib.suppress(subprocess.TimeoutExpired, ValueError, OSError):
                     p.communicate(timeout=2.0)
-                facts = log_facts(p.output)
+                facts = log_facts(p.output, pid=p.pid)
             problem = _late(who, facts, p.ended_at, facts.limit(bound), facts.tail)
         else:
             _kill(p)
-            facts = log_facts(p.output)
+            facts = log_facts(p.output, pid=p.pid)
             problem = _late(who, facts, None, facts.limit(bound), facts.tail) or Problem(
                 who, "still running at the end of the test (killed now)", facts.tail)
         if problem is not None:

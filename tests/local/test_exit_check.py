@@ -55,6 +55,28 @@ def test_log_facts_reads_the_decision_the_leaving_line_and_the_ranks_return() ->
     assert log_facts("plain output\n").decided is None
 
 
+def test_only_the_judged_process_s_own_words_are_its_decision() -> None:
+    # An agent whose ranks write to its log: a rank's error that says "every rank returned" is no decision of the
+    # agent's, nor is a rank's own leaving line (its pid is not the agent's); the agent's own are.
+    rank_error = ("2030-01-02 03:04:05,000 WARNING stalwart.restart.wrapper: slot 0 rank 0 iteration 3: fault: "
+                  "RestartInterrupt('a peer failed before every rank returned')")
+    timed_out = ("2030-01-02 03:04:05,100 WARNING stalwart.restart.wrapper: slot 0 rank 0 iteration 3: "
+                 "completion_timeout: not every rank returned within 30s")
+    rank_leaves = "2030-01-02 03:04:05,200 INFO stalwart.exits: slot 0: leaving with exit code 98 (bound 10s, pid 222)"
+    assert log_facts("\n".join([rank_error, timed_out, rank_leaves]), pid=111).decided is None
+    # Without the pid to tell them apart, a leaving line is taken as the process's own (a single process's log).
+    assert log_facts(rank_leaves).leaving is not None
+    agent_leaves = ("2030-01-02 03:04:09,000 INFO stalwart.exits: job=a node=b: leaving with exit code 0 "
+                    "(bound 10s, pid 111)")
+    returned = "2030-01-02 03:04:08,000 INFO stalwart.agent.runner: job=a node=b: every rank returned"
+    facts = log_facts("\n".join([rank_error, rank_leaves, returned, agent_leaves]), pid=111)
+    assert (facts.decided, facts.leaving, facts.bound) == (_stamp_of(returned), _stamp_of(agent_leaves), 10.0)
+
+
+def _stamp_of(line: str) -> float:
+    return time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+
+
 def _book_with_one_start(directory: Path, pid: int, log: Path) -> None:
     record = {"event": "started", "time": time.time(), "namespace": "ns", "pod": "p", "uid": "u",
               "container": "c", "pid": pid, "log": str(log), "argv": ["python"]}
