@@ -49,9 +49,11 @@ class Churn:
         deadline = time.monotonic() + CHURN_SECONDS
         try:
             while time.monotonic() < deadline:
-                it.enter_user_code()
                 try:
                     try:
+                        # Inside the try whose finally leaves, as the wrapper calls it: an interrupt requested the
+                        # moment the function is entered may land on the way out of enter_user_code.
+                        it.enter_user_code()
                         while True:
                             self.calls += 1
                             key = f"k{self.calls % 8}"
