@@ -11,10 +11,10 @@ from opbuild import JOB, NOW, etcd, job, manifest, observe, of, pod, progress, r
 
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import FaultRecord, RoundSummary
-from stalwart.api.status import FailureRecord, Phase, Position, RestartCounts
+from stalwart.api.status import Phase, Position, RestartCounts
 from stalwart.operator.culprits import PEER_SILENT_SECONDS, Peer, link_facts, peer_facts
 from stalwart.operator.failures import Fact, compose
-from stalwart.operator.model import EmitEvent, EtcdView
+from stalwart.operator.model import Decision, EmitEvent, EtcdView
 from stalwart.operator.reconcile import reconcile
 from stalwart.operator.takeover import REASON_SPARE_TOOK_OVER
 
@@ -131,21 +131,27 @@ def job_record() -> JobRecord:
                      barrier_timeout_seconds=120, backoff_limit=5)
 
 
-def test_a_link_cut_between_two_live_pods_is_the_status_failure_with_both_ends() -> None:
-    # Both agents report and both leases live (a cut from one peer only): the soft-timeout record of worker-0
-    # names worker-1's pod IP as unreachable.
-    stall = FaultRecord(slot=0, rank=0, node_id=W0, iteration=0, kind="soft_timeout", time=NOW - 0.5,
-                        reason=f"{STALL}; bytes sent to 10.1.0.2:40001 are retransmitted unacknowledged",
-                        unreachable=["10.1.0.2:40001"])
+def linked_reconcile(*faults: FaultRecord) -> Decision:
+    """One reconcile of a running job of two workers (pod IPs 10.1.0.1 and .2, both leases alive) and a spare,
+    with ``faults`` written in round 1 in that order."""
     st = status(Phase.RUNNING, position=Position(round=1, iteration=0), round=1, world_size=2,
                 tracked_pods=sorted([W0, W1, S0]))
     pods = [pod("worker-0", node="n0", ip="10.1.0.1"), pod("worker-1", node="n1", ip="10.1.0.2"),
             pod("spare-0", node="n2", ip="10.1.0.3")]
     records = (progress("worker-0", step=50, history=(R1,), ranks=(rank_report(0, step=50, first_step=0),)),
                progress("worker-1", step=50, history=(R1,), ranks=(rank_report(1, step=50, first_step=0),)))
-    view = replace(etcd("worker-0", "worker-1", faults=((100, stall),), progress=records,
+    view = replace(etcd("worker-0", "worker-1", faults=tuple(enumerate(faults, 100)), progress=records,
                         leases={"worker-0": 9, "worker-1": 9}), record=job_record())
-    d = reconcile(observe(job(st, spares=1), pods, view))
+    return reconcile(observe(job(st, spares=1), pods, view))
+
+
+def test_a_link_cut_between_two_live_pods_is_the_status_failure_with_both_ends() -> None:
+    # Both agents report and both leases live (a cut from one peer only): the soft-timeout record of worker-0
+    # names worker-1's pod IP as unreachable.
+    stall = FaultRecord(slot=0, rank=0, node_id=W0, iteration=0, kind="soft_timeout", time=NOW - 0.5,
+                        reason=f"{STALL}; bytes sent to 10.1.0.2:40001 are retransmitted unacknowledged",
+                        unreachable=["10.1.0.2:40001"])
+    d = linked_reconcile(stall)
     lf = d.status.last_failure
     assert lf is not None and (lf.pod, lf.peer, lf.reason, lf.detected_by) == (W0, W1, "Hang", "Rank"), lf
     assert f"the link between pod {W0} and {W1} carries nothing" in (lf.message or "")
@@ -163,21 +169,9 @@ def test_the_end_a_hang_interrupted_names_the_link_when_the_reporter_saw_nothing
                             reason="interrupted by the hang of slot 0 (rank 0); bytes sent to 10.1.0.1:40001 are "
                                    "retransmitted unacknowledged: the link to it carries nothing",
                             unreachable=["10.1.0.1:40001"])
-    st = status(Phase.RUNNING, position=Position(round=1, iteration=0), round=1, world_size=2,
-                tracked_pods=sorted([W0, W1, S0]))
-    pods = [pod("worker-0", node="n0", ip="10.1.0.1"), pod("worker-1", node="n1", ip="10.1.0.2"),
-            pod("spare-0", node="n2", ip="10.1.0.3")]
-    records = (progress("worker-0", step=50, history=(R1,), ranks=(rank_report(0, step=50, first_step=0),)),
-               progress("worker-1", step=50, history=(R1,), ranks=(rank_report(1, step=50, first_step=0),)))
-
-    def last_failure(*faults: FaultRecord) -> FailureRecord | None:
-        view = replace(etcd("worker-0", "worker-1", faults=tuple(enumerate(faults, 100)), progress=records,
-                            leases={"worker-0": 9, "worker-1": 9}), record=job_record())
-        return reconcile(observe(job(st, spares=1), pods, view)).status.last_failure
-
-    alone = last_failure(stall)  # without the other end's word: a hang of worker-0, no link
+    alone = linked_reconcile(stall).status.last_failure  # without the other end's word: a hang of worker-0, no link
     assert alone is not None and (alone.pod, alone.peer, alone.reason) == (W0, None, "Hang"), alone
-    lf = last_failure(stall, other_end)
+    lf = linked_reconcile(stall, other_end).status.last_failure
     assert lf is not None and (lf.pod, lf.peer, lf.reason, lf.detected_by) == (W0, W1, "Hang", "Rank"), lf
     assert [(s.pod, s.reason) for s in lf.secondary or []] == [(W1, "Hang")], lf.secondary
 
