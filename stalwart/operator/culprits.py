@@ -6,7 +6,10 @@ That record is a *symptom* (:func:`.failures.symptom_of`). It never names the cu
 about is missing, silent or unreachable: from it this module derives a ``Peer`` fact about that peer, which
 outranks the survivor's own (whose error becomes ``secondary``). The peer is, in this order:
 
-1. the one the error names by address (gloo names its peer's ``[ip]:port``; on a cluster each pod has its IP);
+1. the one the error names by address (gloo names its peer's ``[ip]:port``; on a cluster each pod has its IP).
+   An address that is no pod's but a node's names the round's only member pod on that node: a connection made
+   from a network namespace with several addresses (pods sharing their node's, as ``hostNetwork`` pods do, or
+   the local cluster's) leaves from the node's primary address, so the accepting end sees that;
 2. a member of the round that is unreachable (its node), gone (deleted, failed, missing from the API) or whose
    agent has been silent for :data:`PEER_SILENT_SECONDS` (a live agent reports every second);
 3. for a connection the peer closed or reset, the survivor's only peer pod (a two-pod world has no other);
@@ -29,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from stalwart.operator.failures import Fact
 
-__all__ = ["PEER_SILENT_SECONDS", "Peer", "link_facts", "peer_facts"]
+__all__ = ["PEER_SILENT_SECONDS", "Peer", "at_address", "link_facts", "peer_facts"]
 
 #: How long a member's agent must have been silent to count as gone (a live agent reports every second; the
 #: margin absorbs a loaded node and clock skew).
@@ -49,6 +52,8 @@ class Peer:
     node: str | None = None
     ip: str | None = None
     unreachable: bool = False
+    #: The address of its node (status.hostIP), else None.
+    host_ip: str | None = None
     gone: bool = False
     silent_for: float | None = None
     ranks: tuple[tuple[int | None, float | None], ...] = ()
@@ -70,11 +75,20 @@ def _spoke_for_itself(facts: Sequence[Fact]) -> set[tuple[int, int] | None]:
             if f.detected_by == "Process" or (f.detected_by == "Rank" and not f.symptom)}
 
 
-def _named(message: str, others: Sequence[Peer]) -> tuple[Peer, str] | None:
+def at_address(ip: str, peers: Sequence[Peer]) -> Peer | None:
+    """The member pod a connection's address ``ip`` is about: the pod with that IP, else the only member pod on
+    the node with that address (see the module's note), else None (no member's, or several share the node)."""
+    hits = [p for p in peers if p.ip == ip]
+    if not hits:
+        hits = [p for p in peers if p.host_ip == ip]
+    return hits[0] if len(hits) == 1 else None
+
+
+def _named(message: str, others: Sequence[Peer], peers: Sequence[Peer]) -> tuple[Peer, str] | None:
     for m in _ADDRESS.finditer(message):
-        hits = [p for p in others if p.ip and p.ip == m.group(1)]
-        if len(hits) == 1:
-            return hits[0], m.group(0)
+        hit = at_address(m.group(1), peers)
+        if hit is not None and hit in others:
+            return hit, m.group(0)
     return None
 
 
@@ -98,7 +112,7 @@ def _suspect(symptom: Fact, peers: Sequence[Peer]) -> Fact | None:
     said = f": {symptom.message[:300]}" if symptom.message else ""
     rank: int | None = None
     hang = False
-    named = _named(symptom.message, others)
+    named = _named(symptom.message, others, peers)
     lost = sorted((p for p in others if p.lost()),
                   key=lambda p: (not p.unreachable, not p.gone, -(p.silent_for or 0.0), p.pod))
     if named is not None:
@@ -133,16 +147,17 @@ def _suspect(symptom: Fact, peers: Sequence[Peer]) -> Fact | None:
 
 def link_facts(facts: Sequence[Fact], peers: Sequence[Peer]) -> list[Fact]:
     """``facts`` with each hang whose rank was retransmitting to a member pod's address unacknowledged (its
-    ``unreachable``) given that pod as its ``peer``: the network between the two carries nothing. Neither end
-    is more at fault than the other (a cut from one peer only leaves both agents and leases alive), so the
-    status names the link, not a culprit pod. An address that names no member pod, or the rank's own, is left."""
+    ``unreachable``, read by :func:`at_address`) given that pod as its ``peer``: the network between the two
+    carries nothing. Neither end is more at fault than the other (a cut from one peer only leaves both agents
+    and leases alive), so the status names the link, not a culprit pod. An address that names no member pod,
+    or the rank's own, is left."""
     out = []
     for f in facts:
         if f.reason != "Hang" or not f.unreachable or f.peer is not None:
             out.append(f)
             continue
-        ips = {address.rpartition(":")[0] for address in f.unreachable}
-        ends = sorted({p.pod for p in peers if p.ip in ips and p.pod != f.pod})
+        hits = (at_address(address.rpartition(":")[0], peers) for address in f.unreachable)
+        ends = sorted({p.pod for p in hits if p is not None and p.pod != f.pod})
         if not ends:
             out.append(f)
             continue

@@ -74,6 +74,9 @@ class PodView:
     started_at: float | None = None
     #: The pod's IP (status.podIP), else None: a survivor's collective error may name its peer by it.
     ip: str | None = None
+    #: Its node's address (status.hostIP), else None: a connection from a pod that shares its node's network
+    #: namespace arrives from that address.
+    host_ip: str | None = None
     #: Not seen in the watch yet: the operator created it and assumes it exists (see ``observe.overlay``).
     #: Such a pod is never tracked, so one whose creation the watch has not shown cannot count as vanished.
     assumed: bool = False

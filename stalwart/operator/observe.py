@@ -88,7 +88,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView | None:
         exit_code=int(exit_code) if isinstance(exit_code, int) else None, reason=reason, message=message[:1024],
         unschedulable=unschedulable and phase == "Pending", node=(pod.get("spec") or {}).get("nodeName") or None,
         started_at=parse_time(status.get("startTime")), ip=str(status.get("podIP") or "") or None,
-        uid=str(meta.get("uid") or ""))
+        host_ip=str(status.get("hostIP") or "") or None, uid=str(meta.get("uid") or ""))
 
 
 def _problem_of(e: ValidationError | RuleViolation) -> tuple[str, str]:

@@ -36,7 +36,8 @@ def peers(w: Work, members: Sequence[str]) -> list[Peer]:
             name, pod.node if pod else None, pod.ip if pod else None,
             unreachable=pod is not None and pod.node is not None and pod.node in obs.unreachable_nodes,
             gone=pod is None or pod.deleting or pod.phase == "Failed",
-            silent_for=w.now - rec.updated if rec is not None else None, ranks=ranks))
+            silent_for=w.now - rec.updated if rec is not None else None, ranks=ranks,
+            host_ip=pod.host_ip if pod else None))
     return out
 
 

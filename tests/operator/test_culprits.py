@@ -12,7 +12,7 @@ from opbuild import JOB, NOW, etcd, job, manifest, observe, of, pod, progress, r
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import FaultRecord, RoundSummary
 from stalwart.api.status import Phase, Position, RestartCounts
-from stalwart.operator.culprits import PEER_SILENT_SECONDS, Peer, link_facts, peer_facts
+from stalwart.operator.culprits import PEER_SILENT_SECONDS, Peer, at_address, link_facts, peer_facts
 from stalwart.operator.failures import Fact, compose
 from stalwart.operator.model import Decision, EmitEvent, EtcdView
 from stalwart.operator.reconcile import reconcile
@@ -109,6 +109,33 @@ def test_a_hang_on_a_link_that_carries_nothing_names_both_ends(facts: list[Fact]
             f"the link between pod {max(expected)} and {min(expected)}" in (record.message or ""), record.message
 
 
+ON_NODES = [peer("p0", rank=0, host_ip="10.0.1.1"), peer("p1", rank=1, host_ip="10.0.2.1"),
+            peer("p2", rank=2, host_ip="10.0.2.1")]
+
+
+@pytest.mark.parametrize(("address", "expected"), [
+    ("10.0.0.1", "p1"),  # its pod IP
+    ("10.0.1.1", "p0"),  # its node's address, and the only member pod on that node
+    ("10.0.2.1", None),  # a node two member pods share: the address does not say which
+    ("10.9.9.9", None),  # no member's
+], ids=["pod-ip", "node-of-one", "node-of-two", "foreign"])
+def test_an_address_names_the_pod_with_it_else_the_only_member_pod_on_its_node(address: str,
+                                                                                expected: str | None) -> None:
+    hit = at_address(address, ON_NODES)
+    assert (hit.pod if hit else None) == expected
+
+
+def test_bytes_to_the_node_address_of_a_peer_name_the_link_to_it() -> None:
+    # The accepting end of a connection from a pod that shares its node's network namespace sees the node's
+    # address: on node n-p1, p1 is the only member, so the link is to p1.
+    peers = [peer("p0", rank=0, host_ip="10.0.1.1"), peer("p1", rank=1, host_ip="10.0.2.1")]
+    linked = link_facts([hang("p0", 0, 10, "10.0.2.1:54346")], peers)
+    assert [(f.pod, f.peer) for f in linked] == [("p0", "p1")]
+    # A gloo error naming the peer's node address points at that pod too.
+    suspects = peer_facts([symptom("Connection reset by peer [10.0.2.1]:54346")], [*peers, peer("p2", rank=2)])
+    assert [f.pod for f in suspects] == ["p1"]
+
+
 def test_a_link_down_blames_no_peer_that_stopped_first() -> None:
     # Without the link, p1 stopping first would be blamed for p0's timeout (a Peer fact outranks the Rank's).
     peers = [peer("p0", rank=0, progress=T - 5), peer("p1", rank=1, progress=T - 5.3)]
@@ -132,12 +159,14 @@ def job_record() -> JobRecord:
 
 
 def linked_reconcile(*faults: FaultRecord) -> Decision:
-    """One reconcile of a running job of two workers (pod IPs 10.1.0.1 and .2, both leases alive) and a spare,
+    """One reconcile of a running job of two workers (pod IPs 10.1.0.1 and .2, on nodes with addresses 10.1.10.1
+    and 10.1.11.1, both leases alive) and a spare,
     with ``faults`` written in round 1 in that order."""
     st = status(Phase.RUNNING, position=Position(round=1, iteration=0), round=1, world_size=2,
                 tracked_pods=sorted([W0, W1, S0]))
-    pods = [pod("worker-0", node="n0", ip="10.1.0.1"), pod("worker-1", node="n1", ip="10.1.0.2"),
-            pod("spare-0", node="n2", ip="10.1.0.3")]
+    pods = [pod("worker-0", node="n0", ip="10.1.0.1", host_ip="10.1.10.1"),
+            pod("worker-1", node="n1", ip="10.1.0.2", host_ip="10.1.11.1"),
+            pod("spare-0", node="n2", ip="10.1.0.3", host_ip="10.1.12.1")]
     records = (progress("worker-0", step=50, history=(R1,), ranks=(rank_report(0, step=50, first_step=0),)),
                progress("worker-1", step=50, history=(R1,), ranks=(rank_report(1, step=50, first_step=0),)))
     view = replace(etcd("worker-0", "worker-1", faults=tuple(enumerate(faults, 100)), progress=records,
@@ -160,15 +189,17 @@ def test_a_link_cut_between_two_live_pods_is_the_status_failure_with_both_ends()
     assert d.status.restarts == RestartCounts()  # nobody was fenced or replaced for it
 
 
-def test_the_end_a_hang_interrupted_names_the_link_when_the_reporter_saw_nothing_in_flight() -> None:
+@pytest.mark.parametrize("address", ["10.1.0.1:40001", "10.1.10.1:54346"], ids=["pod-ip", "node-address"])
+def test_the_end_a_hang_interrupted_names_the_link_when_the_reporter_saw_nothing_in_flight(address: str) -> None:
     # worker-0's soft timeout fired first, with every byte it sent acknowledged (it was waiting to receive); the
     # interrupt found worker-1's bytes to worker-0 retransmitted unacknowledged: its link_down record says so.
+    # Where worker-0 made the connection, worker-1 sees it from worker-0's node's address.
     stall = FaultRecord(slot=0, rank=0, node_id=W0, iteration=0, kind="soft_timeout", time=NOW - 0.5,
                         reason=STALL)
     other_end = FaultRecord(slot=1, rank=1, node_id=W1, iteration=0, kind="link_down", time=NOW - 0.4,
-                            reason="interrupted by the hang of slot 0 (rank 0); bytes sent to 10.1.0.1:40001 are "
+                            reason=f"interrupted by the hang of slot 0 (rank 0); bytes sent to {address} are "
                                    "retransmitted unacknowledged: the link to it carries nothing",
-                            unreachable=["10.1.0.1:40001"])
+                            unreachable=[address])
     alone = linked_reconcile(stall).status.last_failure  # without the other end's word: a hang of worker-0, no link
     assert alone is not None and (alone.pod, alone.peer, alone.reason) == (W0, None, "Hang"), alone
     lf = linked_reconcile(stall, other_end).status.last_failure

@@ -61,6 +61,9 @@ def test_pod_view_carries_the_node_and_the_start_time_and_nothing_from_ready() -
     assert view is not None and view.node == "local-1" and not view.ready and view.phase == "Running"
     assert view.started_at == pytest.approx(1798761600.0)
     assert view.uid == ""  # none in the body
+    assert (view.ip, view.host_ip) == (None, None)
+    body["status"].update(podIP="10.7.2.5", hostIP="10.7.2.1")  # type: ignore[attr-defined]
+    assert ((v := pod_view(body)) is not None) and (v.ip, v.host_ip) == ("10.7.2.5", "10.7.2.1")
     body["metadata"]["uid"] = "u-1"
     assert (pod_view(body) or on("worker-0", "n0")).uid == "u-1"
 
