@@ -25,8 +25,9 @@ from stalwart.local.etcd import EtcdServer
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The local cluster's fixtures (local_cluster, k8s_namespace, kube_api), one session cluster for every directory
-# (per xdist worker); and each test's durations written to build/test-durations.json (tools/slowest.py reads it).
-pytest_plugins = ["stalwart.local.pytest_plugin", "durations_plugin"]
+# (per xdist worker); each test's durations written to build/test-durations.json (tools/slowest.py reads it); and
+# the machine's slots that integration tests hold, shared with any other run on it (tests/machine_slots.py).
+pytest_plugins = ["stalwart.local.pytest_plugin", "durations_plugin", "machine_slots"]
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
