@@ -145,6 +145,19 @@ def test_a_pod_has_its_own_ip_on_its_node_and_reaches_the_api_server_etcd_and_ot
                                "import socket; h = socket.gethostname(); print(h, socket.gethostbyname(h))"],
                               capture_output=True, text=True, timeout=30, check=True).stdout.split()
     assert resolved == ["a", a["podIP"]]
+    # A connection the pod makes leaves from its node's primary address, not its pod IP (the node's namespace
+    # holds both): what the accepting end sees, and what the operator reads as the pod (culprits.at_address).
+    with socket.create_server((net["api_ip"], 0)) as server:
+        server.settimeout(30.0)
+        port = server.getsockname()[1]
+        dialer = subprocess.Popen(["nsenter", f"--target={pid}", "--net", sys.executable, "-c",
+                                   f"import socket; socket.create_connection(({net['api_ip']!r}, {port}), 10).recv(1)"])
+        try:
+            conn, (seen, _) = server.accept()
+            conn.close()
+        finally:
+            assert dialer.wait(timeout=30) == 0
+    assert seen == a["hostIP"] != a["podIP"]
 
 
 @NEEDS_ROOT
