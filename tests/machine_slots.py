@@ -83,9 +83,17 @@ def machine_slot(directory: Path, count: int, wait: float = WAIT_SECONDS, poll: 
         time.sleep(poll * (0.5 + random.random()))
 
 
+COUNT = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Read once, at the start: a bad count stops the run before any test, naming the variable.
+    config.stash[COUNT] = slot_count()
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     if not any(item.get_closest_marker(name) for name in MARKERS):
         return (yield)
-    with machine_slot(slot_dir(), slot_count()):
+    with machine_slot(slot_dir(), item.config.stash[COUNT]):
         return (yield)

@@ -3,6 +3,7 @@ deadline, freed by a holder's death, and counted as the environment says."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -79,3 +80,15 @@ def test_the_slot_count(env: dict[str, str], cpus: int, expected: int) -> None:
 def test_a_bad_slot_count_names_the_variable(text: str) -> None:
     with pytest.raises(pytest.UsageError, match=rf"{SLOTS_ENV}: expected a positive integer, got '{text}'"):
         slot_count({SLOTS_ENV: text}, 2)
+
+
+def test_a_run_with_a_bad_slot_count_stops_before_any_test_naming_the_variable(tmp_path: Path) -> None:
+    (tmp_path / "test_one.py").write_text("def test_one() -> None:\n    pass\n")
+    (tmp_path / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                                          "pytest_plugins = ['machine_slots']\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, env={**os.environ, SLOTS_ENV: "six"}, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
+    assert f"{SLOTS_ENV}: expected a positive integer, got 'six'" in done.stderr
+    assert "test_one" not in done.stdout
