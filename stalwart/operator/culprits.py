@@ -84,10 +84,11 @@ def at_address(ip: str, peers: Sequence[Peer]) -> Peer | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def _named(message: str, others: Sequence[Peer], peers: Sequence[Peer]) -> tuple[Peer, str] | None:
+def _named(message: str, peers: Sequence[Peer], noticer: str | None) -> tuple[Peer, str] | None:
+    """The member pod other than ``noticer`` that ``message`` names by address, and the address."""
     for m in _ADDRESS.finditer(message):
         hit = at_address(m.group(1), peers)
-        if hit is not None and hit in others:
+        if hit is not None and hit.pod != noticer:
             return hit, m.group(0)
     return None
 
@@ -112,7 +113,7 @@ def _suspect(symptom: Fact, peers: Sequence[Peer]) -> Fact | None:
     said = f": {symptom.message[:300]}" if symptom.message else ""
     rank: int | None = None
     hang = False
-    named = _named(symptom.message, others, peers)
+    named = _named(symptom.message, peers, symptom.pod)
     lost = sorted((p for p in others if p.lost()),
                   key=lambda p: (not p.unreachable, not p.gone, -(p.silent_for or 0.0), p.pod))
     if named is not None:
