@@ -46,11 +46,11 @@ def test_a_target_gives_back_the_command_as_written() -> None:
 
 
 CHILD = """\
-import json, os, random, sys
+import gc, json, os, random, sys
 with open(os.environ.get("OUT", os.devnull), "a") as out:
     out.write(json.dumps({"argv": sys.argv, "name": __name__, "path0": sys.path[0], "rank": os.environ.get("RANK"),
                   "gone": os.environ.get("ONLY_IN_SERVER"), "random": random.random(), "pid": os.getpid(),
-                  "torch": "torch" in sys.modules}) + "\\n")
+                  "torch": "torch" in sys.modules, "gc": [gc.isenabled(), gc.get_freeze_count()]}) + "\\n")
 mode = os.environ.get("MODE", "")
 if mode == "raise":
     raise RuntimeError("boom")
@@ -102,6 +102,8 @@ def test_a_forked_child_runs_the_script_as_main_with_its_own_arguments_and_envir
         assert s["gone"] is None  # the server's environment is replaced, not merged
         assert s["pid"] in (a.pid, b.pid)
     assert seen[0]["random"] != seen[1]["random"]  # seeded afresh, as a new process is
+    # The server imported with its collector off; the child's is on, with nothing frozen, as a fresh process's.
+    assert all(s["gc"] == [True, 0] for s in seen), [s["gc"] for s in seen]
 
 
 def test_a_spawn_may_name_another_script_and_its_own_output_and_error(server: ForkServer, tmp_path: Path) -> None:
