@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import uuid
 from collections.abc import Iterator
@@ -43,6 +44,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return GROUP_MODULES.get(nodeid.split("::", 1)[0]) or str(super()._split_scope(nodeid))
 
     return ModuleGroups(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[object]:
+    """The cyclic collector scanned a worker's whole heap (torch, the Kubernetes client, 2,400 collected tests) at
+    every full collection: a quarter of its CPU (measured: 6.9 of 28.7 CPU-seconds for tests/api and the chart's
+    tests, 1.0 of 20.6 with this). Off while the tests are collected, then what exists is frozen, so that a
+    collection scans only what the tests themselves make; as a server that forks does (stalwart/forkserver.py).
+    (The xdist controller collects nothing: it only turns the collector back on.)"""
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
