@@ -103,7 +103,10 @@ def test_a_round_whose_manifest_exceeds_one_record_is_sealed_in_buckets_each_nod
 
 @pytest.mark.parametrize("relay", [True, False], ids=["pods-relay", "per-rank"])
 def test_restart_barrier_releases_every_rank_once_into_one_seal(relay: bool) -> None:
-    run = RestartRun(N, COSTS, relay=relay)
+    # The clock charges no CPU here, so the counts are the protocol's alone: charged, a rank slowed by a loaded
+    # machine can reach its relay after the pod's transaction went, and its arrival is a second one (the model's
+    # right answer on that machine; a run of the suite once saw 8 writes where 7 are the protocol's).
+    run = RestartRun(N, COSTS, relay=relay, cpu=False)
     res = run.restart(limit=600)
     assert res["released"] == N and res["seals"] == 1 and res["seconds"] is not None
     assert all(r.releases == 1 for r in run.ranks)
