@@ -51,8 +51,9 @@ def pytest_collection(session: pytest.Session) -> Iterator[object]:
     """The cyclic collector scanned a worker's whole heap (torch, the Kubernetes client, 2,400 collected tests) at
     every full collection: a quarter of its CPU (measured: 6.9 of 28.7 CPU-seconds for tests/api and the chart's
     tests, 1.0 of 20.6 with this). Off while the tests are collected, then what exists is frozen, so that a
-    collection scans only what the tests themselves make; as a server that forks does (stalwart/forkserver.py).
-    (The xdist controller collects nothing: it only turns the collector back on.)"""
+    collection scans only what the tests themselves make. (The fork server does not freeze: its children run
+    training whose teardown depends on when the collector runs; see stalwart/forkserver.py. The xdist controller
+    collects nothing: it only turns the collector back on.)"""
     gc.disable()
     try:
         return (yield)
