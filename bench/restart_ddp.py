@@ -262,9 +262,10 @@ def slow_reports(seconds: float) -> None:
 
     write = Coordinator.report_fault
 
-    def slow(self: Coordinator, rec: Any) -> None:
-        write(self, rec)
+    def slow(self: Coordinator, rec: Any) -> bool:
+        written = write(self, rec)
         time.sleep(seconds)
+        return written
 
     Coordinator.report_fault = slow  # type: ignore[method-assign]
 

@@ -17,6 +17,7 @@ from typing import Protocol, TypeVar
 
 from stalwart.api.relay import RelayAnswer, RelayRange, RelayRequest
 from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
+from stalwart.etcd.faults import end_guard, fault_guard
 from stalwart.etcd.fence import Fence
 from stalwart.etcd.keys import ARRIVE, DONE, FAULT, JobKeys
 from stalwart.etcd.outage import Outage
@@ -180,10 +181,16 @@ class Coordinator:
                 log.warning("slot %d: could not revoke heartbeat lease: %s", self.slot, e)
             self.lease = 0
 
-    def report_fault(self, rec: FaultRecord) -> None:
-        """Publish a fault of this process in ``rec.iteration`` (overwrites its earlier one there)."""
-        self._retry("fault report", lambda: self.fence.put(self.round_keys.fault(rec.iteration, self.slot),
-                                                           rec.to_json_bytes()))
+    def report_fault(self, rec: FaultRecord) -> bool:
+        """Publish a fault of this process in ``rec.iteration`` (overwrites its earlier one there) unless the
+        iteration ended done (:mod:`stalwart.etcd.faults`: it ends once). Returns whether it was written."""
+        key = self.round_keys.fault(rec.iteration, self.slot)
+        res = self._retry("fault report", lambda: self.fence.txn(
+            [fault_guard(self.round_keys, rec.iteration)], [Put(key, rec.to_json_bytes())]))
+        if not res.succeeded:
+            log.info("slot %d iteration %d: not reported (%s): every process had returned, the iteration ended done",
+                     self.slot, rec.iteration, rec.kind)
+        return res.succeeded
 
     def ensure_lease(self) -> None:
         """Re-grant the heartbeat lease and re-publish the ``alive`` key if etcd dropped the lease (this
@@ -234,7 +241,8 @@ class Coordinator:
     def mark_done(self, seal: SealRecord) -> bool:
         """Mark this process's function returned in the iteration of ``seal``, counting the marks in the same
         request; the process whose mark is the last of the iteration's active processes also writes its END
-        record, the one key the others wait for (:func:`~.protocol.completes`). Returns whether it did."""
+        record, the one key the others wait for (:func:`~.protocol.completes`), unless a fault of the iteration was
+        reported first (:mod:`stalwart.etcd.faults`: it ends once). Returns whether it wrote END."""
         iteration = seal.iteration
         rec = DoneRecord(slot=self.slot, iteration=iteration).to_json_bytes()
         marks = Get(self.round_keys.of_iteration(DONE, iteration), prefix=True, count_only=True)
@@ -242,8 +250,12 @@ class Coordinator:
             (), [Put(self.round_keys.done(iteration, self.slot), rec), marks]))
         if not completes(res.counts[1], seal):
             return False
-        self._retry("completion end", lambda: self.fence.put(self.round_keys.end(iteration), rec))
-        return True
+        end = self._retry("completion end", lambda: self.fence.txn(
+            [end_guard(self.round_keys, iteration)], [Put(self.round_keys.end(iteration), rec)]))
+        if not end.succeeded:
+            log.info("slot %d iteration %d: every process returned, but a fault was reported first: the iteration "
+                     "ended faulted", self.slot, iteration)
+        return end.succeeded
 
     def try_seal(self, seal: SealRecord) -> SealRecord:
         """Write ``seal`` unless one exists for its iteration; return the seal that holds (mine or theirs).

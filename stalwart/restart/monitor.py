@@ -320,15 +320,19 @@ class Monitor:
         if report is not None:
             self._report_and_interrupt(report)
 
-    def _report(self, report: Report) -> None:
+    def _report(self, report: Report) -> bool:
+        """Record ``report``; False only when etcd refused it because the iteration had ended done."""
         try:
-            self.coord.report_fault(report.record(self.coord.slot, self.coord.node_id, time.time(), pid=self.pid))
+            return self.coord.report_fault(report.record(self.coord.slot, self.coord.node_id, time.time(),
+                                                         pid=self.pid))
         except Exception as e:  # interrupting matters more than reporting, but a lost report must be seen
             log.warning("slot %d iteration %d: the %s fault was not recorded (%s: %s)", self.coord.slot,
                         report.iteration, report.kind, type(e).__name__, e)
+            return True
 
     def _report_and_interrupt(self, report: Report) -> None:
-        self._report(report)
+        if not self._report(report):
+            return  # every process returned: a peer that exits after that is no fault, and nothing is left to stop
         # The report may have taken seconds to write (etcd under load): meanwhile a peer's fault may have ended
         # the iteration, and the next one must not be interrupted for this one's hang.
         self._interrupt(report.reason, report.iteration)

@@ -10,11 +10,13 @@ from dataclasses import replace
 import pytest
 
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
+from stalwart.etcd.faults import record_fault
 from stalwart.etcd.fence import StaleEpoch
 from stalwart.etcd.keys import ARRIVE, END, SEAL, JobKeys
 from stalwart.etcd.store import Store, WatchRange
 from stalwart.local.etcd import EtcdServer
 from stalwart.restart.coordination import CoordinationTimeout, Coordinator
+from stalwart.restart.protocol import Participant, completion_known, iteration_end
 
 pytestmark = pytest.mark.integration
 
@@ -152,3 +154,42 @@ def test_the_last_completion_mark_writes_the_end_record(store: Store, job: tuple
     for it in (3, 4):
         coords[0].try_seal(SealRecord(iteration=it, world_size=1, ranks={"0": 0}, sealed_by=0))
     assert coords[0].view().ended == frozenset()
+
+
+def test_an_iteration_ends_once_a_fault_after_its_end_is_refused(store: Store, job: tuple[JobKeys, int]) -> None:
+    """The race that made a finished rank's peer restart alone: both ranks returned, the last one's mark wrote
+    END and it exited (its heartbeat lease revoked); the other, not yet sent END, had its monitor report the
+    heartbeat's end as a lost peer. That report must be refused, by the rank's monitor and by its agent, and the
+    iteration read as done."""
+    keys, epoch = job
+    coords = [Coordinator(store, keys, epoch, slot=s, node_id=f"n{s}", lease_ttl=5) for s in range(2)]
+    for c in coords:
+        c.start()
+    seal = SealRecord(iteration=1, world_size=2, ranks={"0": 0, "1": 1}, sealed_by=0)
+    assert [c.mark_done(seal) for c in coords] == [False, True]
+    coords[1].stop()  # the finished process exits
+    lost = FaultRecord(slot=0, rank=0, node_id="n0", iteration=1, kind="peer_lost", reason="the heartbeat lease "
+                       "of slot(s) [1] ended", time=time.time(), lost_slots=[1])
+    reported = coords[0].report_fault(lost)
+    recorded = record_fault(store, keys, epoch, _fault(1, 1).model_copy(update={"kind": "process_died"}))  # its agent
+    view = coords[0].view()
+    assert iteration_end(view, seal, Participant(slot=0, node_id="n0", slots=2, target_world=2)) == ("done", None)
+    assert view.faults == {} and 1 in view.ended
+    assert (reported, recorded) == (False, False)
+    coords[0].stop()
+
+
+def test_an_iteration_ends_once_an_end_after_a_fault_is_not_written(store: Store, job: tuple[JobKeys, int]) -> None:
+    """The other order: a fault reported before the last mark. Every process returned, but the fault came first:
+    no END, so every process reads the same outcome, a fault, wherever it looks."""
+    keys, epoch = job
+    coords = [Coordinator(store, keys, epoch, slot=s, node_id=f"n{s}") for s in range(2)]
+    seal = SealRecord(iteration=2, world_size=2, ranks={"0": 0, "1": 1}, sealed_by=0)
+    assert coords[0].mark_done(seal) is False
+    reported = coords[0].report_fault(_fault(0, 2))
+    ended = coords[1].mark_done(seal)  # the last mark, refused its END
+    view = coords[1].view()
+    assert (reported, ended) == (True, False)
+    assert 2 not in view.ended and view.done[2] == frozenset({0, 1}) and [f.slot for _, f in view.faults[2]] == [0]
+    assert iteration_end(view, seal, Participant(slot=1, node_id="n1", slots=2, target_world=2)) == ("fault", None)
+    assert completion_known(view, 2) == "fault"

@@ -30,11 +30,12 @@ def test_a_report_written_after_the_next_iteration_began_does_not_interrupt_it(s
     write = coord.report_fault
     reporting, moved_on, written = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_report(rec: FaultRecord) -> None:
+    def slow_report(rec: FaultRecord) -> bool:
         reporting.set()
         assert moved_on.wait(30)  # etcd answers only once the main thread is in the next iteration
-        write(rec)
+        ok = write(rec)
         written.set()
+        return ok
 
     coord.report_fault = slow_report  # type: ignore[method-assign]
     outcomes: dict[int, str] = {}
