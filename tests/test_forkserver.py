@@ -102,8 +102,9 @@ def test_a_forked_child_runs_the_script_as_main_with_its_own_arguments_and_envir
         assert s["gone"] is None  # the server's environment is replaced, not merged
         assert s["pid"] in (a.pid, b.pid)
     assert seen[0]["random"] != seen[1]["random"]  # seeded afresh, as a new process is
-    # The server imported with its collector off; the child's is on, with nothing frozen, as a fresh process's.
-    assert all(s["gc"] == [True, 0] for s in seen), [s["gc"] for s in seen]
+    # The server imported with its collector off and froze what it imported: the child's collector is on, and
+    # its collections skip the preloaded heap (torch's objects: far more than 10,000).
+    assert all(s["gc"][0] is True and s["gc"][1] > 10_000 for s in seen), [s["gc"] for s in seen]
 
 
 def test_a_spawn_may_name_another_script_and_its_own_output_and_error(server: ForkServer, tmp_path: Path) -> None:
