@@ -48,6 +48,7 @@ Importing this package does not import torch; torch is imported when a wrapped f
 from __future__ import annotations
 
 from stalwart.restart.assignment import RankAssignment, WorldTooSmall
+from stalwart.restart.decorator import Restartable, restartable
 from stalwart.restart.errors import ProcessGroupConflict
 from stalwart.restart.interrupt import RestartInterrupt
 from stalwart.restart.peers import StateMismatch, SyncInterrupted, SyncResult, sync_from_peers
@@ -67,14 +68,7 @@ from stalwart.restart.policies import (
     Unhealthy,
 )
 from stalwart.restart.snapshots import PeerSnapshots
-from stalwart.restart.wrapper import (
-    CallWrapper,
-    NonRetryable,
-    Restartable,
-    RestartConfig,
-    RestartExit,
-    restartable,
-)
+from stalwart.restart.wrapper import CallWrapper, NonRetryable, RestartConfig, RestartExit
 
 __all__ = [
     "Abort",

@@ -26,15 +26,13 @@ restarts, when it is unhealthy, when too few processes are left, or when its rou
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any
 
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord, failure_info
@@ -81,22 +79,18 @@ from stalwart.restart.protocol import (
     verdict,
 )
 from stalwart.restart.relay import RelayClient
-from stalwart.restart.rounds import run_rounds
 from stalwart.restart.user_group import InitStandIn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallWrapper", "NonRetryable", "RestartConfig", "RestartExit", "Restartable", "restartable"]
-
-P = ParamSpec("P")
-R = TypeVar("R")
+__all__ = ["CallWrapper", "NonRetryable", "RestartConfig", "RestartExit", "Session"]
 
 
 class CallWrapper:
     """What the training function may receive (as a parameter named ``call_wrapper`` or annotated with
     this class): where it is in the job, and hooks to report progress and protect critical sections."""
 
-    def __init__(self, session: _Session, iteration: int, rank: int, world_size: int) -> None:
+    def __init__(self, session: Session, iteration: int, rank: int, world_size: int) -> None:
         self._session = session
         #: In-process restart iteration (0 for the first run; also the number of restarts so far).
         self.iteration = iteration
@@ -127,7 +121,7 @@ class _Finished:
     result: Any
 
 
-class _Session:
+class Session:
     """One rank process's run of a restartable function: etcd client, monitor, the loop."""
 
     def __init__(self, env: RankEnvironment, config: RestartConfig, rounds: RoundWatch | None = None) -> None:
@@ -508,62 +502,3 @@ class _Session:
         with group_released_last(ctx.group.retired, collect=True):
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def _injection(fn: Callable[..., Any]) -> str | None:
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    for name, p in sig.parameters.items():
-        ann = p.annotation
-        if name == "call_wrapper" or ann is CallWrapper or ann == "CallWrapper":
-            return name
-    return None
-
-
-class Restartable(Generic[P, R]):
-    """The callable :func:`restartable` returns. Calling it runs the function with in-process restarts
-    and returns its result (``None`` on a process that stayed a spare until the end)."""
-
-    def __init__(self, fn: Callable[P, R], config: RestartConfig, explicit: frozenset[str] = frozenset()) -> None:
-        self.fn = fn
-        self.config = config
-        #: The options the decorator set: the job's settings do not override them.
-        self.explicit = explicit
-        self._inject = _injection(fn)
-        functools.update_wrapper(self, fn)
-
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        return run_rounds(_Session, self.config, self.explicit,  # type: ignore[no-any-return]
-                          lambda s, prepared: s.run(self.fn, tuple(args), dict(kwargs), self._inject, prepared))
-
-
-@overload
-def restartable(fn: Callable[P, R], /) -> Restartable[P, R]: ...
-
-
-@overload
-def restartable(fn: None = None, /, **options: Any) -> Callable[[Callable[P, R]], Restartable[P, R]]: ...
-
-
-def restartable(fn: Callable[P, R] | None = None, /, **options: Any) \
-        -> Restartable[P, R] | Callable[[Callable[P, R]], Restartable[P, R]]:
-    """Make a training function restartable in process. Use as ``@restartable`` or
-    ``@restartable(max_restarts=5, soft_timeout=30, ...)``; the options are :class:`RestartConfig`'s and are
-    validated here, at decoration time. Under a TrainingJob, ``max_restarts``, ``soft_timeout``,
-    ``hard_timeout`` and ``barrier_timeout`` not given here come from its ``restartPolicy.inProcess``. The
-    process must run under ``stalwart agent`` (which sets the ``STALWART_*`` environment).
-
-    ``prepare=fn`` (a callable taking no arguments) builds what does not depend on the world once per
-    process, before its first round; a warm spare runs it while it waits parked. The function receives its
-    result as ``call_wrapper.prepared`` (see :mod:`stalwart.restart.rounds`)."""
-    config = RestartConfig(**options)
-    explicit = frozenset(options)
-
-    def decorate(f: Callable[P, R]) -> Restartable[P, R]:
-        if not callable(f):
-            raise TypeError(f"restartable: expected a function, got {f!r}")
-        return Restartable(f, config, explicit)
-
-    return decorate(fn) if fn is not None else decorate

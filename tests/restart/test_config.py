@@ -26,8 +26,8 @@ from stalwart.restart import (
     Unhealthy,
     restartable,
 )
+from stalwart.restart.decorator import _injection
 from stalwart.restart.environment import RankEnvironment
-from stalwart.restart.wrapper import _injection
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
