@@ -205,6 +205,8 @@ def phase_rows(impl: str, fault: str, params: int, workers: int, found: Recovery
             row["first_knower"] = found.first_knower
         if ph == "round" and found.barrier is not None:
             row["barrier"] = round(found.barrier, 3)  # of it: the wrapper's session and barrier
+        if ph == "round" and found.leave is not None:
+            row["left"] = round(found.leave, 3)  # from the fault: the last survivor out of its training function
         if ph == "copy" and found.copy_bytes:
             row["bytes"] = found.copy_bytes
         rows.append(row)
@@ -239,7 +241,7 @@ def mark_rows(impl: str, fault: str, params: int, workers: int, records: list[Pr
             if m is None:
                 continue
             out.append({**base, "metric": "rank_marks", "node": rec.node_id, "rank": r.rank,
-                        "iteration": m.iteration, "knew": rel(m.knew), "entered": rel(m.entered),
+                        "iteration": m.iteration, "knew": rel(m.knew), "left": rel(m.left), "entered": rel(m.entered),
                         "sealed": rel(m.sealed), "group": rel(m.group), "prepare_end": rel(m.prepare_end),
                         "prepare_parked": m.prepare_parked, "copy_start": rel(m.copy_start),
                         "copy_end": rel(m.copy_end), "copy_role": m.copy_role, "first_step": rel(r.first_step_time)})

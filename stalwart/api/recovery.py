@@ -57,6 +57,9 @@ class RecoveryPhases:
     #: Of ``round``: from the last rank taking up the new round (its handover) to the last one past the barrier
     #: (the restart wrapper's session and barrier); None when a rank did not mark it.
     barrier: float | None = None
+    #: Of ``detect`` and ``round``: from the fault to the last rank of the new world leaving the training function
+    #: it was running (an interrupt waits for native compute in flight); None when none of them was running one.
+    leave: float | None = None
 
     def of(self, phase: str) -> float | None:
         if phase not in PHASES:
@@ -115,7 +118,9 @@ def phases(fault: float, ranks: Sequence[RankRecovery], agents_saw: Sequence[tup
     took_up = _latest([r.marks.entered for r in ranks])
     sealed = marks[1]
     barrier = None if took_up is None or sealed is None else max(0.0, sealed - max(took_up, fault))
+    lefts = [min(m.left, end) - fault for r in ranks if (m := r.marks).left is not None and m.left >= fault]
     return RecoveryPhases(seconds=tuple(zip(PHASES, out, strict=True)), raw=end - fault, barrier=barrier,
+                          leave=max(lefts, default=None),
                           copy_bytes=max(received, default=0),
                           copy_sources=max((m.copy_sources for m in copiers), default=0),
                           first_knower=detect[1] if detect else "")

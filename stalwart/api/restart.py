@@ -240,6 +240,10 @@ class RecoveryMarks(ApiModel):
     knew: float | None = Field(
         default=None, description=("When this process first learned of the fault the iteration recovers from "
                                    "(None: it learned of none, e.g. a process started for the iteration)."))
+    left: float | None = Field(
+        default=None, description=("When this process left the training function of the interrupted iteration (an "
+                                   "interrupt waits for native compute in flight to return to Python; None: it "
+                                   "ran none, e.g. a spare or a process started for the iteration)."))
     entered: float | None = Field(
         default=None, description="When the process took up the iteration's round (its handover, or its start).")
     sealed: float = Field(description="When the process passed the iteration's barrier (its rank known).")

@@ -3,9 +3,10 @@
 
 For the iteration it runs, the process keeps when it first learned of the fault that iteration recovers from
 (``knew``: an interrupt, an error of its own collective, a spare's wait ending in a fault, a handover to a
-newer round), when it passed the iteration's barrier, when its process group was built, when the decorator's
-prepare hook ran (once per process), and what ``sync_from_peers`` moved. The earliest knowledge of a fault is
-kept until an iteration completes its first step: a fault during a recovery extends that recovery.
+newer round), when it then left its training function (``left``), when it passed the iteration's barrier,
+when its process group was built, when the decorator's prepare hook ran (once per process), and what
+``sync_from_peers`` moved. The earliest knowledge of a fault, and the first leaving after it, are kept until an
+iteration completes its first step: a fault during a recovery extends that recovery.
 
 State is per process (a module's), not per session: a process handed over to a new round keeps what it knew
 in the old one. The session's monitor attaches a sink that puts each new record into the status file; the
@@ -21,11 +22,12 @@ from typing import Literal
 
 from stalwart.api.restart import RecoveryMarks
 
-__all__ = ["attach", "copied", "current", "detach", "entered", "group_built", "knew", "prepared", "reset",
+__all__ = ["attach", "copied", "current", "detach", "entered", "group_built", "knew", "left", "prepared", "reset",
            "sealed", "stepped"]
 
 _lock = threading.Lock()
 _knew: float | None = None
+_left: float | None = None
 _entered: float | None = None
 _prepare: tuple[float, float, bool] | None = None
 _marks: RecoveryMarks | None = None
@@ -58,6 +60,15 @@ def knew(at: float | None = None) -> None:
             _knew = t
 
 
+def left(at: float | None = None) -> None:
+    """The process left its training function after a fault (``at``: when; now by default). The first time
+    since the last first step counts: how long the fault's interruption took to take effect."""
+    global _left
+    with _lock:
+        if _left is None:
+            _left = time.time() if at is None else at
+
+
 def entered(at: float | None = None) -> None:
     """The process takes up a round: its first session, or the one its handover to a newer round begins."""
     global _entered
@@ -77,7 +88,7 @@ def sealed(iteration: int, epoch: int | None, at: float | None = None) -> None:
     global _marks
     with _lock:
         prep = _prepare
-        _marks = RecoveryMarks(epoch=epoch, iteration=iteration, knew=_knew, entered=_entered,
+        _marks = RecoveryMarks(epoch=epoch, iteration=iteration, knew=_knew, left=_left, entered=_entered,
                                sealed=time.time() if at is None else at,
                                prepare_start=prep[0] if prep else None, prepare_end=prep[1] if prep else None,
                                prepare_parked=prep[2] if prep else False)
@@ -97,9 +108,9 @@ def copied(start: float, end: float, nbytes: int, role: Literal["sent", "receive
 
 def stepped() -> None:
     """The iteration completed its first step: the fault it recovered from is behind."""
-    global _knew
+    global _knew, _left
     with _lock:
-        _knew = None
+        _knew, _left = None, None
 
 
 def current() -> RecoveryMarks | None:
@@ -124,6 +135,6 @@ def detach(sink: Callable[[RecoveryMarks], None]) -> None:
 
 def reset() -> None:
     """Forget everything (a test's fresh start)."""
-    global _knew, _entered, _prepare, _marks, _sink
+    global _knew, _left, _entered, _prepare, _marks, _sink
     with _lock:
-        _knew, _entered, _prepare, _marks, _sink = None, None, None, None, None
+        _knew, _left, _entered, _prepare, _marks, _sink = None, None, None, None, None, None

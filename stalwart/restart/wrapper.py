@@ -415,7 +415,9 @@ class Session:
             raise RestartExit(ExitCode.NON_RETRYABLE, f"{exception_name(e)}: {e}") from e
         except (RestartInterrupt, Exception) as e:
             self.interrupter.leave_user_code()
-            phase_marks.knew()
+            now = time.time()
+            phase_marks.knew(now)
+            phase_marks.left(now)
             fault = e
         if fault is None:
             try:

@@ -69,6 +69,19 @@ def test_the_barrier_part_of_round_runs_from_the_last_handover() -> None:
     assert phases(FAULT, [RankRecovery(SURVIVOR, FAULT + 2.5)]).barrier is None  # type: ignore[union-attr]
 
 
+def test_leave_is_the_last_survivor_out_of_its_training_function() -> None:
+    # Two survivors: one left its function 0.4 s after the fault, one (in a long native call) 1.9 s after.
+    quick = SURVIVOR.model_copy(update={"left": FAULT + 0.4})
+    slow = SURVIVOR.model_copy(update={"left": FAULT + 1.9})
+    got = phases(FAULT, [RankRecovery(quick, FAULT + 2.5), RankRecovery(slow, FAULT + 2.5),
+                         RankRecovery(SPARE, FAULT + 2.6)])
+    assert got is not None and got.leave == pytest.approx(1.9)
+    # A spare ran no function, and a leaving before the fault (an earlier recovery's) is not this one's.
+    stale = SURVIVOR.model_copy(update={"left": FAULT - 3.0})
+    got = phases(FAULT, [RankRecovery(stale, FAULT + 2.5), RankRecovery(SPARE, FAULT + 2.6)])
+    assert got is not None and got.leave is None
+
+
 def test_copy_bytes_and_rate_come_from_the_receivers() -> None:
     got = phases(FAULT, [RankRecovery(SURVIVOR, FAULT + 2.5), RankRecovery(SPARE, FAULT + 2.6)])
     assert got is not None
