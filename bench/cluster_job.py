@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -20,6 +21,7 @@ from stalwart.api.restart import ProgressRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store, StoreError
 from stalwart.local.cluster import LocalCluster
+from stalwart.local.settings import LocalClusterSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 Events = list[dict[str, Any]]
@@ -40,12 +42,16 @@ def parse(text: str) -> Events:
 @contextlib.contextmanager
 def operated_cluster(namespace: str, prefix: str) -> Iterator[LocalCluster]:
     """A local cluster of three nodes with the CRD, ``namespace`` and an embedded operator watching it (its
-    status every 0.5 s); all of it stopped at the end."""
+    status every 0.5 s); all of it stopped at the end. ``$STALWART_LOCAL_NETWORK`` picks the nodes' network as
+    the tests' sessions take it (auto: a namespace per node when run as root, its traffic over veth pairs and a
+    bridge; loopback: every pod on the host's loopback, as an anchor that runs outside the cluster is)."""
     from stalwart.operator.embedded import EmbeddedOperator
     from stalwart.operator.handlers import OperatorRunConfig
     from stalwart.operator.model import ReconcileSettings
 
-    cluster = LocalCluster.up(Path(tempfile.mkdtemp(prefix=prefix)), nodes=3, timeout=120.0)
+    network = os.environ.get("STALWART_LOCAL_NETWORK", "auto")
+    cluster = LocalCluster.up(Path(tempfile.mkdtemp(prefix=prefix)), nodes=3, timeout=120.0,
+                              settings=LocalClusterSettings(network=network))
     try:
         cluster.kubectl("apply", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
         cluster.kubectl("create", "namespace", namespace)
