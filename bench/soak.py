@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from bench.log_window import pod_logs_between  # noqa: E402
 from stalwart.api.exit_codes import ExitCode  # noqa: E402
 from stalwart.demo import EXAMPLE, JOB_NAMESPACE, DemoOptions, Installation, demo_job  # noqa: E402
 from stalwart.drill.core import RankPoint, Recovery, standing  # noqa: E402
@@ -318,6 +319,10 @@ class Soak:
         if seen not in allowed:
             problems.append(f"phases seen {seen}")
         problems += self.judge_events(kind, before_events)
+        if problems:  # what the pods said around the fault, for a failure seen once (under load, in CI)
+            self.say("\n".join([f"   the pods' logs from 1 s before fault {index} to 15 s after it:",
+                                 *pod_logs_between(self.directory / "cluster" / "pods", injected - 1.0,
+                                                   injected + 15.0)]))
         return Outcome(index, kind, target, rec.seconds, rec.recomputed, problems)
 
     def deltas(self, kind: str, last_failure: JSON | None = None) -> tuple[int, int, int]:
