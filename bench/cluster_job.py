@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -21,7 +20,7 @@ from stalwart.api.restart import ProgressRecord
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import Store, StoreError
 from stalwart.local.cluster import LocalCluster
-from stalwart.local.settings import LocalClusterSettings
+from stalwart.local.settings import LocalClusterSettings, network_from_env
 
 ROOT = Path(__file__).resolve().parent.parent
 Events = list[dict[str, Any]]
@@ -49,9 +48,8 @@ def operated_cluster(namespace: str, prefix: str) -> Iterator[LocalCluster]:
     from stalwart.operator.handlers import OperatorRunConfig
     from stalwart.operator.model import ReconcileSettings
 
-    network = os.environ.get("STALWART_LOCAL_NETWORK", "auto")
     cluster = LocalCluster.up(Path(tempfile.mkdtemp(prefix=prefix)), nodes=3, timeout=120.0,
-                              settings=LocalClusterSettings(network=network))
+                              settings=LocalClusterSettings(network=network_from_env()))
     try:
         cluster.kubectl("apply", "-f", str(ROOT / "crds" / "trainingjob.yaml"))
         cluster.kubectl("create", "namespace", namespace)

@@ -60,7 +60,7 @@ from stalwart.drill.session import DrillOptions, DrillSession  # noqa: E402
 from stalwart.etcd.store import Store, StoreError  # noqa: E402
 from stalwart.examples.train import CHECKPOINT_DIR_ENV, CHECKPOINT_NAME  # noqa: E402
 from stalwart.local.cluster import LocalCluster  # noqa: E402
-from stalwart.local.settings import LocalClusterSettings  # noqa: E402
+from stalwart.local.settings import LocalClusterSettings, network_from_env  # noqa: E402
 from stalwart.net import free_port  # noqa: E402
 
 JSON = dict[str, Any]
@@ -191,10 +191,9 @@ class Soak:
         # A lost node is noticed after 3 s (a real cluster's node-monitor grace period is 40 s): what is measured
         # is stalwart's recovery, not the wait for Kubernetes to call a node lost.
         # The network mode as the test sessions take it: $STALWART_LOCAL_NETWORK (auto, netns or loopback).
-        network = os.environ.get("STALWART_LOCAL_NETWORK", "auto")
         self.cluster = LocalCluster.up(self.directory / "cluster", nodes=3, timeout=120.0, owner_pid=os.getpid(),
                                        settings=LocalClusterSettings(node_monitor_grace_period=3.0,
-                                                                     network=network))
+                                                                     network=network_from_env()))
         self.install = Installation(self.cluster)
         self.install.install_chart()
         wait_for("the operator pod to be ready", self.install.operator_ready, 180)

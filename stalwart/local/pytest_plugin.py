@@ -32,13 +32,12 @@ import pytest
 
 from stalwart.local import exitcheck
 from stalwart.local.cluster import LocalCluster
-from stalwart.local.settings import LocalClusterSettings
+from stalwart.local.settings import LocalClusterSettings, network_from_env
 
 #: The session cluster's settings: node loss is noticed after 3 s instead of 40 s; the network mode is
 #: ``$STALWART_LOCAL_NETWORK`` (auto, netns or loopback; default auto: a namespace per node when run as root), so
 #: that a suite can be run in either mode.
-TEST_SETTINGS = LocalClusterSettings.model_validate({
-    "node_monitor_grace_period": 3.0, "network": os.environ.get("STALWART_LOCAL_NETWORK", "auto")})
+TEST_SETTINGS = LocalClusterSettings(node_monitor_grace_period=3.0, network=network_from_env())
 
 
 @pytest.fixture(scope="session")

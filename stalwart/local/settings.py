@@ -9,6 +9,8 @@ than this machine's, so that what schedules is the same on every machine.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -66,3 +68,18 @@ class LocalClusterSettings(BaseModel):
         if self.node_gpus:
             out[GPU_RESOURCE] = str(self.node_gpus)
         return out
+
+
+#: The variable that picks the nodes' network for a test session or a benchmark's cluster.
+NETWORK_ENV = "STALWART_LOCAL_NETWORK"
+NetworkMode = Literal["auto", "netns", "loopback"]
+_MODES: tuple[NetworkMode, ...] = ("auto", "netns", "loopback")
+
+
+def network_from_env(environ: Mapping[str, str] = os.environ) -> NetworkMode:
+    """The network mode ``$STALWART_LOCAL_NETWORK`` names (``auto`` when unset), so that a suite or a benchmark
+    can run its clusters in either mode; a value that names none is refused, naming the variable."""
+    value = environ.get(NETWORK_ENV, "auto")
+    if value not in _MODES:
+        raise ValueError(f"{NETWORK_ENV}: expected one of {', '.join(_MODES)}, got {value!r}")
+    return value
