@@ -57,6 +57,10 @@ def _claim(port: int) -> bool:
         return True
 
 
+#: Not the global generator, which belongs to the user's script; drawn from the OS, so forked processes differ.
+_DRAW = random.SystemRandom()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` at the time of the call, for a caller that binds it soon after: drawn at random
     outside the ephemeral range, so that no outgoing connection takes it meanwhile, and not one another caller
@@ -66,7 +70,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     high = min(HIGH_PORT, ephemeral_low())
     if high - LOW_PORT >= 1000:
         for _ in range(_TRIES):
-            port = random.randrange(LOW_PORT, high)
+            port = _DRAW.randrange(LOW_PORT, high)
             if bindable(host, port) and _claim(port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -18,6 +18,7 @@ PLACES = {
     "net": "everywhere: small network helpers that import nothing of ours",
     "procfs": "everywhere: what the kernel says of a process (the agent and the local cluster ask it)",
     "exits": "everywhere: how a process ends within a bound, its streams closed first",
+    "jitter": "everywhere: our own random generator (retry jitter, names), not the user's global one",
     "forkserver": "once per pod, in the training command's interpreter: imports torch once, forks the ranks",
     "operator": "the operator pod",
     "agent": "once per pod: rendezvous, supervision of the rank processes, progress, drills, handover",
@@ -57,9 +58,9 @@ RULES = (
          importers=("restart",), forbidden=("rpc", "rref")),
     Rule("rref-over-rpc-only", "rref builds on rpc alone of the rank processes' packages, never on restart",
          importers=("rref",), forbidden=("restart",)),
-    Rule("leaves-import-nothing", "net, procfs and exits are used from every layer, so they import nothing of "
-                                  "stalwart (an import there could close a cycle through any unit)",
-         importers=("net", "procfs", "exits"), forbidden=("*",)),
+    Rule("leaves-import-nothing", "net, procfs, exits and jitter are used from every layer, so they import nothing "
+                                  "of stalwart (an import there could close a cycle through any unit)",
+         importers=("net", "procfs", "exits", "jitter"), forbidden=("*",)),
     Rule("forkserver-alone", "the fork server runs before anything of stalwart is set up, in the training "
                              "command's interpreter: it imports nothing of stalwart (it preloads by name)",
          importers=("forkserver",), forbidden=("*",)),

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from stalwart.etcd.errors import StoreError
+from stalwart.jitter import RNG
 
 if TYPE_CHECKING:
     from stalwart.etcd.store import Store
@@ -69,7 +69,7 @@ class KeepAlive:
                 except StoreError as e:
                     log.warning("lease %x keep-alive failed, retrying: %s", lid, e)
                     self._overdue(lid, ttl)
-                    retry = min(1.0, ttl / 6) * (0.5 + random.random())
+                    retry = min(1.0, ttl / 6) * (0.5 + RNG.random())
                     with self._lock:
                         if lid in self._leases:
                             self._leases[lid] = (ttl, time.monotonic() + retry)
@@ -81,7 +81,7 @@ class KeepAlive:
                         log.warning("lease %x has expired; its keys are gone", lid)
                     elif lid in self._leases:
                         self._answered[lid] = time.monotonic()
-                        jitter = 0.9 + 0.2 * random.random()
+                        jitter = 0.9 + 0.2 * RNG.random()
                         self._leases[lid] = (ttl, time.monotonic() + ttl / 3 * jitter)
             with self._lock:
                 nxt = min((at for _, at in self._leases.values()), default=time.monotonic() + 1.0)

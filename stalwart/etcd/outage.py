@@ -10,13 +10,13 @@ are table-tested; :class:`Outage` is the small stateful shell that the I/O loops
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from stalwart.api.base import positive_seconds
+from stalwart.jitter import RNG
 
 __all__ = ["Backoff", "Outage", "OutageState", "attempt_due", "on_failure", "on_success"]
 
@@ -90,7 +90,7 @@ class Outage:
     """
 
     def __init__(self, what: str, *, logger: logging.Logger, context: str = "", backoff: Backoff | None = None,
-                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = random.random) -> None:
+                 clock: Callable[[], float] = time.monotonic, rng: Callable[[], float] = RNG.random) -> None:
         self.what = what
         self.log = logger
         self.context = f"{context}: " if context else ""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
-import random
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -34,6 +33,7 @@ from stalwart.etcd.store import (
     StoreUnavailable,
     TxnResult,
 )
+from stalwart.jitter import RNG
 
 #: How often a waiter re-checks that its round is still current while no key event arrives.
 _EPOCH_CHECK_INTERVAL = 1.0
@@ -162,7 +162,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
             guard = Compare(k, "mod", "==", 0 if kv is None else kv.mod_revision)
             if self._txn([guard], [Put(k, str(new).encode())]).succeeded:
                 return new
-            time.sleep(min(0.05, 0.001 * (attempt + 1)) * random.random())
+            time.sleep(min(0.05, 0.001 * (attempt + 1)) * RNG.random())
         raise StoreError(f"add: key {key!r} changed under {_CAS_ATTEMPTS} attempts in a row")
 
     @_shielded
@@ -190,7 +190,7 @@ class EtcdTorchStore(dist.Store):  # type: ignore[misc,name-defined]
             new = (b"" if kv is None else kv.value) + _bytes(value)
             if self._txn([guard], [Put(k, new)]).succeeded:
                 return
-            time.sleep(min(0.05, 0.001 * (attempt + 1)) * random.random())
+            time.sleep(min(0.05, 0.001 * (attempt + 1)) * RNG.random())
         raise StoreError(f"append: key {key!r} changed under {_CAS_ATTEMPTS} attempts in a row")
 
     @_shielded

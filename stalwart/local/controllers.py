@@ -16,10 +16,10 @@ import copy
 import hashlib
 import json
 import logging
-import random
 import string
 from typing import Any
 
+from stalwart.jitter import RNG
 from stalwart.local.apiserver.objects import ApiError, Event, ObjectStore, now_rfc3339
 from stalwart.local.apiserver.selectors import labels_match, selector_from_label_selector_object
 from stalwart.local.loop import ControlLoop
@@ -129,7 +129,7 @@ class Controllers(ControlLoop):
 
     def _create_pod(self, d: JSON, template: JSON, h: str) -> None:
         meta = d["metadata"]
-        suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+        suffix = "".join(RNG.choices(string.ascii_lowercase + string.digits, k=5))
         pmeta = copy.deepcopy(template.get("metadata") or {})
         pmeta["name"] = f"{meta['name']}-{h[:8]}-{suffix}"
         pmeta["namespace"] = meta["namespace"]

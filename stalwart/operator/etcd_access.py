@@ -8,7 +8,6 @@ All methods are synchronous (the Store is); the operator calls them through ``as
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,6 +18,7 @@ from stalwart.api.rendezvous import ClosedRecord, ExpectedNodes, FenceRecord
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.keys import FENCED, ROOT, JobKeys
 from stalwart.etcd.store import Get, Put, Store, StoreError
+from stalwart.jitter import RNG
 from stalwart.operator import metrics
 from stalwart.operator.model import EtcdView
 from stalwart.operator.observe import etcd_view, fault_entries
@@ -152,7 +152,7 @@ class EtcdAccess:
                 if self._stop.is_set():
                     return
                 log.debug("etcd watch on %s failed (%s); retrying in %.1fs", store.endpoints, e, backoff)
-                self._stop.wait(backoff * random.uniform(0.5, 1.5))
+                self._stop.wait(backoff * RNG.uniform(0.5, 1.5))
                 backoff = min(backoff * 2, 5.0)
 
     def close(self) -> None:

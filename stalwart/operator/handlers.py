@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import random
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from stalwart.api.trainingjob import GROUP, PLURAL, VERSION
 from stalwart.etcd.client import EtcdCredentials
 from stalwart.etcd.keys import JobKeys
 from stalwart.etcd.store import StoreError
+from stalwart.jitter import RNG
 from stalwart.operator import provenance
 from stalwart.operator.etcd_access import EtcdAccess
 from stalwart.operator.job_login import JobClient, retire
@@ -224,7 +224,7 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
                 if decision is not None and any(isinstance(a, DeleteJob) for a in decision.actions):
                     return
                 if decision is None:
-                    timeout = min(30.0, 0.5 * 2 ** min(failures, 6)) * random.uniform(0.8, 1.2)
+                    timeout = min(30.0, 0.5 * 2 ** min(failures, 6)) * RNG.uniform(0.8, 1.2)
                 else:
                     timeout = min(decision.requeue_after if decision.requeue_after is not None
                                   else ctx.settings.resync_interval, ctx.settings.resync_interval)
@@ -274,7 +274,7 @@ def build_registry(config: OperatorRunConfig, kube: Kube) -> kopf.OperatorRegist
                 kopf.warn(body, reason="EtcdCleanupFailed", message=message)
                 return
             raise kopf.TemporaryError(f"etcd prefix deletion failed: {e}",
-                                      delay=random.uniform(2.0, 6.0)) from e
+                                      delay=RNG.uniform(2.0, 6.0)) from e
         log.info("job %s/%s: deleted %d etcd key(s) under %s", namespace, name, deleted, keys.prefix)
 
     return registry
@@ -310,7 +310,7 @@ async def operate(config: OperatorRunConfig, kube: Kube, *,
     standalone = config.peering is None
     # kopf lets the peer with the highest priority work and pauses the others; equal priorities would all
     # work at once, so each replica draws its own unless told.
-    priority = config.priority if config.priority is not None else random.randint(1, 2**31 - 1)
+    priority = config.priority if config.priority is not None else RNG.randint(1, 2**31 - 1)
     extra: dict[str, Any] = {}
     if config.identity is not None:
         extra["identity"] = config.identity  # kopf's Identity is a NewType of str

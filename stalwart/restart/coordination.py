@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
@@ -35,6 +34,7 @@ from stalwart.etcd.store import (
     WatchEvent,
     WatchRange,
 )
+from stalwart.jitter import RNG
 from stalwart.restart.protocol import EpochView, apply_changes, completes, parse_view, stale_iterations
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class Coordinator:
                 if time.monotonic() + backoff > deadline:
                     raise
                 self.outage.failed(f"{what}: {e}")
-                time.sleep(backoff * (0.5 + random.random()))
+                time.sleep(backoff * (0.5 + RNG.random()))
                 backoff = min(backoff * 2, 1.0)
             else:
                 self.outage.ok()

@@ -18,7 +18,6 @@ import ctypes
 import faulthandler
 import logging
 import os
-import random
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ from stalwart.api.exit_codes import ExitCode
 from stalwart.api.restart import FaultRecord, RankStatus, failure_info
 from stalwart.etcd.keys import ALIVE, FAULT
 from stalwart.etcd.store import StoreError, Watch, WatchEvent, WatchRange
+from stalwart.jitter import RNG
 from stalwart.restart import phase_marks, snapshot_held
 from stalwart.restart.coordination import Coordinator
 from stalwart.restart.interrupt import Interrupter
@@ -351,7 +351,7 @@ class Monitor:
                         backoff = 0.1
                     except StoreError as e:
                         self.coord.outage.failed(f"fault watch: {e}")  # logged once per outage
-                        reopen_at = time.monotonic() + backoff * (0.5 + random.random())
+                        reopen_at = time.monotonic() + backoff * (0.5 + RNG.random())
                         backoff = min(backoff * 2, 2.0)
                 ev = None
                 if watch is None:

@@ -10,7 +10,6 @@ simulates many nodes shares one Store (one gRPC channel), one watch and one driv
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +55,7 @@ from stalwart.etcd.fence import Fence, StaleEpoch
 from stalwart.etcd.keys import EXPECTED, NODES, REQUEST, SEALER, JobKeys
 from stalwart.etcd.outage import Outage
 from stalwart.etcd.store import Compare, Get, Put, Store, StoreError, WatchEvent, WatchRange
+from stalwart.jitter import RNG
 
 log = logging.getLogger(__name__)
 
@@ -220,11 +220,11 @@ class Rendezvous:
                 self.last_error = e
                 self._outage.failed(e)  # logs once per outage
                 self._wake_handles(all_=True)
-                self._stop.wait(backoff * (0.5 + random.random()))
+                self._stop.wait(backoff * (0.5 + RNG.random()))
                 backoff = min(2.0, backoff * 2)
             except Exception:
                 log.exception("rendezvous %s: driver failed; restarting it", self.prefix)
-                self._stop.wait(backoff * (0.5 + random.random()))
+                self._stop.wait(backoff * (0.5 + RNG.random()))
                 backoff = min(2.0, backoff * 2)
             finally:
                 if watch is not None:
@@ -272,7 +272,7 @@ class Rendezvous:
             pass  # the round is over already (a newer one was sealed, or this sealer's key is gone)
         except StoreError as e:
             log.warning("rendezvous %s: ending the round of epoch %d failed: %s", self.prefix, end.epoch, e)
-            self._seal_retry_at = time.monotonic() + 0.2 + 0.3 * random.random()
+            self._seal_retry_at = time.monotonic() + 0.2 + 0.3 * RNG.random()
 
     def _claim(self, claim: Claim) -> None:
         key = self.prefix + SEALER
@@ -282,7 +282,7 @@ class Rendezvous:
                                  [Put(key, SealerRecord(node_id=claim.node_id).to_json_bytes(), claim.lease)])
         except StoreError as e:
             log.warning("rendezvous %s: claiming the sealer's key for %s failed: %s", self.prefix, claim.node_id, e)
-            self._claim_retry_at = time.monotonic() + 0.2 + 0.3 * random.random()
+            self._claim_retry_at = time.monotonic() + 0.2 + 0.3 * RNG.random()
             return
         if res.succeeded:
             log.info("rendezvous %s: node %s is the sealer", self.prefix, claim.node_id)
@@ -292,7 +292,7 @@ class Rendezvous:
             res = self.store.txn(*seal_txn(self.prefix, seal))
         except (StoreError, ValueError) as e:
             log.warning("rendezvous %s: sealing round %d failed: %s", self.prefix, seal.manifest.round, e)
-            self._seal_retry_at = time.monotonic() + 0.2 + 0.3 * random.random()
+            self._seal_retry_at = time.monotonic() + 0.2 + 0.3 * RNG.random()
             return
         if res.succeeded:
             m = seal.manifest
@@ -301,7 +301,7 @@ class Rendezvous:
                      m.reason)
         else:
             # Another view of etcd is newer than ours; the watch will bring it. Retry only if it does not.
-            self._seal_retry_at = time.monotonic() + 0.2 + 0.3 * random.random()
+            self._seal_retry_at = time.monotonic() + 0.2 + 0.3 * RNG.random()
 
     def _notify(self, old: View, new: View, event: Event,
                 listeners: list[Callable[[RoundEvent], None]]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -36,6 +35,7 @@ from stalwart.etcd.fence import Fence
 from stalwart.etcd.keys import CLOSED, NODES, REQUEST, SEALER
 from stalwart.etcd.outage import Backoff
 from stalwart.etcd.store import Compare, Get, KeyValue, Op, Put, StoreError, StoreUnavailable, Txn
+from stalwart.jitter import RNG
 
 if TYPE_CHECKING:
     from stalwart.agent.rendezvous.driver import Rendezvous
@@ -121,7 +121,7 @@ class NodeHandle:
                 if time.monotonic() + backoff >= deadline:
                     raise RendezvousTimeout(f"node {self.node_id}: etcd unreachable while joining: {e}") from e
                 self.rdzv._outage.failed(f"node {self.node_id} joining: {e}")  # logs once per outage
-                self._pause(backoff * (0.5 + random.random()))
+                self._pause(backoff * (0.5 + RNG.random()))
                 backoff = min(2.0, backoff * 2)
 
     def _registration(self, value: bytes, lease: int) -> list[Op]:
@@ -213,7 +213,7 @@ class NodeHandle:
                     # A fenced node (its lease revoked because it is no longer one of the job's) would lose
                     # each new key at once: back off, so that it does not hammer etcd until it is stopped.
                     self._key_losses += 1
-                    delay = min(KEY_LOSS_BACKOFF.delay(self._key_losses, random.random()),
+                    delay = min(KEY_LOSS_BACKOFF.delay(self._key_losses, RNG.random()),
                                 max(0.0, deadline - time.monotonic()))
                     log.warning("node %s: key lost (lease expired or revoked, %d in a row); registering again "
                                 "in %.1fs", self.node_id, self._key_losses, delay)

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-import random
 import string
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+from stalwart.jitter import RNG
 from stalwart.local.apiserver import crds, deletion, fieldmanager, namespaces
 from stalwart.local.apiserver.admission import WriteOptions, admit
 from stalwart.local.apiserver.catalog import Registry, ResourceInfo
@@ -170,7 +170,7 @@ class ObjectStore:
             if not meta.get("generateName"):
                 raise invalid(info, "", [Problem("metadata.name", "FieldValueRequired",
                                                  "Required value: name or generateName is required")])
-            suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+            suffix = "".join(RNG.choices(string.ascii_lowercase + string.digits, k=5))
             meta["name"] = f"{meta['generateName']}{suffix}"
         if info.namespaced:
             namespace = namespaces.creatable(self.storage, info, namespace, meta)
