@@ -295,8 +295,8 @@ class Soak:
         before_events = self.events()
         pts = session.current_points()
         position, step_before = standing(pts)
-        injected = time.time()
-        target, rank = self.inject(kind, rng, pts)
+        chose = time.time()
+        target, rank, injected = self.inject(kind, rng, pts)
         if kind in ("etcd-restart", "operator-restart"):
             rec = self.went_on(step_before, injected)
         else:
@@ -319,7 +319,8 @@ class Soak:
             problems.append(f"phases seen {seen}")
         problems += self.judge_events(kind, before_events)
         if problems:  # what the pods said around the fault, for a failure seen once (under load, in CI)
-            self.say("\n".join([f"   the pods' logs from 1 s before fault {index} to 15 s after it:",
+            self.say("\n".join([f"   choosing the target of fault {index} took {injected - chose:.2f}s; the pods' logs "
+                                 "from 1 s before the fault to 15 s after it:",
                                  *pod_logs_between(self.directory / "cluster" / "pods", injected - 1.0,
                                                    injected + 15.0)]))
         return Outcome(index, kind, target, rec.seconds, rec.recomputed, problems)
@@ -334,20 +335,25 @@ class Soak:
             return (0, 1, 0)
         return (in_process, process, pods)
 
-    def inject(self, kind: str, rng: random.Random, pts: Sequence[RankPoint]) -> tuple[str, int | None]:
-        """Inject one fault; the target's name and (for rank faults) its rank."""
+    def inject(self, kind: str, rng: random.Random, pts: Sequence[RankPoint]) -> tuple[str, int | None, float]:
+        """Inject one fault; the target's name, (for rank faults) its rank, and the time the fault was applied.
+        That time is taken just before the call that applies it, after the lookups that choose the target: on a
+        loaded machine those (the API, etcd, kubectl) take seconds, which no recovery or detection may be
+        charged."""
         session = self._session()
         manifest = session.manifest()
         members = sorted(m.node_id for m in manifest.members) if manifest else []
         if kind in ("rank-exception", "rank-kill", "rank-hang"):
             running = sorted((p for p in pts if p.state == "running"), key=lambda p: (p.node, p.local_rank))
             p = rng.choice(running)
+            at = time.time()
             result = session.agent_fault(kind, p.node, p.local_rank)
-            return p.node, result.rank
+            return p.node, result.rank, at
         if kind in ("pod-delete", "pod-force-delete"):
             pod = rng.choice(members)
+            at = time.time()
             session.pod_fault(kind, pod)
-            return pod, None
+            return pod, None, at
         if kind == "node-loss":
             assert self.install is not None
             operator_nodes = {str((p.get("spec") or {}).get("nodeName")) for p in self.install.operator_pods()}
@@ -363,19 +369,22 @@ class Soak:
             self._lost_node = node_of[pod]
             self._lost_pods = sum(1 for node in node_of.values() if node == self._lost_node)
             self._lost_members = {m for m in members if node_of.get(m) == self._lost_node}
+            at = time.time()
             self.cluster.lose_node(self._lost_node)
-            return pod, None
+            return pod, None, at
         if kind == "etcd-restart":
+            at = time.time()
             self.restart_etcd()
-            return "etcd", None
+            return "etcd", None, at
         if kind == "operator-restart":
             assert self.install is not None
             (pod_body,) = self.install.operator_pods()
             name = pod_body["metadata"]["name"]
+            at = time.time()
             self.cluster.kubectl("delete", "pod", name, "-n", self.install.namespace, "--wait=false")
             wait_for("a new operator pod", lambda: [p for p in self.install.operator_pods()  # type: ignore[union-attr]
                                                     if p["metadata"]["name"] != name], 60)
-            return name, None
+            return name, None, at
         raise ValueError(f"unknown fault kind {kind!r}")
 
     def restart_etcd(self) -> None:
