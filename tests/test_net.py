@@ -34,7 +34,7 @@ def test_a_port_taken_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
             other.bind(("127.0.0.1", 0))
             free = other.getsockname()[1]
         draws = iter([busy, free])
-        monkeypatch.setattr(net.random, "randrange", lambda *_: next(draws))
+        monkeypatch.setattr(net._DRAW, "randrange", lambda *_: next(draws))
         assert net.free_port() == free
 
 
@@ -57,7 +57,7 @@ def test_a_port_handed_out_lately_is_not_handed_out_again(monkeypatch: pytest.Mo
         b.bind(("127.0.0.1", 0))
         first, second = a.getsockname()[1], b.getsockname()[1]
     draws = iter([first, first, second, first])
-    monkeypatch.setattr(net.random, "randrange", lambda *_: next(draws))
+    monkeypatch.setattr(net._DRAW, "randrange", lambda *_: next(draws))
     assert net.free_port() == first
     assert net.free_port() == second  # the first draw was claimed a moment ago
     old = time.time() - net.CLAIM_SECONDS - 1

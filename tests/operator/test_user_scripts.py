@@ -73,6 +73,8 @@ def test_a_step_that_always_raises_fails_the_job_with_the_reason(start_operator:
     with Store([str(local_cluster.etcd_endpoint)], timeout=10.0) as store:
         records = [ProgressRecord.from_json_bytes(kv.value) for kv in store.get_prefix(keys.progress)[0]]
     assert [r.restarts_in_process for r in records] == [2, 2] and "failed" in {r.state for r in records}
-    assert "RestartsExhausted" in jobs.events(name)
+    # The operator posts the job's Events after its status patch (the two events of this decision at once), so
+    # the status can be read before them.
+    wait_for("the RestartsExhausted event", lambda: "RestartsExhausted" in jobs.events(name), timeout=60)
     described = local_cluster.kubectl("describe", "tj", name, "-n", jobs.ns).stdout
     assert "RestartsExhausted" in described and "the loss is NaN" in described
