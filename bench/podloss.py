@@ -89,7 +89,7 @@ def hidden_for(params: int) -> int:
 def train_args(args: argparse.Namespace, params: int) -> list[str]:
     return ["--steps", str(args.steps), "--hidden", str(hidden_for(params)), "--checkpoint-every",
             str(args.checkpoint_every), "--log-every", "1", "--step-delay", str(args.step_delay),
-            "--momentum", str(args.momentum), *(["--no-warm-up-parked"] if args.cold_spare else [])]
+            "--momentum", str(args.momentum)]
 
 
 def pod_pids(pod: str) -> set[int]:
@@ -461,9 +461,6 @@ def main() -> int:
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--step-delay", type=float, default=0.02)
     p.add_argument("--momentum", type=float, default=0.9, help="the script's SGD momentum (optimizer state)")
-    p.add_argument("--cold-spare", action="store_true",
-                   help="parked spares skip the script's warm-up pass (--no-warm-up-parked): its first step after "
-                        "promotion is its process's first")
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--phases-plot", type=Path, default=None, help="draw the phases of every case to this PNG")
     p.add_argument("--phases-from", type=Path, nargs="+", default=None,

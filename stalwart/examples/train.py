@@ -73,9 +73,6 @@ import stalwart
 from stalwart.restart import CallWrapper, Restartable, sync_from_peers
 from stalwart.restart.peers import BUCKET_BYTES
 
-#: Set to "true" by the agent in a parked spare's environment (the pod contract).
-PARKED = "STALWART_PARKED"
-
 log = logging.getLogger("stalwart.examples.train")
 
 FAIL_AT_STEP_ENV = "STALWART_EXAMPLE_FAIL_AT_STEP"
@@ -121,9 +118,6 @@ class Options:
     step_delay_until_resume: bool = False
     #: the largest bucket of a state copy between peers (``sync_from_peers``'s ``bucket_bytes``)
     copy_bucket_bytes: int = BUCKET_BYTES
-    #: a parked spare runs one forward and backward pass in :func:`prepare` (its first step after promotion
-    #: is then not its process's first)
-    warm_up_parked: bool = True
 
 
 @dataclass
@@ -188,10 +182,6 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
     parser.add_argument("--copy-bucket-bytes", type=int, default=BUCKET_BYTES, metavar="BYTES",
                         help=f"the largest bucket of a state copy from a peer (default {BUCKET_BYTES}): a small "
                              "model still copies in several buckets")
-    parser.add_argument("--warm-up-parked", action=argparse.BooleanOptionalAction, default=True,
-                        help="a parked spare runs one forward and backward pass on a batch of its own while it "
-                             "waits (the parameters and the optimizer untouched, the gradients dropped), so that "
-                             "its first step after promotion is not its process's first (default: on)")
     args = parser.parse_args(argv)
     steps = _positive("--epochs", args.epochs) * _positive("--steps-per-epoch", args.steps_per_epoch) \
         if args.epochs is not None else args.steps
@@ -227,7 +217,7 @@ def parse_options(argv: Sequence[str] | None = None, env: dict[str, str] | None 
                    copy_bucket_bytes=_positive("--copy-bucket-bytes", args.copy_bucket_bytes),
                    log_every=_positive("--log-every", args.log_every), step_delay=args.step_delay,
                    fail_at_step=fail_at, fail_rank=fail_rank, fail_times=fail_times,
-                   hidden=hidden, momentum=args.momentum, warm_up_parked=args.warm_up_parked,
+                   hidden=hidden, momentum=args.momentum,
                    step_delay_until_resume=args.step_delay_until_resume,
                    step_delay_until=None if args.step_delay_until is None
                    else _positive("--step-delay-until", args.step_delay_until))
@@ -330,24 +320,10 @@ def maybe_inject_fault(opts: Options, rank: int, step: int) -> None:
 def prepare(opts: Options) -> TrainState:
     """What a rank builds before it knows its world: the model and its optimizer, at step 0 (nothing here
     depends on the rank or the process group)."""
-    if os.environ.get(FAIL_PREPARE_ENV) == "parked" and os.environ.get(PARKED) == "true":
+    if os.environ.get(FAIL_PREPARE_ENV) == "parked" and os.environ.get("STALWART_PARKED") == "true":
         raise ValueError(f"the model cannot be built here (injected: {FAIL_PREPARE_ENV}=parked)")
     model = build_model(opts.seed, opts.hidden)
-    if opts.warm_up_parked and os.environ.get(PARKED) == "true":
-        warm_up(model, opts)
     return TrainState(model, 0, make_optimizer(model, opts))
-
-
-def warm_up(model: nn.Module, opts: Options) -> None:
-    """One forward and backward pass of ``model`` on a batch no rank trains on, its gradients dropped: a
-    process's first pass pays for what later ones reuse (the allocator's pools, the autograd engine's threads, on
-    a GPU the kernels and library handles), and a promoted spare's first step would pay it while its peers wait."""
-    t0 = time.perf_counter()
-    x, y = batch(opts.seed + 1, 0, 0, opts.batch_size)  # another seed's data: no rank trains on it
-    nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
-    for p in model.parameters():
-        p.grad = None
-    emit("warmed_up", seconds=round(time.perf_counter() - t0, 3))
 
 
 def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:

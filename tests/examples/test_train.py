@@ -299,28 +299,3 @@ def test_with_momentum_a_resume_from_the_checkpoint_ends_where_a_run_without_fau
     assert [of(events, "start")[0]["step"] for _, events, _ in resumed] == [20, 20]
     # Without the momentum in the checkpoint, steps 20 to 40 would start from zero momentum and end elsewhere.
     assert _digests(resumed) == {clean}
-
-
-@pytest.mark.parametrize("case", [
-    ([], "true", True),
-    (["--no-warm-up-parked"], "true", False),
-    ([], None, False),  # an active rank's first pass is its first step: nothing to warm
-])
-def test_a_parked_spare_warms_up_without_touching_the_state(case: tuple[list[str], str | None, bool],
-                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    argv, parked, warmed = case
-    if parked is None:
-        monkeypatch.delenv(train.PARKED, raising=False)
-    else:
-        monkeypatch.setenv(train.PARKED, parked)
-    opts = train.parse_options(["--hidden", "64", "--momentum", "0.9", "--checkpoint-dir", str(tmp_path), *argv],
-                               env={})
-    state = train.prepare(opts)
-    said = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [e["event"] for e in said] == (["warmed_up"] if warmed else [])
-    fresh = train.build_model(opts.seed, opts.hidden)
-    assert all(torch.equal(a, b) for a, b in zip(state.model.state_dict().values(), fresh.state_dict().values(),
-                                                 strict=True))
-    assert all(p.grad is None for p in state.model.parameters())
-    assert state.step == 0 and not state.optimizer.state
