@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -19,6 +19,10 @@ from stalwart.local.quantity import QuantityError, parse_quantity
 
 #: The extended resource name of NVIDIA's device plugin.
 GPU_RESOURCE = "nvidia.com/gpu"
+
+
+#: How the nodes reach each other (see ``LocalClusterSettings.network``).
+NetworkMode = Literal["auto", "netns", "loopback"]
 
 
 class LocalClusterSettings(BaseModel):
@@ -36,7 +40,7 @@ class LocalClusterSettings(BaseModel):
         300, ge=0, description="tolerationSeconds of the node.kubernetes.io/not-ready toleration pods get")
     default_unreachable_toleration_seconds: int = Field(
         300, ge=0, description="tolerationSeconds of the node.kubernetes.io/unreachable toleration pods get")
-    network: Literal["auto", "netns", "loopback"] = Field(
+    network: NetworkMode = Field(
         "auto", description="netns: a network namespace per node (root only); loopback: every pod on this "
                             "machine's loopback; auto: netns where this process may make namespaces, else loopback")
 
@@ -72,8 +76,7 @@ class LocalClusterSettings(BaseModel):
 
 #: The variable that picks the nodes' network for a test session or a benchmark's cluster.
 NETWORK_ENV = "STALWART_LOCAL_NETWORK"
-NetworkMode = Literal["auto", "netns", "loopback"]
-_MODES: tuple[NetworkMode, ...] = ("auto", "netns", "loopback")
+_MODES: tuple[NetworkMode, ...] = get_args(NetworkMode)
 
 
 def network_from_env(environ: Mapping[str, str] = os.environ) -> NetworkMode:
