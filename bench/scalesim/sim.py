@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from bench.scalesim.memetcd import MemEtcd
+from stalwart.agent.progress import progress_interval
 from stalwart.etcd.store import Compare, KeyValue, Op, TxnResult, WatchEvent, WatchRange
 
 T = TypeVar("T")
@@ -246,21 +247,29 @@ class Background:
     """The steady requests a running job sends etcd beside the protocol's, as the project's code sends them:
     each rank's heartbeat lease and each node's lease refreshed every third of its TTL
     (``stalwart/etcd/leases.py``: ``heartbeat_ttl`` 10 s, ``node_ttl`` 10 s by default), and each node's
-    agent's progress record, a fenced put every ``progress_interval`` (1 s by default). A refresh costs the
-    server a read (etcd's leader renews a lease without a raft proposal), a progress write a proposal. The
-    operator's reads (one of the job's prefix per resync) and the watches' own keep-alives are not counted."""
+    agent's progress record, a fenced put every ``progress_interval``: by default what the agents' own
+    :func:`~stalwart.agent.progress.progress_interval` makes of their 1 s setting for this many nodes and the
+    default soft timeout (60 s). A refresh costs the server a read (etcd's leader renews a lease without a raft
+    proposal), a progress write a proposal. The operator's reads (one of the job's prefix per resync) and the
+    watches' own keep-alives are not counted."""
 
     ranks: int
     nodes: int
     rank_ttl: float = 10.0
     node_ttl: float = 10.0
-    progress_interval: float = 1.0
+    progress_interval: float | None = None
+
+    def writes_every(self) -> float:
+        """Seconds between one node's progress writes."""
+        if self.progress_interval is not None:
+            return self.progress_interval
+        return progress_interval(self.nodes, least=1.0, soft_timeout=60.0) if self.nodes else 1.0
 
     def rates(self) -> dict[str, float]:
         """Requests per second, by kind."""
         return {"rank_lease_refresh": self.ranks / (self.rank_ttl / 3),
                 "node_lease_refresh": self.nodes / (self.node_ttl / 3),
-                "progress_write": self.nodes / self.progress_interval}
+                "progress_write": self.nodes / self.writes_every()}
 
     def busy_per_second(self, costs: Costs, tick: float = 0.005) -> float:
         """Seconds of the server's time each second these take (its utilisation before the protocol's), as

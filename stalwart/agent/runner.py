@@ -247,7 +247,9 @@ class Agent:
                                                warm=step == "park")
                 continue
             self.reporter.join(info.round, info.epoch, self.handle.fence(), kept=step == "hand_over",
-                               ended=self.handle.end_seen, world_size=info.world_size)
+                               ended=self.handle.end_seen, world_size=info.world_size,
+                               nodes=info.header.members + info.header.spares,
+                               soft_timeout=self.job.soft_timeout_seconds if self.job is not None else None)
             if step == "hand_over":
                 self._hand_over(info)
             else:

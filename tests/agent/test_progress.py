@@ -10,13 +10,16 @@ import uuid
 import pytest
 
 from stalwart.agent.progress import (
+    MAX_PACED_INTERVAL,
     NO_STEP_GRACE,
+    PROGRESS_WRITES_PER_SECOND,
     ProcView,
     ProgressBook,
     ProgressReporter,
     exited,
     joined,
     observed,
+    progress_interval,
     record,
     respawned,
 )
@@ -149,6 +152,56 @@ def test_the_report_carries_the_soft_timeout_the_rank_uses() -> None:
     assert rank.soft_timeout == 12.5
     (unknown,) = observed(book(), [proc(status(step=3))], now=50.0, wall=WALL).ranks
     assert unknown.soft_timeout is None
+
+
+# -- how often a pod writes, by the job's size ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("nodes", "least", "soft_timeout", "expected"), [
+    (1, 1.0, 60.0, 1.0),  # a small job: the agent's setting
+    (PROGRESS_WRITES_PER_SECOND, 1.0, 60.0, 1.0),  # the largest job at one write a second per pod
+    (512, 1.0, 60.0, 2.0),  # twice that: every other second, the job's writes a second the same
+    (1024, 1.0, 60.0, 4.0),
+    (2048, 1.0, 60.0, MAX_PACED_INTERVAL),  # 16,384 ranks of 8 a pod: 8 s by the rate, held to the longest wait
+    (10_000, 1.0, None, MAX_PACED_INTERVAL),  # no soft timeout known: the same
+    (2048, 1.0, 6.0, 2.0),  # a third of the soft timeout at most: the operator judges stalls by what it reads
+    (2048, 30.0, 60.0, 30.0),  # never more often than the agent's setting
+    (4, 0.0, 60.0, 4 / PROGRESS_WRITES_PER_SECOND),  # a setting of 0 (every poll) still paced by the rate
+])
+def test_the_interval_between_writes_keeps_a_jobs_writes_within_the_rate(
+        nodes: int, least: float, soft_timeout: float | None, expected: float) -> None:
+    assert progress_interval(nodes, least=least, soft_timeout=soft_timeout) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("nodes", "least", "field"), [(0, 1.0, "nodes"), (-3, 1.0, "nodes"), (8, -1.0, "least")])
+def test_an_interval_of_a_bad_size_or_setting_names_it(nodes: int, least: float, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        progress_interval(nodes, least=least, soft_timeout=60.0)
+
+
+@pytest.mark.integration
+def test_a_pod_of_a_large_round_writes_its_record_at_the_rounds_pace(store: Store) -> None:
+    keys = JobKeys("default", f"u-{uuid.uuid4().hex[:8]}")
+    epoch = store.put(keys.rendezvous + MANIFEST, b"{}")
+
+    def writes_in(seconds: float, nodes: int) -> int:
+        """Publish as the agent's poll loop does, every 50 ms; how many records reached etcd."""
+        reporter = ProgressReporter(store, keys, "n0", interval=0.1, context="pace")
+        reporter.join(1, epoch, Fence(store, keys, epoch), nodes=nodes, soft_timeout=60.0)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            reporter.publish("running")
+            time.sleep(0.05)
+        kv = store.get(keys.progress + "n0")
+        assert kv is not None and ProgressRecord.from_json_bytes(kv.value).incarnation == reporter.book.incarnation
+        return reporter.writes
+
+    try:
+        # A pod of 8 writes every 0.1 s (its setting); one of 2,048 every 5 s: once in the same second and a half.
+        assert writes_in(1.5, 8) >= 8
+        assert writes_in(1.5, 2048) == 1
+    finally:
+        store.delete_prefix(keys.prefix)
 
 
 # -- the reporter against a real etcd ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pytest
 
 from bench.scalesim.sim import Background, Costs, Sim, TimedStore
+from stalwart.agent.progress import PROGRESS_WRITES_PER_SECOND
 from stalwart.etcd.store import WatchEvent, WatchRange
 
 COSTS = Costs(rtt=0.001, write=0.002, read=0.001, event=0.0001)
@@ -91,16 +92,21 @@ def test_batches_that_arrive_while_a_process_computes_are_handled_as_one_when_it
 
 
 def test_the_background_load_is_served_at_its_rate() -> None:
-    # 3,000 ranks and 375 pods: 900 + 112.5 lease refreshes and 375 progress writes a second.
+    # 3,000 ranks and 375 pods: 900 + 112.5 lease refreshes a second, and the progress writes as the agents pace
+    # them (stalwart.agent.progress.progress_interval): 375 pods write every 375/256 s, 256 writes a second.
     load = Background(ranks=3000, nodes=375)
-    assert load.rates() == {"rank_lease_refresh": 900.0, "node_lease_refresh": 112.5, "progress_write": 375.0}
+    assert load.rates() == pytest.approx({"rank_lease_refresh": 900.0, "node_lease_refresh": 112.5,
+                                          "progress_write": PROGRESS_WRITES_PER_SECOND})
     sim = Sim(COSTS)
     sim.background(load, 0.0, 10.0)
     sim.run(10.0)
-    assert sim.background_requests / 10.0 == pytest.approx(900 + 112.5 + 375, rel=0.01)
+    assert sim.background_requests / 10.0 == pytest.approx(900 + 112.5 + PROGRESS_WRITES_PER_SECOND, rel=0.01)
     # They occupy the server as they would: a request sent now waits behind what the load has queued.
     assert sim.server.busy_total == pytest.approx(10.0 * load.busy_per_second(COSTS), rel=0.01)
-    assert load.busy_per_second(COSTS) == pytest.approx((900 + 112.5) * COSTS.read + 375 * COSTS.write)
+    assert load.busy_per_second(COSTS) == pytest.approx((900 + 112.5) * COSTS.read
+                                                        + PROGRESS_WRITES_PER_SECOND * COSTS.write)
+    # A job that sets its own interval is charged that.
+    assert Background(ranks=3000, nodes=375, progress_interval=1.0).rates()["progress_write"] == 375.0
 
 
 def test_a_barrier_under_background_load_takes_longer_than_without() -> None:
