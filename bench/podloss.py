@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from cluster_job import ClusterJob, Events, operated_cluster, parse  # noqa: E402
+from cpu_beside import CpuSampler, used  # noqa: E402
 
 from stalwart.api.recovery import PHASES, RecoveryPhases, from_records  # noqa: E402
 from stalwart.api.restart import ProgressRecord  # noqa: E402
@@ -142,6 +143,37 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def resumed_and_stepped(events: Events, t_fault: float, workers: int) -> tuple[list[float], list[float]]:
+    """Per rank, when it resumed after the fault (its first "resume" line) and completed its first step after
+    that (NaN where it did not): recovered means every rank did both."""
+    steps = [e for e in events if e["event"] == "step"]
+    resumed, firsts = [], []
+    for r in range(workers):
+        resumes = [e["time"] for e in events if e["event"] == "resume" and e["rank"] == r and e["time"] >= t_fault]
+        after = [e["time"] for e in steps if e["rank"] == r and resumes and e["time"] > min(resumes)]
+        resumed.append(min(resumes, default=float("nan")))
+        firsts.append(min(after, default=float("nan")))
+    return resumed, firsts
+
+
+def cpu_rows(impl: str, fault: str, params: int, workers: int, *, t_fault: float, events: Events,
+             sampler: CpuSampler) -> list[dict[str, Any]]:
+    """The CPU-seconds each group of processes used during the recovery (the fault to the first full step) and
+    during its first step (the last rank's resumption to the first full step): on this machine whatever runs
+    beside the ranks takes their cores (``bench/cpu_beside.py``)."""
+    resumed, firsts = resumed_and_stepped(events, t_fault, workers)
+    if any(math.isnan(t) for t in resumed + firsts):
+        return []
+    base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params, "workers": workers,
+            "metric": "cpu_seconds_by_group"}
+    out = []
+    for window, start in (("recovery", t_fault), ("first_step", max(resumed))):
+        by = used(sampler.samples, sampler.groups, start, max(firsts))
+        out.append({**base, "window": window, "seconds": round(max(firsts) - start, 3),
+                    "value": round(sum(by.values()), 3), "by": {k: round(v, 3) for k, v in by.items()}})
+    return out
+
+
 def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Events,
             survivor: Events, why: str = "", workers: int = 2) -> list[dict[str, Any]]:
     """The rows of one case. A case that never recovered prints ``seconds`` as null with a ``reason``: ``why``
@@ -151,12 +183,7 @@ def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Event
     gaps = [b - a for a, b in itertools.pairwise(before)]
     step_s = statistics.median(gaps) if gaps else 0.0
     done_before = max((e["step"] for e in steps if e["time"] < t_fault), default=0)
-    # Recovered: every rank resumed after the fault (a "resume" line) and completed a step after that.
-    firsts = []
-    for r in range(workers):
-        resumes = [e["time"] for e in events if e["event"] == "resume" and e["rank"] == r and e["time"] >= t_fault]
-        after = [e["time"] for e in steps if e["rank"] == r and resumes and e["time"] > min(resumes)]
-        firsts.append(min(after, default=float("nan")))
+    _, firsts = resumed_and_stepped(events, t_fault, workers)
     resumed = [e["step"] for e in events if e["event"] == "resume" and e["time"] >= t_fault]
     restart_from = min(resumed) if resumed else done_before
     starts = sum(1 for e in survivor if e["event"] == "start" and e["time"] >= t_fault)
@@ -249,7 +276,7 @@ def mark_rows(impl: str, fault: str, params: int, workers: int, records: list[Pr
 
 
 def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, params: int, *,
-                  warm: bool, workers: int = 2) -> tuple[float, Events, Events, list[ProgressRecord]]:
+                  warm: bool, workers: int = 2) -> tuple[float, Events, Events, list[ProgressRecord], CpuSampler]:
     name = f"pl-{uuid.uuid4().hex[:6]}"
     body = {"apiVersion": "stalwart.dev/v1alpha1", "kind": "TrainingJob",
             "metadata": {"name": name, "namespace": NS},
@@ -263,20 +290,21 @@ def stalwart_case(cluster: LocalCluster, args: argparse.Namespace, fault: str, p
     survivor, victim = f"{name}-worker-0", f"{name}-worker-1"
     job.wait_for_step(args.warmup, 600)
     job.keep_log(victim)
-    t_fault = time.time()
-    if fault == "force-delete":
-        cluster.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force", "--wait=false")
-    elif fault == "sigkill":
-        for pid in pod_pids(victim):
-            os.kill(pid, signal.SIGKILL)
-    elif fault == "kill-rank":
-        rank = rank_of(job, victim)
-        assert rank in pod_pids(victim) and is_rank(rank), rank
-        os.kill(rank, signal.SIGKILL)
-    else:
-        cluster.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
-    job.finish(900)
-    return t_fault, job.events(), job.events(survivor), job.records
+    with CpuSampler() as sampler:
+        t_fault = time.time()
+        if fault == "force-delete":
+            cluster.kubectl("delete", "pod", victim, "-n", NS, "--grace-period=0", "--force", "--wait=false")
+        elif fault == "sigkill":
+            for pid in pod_pids(victim):
+                os.kill(pid, signal.SIGKILL)
+        elif fault == "kill-rank":
+            rank = rank_of(job, victim)
+            assert rank in pod_pids(victim) and is_rank(rank), rank
+            os.kill(rank, signal.SIGKILL)
+        else:
+            cluster.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
+        job.finish(900)
+    return t_fault, job.events(), job.events(survivor), job.records, sampler
 
 
 # -- torchrun -----------------------------------------------------------------------------------------------------
@@ -495,8 +523,11 @@ def main() -> int:
                     t_fault, events, survivor, why = torchrun_case(args, fault, params)
                 else:
                     assert cluster is not None
-                    t_fault, events, survivor, records = stalwart_case(cluster, args, fault, params,
-                                                                       warm=impl == "stalwart", workers=workers)
+                    t_fault, events, survivor, records, sampler = stalwart_case(
+                        cluster, args, fault, params, warm=impl == "stalwart", workers=workers)
+                    for row in cpu_rows(impl, fault, params, workers, t_fault=t_fault, events=events,
+                                        sampler=sampler):
+                        say(row)
                 for row in measure(impl, fault, params, t_fault=t_fault, events=events, survivor=survivor,
                                    why=why, workers=workers):
                     say(row)
