@@ -101,6 +101,11 @@ def to_cel(schema: dict[str, Any], value: Any) -> Any:
     return celpy.json_to_cel(value)
 
 
+# Building celpy's Environment raises the interpreter's recursion limit (to 2,500) the first time. Built once here,
+# at import, the change is not made inside a hypothesis test, which warns that it cannot restore the limit.
+celpy.Environment()
+
+
 @cache
 def _program(rule: str) -> Any:
     env = celpy.Environment()
