@@ -41,6 +41,10 @@ its worker group). Per case:
   the training function, in ``first_step``); torchrun's workers record none;
 * ``rank_marks`` (one per rank of the new round) and ``agent_marks`` (one per agent): the marks themselves, in
   seconds from the fault, to read which rank was the last at a boundary;
+* ``cpu_seconds_by_group`` (stalwart's cases; one per ``window``: ``recovery``, from the fault to the first full
+  step, and ``first_step``, from the last rank's resumption to it): the CPU-seconds each group of processes
+  used then (``by``: each pod, the control plane, etcd, the operator, the rest; :mod:`cpu_beside`), whatever
+  shared the cores with the ranks on this machine;
 * ``steps_recomputed``: steps done before the fault that were done again;
 * ``survivor_process_starts``: processes started again on the surviving pod (node).
 
