@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from bench.scalesim.memetcd import MemEtcd
-from stalwart.agent.progress import progress_interval
+from stalwart.api.pacing import progress_interval
 from stalwart.etcd.store import Compare, KeyValue, Op, TxnResult, WatchEvent, WatchRange
 
 T = TypeVar("T")
@@ -248,7 +248,7 @@ class Background:
     each rank's heartbeat lease and each node's lease refreshed every third of its TTL
     (``stalwart/etcd/leases.py``: ``heartbeat_ttl`` 10 s, ``node_ttl`` 10 s by default), and each node's
     agent's progress record, a fenced put every ``progress_interval``: by default what the agents' own
-    :func:`~stalwart.agent.progress.progress_interval` makes of their 1 s setting for this many nodes and the
+    :func:`~stalwart.api.pacing.progress_interval` makes of their 1 s setting for this many nodes and the
     default soft timeout (60 s). A refresh costs the server a read (etcd's leader renews a lease without a raft
     proposal), a progress write a proposal. The operator's reads (one of the job's prefix per resync) and the
     watches' own keep-alives are not counted."""

@@ -11,7 +11,7 @@ outranks the survivor's own (whose error becomes ``secondary``). The peer is, in
    from a network namespace with several addresses (pods sharing their node's, as ``hostNetwork`` pods do, or
    the local cluster's) leaves from the node's primary address, so the accepting end sees that;
 2. a member of the round that is unreachable (its node), gone (deleted, failed, missing from the API) or whose
-   agent has been silent for :data:`PEER_SILENT_SECONDS` (a live agent reports every second);
+   agent has been silent for :func:`silent_limit` (4 s where a live agent reports every second);
 3. for a connection the peer closed or reset, the survivor's only peer pod (a two-pod world has no other);
 4. for a timeout, the rank whose progress stopped first, when it is not the survivor's: a rank frozen in place
    stops at once, the survivor only when its next collective waits for it (a survivor that stopped first is
@@ -30,13 +30,22 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from stalwart.api.pacing import progress_interval
 from stalwart.operator.failures import Fact
 
-__all__ = ["PEER_SILENT_SECONDS", "Peer", "at_address", "link_facts", "peer_facts"]
+__all__ = ["PEER_SILENT_SECONDS", "Peer", "at_address", "link_facts", "peer_facts", "silent_limit"]
 
-#: How long a member's agent must have been silent to count as gone (a live agent reports every second; the
-#: margin absorbs a loaded node and clock skew).
+#: How long a member's agent must have been silent to count as gone, in a round whose agents report every second
+#: (the margin absorbs a loaded node and clock skew); a larger round's agents report less often
+#: (:func:`silent_limit`).
 PEER_SILENT_SECONDS = 4.0
+
+
+def silent_limit(nodes: int, soft_timeout: float | None) -> float:
+    """How long a member's agent of a round of ``nodes`` pods must have been silent to count as gone: the same
+    margin beyond the interval its agent writes at (:func:`stalwart.api.pacing.progress_interval`, the agents'
+    default setting of 1 s)."""
+    return PEER_SILENT_SECONDS - 1.0 + progress_interval(max(nodes, 1), least=1.0, soft_timeout=soft_timeout)
 
 _ADDRESS = re.compile(r"\[?(\d{1,3}(?:\.\d{1,3}){3})\]?:(\d+)")
 _CLOSED = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused", re.IGNORECASE)
@@ -57,10 +66,12 @@ class Peer:
     gone: bool = False
     silent_for: float | None = None
     ranks: tuple[tuple[int | None, float | None], ...] = ()
+    #: Silent this long, its agent counts as gone (:func:`silent_limit` of its round).
+    silent_limit: float = PEER_SILENT_SECONDS
 
     def lost(self) -> bool:
         return self.unreachable or self.gone or (self.silent_for is not None
-                                                 and self.silent_for >= PEER_SILENT_SECONDS)
+                                                 and self.silent_for >= self.silent_limit)
 
     def where(self) -> str:
         return f"pod {self.pod}" + (f" on node {self.node}" if self.node else "")

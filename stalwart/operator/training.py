@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from stalwart.api.spec import TrainingJobSpec, warm_spares_on
 from stalwart.api.status import ConditionStatus, ConditionType, Phase, Progress
-from stalwart.operator.culprits import Peer
+from stalwart.operator.culprits import Peer, silent_limit
 from stalwart.operator.failures import Fact
 from stalwart.operator.incidents import assess
 from stalwart.operator.lease_loss import lease_facts
@@ -21,9 +21,11 @@ from stalwart.operator.work import REASON_UNSCHEDULABLE, Work, condition, to_tim
 __all__ = ["peers", "training"]
 
 
-def peers(w: Work, members: Sequence[str]) -> list[Peer]:
+def peers(w: Work, members: Sequence[str], *, soft_timeout: float | None = None) -> list[Peer]:
     """The round's member pods as a survivor's symptom may point at them (see :mod:`.culprits`)."""
     obs = w.obs
+    manifest = obs.etcd.manifest
+    limit = silent_limit(len(members) + (len(manifest.spares) if manifest is not None else 0), soft_timeout)
     pods = {p.name: p for p in obs.pods}
     records = {r.node_id: r for r in obs.etcd.progress if obs.etcd.epoch and r.epoch == obs.etcd.epoch}
     out = []
@@ -37,7 +39,7 @@ def peers(w: Work, members: Sequence[str]) -> list[Peer]:
             unreachable=pod is not None and pod.node is not None and pod.node in obs.unreachable_nodes,
             gone=pod is None or pod.deleting or pod.phase == "Failed",
             silent_for=w.now - rec.updated if rec is not None else None, ranks=ranks,
-            host_ip=pod.host_ip if pod else None))
+            host_ip=pod.host_ip if pod else None, silent_limit=limit))
     return out
 
 
@@ -50,8 +52,9 @@ def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Seq
     in_round = [f for name, f in facts if name in members]
     outside = [f for name, f in facts if name not in members]
     staying = {p.name for p in w.obs.pods if not p.deleting}
+    soft_timeout = spec.restart_policy.in_process.soft_timeout_seconds
     a = assess(st, w.obs.etcd, pod_facts=in_round, side_facts=outside, vanished=vanished, now=w.now,
-               soft_timeout=spec.restart_policy.in_process.soft_timeout_seconds, peers=peers(w, sorted(members)),
+               soft_timeout=soft_timeout, peers=peers(w, sorted(members), soft_timeout=soft_timeout),
                lease_facts=lease_facts(manifest, w.obs.etcd.progress, staying, w.now))
     st.last_failure = a.last_failure
     st.restarts = a.restarts

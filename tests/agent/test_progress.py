@@ -10,19 +10,17 @@ import uuid
 import pytest
 
 from stalwart.agent.progress import (
-    MAX_PACED_INTERVAL,
     NO_STEP_GRACE,
-    PROGRESS_WRITES_PER_SECOND,
     ProcView,
     ProgressBook,
     ProgressReporter,
     exited,
     joined,
     observed,
-    progress_interval,
     record,
     respawned,
 )
+from stalwart.api.pacing import MAX_PACED_INTERVAL, PROGRESS_WRITES_PER_SECOND, progress_interval
 from stalwart.api.restart import MAX_EXITS, MAX_HISTORY, ProgressRecord, RankStatus, RoundSummary
 from stalwart.etcd.fence import Fence
 from stalwart.etcd.keys import MANIFEST, JobKeys

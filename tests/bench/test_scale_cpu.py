@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pytest
 
 from bench.scalesim.sim import Background, Costs, Sim, TimedStore
-from stalwart.agent.progress import PROGRESS_WRITES_PER_SECOND
+from stalwart.api.pacing import PROGRESS_WRITES_PER_SECOND
 from stalwart.etcd.store import WatchEvent, WatchRange
 
 COSTS = Costs(rtt=0.001, write=0.002, read=0.001, event=0.0001)

@@ -12,7 +12,7 @@ from opbuild import JOB, NOW, etcd, job, manifest, observe, of, pod, progress, r
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import FaultRecord, RoundSummary
 from stalwart.api.status import Phase, Position, RestartCounts
-from stalwart.operator.culprits import PEER_SILENT_SECONDS, Peer, at_address, link_facts, peer_facts
+from stalwart.operator.culprits import PEER_SILENT_SECONDS, Peer, at_address, link_facts, peer_facts, silent_limit
 from stalwart.operator.failures import Fact, compose
 from stalwart.operator.model import Decision, EmitEvent, EtcdView
 from stalwart.operator.reconcile import reconcile
@@ -35,6 +35,19 @@ TWO = [peer("p0", rank=0), peer("p1", rank=1)]
 THREE = [*TWO, peer("p2", rank=2)]
 
 
+@pytest.mark.parametrize(("nodes", "soft_timeout", "limit"), [
+    (2, 60.0, PEER_SILENT_SECONDS),  # agents that report every second: the limit as it always was
+    (256, 60.0, PEER_SILENT_SECONDS),
+    (512, 60.0, PEER_SILENT_SECONDS + 1.0),  # every 2 s: one second more
+    (2048, 60.0, PEER_SILENT_SECONDS + 4.0),  # every 5 s (the longest)
+    (2048, 6.0, PEER_SILENT_SECONDS + 1.0),  # every 2 s: a third of the soft timeout
+    (0, 60.0, PEER_SILENT_SECONDS),  # no round known
+])
+def test_a_members_agent_counts_as_gone_after_its_rounds_interval_and_the_same_margin(
+        nodes: int, soft_timeout: float, limit: float) -> None:
+    assert silent_limit(nodes, soft_timeout) == pytest.approx(limit)
+
+
 @pytest.mark.parametrize(("facts", "peers", "expected"), [
     # Gloo's closed connection in a two-pod world: the only peer, from the first report.
     ([symptom(CLOSED)], TWO, ("p1", 1, "PeerLost")),
@@ -45,6 +58,13 @@ THREE = [*TWO, peer("p2", rank=2)]
     ([symptom(CLOSED)], [*TWO, peer("p2", rank=2, gone=True)], ("p2", 2, "PeerLost")),
     ([symptom(CLOSED)], [peer("p0", rank=0), peer("p1", rank=1, silent_for=1.0),
                          peer("p2", rank=2, silent_for=PEER_SILENT_SECONDS + 1)], ("p2", 2, "PeerLost")),
+    # In a round of 2,048 pods an agent writes every 5 s (stalwart.api.pacing): silent for 6 s it is not lost...
+    ([symptom(CLOSED)], [peer("p0", rank=0), peer("p1", rank=1),
+                         peer("p2", rank=2, silent_for=6.0, silent_limit=silent_limit(2048, 60.0))], None),
+    # ... silent past its interval and the same margin it is.
+    ([symptom(CLOSED)], [peer("p0", rank=0), peer("p1", rank=1),
+                         peer("p2", rank=2, silent_for=9.0, silent_limit=silent_limit(2048, 60.0))],
+     ("p2", 2, "PeerLost")),
     # The error names its peer by address (a pod IP): that one, whatever else is known.
     ([symptom("Read error [10.0.0.2]:4242: Connection reset by peer")], THREE, ("p2", 2, "PeerLost")),
     # A timeout: the rank that stopped progressing first, when it is not the survivor.
@@ -60,7 +80,8 @@ THREE = [*TWO, peer("p2", rank=2)]
     ([symptom(CLOSED), Fact("Rank", "Exception", T, AT, 9, 1, "p1", 1, "boom", "DrillFault")], TWO, None),
     # A lost heartbeat is the Heartbeat fact's to tell.
     ([symptom("the heartbeat lease of slot 1 ended", reason="PeerLost")], TWO, None),
-], ids=["only-peer", "three-unknown", "unreachable", "gone", "silent", "address", "stopped-first",
+], ids=["only-peer", "three-unknown", "unreachable", "gone", "silent", "paced-not-silent", "paced-silent", "address",
+        "stopped-first",
         "survivor-stopped-first", "timeout-unknown", "spoke-for-itself", "heartbeat"])
 def test_the_peer_a_symptom_points_at(facts: list[Fact], peers: list[Peer],
                                       expected: tuple[str, int, str] | None) -> None:
