@@ -48,7 +48,7 @@ def plot(path: Path, runs: dict[str, tuple[float, Events]], fault: str, params: 
 
 def plot_phases(path: Path, rows: list[dict[str, Any]]) -> None:
     """One stacked bar per case (size, workers, fault, implementation): its phases' seconds, fault to first full
-    step, each phase a colour; the GB/s of the copy beside the bar."""
+    step, each phase a colour; the GB/s of the copy beside the bar; the legend below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,8 +84,11 @@ def plot_phases(path: Path, rows: list[dict[str, Any]]) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the fault to the first step at full world size")
     ax.set_xlim(0, max(sum(c.values()) for c in cases.values()) * 1.3)
-    ax.legend(loc="lower right", fontsize=7, ncol=3)
+    # Below the axes, in one row: inside them it covered the last bar's label.
+    handles, names = ax.get_legend_handles_labels()
+    height = fig.get_figheight()
+    fig.legend(handles, names, loc="lower center", ncol=len(PHASES), fontsize=7, frameon=False)
     ax.set_title("pod loss: where the recovery's time goes (bench/podloss.py)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.3 / height, 1.0, 1.0))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
