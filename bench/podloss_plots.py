@@ -48,23 +48,28 @@ def plot(path: Path, runs: dict[str, tuple[float, Events]], fault: str, params: 
 
 def plot_phases(path: Path, rows: list[dict[str, Any]]) -> None:
     """One stacked bar per case (size, workers, fault, implementation): its phases' seconds, fault to first full
-    step, each phase a colour; the GB/s of the copy beside the bar; the legend below."""
+    step, each phase a colour; the GB/s of the copy beside the bar; the legend below. A case run more than once
+    in ``rows`` is a bar per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases: dict[tuple[int, int, str, str], dict[str, float]] = {}
-    rates: dict[tuple[int, int, str, str], float] = {}
+    cases: dict[tuple[int, int, str, str, int], dict[str, float]] = {}
+    rates: dict[tuple[int, int, str, str, int], float] = {}
+    runs: dict[tuple[int, int, str, str], int] = {}  # the case's runs in these rows so far
     for r in rows:
         if r.get("impl") == "torchft":  # not a pod loss: its rows are in the table beside
             continue
-        key = (int(r["params"]), int(r.get("workers", 2)), str(r["fault"]), str(r["impl"]))
+        case = (int(r["params"]), int(r.get("workers", 2)), str(r["fault"]), str(r["impl"]))
+        if r.get("metric") == "phase_seconds" and r.get("phase") == PHASES[0]:
+            runs[case] = runs.get(case, 0) + 1  # a case's rows start with its first phase: another run of it
+        key = (*case, runs.get(case, 1))
         if r.get("metric") == "phase_seconds" and r.get("value") is not None:
             cases.setdefault(key, {})[str(r["phase"])] = float(r["value"])
         elif r.get("metric") == "copy_gbps" and r.get("value") is not None:
             rates[key] = float(r["value"])
-    order = sorted(cases, key=lambda k: (k[0], k[1], k[2], k[3] != "stalwart"))
+    order = sorted(cases, key=lambda k: (k[0], k[1], k[2], k[3] != "stalwart", k[4]))
     if not order:
         return
     colours = dict(zip(PHASES, ("tab:red", "tab:orange", "tab:olive", "tab:purple", "tab:blue", "tab:green"),
@@ -79,7 +84,7 @@ def plot_phases(path: Path, rows: list[dict[str, Any]]) -> None:
         note = f" {left:.2f} s" + (f", copy {rates[key]:.2f} GB/s" if key in rates else "")
         ax.text(left, y, note, va="center", fontsize=7)
     labels = [f"{p / 1e6:g} M, {w}+1, {f}, {'warm spares' if i == 'stalwart' else 'process restart'}"
-              for p, w, f, i in order]
+              + (f", run {n}" if runs.get((p, w, f, i), 1) > 1 else "") for p, w, f, i, n in order]
     ax.set_yticks(range(len(order)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the fault to the first step at full world size")
