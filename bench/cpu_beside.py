@@ -39,8 +39,7 @@ def group_of(environ: bytes, cmdline: bytes) -> str:
     for entry in environ.split(b"\0"):
         if entry.startswith(b"STALWART_NODE_ID="):
             return "pod " + entry.split(b"=", 1)[1].decode(errors="replace")
-    args = cmdline.split(b"\0")
-    text = b" ".join(args)
+    text = cmdline.replace(b"\0", b" ")
     for needle, name in ((b"stalwart.local.controlplane", "control plane"), (b"etcdbin/etcd", "etcd"),
                          (b"stalwart operator", "operator"), (b"stalwart.local", "local cluster"),
                          (b"kubectl", "kubectl")):

@@ -21,11 +21,10 @@ from stalwart.operator.work import REASON_UNSCHEDULABLE, Work, condition, to_tim
 __all__ = ["peers", "training"]
 
 
-def peers(w: Work, members: Sequence[str], *, soft_timeout: float | None = None) -> list[Peer]:
-    """The round's member pods as a survivor's symptom may point at them (see :mod:`.culprits`)."""
+def peers(w: Work, members: Sequence[str], *, limit: float) -> list[Peer]:
+    """The round's member pods as a survivor's symptom may point at them (see :mod:`.culprits`); ``limit``: the
+    silence after which a member's agent counts as gone."""
     obs = w.obs
-    manifest = obs.etcd.manifest
-    limit = silent_limit(len(members) + (len(manifest.spares) if manifest is not None else 0), soft_timeout)
     pods = {p.name: p for p in obs.pods}
     records = {r.node_id: r for r in obs.etcd.progress if obs.etcd.epoch and r.epoch == obs.etcd.epoch}
     out = []
@@ -53,8 +52,9 @@ def training(w: Work, spec: TrainingJobSpec, live: Sequence[PodView], facts: Seq
     outside = [f for name, f in facts if name not in members]
     staying = {p.name for p in w.obs.pods if not p.deleting}
     soft_timeout = spec.restart_policy.in_process.soft_timeout_seconds
+    limit = silent_limit(len(manifest.members) + len(manifest.spares) if manifest is not None else 0, soft_timeout)
     a = assess(st, w.obs.etcd, pod_facts=in_round, side_facts=outside, vanished=vanished, now=w.now,
-               soft_timeout=soft_timeout, peers=peers(w, sorted(members), soft_timeout=soft_timeout),
+               soft_timeout=soft_timeout, peers=peers(w, sorted(members), limit=limit),
                lease_facts=lease_facts(manifest, w.obs.etcd.progress, staying, w.now))
     st.last_failure = a.last_failure
     st.restarts = a.restarts
