@@ -34,11 +34,12 @@ from pathlib import Path
 
 from stalwart.agent import progress as book_
 from stalwart.agent.drill import DrillListener, Target
-from stalwart.agent.handover import NextStep, grow_due, handover_env, keep_at_round_end, next_step, write_handover
+from stalwart.agent.handover import grow_due, handover_env, keep_at_round_end, next_step, write_handover
 from stalwart.agent.metrics import AgentMetrics
-from stalwart.agent.processes import LONG_AGO, RankProc, RankProcesses, start_fork_server
+from stalwart.agent.parking import Parking, PodProcess, how_started
+from stalwart.agent.processes import LONG_AGO, RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
-from stalwart.agent.rank_env import handover_file, parked_env, parked_report, rank_env, shared_env, status_file
+from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
 from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, slot_of_ranks, socket_path
 from stalwart.agent.rendezvous import (
     Fenced,
@@ -50,20 +51,19 @@ from stalwart.agent.rendezvous import (
     RoundInfo,
 )
 from stalwart.agent.settings import PodSettings
-from stalwart.agent.standby import Standby, parked_failure, read_report, replacement
+from stalwart.agent.standby import Standby, replacement
 from stalwart.agent.supervision import fault_for, supervise
-from stalwart.agent.warm_spares import WrapperProbe, keeps_processes, park_now
+from stalwart.agent.warm_spares import keeps_processes
 from stalwart.api import pod_env
 from stalwart.api.base import positive_seconds
 from stalwart.api.exit_codes import ExitCode
 from stalwart.api.handover import Handover
 from stalwart.api.job_record import JobRecord
 from stalwart.api.rendezvous import NodeRecord
-from stalwart.api.restart import STACKS_SIGNAL, FailureInfo, FaultKind
+from stalwart.api.restart import STACKS_SIGNAL, FaultKind
 from stalwart.etcd.client import connect
 from stalwart.etcd.faults import record_fault
 from stalwart.etcd.store import StoreError
-from stalwart.forkserver import ForkedProcess
 from stalwart.net import free_port
 
 log = logging.getLogger(__name__)
@@ -108,10 +108,6 @@ class AgentTuning:
             positive_seconds(name, getattr(self, name))
 
 
-def _how(p: RankProc) -> str:
-    return ", forked from the fork server" if isinstance(p.popen, ForkedProcess) else ""
-
-
 class Agent:
     """Runs ``command`` as this pod's rank processes until the job ends; :meth:`run` returns the exit code."""
 
@@ -144,11 +140,12 @@ class Agent:
         self.job: JobRecord | None = None
         self._terminate = threading.Event()
         self._kept = False  # the processes outlived the last round (warm spares)
-        self._parked = False  # they wait for their first round
         self._grow_asked = 0  # the epoch of the round this node asked to end to grow the world
         self.reporter = ProgressReporter(self.store, settings.keys, settings.node_id,
                                          interval=self.options.progress_interval, context=self._ctx)
-        self._wrapper = WrapperProbe(self.store, settings.keys, context=self._ctx)
+        self.parking = Parking(self.store, PodProcess(settings, self.command, self.base_env, self.run_dir), self.ranks,
+                               self.reporter, warm_spares=self.options.warm_spares,
+                               fork_server=self.options.fork_server, context=self._ctx)
         self.drill = DrillListener(self.store, settings, self._drill_targets, context=self._ctx)
         self.relay = BarrierRelay(self.store, settings.keys, socket_path(self.run_dir),  # bound by peer pid
                                   slot_of=slot_of_ranks(lambda: {p.popen.pid: p.slot for p in list(
@@ -193,8 +190,7 @@ class Agent:
                 log.warning("%s: cannot serve metrics on port %d: %s", self._ctx, self.settings.metrics_port, e)
         code = int(ExitCode.FAILED)
         try:
-            self.ranks.forks = start_fork_server(self.command, shared_env(self.settings, self.base_env),
-                                                 enabled=self.options.fork_server, context=self._ctx)
+            self.parking.arrive(self.rdzv.view() if self.rdzv.wait_loaded(5.0) else None)
             code = self._run()
             return code
         finally:
@@ -232,24 +228,26 @@ class Agent:
             log.info("%s: round %d (epoch %d) as %s, world size %d", self._ctx, info.round, info.epoch, info.role,
                      info.world_size)
             step = next_step(info.role, kept=self._kept, warm=self._warm(), spare_ranks=self.options.spare_ranks)
-            if self._kept and not (step == "hand_over" or (step == "park" and self._parked)):
+            if self._kept and not (step == "hand_over" or (step == "park" and self.parking.parked)):
                 self.ranks.stop_all(grace=self.options.term_grace)
             self._kept = False
             if step in ("park", "wait"):
-                self._maybe_park(step)
+                self.parking.wait_in(info)
+                self.parking.maybe_park(step, self.job)
                 self._publish("joining", force=True)
                 with contextlib.suppress(RendezvousCancelled):
                     while not self._terminate.is_set() and self.handle.wait_round_end(1.0) is None:
-                        self._maybe_park(step)
-                        self._note_parked_exits()
+                        self.parking.maybe_park(step, self.job)
+                        self.parking.note_exits()
                 self.ranks.poll()
-                self._kept = keep_at_round_end(self.ranks.views(), parked=self._parked,
+                self._kept = keep_at_round_end(self.ranks.views(), parked=self.parking.parked,
                                                warm=step == "park")
                 continue
             self.reporter.join(info.round, info.epoch, self.handle.fence(), kept=step == "hand_over",
                                ended=self.handle.end_seen, world_size=info.world_size,
                                nodes=info.header.members + info.header.spares,
                                soft_timeout=self.job.soft_timeout_seconds if self.job is not None else None)
+            self.parking.start_forks()
             if step == "hand_over":
                 self._hand_over(info)
             else:
@@ -319,42 +317,15 @@ class Agent:
     def _warm(self) -> bool:
         return keeps_processes(self.options.warm_spares, self.job, spare_ranks=self.options.spare_ranks)
 
-    def _maybe_park(self, step: NextStep) -> None:
-        if step == "park" and not self._parked and park_now(self.options.warm_spares, self.job, self._wrapper):
-            self._launch_parked()
-
-    def _note_parked_exits(self) -> None:
-        """Say once, in the pod's log and in its report to the operator (which names the pod and the exception
-        in the job's ``PrepareFailed`` condition), that a parked process ended before any round took it (its
-        ``prepare`` hook raised: ``PREPARE_FAILED``). It is not started again while the pod waits (it would
-        fail the same way): a round that needs the pod starts its processes afresh. The running job's ranks
-        are not touched: nothing of them failed."""
-        if not self._parked:
-            return
-        for p in self.ranks.procs.values():
-            if p.exit_code is None and (code := p.popen.poll()) is not None:
-                p.exit_code = code
-                failure = parked_failure(pod=self.settings.node_id, local_rank=p.local_rank, code=code,
-                                         report=read_report(p.report), now=time.time())
-                log.error("%s: parked local rank %d (pid %d) ended before a round took it: %s%s; the spare's "
-                          "processes start afresh when a round needs this pod", self._ctx, p.local_rank,
-                          p.popen.pid, failure.reason,
-                          f" ({failure.exception}: {failure.message})" if failure.exception else "")
-                self._parked_failed(failure, "joining")
-
-    def _parked_failed(self, failure: FailureInfo, state: NodeState) -> None:
-        self.reporter.book = book_.parked_failed(self.reporter.book, failure)
-        self.reporter.publish(state, force=True)
-
     def _keep_standby(self, info: RoundInfo) -> None:
         history = self.reporter.book.history
         ended = self.standby.keep(
-            warm=self._warm(), member=info.member is not None and not self._parked, command=self.command,
+            warm=self._warm(), member=info.member is not None and not self.parking.parked, command=self.command,
             stepped=history[-1].stepped if history and history[-1].round == info.round else None,
             env=lambda lr: parked_env(self.settings, lr, base_env=self.base_env, run_dir=self.run_dir),
             node_id=self.settings.node_id)
         if ended is not None:
-            self._parked_failed(ended, self._state())
+            self.parking.failed(ended, self._state())
 
     def _lease_ttl(self) -> int:
         """The job's lease TTL (``rendezvous.leaseTTLSeconds``, at least etcd's 2 s), 10 s without its record:
@@ -417,22 +388,9 @@ class Agent:
 
     def _launch_all(self, info: RoundInfo) -> None:
         self.ranks.procs = {}
-        self._parked = False
+        self.parking.parked = False
         for lr in range(self.settings.nproc_per_node):
             self._spawn(info, lr)
-
-    def _launch_parked(self) -> None:
-        """Start this spare's processes before any round takes them: they import the script and wait."""
-        self.ranks.procs, self._parked = {}, True
-        for lr in range(self.settings.nproc_per_node):
-            with contextlib.suppress(FileNotFoundError):
-                handover_file(self.run_dir, lr).unlink()
-            with contextlib.suppress(FileNotFoundError):
-                parked_report(self.run_dir, lr).unlink()
-            env = parked_env(self.settings, lr, base_env=self.base_env, run_dir=self.run_dir)
-            p = self.ranks.start(self.command, env, lr, slot=-1, status_file=status_file(self.run_dir, lr),
-                                 fresh=False, report=parked_report(self.run_dir, lr))
-            log.info("%s: started local rank %d parked (pid %d%s)", self._ctx, lr, p.popen.pid, _how(p))
 
     def _hand_over(self, info: RoundInfo) -> None:
         """Give the running processes their places in the new round (they continue there in process)."""
@@ -441,11 +399,11 @@ class Agent:
             write_handover(p.handover or handover_file(self.run_dir, p.local_rank),
                            Handover(epoch=info.epoch, round=info.round, env=handover_env(env)))
             p.slot, p.status_read, p.done_since = int(env[pod_env.SLOT]), LONG_AGO, None
-            if self._parked:
+            if self.parking.parked:
                 self.ranks.wrapped.add(p.local_rank)
         log.info("%s: handed %d running rank process(es) over to round %d%s", self._ctx, len(self.ranks.procs),
-                 info.round, " (a warm spare promoted)" if self._parked else "")
-        self._parked = False
+                 info.round, " (a warm spare promoted)" if self.parking.parked else "")
+        self.parking.parked = False
 
     def _spawn(self, info: RoundInfo, local_rank: int) -> None:
         status = self.run_dir / f"rank-{local_rank}.json"
@@ -456,7 +414,7 @@ class Agent:
         env = self._rank_env(info, local_rank)
         p = self.ranks.start(self.command, env, local_rank, slot=int(env[pod_env.SLOT]), status_file=status,
                              fresh=True)
-        log.info("%s: started local rank %d (pid %d%s)", self._ctx, local_rank, p.popen.pid, _how(p))
+        log.info("%s: started local rank %d (pid %d%s)", self._ctx, local_rank, p.popen.pid, how_started(p))
 
     def _respawn(self, info: RoundInfo, local_rank: int, code: int, reason: str) -> None:
         old = self.ranks.procs[local_rank]

@@ -9,6 +9,14 @@ shown that they run the wrapper: their agents report each rank's status file, wh
 (:func:`shows_wrapper`). Until then, and for a script without the wrapper, the spare starts its processes
 when a round takes it, as without warm spares; survivors keep theirs only when every one of them runs the
 wrapper (:func:`~stalwart.agent.handover.keep_at_round_end`).
+
+A pod that arrives while the job runs (a lost pod's replacement, :func:`joins_late`) becomes a spare of a round
+that has just recovered: its survivors and promoted spare are about to take their first step, the one that
+costs the most, and on the same machines. Its fork server's imports and its parked processes' ``prepare`` hooks
+(the model built) would take cores from that step (measured: 1.75-2.5 CPU-seconds of a replacement pod's
+start inside the first step at 100 M parameters, the step 1.5-1.9 s longer than the others). So such a pod
+starts neither until every member's ranks have stepped in the round (:func:`round_stepped`), or until
+:data:`SETTLE_LIMIT` has passed, for a script that reports no steps.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from stalwart.agent.rendezvous.view import View
 from stalwart.api.job_record import JobRecord
 from stalwart.api.restart import ProgressRecord
 from stalwart.api.spec import warm_spares_on
@@ -25,7 +34,12 @@ from stalwart.etcd.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WrapperProbe", "keeps_processes", "park_now", "shows_wrapper"]
+__all__ = ["SETTLE_LIMIT", "SteppedProbe", "WrapperProbe", "joins_late", "keeps_processes", "park_now",
+           "round_stepped", "shows_wrapper"]
+
+#: The longest a pod that joined a running job waits for the round's ranks to step before it starts its fork
+#: server and parks: a spare that is cold for longer is a spare a second loss would find cold.
+SETTLE_LIMIT = 30.0
 
 
 def keeps_processes(forced: bool, record: JobRecord | None, *, spare_ranks: bool = False) -> bool:
@@ -57,19 +71,41 @@ def shows_wrapper(progress: Iterable[ProgressRecord]) -> bool:
     return any(r.state is not None for rec in progress for r in rec.ranks)
 
 
-class WrapperProbe:
-    """Reads the job's progress reports, at most every ``interval`` seconds, until one shows the wrapper;
-    from then on answers True without reading. Unreadable reports count as not shown yet."""
+def joins_late(view: View, node_id: str) -> bool:
+    """Whether this node arrives while the job runs: a round was sealed before it came, without it. (A view that
+    does not hold the node's part of a large round cannot tell: not late, as before.) Pure."""
+    r = view.sealed
+    return r is not None and r.knows(node_id) and node_id not in r.members and node_id not in r.spares
 
-    def __init__(self, store: Store, keys: JobKeys, *, interval: float = 2.0, context: str = "") -> None:
+
+def round_stepped(progress: Iterable[ProgressRecord], epoch: int, members: int) -> bool:
+    """Whether ``members`` nodes report, in the round of ``epoch``, ranks that each took a step after their first
+    in the round: the round's first step, the costly one, is behind it. (A count, not names: a spare of a large
+    round does not hold its member list. Only members report ranks with a place in the round.) Pure."""
+    def has_stepped(rec: ProgressRecord) -> bool:
+        active = [r for r in rec.ranks if r.rank is not None]  # an inactive rank (a spare slot) takes no steps
+        return bool(active) and all(
+            r.step is not None and r.first_step is not None and r.step > r.first_step for r in active)
+
+    return members > 0 and sum(1 for rec in progress if rec.epoch == epoch and has_stepped(rec)) >= members
+
+
+class _ReportsProbe:
+    """Reads the job's progress reports, at most every ``interval`` seconds, until :meth:`_holds` says yes;
+    from then on answers True without reading. Unreadable reports count as not yet."""
+
+    def __init__(self, store: Store, keys: JobKeys, *, interval: float, context: str) -> None:
         self._store, self._keys, self._interval, self._ctx = store, keys, interval, context
-        self._shown = False
+        self._held = False
         self._read_at = float("-inf")
+
+    def _holds(self, reports: list[ProgressRecord]) -> bool:
+        raise NotImplementedError
 
     def __call__(self) -> bool:
         now = time.monotonic()
-        if self._shown or now - self._read_at < self._interval:
-            return self._shown
+        if self._held or now - self._read_at < self._interval:
+            return self._held
         self._read_at = now
         try:
             kvs, _ = self._store.get_prefix(self._keys.progress)
@@ -82,7 +118,41 @@ class WrapperProbe:
                 reports.append(ProgressRecord.from_json_bytes(kv.value))
             except ValueError:
                 continue  # one bad report does not hide the others
-        self._shown = shows_wrapper(reports)
-        if self._shown:
+        self._held = self._holds(reports)
+        return self._held
+
+
+class WrapperProbe(_ReportsProbe):
+    """Whether some worker's ranks have shown the restart wrapper (:func:`shows_wrapper`)."""
+
+    def __init__(self, store: Store, keys: JobKeys, *, interval: float = 2.0, context: str = "") -> None:
+        super().__init__(store, keys, interval=interval, context=context)
+
+    def _holds(self, reports: list[ProgressRecord]) -> bool:
+        if shown := shows_wrapper(reports):
             log.info("%s: the workers' ranks run the restart wrapper: parking this spare's processes", self._ctx)
-        return self._shown
+        return shown
+
+
+class SteppedProbe(_ReportsProbe):
+    """Whether the round of ``epoch`` has stepped (:func:`round_stepped`), or ``limit`` seconds have passed
+    since the probe was made."""
+
+    def __init__(self, store: Store, keys: JobKeys, epoch: int, members: int, *,
+                 limit: float = SETTLE_LIMIT, interval: float = 1.0, context: str = "") -> None:
+        super().__init__(store, keys, interval=interval, context=context)
+        self._epoch, self._members = epoch, members
+        self._until = time.monotonic() + limit
+        self._limit = limit
+
+    def __call__(self) -> bool:
+        if not self._held and time.monotonic() >= self._until:
+            self._held = True
+            log.info("%s: the round's ranks reported no second step in %.0f s: starting this spare's processes "
+                     "anyway", self._ctx, self._limit)
+        return super().__call__()
+
+    def _holds(self, reports: list[ProgressRecord]) -> bool:
+        if stepped := round_stepped(reports, self._epoch, self._members):
+            log.info("%s: every member's ranks stepped in the round: starting this spare's processes", self._ctx)
+        return stepped

@@ -1,15 +1,27 @@
 """Whether a pod recovers a lost peer in process (stalwart/agent/warm_spares.py): the job's setting where it
 is set, else on for a job with spares, a spare parking only once the workers' ranks have shown the restart
-wrapper. Table tests, and the probe over a real etcd."""
+wrapper; a pod that arrives while the job runs starting nothing until the round has stepped. Table tests, and the
+probes over a real etcd."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
 
-from stalwart.agent.warm_spares import WrapperProbe, keeps_processes, park_now, shows_wrapper
+from stalwart.agent.rendezvous.view import SealedRound, View
+from stalwart.agent.warm_spares import (
+    SteppedProbe,
+    WrapperProbe,
+    joins_late,
+    keeps_processes,
+    park_now,
+    round_stepped,
+    shows_wrapper,
+)
 from stalwart.api.job_record import JobRecord
+from stalwart.api.rendezvous import Manifest, Member
 from stalwart.api.restart import ProgressRecord, RankReport
 from stalwart.api.spec import warm_spares_on
 from stalwart.etcd.keys import JobKeys
@@ -99,3 +111,70 @@ def test_the_probe_reads_the_reports_until_one_shows_the_wrapper(etcd: EtcdServe
         assert probe() is True
         store.delete_prefix(keys.prefix)
         assert probe() is True  # once shown, not read again
+
+
+def sealed(*members: str, spares: tuple[str, ...] = ()) -> View:
+    ms = [Member(node_id=n, address=f"10.0.0.{i}", group_rank=i, rank_offset=i, nproc=1)
+          for i, n in enumerate(members)]
+    m = Manifest(round=2, members=ms, spares=list(spares), world_size=len(ms), master_addr="10.0.0.0",
+                 sealed_by=members[0])
+    return View(revision=9, sealed=SealedRound.of(m, 9))
+
+
+@pytest.mark.parametrize(("view", "node", "late"), [
+    (View(), "s-1", False),                             # no round yet: the job is starting, all start at once
+    (sealed("w-0", "w-1"), "s-1", True),               # a replacement: the round was sealed without it
+    (sealed("w-0", "w-1"), "w-1", False),              # a member's pod back (it is in the round)
+    (sealed("w-0", "w-1", spares=("s-0",)), "s-0", False),
+])
+def test_joins_late(view: View, node: str, late: bool) -> None:
+    assert joins_late(view, node) is late
+
+
+def stepped(node: str, *ranks: tuple[int | None, int | None, int | None], epoch: int = 9) -> ProgressRecord:
+    """A report of ``node`` whose ranks are (rank, first step, last step)."""
+    reports = [RankReport(local_rank=i, slot=i, pid=100 + i, rank=r, state="running", first_step=first, step=last)
+               for i, (r, first, last) in enumerate(ranks)]
+    return ProgressRecord(node_id=node, epoch=epoch, round=2, state="running", updated=1.0, ranks=reports)
+
+
+@pytest.mark.parametrize(("reports", "done"), [
+    ([], False),
+    ([stepped("w-0", (0, 40, 41)), stepped("w-1", (1, 40, 41))], True),
+    ([stepped("w-0", (0, 40, 41)), stepped("w-1", (1, 40, 40))], False),         # w-1 is in its first step
+    ([stepped("w-0", (0, 40, 41)), stepped("w-1", (1, None, None))], False),     # w-1 has not stepped at all
+    ([stepped("w-0", (0, 40, 41)), stepped("w-1", (1, 40, 41), epoch=8)], False),  # w-1's report is old
+    ([stepped("w-0", (0, 40, 41), (1, 40, 40)), stepped("w-1", (2, 40, 41))], False),  # one rank of two
+    ([stepped("w-0", (0, 40, 41), (None, None, None)), stepped("w-1", (1, 40, 41))], True),  # an inactive slot
+    ([stepped("w-0", (0, 40, 41)), stepped("s-0")], False),                      # a spare reports no ranks
+])
+def test_round_stepped(reports: list[ProgressRecord], done: bool) -> None:
+    assert round_stepped(reports, 9, 2) is done
+
+
+def test_round_stepped_of_no_members() -> None:
+    assert round_stepped([stepped("w-0", (0, 40, 41))], 9, 0) is False
+
+
+@pytest.mark.integration
+def test_the_stepped_probe_reads_until_every_member_stepped(etcd: EtcdServer) -> None:
+    keys = JobKeys("ns", "uid-stepped")
+    with Store([etcd.endpoint]) as store:
+        probe = SteppedProbe(store, keys, 9, 2, interval=0.0)
+        store.put(keys.progress_of("w-0"), stepped("w-0", (0, 40, 41)).to_json_bytes())
+        store.put(keys.progress_of("w-1"), stepped("w-1", (1, 40, 40)).to_json_bytes())
+        assert probe() is False
+        store.put(keys.progress_of("w-1"), stepped("w-1", (1, 40, 41)).to_json_bytes())
+        assert probe() is True
+        store.delete_prefix(keys.prefix)
+        assert probe() is True  # once stepped, not read again
+
+
+@pytest.mark.integration
+def test_the_stepped_probe_gives_up_waiting_after_its_limit(etcd: EtcdServer) -> None:
+    keys = JobKeys("ns", "uid-limit")  # no report ever: a script that reports no steps
+    with Store([etcd.endpoint]) as store:
+        probe = SteppedProbe(store, keys, 9, 2, interval=0.0, limit=0.3)
+        assert probe() is False
+        time.sleep(0.35)
+        assert probe() is True
