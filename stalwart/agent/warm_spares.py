@@ -10,13 +10,13 @@ shown that they run the wrapper: their agents report each rank's status file, wh
 when a round takes it, as without warm spares; survivors keep theirs only when every one of them runs the
 wrapper (:func:`~stalwart.agent.handover.keep_at_round_end`).
 
-A pod that arrives while the job runs (a lost pod's replacement, :func:`joins_late`) becomes a spare of a round
-that has just recovered: its survivors and promoted spare are about to take their first step, the one that
-costs the most, and on the same machines. Its fork server's imports and its parked processes' ``prepare`` hooks
-(the model built) would take cores from that step (measured: 1.75-2.5 CPU-seconds of a replacement pod's
-start inside the first step at 100 M parameters, the step 1.5-1.9 s longer than the others). So such a pod
-starts neither until every member's ranks have stepped in the round (:func:`round_stepped`), or until
-:data:`SETTLE_LIMIT` has passed, for a script that reports no steps.
+A pod that arrives while the job runs on after a loss (a lost pod's replacement, :func:`joins_late`) becomes a
+spare of a round that has just recovered: its survivors and promoted spare are about to take their first step,
+the one that costs the most, and on the same machines. Its fork server's imports and its parked processes'
+``prepare`` hooks (the model built) would take cores from that step (measured: 1.75-2.5 CPU-seconds of a
+replacement pod's start inside the first step at 100 M parameters, the step 1.5-1.9 s longer than the others).
+So such a pod starts neither until every member's ranks have stepped in the round (:func:`round_stepped`), or
+until :data:`SETTLE_LIMIT` has passed, for a script that reports no steps.
 """
 
 from __future__ import annotations
@@ -72,10 +72,13 @@ def shows_wrapper(progress: Iterable[ProgressRecord]) -> bool:
 
 
 def joins_late(view: View, node_id: str) -> bool:
-    """Whether this node arrives while the job runs: a round was sealed before it came, without it. (A view that
-    does not hold the node's part of a large round cannot tell: not late, as before.) Pure."""
+    """Whether this node arrives while the job runs on after a loss: a round later than the first was sealed
+    before it came, without it (a lost pod's replacement). A pod of the job's first round that comes after its
+    seal (a spare scheduled late) is not: no recovered round's first step is under way, and the spare is wanted
+    warm early. (A view that does not hold the node's part of a large round cannot tell: not late.) Pure."""
     r = view.sealed
-    return r is not None and r.knows(node_id) and node_id not in r.members and node_id not in r.spares
+    return (r is not None and r.header.round > 1 and r.knows(node_id) and node_id not in r.members
+            and node_id not in r.spares)
 
 
 def round_stepped(progress: Iterable[ProgressRecord], epoch: int, members: int) -> bool:

@@ -113,10 +113,10 @@ def test_the_probe_reads_the_reports_until_one_shows_the_wrapper(etcd: EtcdServe
         assert probe() is True  # once shown, not read again
 
 
-def sealed(*members: str, spares: tuple[str, ...] = ()) -> View:
+def sealed(*members: str, spares: tuple[str, ...] = (), round_: int = 2) -> View:
     ms = [Member(node_id=n, address=f"10.0.0.{i}", group_rank=i, rank_offset=i, nproc=1)
           for i, n in enumerate(members)]
-    m = Manifest(round=2, members=ms, spares=list(spares), world_size=len(ms), master_addr="10.0.0.0",
+    m = Manifest(round=round_, members=ms, spares=list(spares), world_size=len(ms), master_addr="10.0.0.0",
                  sealed_by=members[0])
     return View(revision=9, sealed=SealedRound.of(m, 9))
 
@@ -124,6 +124,7 @@ def sealed(*members: str, spares: tuple[str, ...] = ()) -> View:
 @pytest.mark.parametrize(("view", "node", "late"), [
     (View(), "s-1", False),                             # no round yet: the job is starting, all start at once
     (sealed("w-0", "w-1"), "s-1", True),               # a replacement: the round was sealed without it
+    (sealed("w-0", "w-1", round_=1), "s-0", False),    # a spare of the first round, scheduled after its seal
     (sealed("w-0", "w-1"), "w-1", False),              # a member's pod back (it is in the round)
     (sealed("w-0", "w-1", spares=("s-0",)), "s-0", False),
 ])

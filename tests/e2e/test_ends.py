@@ -47,7 +47,9 @@ def test_finished_jobs_end_and_every_process_of_theirs_is_gone(tmp_path_factory:
     pods = [p for r in results for p in r.pods]
     # Every pod's agent was seen to end (the kubelet's book), after it said it was leaving, with nothing of its
     # pod alive afterwards; each worker's ranks were seen and seen to end.
-    assert all(p.ended is not None and p.leaving is not None and p.exit_code == 0 for p in pods), report
+    unclean = [(p.pod, p.leaving, p.ended, p.exit_code) for p in pods
+               if p.ended is None or p.leaving is None or p.exit_code != 0]
+    assert unclean == [], f"(pod, leaving, ended, exit code): {unclean}\n{report}"
     assert all(not p.leftovers and not p.alive_after for p in pods), report
     workers = [p for p in pods if "-worker-" in p.pod]
     assert len(workers) == 2 * JOBS, report
