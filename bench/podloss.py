@@ -33,6 +33,9 @@ its worker group). Per case:
 
 * ``raw_seconds``: from the fault to the first step completed at full world size by every rank;
 * ``seconds``: the same minus the run's median fault-free step time (also printed, ``step_seconds``);
+* ``resume_seconds``: from the fault to the last rank's resumption (its state in place, its first step not
+  begun): the raw time without the first step, which needs no median (in a short run the median step counts
+  warm-up steps slowed by whatever started beside them, and flatters ``seconds``);
 * ``phase_seconds`` (one row per ``phase``: detect, round, group, prepare, copy, first_step) and
   ``copy_gbps`` (with the copy's bytes and sources): the phases of the recovery from the marks the ranks and
   agents recorded (:mod:`stalwart.api.recovery`, read from the agents' progress records before the job is
@@ -179,6 +182,11 @@ def cpu_rows(impl: str, fault: str, params: int, workers: int, *, t_fault: float
     return out
 
 
+def _latest(times: list[float]) -> float:
+    """The last of ``times``, NaN if any is (``max`` would skip a NaN that is not first)."""
+    return float("nan") if any(math.isnan(t) for t in times) else max(times)
+
+
 def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Events,
             survivor: Events, why: str = "", workers: int = 2) -> list[dict[str, Any]]:
     """The rows of one case. A case that never recovered prints ``seconds`` as null with a ``reason``: ``why``
@@ -188,20 +196,25 @@ def measure(impl: str, fault: str, params: int, *, t_fault: float, events: Event
     gaps = [b - a for a, b in itertools.pairwise(before)]
     step_s = statistics.median(gaps) if gaps else 0.0
     done_before = max((e["step"] for e in steps if e["time"] < t_fault), default=0)
-    _, firsts = resumed_and_stepped(events, t_fault, workers)
+    back, firsts = resumed_and_stepped(events, t_fault, workers)
     resumed = [e["step"] for e in events if e["event"] == "resume" and e["time"] >= t_fault]
     restart_from = min(resumed) if resumed else done_before
     starts = sum(1 for e in survivor if e["event"] == "start" and e["time"] >= t_fault)
     base = {"bench": "podloss", "impl": impl, "fault": fault, "params": params, "workers": workers}
-    raw_s = max(firsts) - t_fault
+    raw_s = _latest(firsts) - t_fault
     recovery = raw_s - step_s
+    resume_s = _latest(back) - t_fault
     seconds: dict[str, Any] = {**base, "metric": "seconds", "value": round(recovery, 3)}
     raw: dict[str, Any] = {**base, "metric": "raw_seconds", "value": round(raw_s, 3)}
+    resume: dict[str, Any] = {**base, "metric": "resume_seconds", "value": round(resume_s, 3)}
     if math.isnan(recovery):
         reason = why or "no step at full world size after the fault"
         seconds = {**base, "metric": "seconds", "value": None, "reason": reason}
         raw = {**base, "metric": "raw_seconds", "value": None, "reason": reason}
-    return [raw, seconds,
+    if math.isnan(resume_s):
+        resume = {**base, "metric": "resume_seconds", "value": None,
+                  "reason": why or "a rank of the new world never resumed after the fault"}
+    return [raw, seconds, resume,
             {**base, "metric": "steps_recomputed", "value": max(0, done_before - restart_from)},
             {**base, "metric": "survivor_process_starts", "value": starts},
             {**base, "metric": "step_seconds", "value": round(step_s, 4)}]
