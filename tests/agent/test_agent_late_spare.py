@@ -56,6 +56,7 @@ def test_a_pod_that_joins_after_a_loss_starts_nothing_until_the_round_stepped(et
         errs = [err for _, err in ended_ok(agents)]
     err = errs[2]
     assert "joining a running job" in err, err[-3000:]
-    # The fork server started after both workers' ranks were seen to step in the round, not at the agent's start.
-    stepped, forked = err.find("every member's ranks stepped in the round"), err.find("fork server started")
-    assert 0 <= stepped < forked, err[-3000:]
+    # The fork server started after both workers' ranks were seen to step in the round (or, on a machine so loaded
+    # that they did not within 30 s, after that limit), not at the agent's start.
+    why = max(err.find("every member's ranks stepped in the round"), err.find("reported no second step in 30 s"))
+    assert 0 <= why < err.find("fork server started"), err[-3000:]

@@ -90,8 +90,12 @@ def test_follow_logs_with_the_client(kube_api: Any, k8s_namespace: str) -> None:
             "name": "c", "image": "x",
             "command": ["python3", "-c", "import time\nfor i in range(3):\n print(i, flush=True); time.sleep(0.2)"],
         }]}})
-    wait_until(lambda: core.read_namespaced_pod("talker", k8s_namespace).status.container_statuses,
-               "talker to start")
+    # Started, not only listed: a container still waiting has no log yet (under load the status lists it first).
+    def started() -> bool:
+        statuses = core.read_namespaced_pod("talker", k8s_namespace).status.container_statuses or []
+        return any(c.state.running is not None or c.state.terminated is not None for c in statuses)
+
+    wait_until(started, "talker to start")
     text = core.read_namespaced_pod_log("talker", k8s_namespace, follow=True, _request_timeout=60)
     assert text == "0\n1\n2\n"
 

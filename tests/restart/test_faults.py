@@ -60,7 +60,7 @@ def test_fault_in_the_first_iteration_before_any_step(etcd: EtcdServer, tmp_path
 
 def test_hang_past_the_soft_timeout(etcd: EtcdServer, tmp_path: Path, reference: float) -> None:
     # Rank 1 blocks in a sleep (no Python runs on its main thread), and rank 0 then in its collective: the
-    # first monitor to see no progress records the hang within the soft timeout + 1 s and both restart.
+    # first monitor to see no progress records the hang within the soft timeout + 2 s and both restart.
     run = run_ranks(etcd, tmp_path, *STEPS, "--fault", "hang", "--fault-step", "3", "--soft-timeout", "3")
     assert_recovered(run, reference)
     hung = float((tmp_path / "fault-0").read_text())
@@ -68,7 +68,9 @@ def test_hang_past_the_soft_timeout(etcd: EtcdServer, tmp_path: Path, reference:
     first = min(faults, key=lambda f: f["time"])
     # On failure, the records and the ranks' logs say which process recorded what, and when.
     assert first["kind"] == "soft_timeout", (faults, run.stderr)
-    assert first["time"] - hung <= 3 + 1, (faults, run.stderr)
+    # Within the soft timeout (3 s) and 2 s of scheduling on a loaded machine (two suites at once: 4.3 s), still
+    # before the hard timeout (6 s), whose kill would be a different fault.
+    assert first["time"] - hung <= 3 + 2, (faults, run.stderr)
 
 
 def test_a_hang_reported_slowly_stays_the_cause_when_its_peer_closes_first(etcd: EtcdServer, tmp_path: Path,
