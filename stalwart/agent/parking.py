@@ -58,15 +58,14 @@ class Parking:
         self._forced, self._fork_server, self._ctx = warm_spares, fork_server, context
         self._wrapper = WrapperProbe(store, pod.settings.keys, context=context)
         self.parked = False
+        # Not started after arrive() only where this pod joined a running job and waits for the round to step.
         self._started_forks = False
-        self._late = False  # arrived in a running job, nothing started yet
         self._stepped: SteppedProbe | None = None
 
     def arrive(self, view: View | None) -> None:
         """Before the first join: start the fork server now (its imports overlap the rendezvous) unless this pod
         joins a running job (``view``: the rendezvous as loaded; ``None``: not loaded in time)."""
-        self._late = view is not None and joins_late(view, self._pod.settings.node_id)
-        if self._late:
+        if view is not None and joins_late(view, self._pod.settings.node_id):
             log.info("%s: joining a running job: the fork server and any parked process start once the round's "
                      "ranks have stepped", self._ctx)
         else:
@@ -75,14 +74,14 @@ class Parking:
     def start_forks(self) -> None:
         """Start the fork server, once."""
         if not self._started_forks:
-            self._started_forks, self._late = True, False
+            self._started_forks = True
             self._ranks.forks = start_fork_server(self._pod.command, shared_env(self._pod.settings, self._pod.base_env),
                                                   enabled=self._fork_server, context=self._ctx)
 
     def wait_in(self, info: RoundInfo) -> None:
         """This pod waits outside the round ``info`` (a spare, or arrived after its seal)."""
         self._stepped = SteppedProbe(self._store, self._pod.settings.keys, info.epoch, info.header.members,
-                                     context=self._ctx) if self._late else None
+                                     context=self._ctx) if not self._started_forks else None
 
     def maybe_park(self, step: NextStep, job: JobRecord | None) -> None:
         """Park this spare's processes if it is time (:func:`~.warm_spares.park_now`, and the round has stepped
