@@ -210,7 +210,11 @@ def assess(status: TrainingJobStatus, etcd: EtcdView, *, pod_facts: Sequence[Fac
         limit = evidence.soft_timeout or soft_timeout
         stalled = (f"no progress for {evidence.stalled_for:.0f}s ({evidence.limit_name} {limit:g}s) on "
                    f"{ranks}" + (f" and {len(evidence.stalled) - 8} more" if len(evidence.stalled) > 8 else ""))
-        if not open_:
+        # A rank silent since before the last fault was recorded waits on that fault's culprit (a survivor in its
+        # collective until the respawned peer starts): no new incident, whether or not the last one still counts.
+        began = now - evidence.stalled_for
+        caused = last is not None and last.time is not None and began <= last.time.timestamp()
+        if not open_ and not caused:
             rank, pod = evidence.stalled[0]
             open_, incident = True, position or here
             last = compose([Fact("Progress", "Hang", now - evidence.stalled_for, incident, 0, rank, pod, None,

@@ -316,9 +316,8 @@ def test_a_stopped_rank_is_named_within_the_soft_timeout_not_the_survivor_that_t
     time.sleep(2.0)
     st = jobs.status("stop")
     assert st["totalRestarts"] == 1 and st["restarts"]["podReplacements"] == 0, st["restarts"]
-    # The recovery's Event names the stopped rank. (lastFailure itself is not read here: with a 5 s soft timeout the
-    # operator may take the survivor waiting for the respawned rank's start for a stall of its own, a later
-    # incident of its own.)
+    # The recovery's Event names the stopped rank. (The survivor, silent in its collective since before the hang was
+    # recorded, is not blamed for it: test_status_truth's table.)
     resumed = [e.message for e in jobs.core.list_namespaced_event(jobs.ns).items
                if e.involved_object.name == "stop" and e.reason in ("RestartedInProcess", "RestartedProcesses")]
     assert len(resumed) == 1 and f"rank {member.rank_offset}, pod stop-worker-1" in resumed[0], resumed

@@ -6,11 +6,21 @@ the next observation's), with the agents' reports as the agents write them.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 from opbuild import JOB, NOW, etcd, job, observe, of, pod, progress, rank_report, status, stepping
 
 from stalwart.api.restart import FaultRecord, RankExit, RoundSummary
-from stalwart.api.status import ConditionStatus, FailureRecord, Phase, Position, RestartCounts, TrainingJobStatus
+from stalwart.api.status import (
+    Condition,
+    ConditionStatus,
+    FailureRecord,
+    Phase,
+    Position,
+    RestartCounts,
+    TrainingJobStatus,
+)
 from stalwart.operator.model import EmitEvent, EtcdView, PatchStatus
 from stalwart.operator.reconcile import condition, reconcile
 
@@ -220,6 +230,43 @@ def test_a_stall_is_judged_by_the_limit_the_rank_uses(own: float | None, now_lim
         limit = now_limit or own or 60
         named = "startup allowance" if limit > (own or 60) else "soft timeout"
         assert f"({named} {limit:g}s) on rank 1 (pod {JOB}-worker-1)" in cond.message
+
+
+@pytest.mark.parametrize(("still_open", "since", "blamed"), [
+    # Rank 1 was stopped; its hang was recorded at NOW - 70, and its agent killed and respawned it. The survivor,
+    # rank 0, has waited in its collective since just before (NOW - 76) and is still waiting for the new rank 1 to
+    # start: its silence is that fault's doing, whether the operator still counts the incident open ...
+    (True, 76, False),
+    # ... or saw it end (its status read before the recovery's patch, or a step counted): not a new hang.
+    (False, 76, False),
+    # A stall past the soft timeout (60 s) that began after the fault was recorded is news: a new incident.
+    (False, 64, True),
+], ids=["open", "closed", "after-the-fault"])
+def test_a_survivor_silent_since_before_the_last_fault_is_not_its_culprit(still_open: bool, since: float,
+                                                                          blamed: bool) -> None:
+    hang = FailureRecord(rank=1, pod=f"{JOB}-worker-1", reason="Hang", detected_by="Process", round=1, iteration=0,
+                         time=datetime.fromtimestamp(NOW - 70, UTC), message="killed by its agent and respawned")
+    conditions = [cond for cond in reconcile(observe(job(status(Phase.RUNNING, position=AT_START)), PODS,
+                                                     both(1, 0, 50, epoch=7))).status.conditions or []
+                  if cond.type != "Restarting"]
+    if still_open:
+        conditions.append(Condition(type="Restarting", status=ConditionStatus.TRUE, reason="Hang",
+                                    last_transition_time=hang.time))
+    st = status(Phase.RESTARTING if still_open else Phase.RUNNING, position=Position(round=1, iteration=1),
+                last_failure=hang, conditions=conditions)
+    waiting = rank_report(0, step=50, step_time=NOW - since, progress_time=NOW - since)
+    view = etcd("worker-0", "worker-1", progress=(
+        progress("worker-0", ranks=(waiting,), history=(RoundSummary(round=1, epoch=7, stepped=0, faulted=0),)),
+        progress("worker-1", ranks=(rank_report(1, state="barrier", iteration=1),),
+                 history=(RoundSummary(round=1, epoch=7, stepped=0, faulted=0, respawned=[1]),))))
+    d = reconcile(observe(job(st), PODS, view))
+    lf = d.status.last_failure
+    assert lf is not None
+    if blamed:
+        assert (lf.rank, lf.pod, lf.detected_by) == (0, f"{JOB}-worker-0", "Progress") and "Stalled" in reasons(d)
+    else:
+        assert (lf.rank, lf.pod, lf.detected_by) == (1, f"{JOB}-worker-1", "Process"), lf
+        assert "Stalled" not in reasons(d)
 
 
 # -- 4. no false alarms ---------------------------------------------------------------------------------------
