@@ -178,7 +178,9 @@ def test_a_live_zombie_is_fenced_and_the_job_ends_with_fault_free_parameters(
     done = [e for e in survivor_log + spare_log if e["event"] == "done"]
     assert sorted(e["rank"] for e in done) == [0, 1] and all(e["world_size"] == 2 for e in done), done
     assert {e["params_sha256"] for e in done} == {expected}, story(local_cluster, jobs.ns, survivor, spare)
-    assert [e["event"] for e in survivor_log].count("start") == 1, survivor_log[:5]
+    # In process: one start. (Where a survivor's main thread stays blocked after its interrupt, its stacks, dumped
+    # before it ends itself, are in its log: the message shows them.)
+    assert [e["event"] for e in survivor_log].count("start") == 1, story(local_cluster, jobs.ns, survivor, tail=200)
     # The zombie's ranks never joined another group: the one time they resumed was the job's start (step 0),
     # and they never finished.
     zevents = [json.loads(line) for line in zlog.splitlines() if line.startswith('{"event"')]
