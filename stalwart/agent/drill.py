@@ -6,9 +6,10 @@ signature under the job's token, job, validity, replay, the job's opt-in) and, i
 * ``rank-exception``: the rank raises :class:`~stalwart.restart.drill.DrillFault` in its training function
   (signalled by its own agent; only to a process that runs the restart wrapper and said it accepts drills);
 * ``rank-kill``: SIGKILL to the rank process;
-* ``rank-hang``: the rank process is frozen (SIGSTOP) until its heartbeat lease has run out, as a process stuck
-  in the kernel or a paused machine would be, then let go (SIGCONT). Every frozen process is let go when the
-  agent stops.
+* ``rank-hang``: the rank process is frozen (SIGSTOP) until its liveness has ended (its alive key gone: its
+  agent removes it after the lease's TTL without a status write, as a lease of its own would have run out), as
+  a process stuck in the kernel or a paused machine would be, then let go (SIGCONT). Every frozen process is
+  let go when the agent stops.
 
 Every request gets an answer under ``results/<id>`` (carried out, or refused and why), bound to the
 listener's one result lease (granted at most once per half :data:`RESULT_TTL`, never per request: writing
@@ -259,7 +260,7 @@ class DrillListener:
                                   name=f"stalwart-drill-thaw-{pid}", daemon=True)
         self._workers = [t for t in self._workers if t.is_alive()] + [worker]
         worker.start()
-        return True, (f"frozen (SIGSTOP) until its heartbeat lease runs out (at most {limit:g}s), then let go "
+        return True, (f"frozen (SIGSTOP) until its liveness ends (its alive key gone; at most {limit:g}s), then let go "
                       "(SIGCONT)")
 
     def _thaw_later(self, pid: int, alive_key: str, limit: float, thaw: threading.Event) -> None:

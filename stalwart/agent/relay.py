@@ -50,8 +50,8 @@ from stalwart.etcd.store import Compare, Get, Put, Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BarrierRelay", "Peer", "SlotOf", "Step", "Waiting", "admit", "due", "execute", "linger_left", "peer_pid",
-           "rank_slot", "slot_of_ranks", "socket_path", "transactions"]
+__all__ = ["BarrierRelay", "Lend", "Peer", "SlotOf", "Step", "Waiting", "admit", "due", "execute", "linger_left",
+           "peer_pid", "rank_slot", "slot_of_ranks", "socket_path", "transactions"]
 
 #: A step of one barrier: (``"arrive"`` or ``"read"``, epoch, iteration).
 Step = tuple[str, int, int]
@@ -85,6 +85,9 @@ class Peer:
     ident: int
     pid: int
 
+
+#: Lends the pod's lease for its ranks' liveness: (TTL asked, a lease the rank found gone or 0, timeout) -> lease.
+Lend = Callable[[int, int, float], int]
 
 #: The slot a connection's rank holds now, as the agent knows it (``None``: not one of the agent's ranks, or a
 #: parked one with no slot yet). Asked at every request: a spare's rank gets its slot when it is handed over.
@@ -138,7 +141,10 @@ def slot_of_ranks(running: Callable[[], Mapping[int, int]]) -> SlotOf:
 
 def admit(request: RelayRequest, slot: int | None) -> str | None:
     """Why the rank whose connection is bound to ``slot`` may not send ``request`` (``None``: it may). A rank
-    names what to read; where its arrival goes is its own slot, as the agent knows it, never what it says."""
+    names what to read; where its arrival goes is its own slot, as the agent knows it, never what it says. The
+    pod's lease is lent to the agent's ranks only."""
+    if request.lease_ttl:
+        return None if slot is not None else "refused: the pod's lease is lent to this agent's ranks only"
     if request.arrival is None:
         return None
     if slot is None:
@@ -285,7 +291,8 @@ class BarrierRelay:
     answers that batch ``ok: false`` and goes on serving."""
 
     def __init__(self, store: Store, keys: JobKeys, path: Path, *, slot_of: SlotOf,
-                 linger: float = DEFAULT_LINGER, answer_within: float = 2.0, context: str = "") -> None:
+                 linger: float = DEFAULT_LINGER, answer_within: float = 2.0, context: str = "",
+                 lend: Lend | None = None) -> None:
         if linger < 0:
             raise ValueError(f"linger: expected seconds >= 0, got {linger}")
         if answer_within <= 0:
@@ -297,6 +304,7 @@ class BarrierRelay:
         self.answer_within = answer_within
         self.context = context
         self.slot_of = slot_of
+        self.lend = lend
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
@@ -430,7 +438,24 @@ class BarrierRelay:
             log.warning("%s: barrier relay: %s (pid %d)", self.context, why, client.pid)
             self._answer(sel, client, RelayAnswer(ok=False, reason=why))
             return
+        if request.lease_ttl:
+            self._answer(sel, client, self._lent(request))
+            return
         self._waiting.append(Waiting(client.ident, request, time.monotonic(), slot))
+
+    def _lent(self, request: RelayRequest) -> RelayAnswer:
+        """The answer to one of the agent's ranks asking for the pod's lease."""
+        if self.lend is None:
+            return RelayAnswer(ok=False, reason="no lease lent here: take one of your own")
+        assert self._sender is not None
+        lend = self.lend
+        try:
+            lease = self._sender.submit(lambda: lend(request.lease_ttl, request.lease, self.answer_within)).result(
+                timeout=self.answer_within)
+        except Exception as e:  # etcd away, or slow: the rank takes a lease of its own, as without an agent
+            log.warning("%s: barrier relay: could not lend the ranks' lease: %s", self.context, _why(e))
+            return RelayAnswer(ok=False, reason=f"could not lend the pod's lease: {_why(e)}")
+        return RelayAnswer(ok=True, lease=lease)
 
     def _flush(self, sel: selectors.BaseSelector) -> None:
         batch, self._waiting = self._waiting, []

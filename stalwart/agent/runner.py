@@ -40,6 +40,7 @@ from stalwart.agent.parking import Parking, PodProcess, how_started
 from stalwart.agent.processes import LONG_AGO, RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
+from stalwart.agent.rank_liveness import PodLease, RankLiveness
 from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, slot_of_ranks, socket_path
 from stalwart.agent.rendezvous import (
     Fenced,
@@ -147,10 +148,13 @@ class Agent:
                                self.reporter, warm_spares=self.options.warm_spares,
                                fork_server=self.options.fork_server, context=self._ctx)
         self.drill = DrillListener(self.store, settings, self._drill_targets, context=self._ctx)
+        pod_lease = PodLease(self.store, context=self._ctx)
+        self.liveness = RankLiveness(self.store, settings.keys, settings.node_id, pod_lease, context=self._ctx)
         self.relay = BarrierRelay(self.store, settings.keys, socket_path(self.run_dir),  # bound by peer pid
                                   slot_of=slot_of_ranks(lambda: {p.popen.pid: p.slot for p in list(
                                       self.ranks.procs.values()) if p.slot >= 0 and p.exit_code is None}),
-                                  linger=self.options.relay_linger, context=self._ctx)
+                                  linger=self.options.relay_linger, context=self._ctx,
+                                  lend=lambda ttl, gone, within: pod_lease.lend(ttl, gone, timeout=within))
         self.relay_socket: Path | None = None
         self.metrics = AgentMetrics()
 
@@ -200,6 +204,7 @@ class Agent:
             if decided is not None:
                 decided(code)
             self.relay.stop()  # after the ranks: one still at a barrier while it stops is answered
+            self.liveness.lease.revoke()  # what the ranks left bound to it goes now, not at its TTL
             self.metrics.close()
             with contextlib.suppress(Exception):
                 self.handle.leave()
@@ -265,6 +270,8 @@ class Agent:
             self.ranks.poll()
             self._keep_standby(info)
             views = self.ranks.views()
+            self.liveness.watch([(p.local_rank, self.ranks.statuses.get(p.local_rank))
+                                 for p in self.ranks.procs.values() if p.exit_code is None], time.monotonic())
             actions = supervise(views, restarts_used=self.process_restarts,
                                 max_restarts=self.options.max_restarts)
             for action in actions:
@@ -396,9 +403,10 @@ class Agent:
         """Give the running processes their places in the new round (they continue there in process)."""
         for p in self.ranks.procs.values():
             env = self._rank_env(info, p.local_rank)
+            # Its slot first: the process asks the relay for the pod's lease as soon as it reads its handover.
+            p.slot, p.status_read, p.done_since = int(env[pod_env.SLOT]), LONG_AGO, None
             write_handover(p.handover or handover_file(self.run_dir, p.local_rank),
                            Handover(epoch=info.epoch, round=info.round, env=handover_env(env)))
-            p.slot, p.status_read, p.done_since = int(env[pod_env.SLOT]), LONG_AGO, None
             if self.parking.parked:
                 self.ranks.wrapped.add(p.local_rank)
         log.info("%s: handed %d running rank process(es) over to round %d%s", self._ctx, len(self.ranks.procs),
@@ -463,6 +471,7 @@ class Agent:
         peers are interrupted now and the fault names it."""
         p.status_read = LONG_AGO  # its last word, not the one read up to status_interval ago
         st, info = self.ranks.read_status(p), self.info
+        self.liveness.end(p.local_rank, st, reason)  # before a respawn of its slot can write its own
         if info is None:
             return
         rec = fault_for(st, epoch=info.epoch, slot=p.slot, node_id=self.settings.node_id, kind=kind, reason=reason,

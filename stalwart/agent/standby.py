@@ -166,9 +166,11 @@ class Standby:
         with contextlib.suppress(FileNotFoundError):
             status.unlink()  # the dead process's last word must not judge its successor
         self.ranks.statuses.pop(local_rank, None)
-        write(p.handover, env)
+        # Its place first: it asks the relay for the pod's lease as soon as it reads its handover, and the relay
+        # lends it to the agent's ranks only.
         p.local_rank, p.slot, p.status_file = local_rank, int(env[pod_env.SLOT]), status
         p.started = time.monotonic()
         self.ranks.procs[local_rank] = p
         self.ranks.wrapped.add(local_rank)
+        write(p.handover, env)
         return p

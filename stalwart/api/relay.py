@@ -15,6 +15,10 @@ rank names what to read, never where to write: the agent binds each connection t
 made it (its peer's process id, ``SO_PEERCRED``, is one of the agent's own rank processes) and derives the
 arrival's key from the slot it gave that process; an arrival for another slot is refused, and the arrival's
 ``lease`` must be the lease of that slot's ``alive`` key (the transaction compares them).
+
+A rank also asks its agent for the lease its ``alive`` key and arrivals are bound to (``lease_ttl``): one
+lease for the pod's ranks, kept alive by the agent, instead of one per rank kept alive by each
+(:mod:`stalwart.agent.rank_liveness`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pydantic import Field, model_validator
 from stalwart.api.base import ApiModel
 from stalwart.api.restart import ArrivalRecord
 
-__all__ = ["MAX_FRAME_BYTES", "MAX_READS", "RelayAnswer", "RelayRange", "RelayRequest", "RelayValue"]
+__all__ = ["MAX_FRAME_BYTES", "MAX_LEASE_TTL", "MAX_READS", "RelayAnswer", "RelayRange", "RelayRequest", "RelayValue"]
 
 #: The largest line either side sends (an answer holds what its reads returned: a few records, in practice).
 MAX_FRAME_BYTES = 8 << 20
@@ -34,6 +38,8 @@ MAX_FRAME_BYTES = 8 << 20
 MAX_READS = 4
 #: etcd's revisions and lease ids are signed 64-bit integers.
 _INT64 = 2**63 - 1
+#: The longest TTL a rank may ask the pod's liveness lease to have (an hour: liveness is seconds).
+MAX_LEASE_TTL = 3600
 
 
 class RelayRange(ApiModel):
@@ -60,9 +66,17 @@ class RelayRequest(ApiModel):
                        description="The rank's heartbeat lease, which the arrival is bound to: the relay "
                                    "writes it only if it is the lease of the slot's alive key.")
     reads: list[RelayRange] = Field(default_factory=list, max_length=MAX_READS)
+    lease_ttl: int = Field(
+        default=0, ge=0, le=MAX_LEASE_TTL,
+        description=("Asks for the pod's liveness lease instead (its TTL in seconds, should the agent grant it "
+                     "now): nothing else may be asked with it; ``lease``, if set, names one the rank found gone."))
 
     @model_validator(mode="after")
     def _complete(self) -> Self:
+        if self.lease_ttl:
+            if self.arrival is not None or self.reads:
+                raise ValueError("lease_ttl: a request for the pod's lease may not arrive or read as well")
+            return self
         if self.arrival is not None and self.lease < 1:
             raise ValueError("lease: an arrival must be bound to the rank's heartbeat lease (>= 1)")
         if self.arrival is None and not self.reads:
@@ -72,7 +86,7 @@ class RelayRequest(ApiModel):
     @property
     def op(self) -> str:
         """What kind of step this is at its barrier: ranks on one node take the same steps together."""
-        return "arrive" if self.arrival is not None else "read"
+        return "lease" if self.lease_ttl else "arrive" if self.arrival is not None else "read"
 
 
 class RelayValue(ApiModel):
@@ -91,3 +105,4 @@ class RelayAnswer(ApiModel):
     revision: int = Field(default=0, ge=0)
     values: list[list[RelayValue]] = Field(default_factory=list)
     reason: str = Field(default="", max_length=2048)
+    lease: int = Field(default=0, ge=0, le=_INT64, description="The pod's liveness lease (to a ``lease_ttl`` request).")

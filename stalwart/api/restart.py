@@ -304,6 +304,13 @@ class RankStatus(ApiModel):
                                   "ended); the agent bounds the exit from then on.")
     recovery: RecoveryMarks | None = Field(
         default=None, description="The marks of the iteration the process runs (the phases of its recovery).")
+    lease: int | None = Field(
+        default=None, ge=1, le=2**63 - 1,
+        description=("The pod's liveness lease its alive key is bound to, when its agent lent it one: the agent "
+                     "then ends that key (and its arrivals) when the process dies or stops writing this file."))
+    written: float | None = Field(
+        default=None, description="CLOCK_MONOTONIC time this file was last written (its monitor writes it twice a "
+                                  "second while the process runs).")
 
 
 #: Most rank exits a progress record keeps (the newest).

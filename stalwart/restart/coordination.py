@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
 from stalwart.api.relay import RelayAnswer, RelayRange, RelayRequest
-from stalwart.api.restart import AliveRecord, ArrivalRecord, DoneRecord, FaultRecord, SealRecord
+from stalwart.api.restart import ArrivalRecord, DoneRecord, FaultRecord, SealRecord
 from stalwart.etcd.faults import end_guard, fault_guard
 from stalwart.etcd.fence import Fence
 from stalwart.etcd.keys import ARRIVE, DONE, FAULT, JobKeys
+from stalwart.etcd.liveness import alive_value, end_liveness, liveness_iterations
 from stalwart.etcd.outage import Outage
 from stalwart.etcd.store import (
     Compare,
@@ -63,10 +64,12 @@ class Coordinator:
     """One rank process's view of its epoch's restart prefix. Thread-safe (etcd calls only).
 
     ``lease_ttl`` is the heartbeat: the process's ``alive`` key and its barrier arrivals are bound to a
-    lease of that many seconds, kept alive by the Store. Each etcd call that fails because etcd is
-    unreachable (``StoreUnavailable``, ``StoreTimeout``) is retried with jittered exponential backoff for up
-    to ``retry_for`` seconds, then the error is raised: every call here may be repeated safely (puts of
-    the same value; the seal is create-if-absent and reads back whichever seal won).
+    lease of that many seconds. With a ``relay`` it is the pod's lease its agent lends (one keep-alive per
+    pod, and the agent ends the keys of a rank that dies or stops: :mod:`stalwart.etcd.liveness`); without one,
+    or when the agent lends none, a lease of the process's own, kept alive by the Store. Each etcd call that
+    fails because etcd is unreachable (``StoreUnavailable``, ``StoreTimeout``) is retried with jittered
+    exponential backoff for up to ``retry_for`` seconds, then the error is raised: every call here may be
+    repeated safely (puts of the same value; the seal is create-if-absent and reads back whichever seal won).
 
     With a ``relay``, the barrier's two requests per rank (the read of the cause, the arrival with the read
     its wait starts from) go to etcd in one transaction with the pod's other ranks' (:mod:`stalwart.api.relay`);
@@ -85,6 +88,11 @@ class Coordinator:
         self.round_keys = keys.restart_round(epoch)
         self.base = self.round_keys.base
         self.lease = 0
+        #: The lease when it is the pod's, lent by the agent (0: the process's own, or none yet).
+        self.lent_lease = 0
+        #: The last iteration this process arrived at (-1: none): on a lent lease it takes back its arrivals
+        #: about it when it stops (older ones the sealers removed: ``stale_iterations``).
+        self._arrived = -1
         self.retry_for = retry_for
         self.relay = relay
         # One log line when etcd becomes unreachable and one when it is back, however many calls retry meanwhile.
@@ -165,16 +173,51 @@ class Coordinator:
 
     # -- writing (fenced) -------------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Grant the heartbeat lease and publish this process's ``alive`` key."""
-        self.lease = self._retry("lease grant", lambda: self.store.lease_grant(self.lease_ttl))
-        rec = AliveRecord(slot=self.slot, node_id=self.node_id, pid=os.getpid())
-        self._retry("heartbeat put", lambda: self.fence.put(self.round_keys.alive(self.slot), rec.to_json_bytes(),
+    def start(self, gone: int = 0) -> None:
+        """Take the heartbeat lease (the pod's, or a new one of its own; ``gone``: a lease etcd no longer has)
+        and publish this process's ``alive`` key."""
+        for last in (False, True):
+            lent = self._borrow(gone)
+            if lent:
+                self.lease = self.lent_lease = lent
+            else:
+                self.lent_lease = 0
+                self.lease = self._retry("lease grant", lambda: self.store.lease_grant(self.lease_ttl))
+            try:
+                self._put_alive()
+                return
+            except LeaseNotFound:
+                if not lent or last:
+                    raise
+                # The pod's lease ended before its agent's keep-alive noticed: said so, the agent grants a new one.
+                gone = lent
+
+    def _put_alive(self) -> None:
+        self._retry("heartbeat put", lambda: self.fence.put(self.round_keys.alive(self.slot), self._alive(),
                                                              lease=self.lease))
 
+    def _alive(self) -> bytes:
+        return alive_value(self.slot, self.node_id, os.getpid())
+
+    def _borrow(self, gone: int) -> int:
+        """The pod's lease, as the agent lends it through the relay (0: it lends none)."""
+        if self.relay is None:
+            return 0
+        answer = self.relay.ask(RelayRequest(epoch=self.epoch, iteration=0, lease_ttl=self.lease_ttl, lease=gone))
+        return answer.lease if answer is not None else 0
+
     def stop(self) -> None:
-        """Revoke the lease: the ``alive`` key and pending arrivals go at once."""
-        if self.lease:
+        """End this process's liveness: the ``alive`` key and pending arrivals go at once (its own lease revoked,
+        or, on the pod's, its keys deleted while they are still its own)."""
+        if self.lent_lease:
+            try:
+                end_liveness(self.store, self.keys, self.epoch, slot=self.slot, node_id=self.node_id,
+                             pid=os.getpid(), iterations=liveness_iterations(self._arrived)
+                             if self._arrived >= 0 else (), timeout=5.0)
+            except Exception as e:  # its agent ends them when it sees the process gone
+                log.warning("slot %d: could not remove its alive key: %s", self.slot, e)
+            self.lease = self.lent_lease = 0
+        elif self.lease:
             try:
                 self.store.lease_revoke(self.lease)
             except Exception as e:  # the lease then expires by itself
@@ -199,8 +242,8 @@ class Coordinator:
         if self.lease and self.lease not in self.store.lost_leases() \
                 and self._retry("lease ttl", lambda: self.store.lease_ttl(self.lease)) > 0:
             return
-        log.warning("slot %d: heartbeat lease lost; granting a new one", self.slot)
-        self.start()
+        log.warning("slot %d: heartbeat lease lost; taking a new one", self.slot)
+        self.start(gone=self.lease)
 
     def arrive(self, iteration: int, rec: ArrivalRecord, read: Sequence[WatchRange] | None = (), *,
                relay_read: bool = True) -> EpochView:
@@ -218,6 +261,7 @@ class Coordinator:
         until the relay's linger ends."""
         if not self.lease or self.lease in self.store.lost_leases():
             self.ensure_lease()
+        self._arrived = max(self._arrived, iteration)
         if self.relay is not None:
             carried = read is not None and relay_read
             relayed = self._relayed(self.arrival_request(iteration, rec, (read or ()) if carried else ()))
@@ -228,14 +272,17 @@ class Coordinator:
         reads = [Get(self.base + p.key, prefix=p.prefix) for p in parts if not p.no_put]
 
         def write() -> EpochView:
-            res = self.fence.txn((), [Put(key, rec.to_json_bytes(), self.lease), *reads])
-            return self.parse([kv for got in res.responses[1:] for kv in got], res.revision)
+            # On the pod's lease the agent may have ended this process's alive key (it stopped writing its status
+            # for the TTL, and came back): it comes back with its arrival, as with a lease of its own it would.
+            again = [Put(self.round_keys.alive(self.slot), self._alive(), self.lease)] if self.lent_lease else []
+            res = self.fence.txn((), [*again, Put(key, rec.to_json_bytes(), self.lease), *reads])
+            return self.parse([kv for got in res.responses[1 + len(again):] for kv in got], res.revision)
 
         try:
             return self._retry("arrival", write)
         except LeaseNotFound:
-            log.warning("slot %d: heartbeat lease lost; granting a new one", self.slot)
-            self.start()
+            log.warning("slot %d: heartbeat lease lost; taking a new one", self.slot)
+            self.start(gone=self.lease)
             return self._retry("arrival", write)
 
     def mark_done(self, seal: SealRecord) -> bool:

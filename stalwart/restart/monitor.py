@@ -479,7 +479,7 @@ class Monitor:
                 "stall_limit": stall_limit(self.soft_timeout, self.startup_timeout, pinged=self._pinged),
                 "first_step": first[1] if first else None, "first_step_time": first[2] if first else None,
                 "snapshot_step": snapshot.step, "snapshot_time": snapshot.time,
-                "snapshot_fallback": snapshot.fallback})
+                "snapshot_fallback": snapshot.fallback, "written": now, "lease": self.coord.lent_lease or None})
             status = self.status
             self._status_written = now
         self.status_file.write(status)

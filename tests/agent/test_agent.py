@@ -140,8 +140,9 @@ def test_the_ranks_of_a_pod_arrive_at_the_restart_barrier_through_its_agent(etcd
     used = re.search(r"barrier relay: (\d+) requests from the ranks in (\d+) etcd transactions", err)
     assert used is not None, err[-3000:]
     # One request per rank and barrier (iterations 0 and 1): the arrival after the fault reads the cause in the
-    # same request.
-    assert int(used[1]) == 2 * 3 and int(used[1]) > int(used[2]) >= 1, used[0]
+    # same request; and each rank's one request for the pod's lease, at its start (no etcd transaction).
+    assert int(used[1]) == 3 + 2 * 3 and int(used[1]) - 3 > int(used[2]) >= 1, used[0]
+    assert err.count("the ranks' liveness is on lease") == 1, err[-3000:]
 
 
 def test_a_killed_sealer_is_respawned_and_seals_the_next_barrier(etcd: EtcdServer, tmp_path: Path) -> None:

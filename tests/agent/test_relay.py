@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.agent import relay as relay_module
+from stalwart.agent.rank_liveness import PodLease
 from stalwart.agent.relay import (
     DEFAULT_LINGER,
     MAX_BATCH,
@@ -101,6 +102,9 @@ def test_requests_name_what_is_wrong() -> None:
         RelayRequest(epoch=1, iteration=0)
     with pytest.raises(ValueError, match="relative to the round's restart prefix"):
         RelayRange(key="../other-job/")
+    with pytest.raises(ValueError, match="lease_ttl: a request for the pod's lease may not arrive or read as well"):
+        RelayRequest(epoch=1, iteration=0, lease_ttl=10, reads=[RelayRange(key="seal/1")])
+    assert RelayRequest(epoch=1, iteration=0, lease_ttl=10).op == "lease"
 
 
 # -- against a real etcd ----------------------------------------------------------------------------------------
@@ -159,15 +163,16 @@ def test_a_refused_transaction_is_answered_no_and_the_rank_goes_itself(store: St
     assert [a.ok for a in answers] == [False, False]
     assert "lease is not its slot's heartbeat lease" in answers[0].reason
     assert coords[0].view().arrivals == {}  # all or nothing: the transaction wrote no arrival
-    # Through a relay that refuses, the rank arrives itself (and re-grants its lease, as without a relay).
+    # Through a relay that refuses, the rank arrives itself (and re-grants its lease, as without a relay: it asks the
+    # relay for the pod's lease first, which this one does not lend).
     refusing = _Fixed(answers[1])
     coords[1].relay = refusing
     coords[1].arrive(1, ArrivalRecord(slot=1, node_id="node-0"), [WatchRange(f"{SEAL}1")])
-    assert refusing.asked == 1
+    assert refusing.asked == 2 and coords[1].lent_lease == 0
     coords[1].faults(0)  # a read a rank makes alone (a peer's fault, before its own report) goes itself
-    assert refusing.asked == 1
-    coords[1].faults(0, pod=True)
     assert refusing.asked == 2
+    coords[1].faults(0, pod=True)
+    assert refusing.asked == 3
     assert sorted(coords[0].view().arrivals[1]) == [1]
     # A newer round: the relay says no, and the rank's own request raises the fence's error.
     store.put(keys.rendezvous + "manifest", b"{}")
@@ -285,6 +290,35 @@ def test_an_agent_that_does_not_answer_costs_one_timeout(store: Store, job: tupl
         mute.accept()
     c.stop()
     mute.close()
+
+
+@pytest.mark.integration
+def test_the_relay_lends_the_pods_lease_to_its_ranks_and_without_it_a_rank_takes_its_own(
+        store: Store, job: tuple[JobKeys, int], relay: BarrierRelay, tmp_path: Path) -> None:
+    keys, epoch = job
+    pod = PodLease(store, context="test")
+    lending = BarrierRelay(store, keys, tmp_path / "lending.sock", slot_of=_by_order, linger=60.0, context="test",
+                           lend=lambda ttl, gone, within: pod.lend(ttl, gone, timeout=within))
+    assert lending.start()
+    try:
+        clients = [RelayClient(str(r.path), timeout=10.0, context="slot 0") for r in (lending, relay)]
+        coords = [Coordinator(store, keys, epoch, slot=0, node_id="node-0", lease_ttl=10, retry_for=5.0, relay=c)
+                  for c in clients]
+        for c in coords:
+            c.start()
+        assert coords[0].lent_lease == coords[0].lease == pod.lease > 0
+        # The relay that lends nothing says so; the rank takes a lease of its own, as without an agent.
+        assert coords[1].lent_lease == 0 and coords[1].lease not in (0, pod.lease)
+        assert not any(c.off for c in clients) and lending.transactions == 0
+        alive = store.get(keys.restart_round(epoch).alive(0))
+        assert alive is not None and alive.lease == coords[1].lease  # the second start's key: one slot, here
+        for c in coords:
+            c.stop()
+        for client in clients:
+            client.close()
+    finally:
+        lending.stop()
+        pod.revoke()
 
 
 @pytest.mark.integration
@@ -425,6 +459,9 @@ def test_the_agents_linger_is_checked_and_its_cli_default_is_the_relays() -> Non
     pytest.param(_arrive(1), None, "refused: this connection is not one of this agent's ranks",
                  id="not one of the agent's ranks"),
     pytest.param(_read(), None, None, id="a read names what it reads, from any connection"),
+    pytest.param(RelayRequest(epoch=5, iteration=0, lease_ttl=10), 2, None, id="the pod's lease, to its rank"),
+    pytest.param(RelayRequest(epoch=5, iteration=0, lease_ttl=10), None,
+                 "refused: the pod's lease is lent to this agent's ranks only", id="the pod's lease, to no rank"),
 ])
 def test_who_may_send_what(request_: RelayRequest, slot: int | None, refused: str | None) -> None:
     why = admit(request_, slot)
