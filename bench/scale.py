@@ -49,6 +49,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -160,18 +161,19 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     phases_printed = False
     # Charged, as every row above: the project's CPU and the running job's background requests. Beside them,
     # "stalwart-no-background" (the CPU only) and "stalwart-uncharged" (neither: the model as published before).
+    # "stalwart-rank-leases": the ranks' liveness on a lease per rank (as before the agents lent their pod's: a
+    # rank without an agent still holds its own).
     # What-ifs, not the code (``RestartRun.pod_fanout``): every watch of a pod's ranks one watch of its agent and
-    # a pod's arrivals one record; "-pod-leases": and the ranks' liveness carried by the pod's lease (no lease per
-    # rank to refresh); "-no-background": neither the job's steady requests.
-    pod_leases = Background(ranks=0, nodes=load.nodes)
+    # a pod's arrivals one record; "-no-background": and none of the job's steady requests.
+    rank_leases = replace(load, ranks_per_lease=1)
     for impl, relay, spread, cpu, bg, fanout in (
             ("stalwart", True, 0.0, True, load, False),
+            ("stalwart-rank-leases", True, 0.0, True, rank_leases, False),
             ("stalwart-per-rank", False, 0.0, True, load, False),
             ("stalwart-aborts-50ms-apart", True, 0.05, True, load, False),
             ("stalwart-no-background", True, 0.0, True, None, False),
             ("stalwart-uncharged", True, 0.0, False, None, False),
             ("what-if-pod-fanout", True, 0.0, True, load, True),
-            ("what-if-pod-fanout-pod-leases", True, 0.0, True, pod_leases, True),
             ("what-if-pod-fanout-no-background", True, 0.0, True, None, True)):
         t0 = time.process_time()
         if bg is not None and bg.busy_per_second(costs) >= SATURATED:
@@ -191,7 +193,7 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
              seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu, background=bg is not None,
              background_busy=None if bg is None else round(bg.busy_per_second(costs), 4),
              watch_events=restart["watch_events"], goal="< 0.5 s at 16,384")
-        if impl in ("stalwart-no-background", "stalwart-uncharged") or fanout:
+        if impl in ("stalwart-no-background", "stalwart-uncharged", "stalwart-rank-leases") or fanout:
             continue
         emit(impl, n, "writes_per_rank_per_restart", restart["writes"] / n, goal="<= 2",
              keys_written_per_rank=restart["keys_written"] / n,

@@ -1,8 +1,8 @@
 """The restart barrier on a real etcd: thousands of ranks' real Coordinators in a few processes.
 
 :func:`run_barrier` does on a real etcd what :class:`.restart.RestartRun` simulates: ``ranks`` ranks in pods
-of ``per_pod``, each with its own real :class:`~stalwart.restart.coordination.Coordinator` (its own heartbeat
-lease, kept alive by the real keep-alive, its alive key and its arrival at iteration 0), then one rank's fault
+of ``per_pod``, each with its own real :class:`~stalwart.restart.coordination.Coordinator` (its alive key on its
+pod's lease, kept alive by the real keep-alive, and its arrival at iteration 0), then one rank's fault
 report, and every rank through the barrier of iteration 1 until it holds the seal. The ranks live in
 ``processes`` worker processes (whole pods each, :func:`.restart.pod_layout`), as the simulator's
 ``processes`` option lays them out; each process has one etcd connection (one Store, as a pod's relay has)
@@ -79,9 +79,10 @@ from stalwart.restart.protocol import (
 
 T = TypeVar("T")
 
-#: The ranks' heartbeat lease TTL, kept alive at a third of it. Not the Coordinator's default of 10 s: with
-#: 2,000 leases a process on this shared 2-core machine, a loaded moment let the keep-alive fall behind and a
-#: lease lapse mid-run (the relay's transaction then refused, the run lost). The model's background is the same.
+#: The pods' liveness lease TTL, kept alive at a third of it. Not the Coordinator's default of 10 s: with
+#: 2,000 leases a process (a lease per rank, before the pods lent theirs) on this shared 2-core machine, a loaded
+#: moment let the keep-alive fall behind and a lease lapse mid-run (the relay's transaction then refused, the run
+#: lost). The model's background is the same.
 LEASE_TTL = 30
 Handler = Callable[[list[WatchEvent]], None]
 
@@ -325,15 +326,16 @@ class LiveRank:
 
 
 def setup(world: World) -> None:
-    """Every rank's heartbeat lease (kept alive by the Store), its alive key and its arrival at iteration 0,
-    each pod's in one fenced transaction (the arrivals through the real ``execute``)."""
-    store, coords = world.store, list(world.coords.values())
-    leases = list(world.pool.map(lambda c: store.lease_grant(LEASE_TTL), coords))
-    for c, lease in zip(coords, leases, strict=True):
-        c.lease = lease
+    """Every pod's liveness lease (kept alive by the Store), as its agent lends it to its ranks
+    (:mod:`stalwart.agent.rank_liveness`), each rank's alive key on it and its arrival at iteration 0, each pod's
+    in one fenced transaction (the arrivals through the real ``execute``)."""
+    store = world.store
 
     def pod(relay: PodRelay) -> None:
         mine = [world.coords[s] for s in sorted(relay.clients)]
+        lease = store.lease_grant(LEASE_TTL)
+        for c in mine:
+            c.lease = c.lent_lease = lease
         Fence(store, world.keys, world.epoch).txn((), [
             Put(c.round_keys.alive(c.slot), AliveRecord(slot=c.slot, node_id=c.node_id, pid=os.getpid())
                 .to_json_bytes(), c.lease) for c in mine])

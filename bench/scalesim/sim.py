@@ -245,7 +245,9 @@ class Server:
 @dataclass(frozen=True, slots=True)
 class Background:
     """The steady requests a running job sends etcd beside the protocol's, as the project's code sends them:
-    each rank's heartbeat lease and each node's lease refreshed every third of its TTL
+    the ranks' liveness lease (one per pod of ``ranks_per_lease`` ranks, which its agent lends them:
+    ``stalwart/agent/rank_liveness.py``; 1: a lease per rank, as a rank without an agent holds) and each node's
+    lease refreshed every third of its TTL
     (``stalwart/etcd/leases.py``: ``heartbeat_ttl`` 10 s, ``node_ttl`` 10 s by default), and each node's
     agent's progress record, a fenced put every ``progress_interval``: by default what the agents' own
     :func:`~stalwart.api.pacing.progress_interval` makes of their 1 s setting for this many nodes and the
@@ -258,6 +260,7 @@ class Background:
     rank_ttl: float = 10.0
     node_ttl: float = 10.0
     progress_interval: float | None = None
+    ranks_per_lease: int = 8
 
     def writes_every(self) -> float:
         """Seconds between one node's progress writes."""
@@ -267,7 +270,7 @@ class Background:
 
     def rates(self) -> dict[str, float]:
         """Requests per second, by kind."""
-        return {"rank_lease_refresh": self.ranks / (self.rank_ttl / 3),
+        return {"rank_lease_refresh": -(-self.ranks // self.ranks_per_lease) / (self.rank_ttl / 3),
                 "node_lease_refresh": self.nodes / (self.node_ttl / 3),
                 "progress_write": self.nodes / self.writes_every()}
 

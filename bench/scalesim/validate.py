@@ -3,8 +3,8 @@
 
 The layout is the real run's: ``processes`` worker processes hold the ranks (whole pods of 8) or the nodes,
 one etcd connection each; the simulator gets the same (``processes``: each process one simulated CPU, its
-ranks' and relays' work, or its driver's, one thing at a time), the real run's background (the ranks'
-heartbeat leases, refreshed by the real keep-alive at a third of their TTL; no node leases or progress writes,
+ranks' and relays' work, or its driver's, one thing at a time), the real run's background (the pods' liveness
+leases, one per 8 ranks, refreshed by the real keep-alive at a third of their TTL; no node leases or progress writes,
 which the real run does not make), no Unix-socket hop (the real run's relays are in the ranks' process) and
 the costs of a calibration on the same kind of etcd.
 """

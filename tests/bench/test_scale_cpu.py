@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -92,19 +93,22 @@ def test_batches_that_arrive_while_a_process_computes_are_handled_as_one_when_it
 
 
 def test_the_background_load_is_served_at_its_rate() -> None:
-    # 3,000 ranks and 375 pods: 900 + 112.5 lease refreshes a second, and the progress writes as the agents pace
-    # them (stalwart.agent.progress.progress_interval): 375 pods write every 375/256 s, 256 writes a second.
+    # 3,000 ranks and 375 pods: the ranks' liveness on their pod's lease (stalwart.agent.rank_liveness) and the
+    # pods' own leases, 112.5 + 112.5 refreshes a second, and the progress writes as the agents pace them
+    # (stalwart.agent.progress.progress_interval): 375 pods write every 375/256 s, 256 writes a second.
     load = Background(ranks=3000, nodes=375)
-    assert load.rates() == pytest.approx({"rank_lease_refresh": 900.0, "node_lease_refresh": 112.5,
+    assert load.rates() == pytest.approx({"rank_lease_refresh": 112.5, "node_lease_refresh": 112.5,
                                           "progress_write": PROGRESS_WRITES_PER_SECOND})
     sim = Sim(COSTS)
     sim.background(load, 0.0, 10.0)
     sim.run(10.0)
-    assert sim.background_requests / 10.0 == pytest.approx(900 + 112.5 + PROGRESS_WRITES_PER_SECOND, rel=0.01)
+    assert sim.background_requests / 10.0 == pytest.approx(112.5 + 112.5 + PROGRESS_WRITES_PER_SECOND, rel=0.01)
     # They occupy the server as they would: a request sent now waits behind what the load has queued.
     assert sim.server.busy_total == pytest.approx(10.0 * load.busy_per_second(COSTS), rel=0.01)
-    assert load.busy_per_second(COSTS) == pytest.approx((900 + 112.5) * COSTS.read
+    assert load.busy_per_second(COSTS) == pytest.approx((112.5 + 112.5) * COSTS.read
                                                         + PROGRESS_WRITES_PER_SECOND * COSTS.write)
+    # With a lease per rank (ranks without an agent), every rank's: 3,000 over its TTL/3.
+    assert Background(ranks=3000, nodes=375, ranks_per_lease=1).rates()["rank_lease_refresh"] == 900.0
     # A job that sets its own interval is charged that.
     assert Background(ranks=3000, nodes=375, progress_interval=1.0).rates()["progress_write"] == 375.0
 
@@ -113,9 +117,11 @@ def test_a_barrier_under_background_load_takes_longer_than_without() -> None:
     from bench.scalesim.restart import RestartRun
 
     quiet = RestartRun(200, COSTS, cpu=False).restart()
-    # The server busy 59% of the time with the load alone (1,000 ranks' and 125 pods' requests at these costs).
+    # The server busy 33% of the time with the load alone (125 pods' two leases and progress writes at these costs;
+    # 59% with a lease per rank).
     load = Background(ranks=1000, nodes=125)
-    assert load.busy_per_second(COSTS) == pytest.approx(0.5875)
+    assert load.busy_per_second(COSTS) == pytest.approx(0.325)
+    assert replace(load, ranks_per_lease=1).busy_per_second(COSTS) == pytest.approx(0.5875)
     busy = RestartRun(200, COSTS, cpu=False, background=load).restart()
     assert quiet["released"] == busy["released"] == 200
     assert busy["seconds"] > quiet["seconds"]
