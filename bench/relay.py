@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stalwart.agent.rank_liveness import PodLease
 from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay
 from stalwart.api.restart import ArrivalRecord
 from stalwart.etcd.client import connect
@@ -111,8 +112,10 @@ def main() -> int:
         counting = Counting(store)
         # The bench's ranks are threads of one process, each connecting once, in slot order: the n-th
         # connection is slot n - 1 (an agent binds a connection by its peer's process instead).
+        pod = PodLease(store, context="bench")
         relay = BarrierRelay(store, keys, Path(tmp) / "relay.sock", slot_of=lambda peer: peer.ident - 1,
-                             linger=args.linger, context="bench")
+                             linger=args.linger, context="bench",
+                             lend=lambda ttl, gone, within: pod.lend(ttl, gone, timeout=within))
         if not relay.start():
             raise SystemExit("the relay did not start")
         try:
@@ -122,10 +125,7 @@ def main() -> int:
                 coords = [Coordinator(counting, keys, epoch, slot=s, node_id="node-0",  # type: ignore[arg-type]
                                       relay=client) for s, client in enumerate(clients)]
                 for c in coords:
-                    c.start()
-                # One round each rank alone first: every relay client is connected before the barriers.
-                for c in coords:
-                    c.faults(10**6, pod=True)
+                    c.start()  # through the relay: it lends the pod's lease, and every client is connected after
                 counting.calls, relay.transactions = 0, 0
                 first = 0 if impl == "stalwart-direct" else 10 * args.barriers
                 seconds = [barrier(coords, it) for it in range(first, first + args.barriers)]
@@ -148,6 +148,7 @@ def main() -> int:
                     alone.relay.close()  # type: ignore[attr-defined]
         finally:
             relay.stop()
+            pod.revoke()
             store.close()
     return 0
 

@@ -22,11 +22,11 @@ TTL = 10.0
 @pytest.mark.integration
 def test_a_stopped_ranks_alive_key_goes_at_the_ttl_while_the_pods_lease_lives_on(etcd: EtcdServer,
                                                                                    tmp_path: Any) -> None:
-    # Rank 1 stops itself (SIGSTOP) at step 3. With a soft timeout of 30 s its agent kills it only 30 s later,
+    # Rank 1 stops itself (SIGSTOP) at step 3. With a soft timeout of 20 s its agent kills it only 20 s later,
     # and the pod's lease, kept alive by the agent, never ends: only the agent, which sees rank 1's status file
-    # unwritten for the TTL, can end its liveness. Rank 0 then reports it lost, some 20 s before the kill.
+    # unwritten for the TTL, can end its liveness. Rank 0 then reports it lost, some 10 s before the kill.
     agent, keys = start_agent(etcd, tmp_path, "--steps", "8", "--fault", "sigstop", "--fault-step", "3",
-                              "--soft-timeout", "30")
+                              "--soft-timeout", "20")
     leases: dict[str, int] = {}
     with Store([etcd.endpoint]) as store:
         deadline = time.monotonic() + 60
@@ -48,7 +48,7 @@ def test_a_stopped_ranks_alive_key_goes_at_the_ttl_while_the_pods_lease_lives_on
     # the soft timeout came well after.
     assert TTL - 0.5 <= lost["time"] - stopped <= TTL + 4, (lost["time"] - stopped)
     killed = faults["0/1"]
-    assert killed["kind"] == "stopped" and killed["time"] - stopped >= 30 - 1
+    assert killed["kind"] == "stopped" and killed["time"] - stopped >= 20 - 1
     reference = expected_checksum(steps=8)
     res = results(tmp_path)
     assert sorted(r["rank"] for r in res) == [0, 1]
