@@ -4,8 +4,6 @@ etcd), and ending a rank's keys as the end of a lease of its own would have (rea
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -37,14 +35,6 @@ def test_liveness_iterations_cover_the_barrier_before_and_the_next() -> None:
 
 
 # -- against a real etcd ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def job(store: Store) -> Iterator[tuple[JobKeys, int]]:
-    keys = JobKeys("test", uuid.uuid4().hex[:12])
-    epoch = store.put(keys.rendezvous + "manifest", b"{}")
-    yield keys, epoch
-    store.delete_prefix(keys.prefix)
 
 
 class _Lender:

@@ -109,14 +109,6 @@ def test_requests_name_what_is_wrong() -> None:
 
 # -- against a real etcd ----------------------------------------------------------------------------------------
 
-@pytest.fixture
-def job(store: Store) -> Iterator[tuple[JobKeys, int]]:
-    keys = JobKeys("test", uuid.uuid4().hex[:12])
-    epoch = store.put(keys.rendezvous + "manifest", b"{}")
-    yield keys, epoch
-    store.delete_prefix(keys.prefix)
-
-
 def _coords(store: Store, keys: JobKeys, epoch: int, n: int) -> list[Coordinator]:
     coords = [Coordinator(store, keys, epoch, slot=s, node_id="node-0", lease_ttl=10, retry_for=5.0)
               for s in range(n)]
