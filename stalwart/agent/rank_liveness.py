@@ -3,7 +3,8 @@ arrivals of all of its rank processes.
 
 Each rank process used to hold a heartbeat lease of its own, refreshed every third of its TTL: at 16,384 ranks
 that is 4,915 refreshes a second, more than one etcd serves beside a barrier (docs/scale.md). The agent lends
-its ranks one lease instead (through the barrier relay: :class:`PodLease`), and does what the end of a rank's
+its ranks one lease instead (through the barrier relay: :class:`PodLease`), its node's own rendezvous lease
+where the TTLs agree (by default), so that a pod refreshes one lease, and does what the end of a rank's
 own lease did, since the pod's outlives a rank: it deletes a rank's keys when the process dies, or when it stops
 writing its status file (which its monitor thread writes twice a second) for the lease's TTL, as a process
 stopped by SIGSTOP, or frozen, stops refreshing a lease of its own (:func:`silent`,
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stalwart.api.restart import RankStatus
@@ -52,15 +53,22 @@ def silent(procs: Sequence[Quiet], *, now: float, ttl: float) -> list[int]:
 
 
 class PodLease:
-    """The lease the agent lends its rank processes (thread-safe): granted on the first request, with the TTL the
-    rank asks for (its ``heartbeat_ttl``: every rank of a pod runs the same script), kept alive by the agent's
-    Store, granted again when etcd lost it."""
+    """The lease the agent lends its rank processes (thread-safe). When the rank asks for the TTL of the pod's
+    rendezvous lease (``node``: that lease, or None while it has none, and its TTL), it is lent that one, so that
+    a pod keeps one lease alive for its membership and its ranks' liveness alike (each is what tells the others
+    the pod is gone: a node's keep-alives stop with its ranks'); otherwise one of its own is granted on the first
+    request with the TTL the rank asks for (its ``heartbeat_ttl``: every rank of a pod runs the same script),
+    kept alive by the agent's Store, granted again when etcd lost it."""
 
-    def __init__(self, store: Store, *, context: str = "") -> None:
+    def __init__(self, store: Store, *, node: Callable[[], tuple[int | None, int]] | None = None,
+                 context: str = "") -> None:
         self.store = store
         self.context = context
+        self.node = node
+        #: The lease lent last (the node's or this object's own; 0: none yet).
         self.lease = 0
         self.ttl = 0
+        self._own = 0
         self._lock = threading.Lock()
 
     def lend(self, ttl: int, gone: int = 0, *, timeout: float | None = None) -> int:
@@ -68,20 +76,32 @@ class PodLease:
         if ttl < 1:
             raise ValueError(f"ttl: expected seconds >= 1, got {ttl}")
         with self._lock:
-            if self.lease and self.lease not in self.store.lost_leases() and (
-                    gone != self.lease or self.store.lease_ttl(self.lease, timeout=timeout) > 0):
-                return self.lease
-            if self.lease:
-                log.warning("%s: the ranks' lease %x was lost; granting a new one", self.context, self.lease)
-            self.ttl = self.ttl or ttl
-            self.lease = self.store.lease_grant(self.ttl, timeout=timeout)
-            log.info("%s: the ranks' liveness is on lease %x (TTL %d s)", self.context, self.lease, self.ttl)
-            return self.lease
+            node, node_ttl = self.node() if self.node is not None else (None, 0)
+            if node and node_ttl == ttl and self._holds(node, gone, timeout):
+                if node != self.lease:
+                    log.info("%s: the ranks' liveness is on the pod's rendezvous lease %x (TTL %d s)", self.context,
+                             node, ttl)
+                self.lease, self.ttl = node, ttl
+                return node
+            if not (self._own and self._holds(self._own, gone, timeout)):
+                if self._own:
+                    log.warning("%s: the ranks' lease %x was lost; granting a new one", self.context, self._own)
+                self._own = self.store.lease_grant(ttl, timeout=timeout)
+                log.info("%s: the ranks' liveness is on lease %x (TTL %d s)", self.context, self._own, self.ttl)
+            self.lease, self.ttl = self._own, ttl
+            return self._own
+
+    def _holds(self, lease: int, gone: int, timeout: float | None) -> bool:
+        """Whether etcd still has ``lease``: asked only when a rank says it lost it (a keep-alive's answer may be
+        late to say so)."""
+        return lease not in self.store.lost_leases() and (
+            gone != lease or self.store.lease_ttl(lease, timeout=timeout) > 0)
 
     def revoke(self) -> None:
-        """End it (the agent is leaving): every key of its ranks still bound to it goes at once."""
+        """End the lease of its own, if it granted one (the agent is leaving): every key of its ranks still bound
+        to it goes at once. The node's lease goes when the node leaves the rendezvous."""
         with self._lock:
-            lease, self.lease = self.lease, 0
+            lease, self._own, self.lease = self._own, 0, 0
         if lease:
             try:
                 self.store.lease_revoke(lease, timeout=2.0)

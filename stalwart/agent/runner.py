@@ -148,7 +148,7 @@ class Agent:
                                self.reporter, warm_spares=self.options.warm_spares,
                                fork_server=self.options.fork_server, context=self._ctx)
         self.drill = DrillListener(self.store, settings, self._drill_targets, context=self._ctx)
-        pod_lease = PodLease(self.store, context=self._ctx)
+        pod_lease = PodLease(self.store, node=lambda: (self.handle.lease, self.node_ttl), context=self._ctx)
         self.liveness = RankLiveness(self.store, settings.keys, settings.node_id, pod_lease, context=self._ctx)
         self.relay = BarrierRelay(self.store, settings.keys, socket_path(self.run_dir),  # bound by peer pid
                                   slot_of=slot_of_ranks(lambda: {p.popen.pid: p.slot for p in list(

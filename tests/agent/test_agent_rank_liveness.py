@@ -12,6 +12,7 @@ from test_agent import TIMEOUT, results, start_agent  # puts tests/restart on th
 
 from restart_helpers import expected_checksum, restart_records  # isort: skip
 
+from stalwart.etcd.keys import NODES
 from stalwart.etcd.store import Store
 from stalwart.local.etcd import EtcdServer
 
@@ -28,17 +29,21 @@ def test_a_stopped_ranks_alive_key_goes_at_the_ttl_while_the_pods_lease_lives_on
     agent, keys = start_agent(etcd, tmp_path, "--steps", "8", "--fault", "sigstop", "--fault-step", "3",
                               "--soft-timeout", "20")
     leases: dict[str, int] = {}
+    node_leases: set[int] = set()
     with Store([etcd.endpoint]) as store:
         deadline = time.monotonic() + 60
         while len(leases) < 2 and time.monotonic() < deadline and agent.poll() is None:
             kvs, _ = store.get_prefix(keys.restart)
             leases = {kv.key.rsplit("/", 1)[1]: kv.lease for kv in kvs if "/alive/" in kv.key}
+            node_leases = {kv.lease for kv in store.get_prefix(keys.rendezvous + NODES)[0]}
             time.sleep(0.2)
     _, err = agent.communicate(timeout=TIMEOUT)
     assert agent.returncode == 0, err[-3000:]
-    # Both ranks' alive keys were bound to one lease, their pod's.
+    # Both ranks' alive keys were bound to one lease, their pod's: the one its node key is on (the job's lease
+    # TTL and the ranks' heartbeat TTL are both the default 10 s), the pod's only lease.
     assert sorted(leases) == ["0", "1"] and len(set(leases.values())) == 1 and 0 not in leases.values(), leases
-    assert "the ranks' liveness is on lease" in err
+    assert set(leases.values()) == node_leases, (leases, node_leases)
+    assert "the ranks' liveness is on the pod's rendezvous lease" in err
     stopped = float((tmp_path / "fault-0").read_text())
     assert "local rank 1 (slot 1, pid" in err and "alive key removed: no status written for" in err, err[-3000:]
     faults = restart_records(etcd, keys, "fault")

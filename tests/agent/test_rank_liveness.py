@@ -67,6 +67,33 @@ def test_the_pod_lends_one_lease_and_grants_a_new_one_only_when_etcd_lost_it(sto
 
 
 @pytest.mark.integration
+def test_the_pods_rendezvous_lease_is_lent_when_its_ttl_is_the_ranks(store: Store) -> None:
+    node: list[int | None] = [store.lease_grant(TTL)]  # the node handle's lease (None between registrations)
+    pod = PodLease(store, node=lambda: (node[0], TTL), context="test")
+    first = node[0]
+    assert pod.lend(TTL) == first and pod.lease == first and pod.ttl == TTL  # one lease for the pod: no grant
+    other = PodLease(store, node=lambda: (node[0], TTL), context="test")
+    own = other.lend(TTL + 5)  # a rank's heartbeat TTL other than the node's: a lease of its own, at that TTL
+    assert own != first and 0 < store.lease_ttl(own) <= TTL + 5
+    other.revoke()
+    # The node registered again under a new lease: the ranks follow it on their next request.
+    node[0] = store.lease_grant(TTL)
+    assert pod.lend(TTL, gone=first) == node[0]
+    # The node's lease is gone in etcd before its handle noticed: a lease of the pod's own, not the dead one.
+    store.lease_revoke(node[0])
+    fallback = pod.lend(TTL, gone=node[0])
+    assert fallback not in (first, node[0]) and store.lease_ttl(fallback) > 0
+    node[0] = None  # and between registrations, the same one of its own
+    assert pod.lend(TTL) == fallback
+    # Leaving revokes only the lease of its own: the node's goes when it leaves the rendezvous.
+    node[0] = store.lease_grant(TTL)
+    assert pod.lend(TTL) == node[0]
+    pod.revoke()
+    assert store.lease_ttl(fallback) <= 0 and store.lease_ttl(node[0]) > 0 and pod.lease == 0
+    store.lease_revoke(node[0])
+
+
+@pytest.mark.integration
 def test_ranks_on_the_pods_lease_share_it_and_each_takes_back_only_its_own_keys(
         store: Store, job: tuple[JobKeys, int]) -> None:
     keys, epoch = job
