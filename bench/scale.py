@@ -162,13 +162,16 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     # Charged, as every row above: the project's CPU and the running job's background requests. Beside them,
     # "stalwart-no-background" (the CPU only) and "stalwart-uncharged" (neither: the model as published before).
     # "stalwart-rank-leases": the ranks' liveness on a lease per rank (as before the agents lent their pod's: a
-    # rank without an agent still holds its own).
+    # rank without an agent still holds its own); "stalwart-pod-leases-apart": on a lease per pod beside the node's
+    # (as before the agents lent the node's own: a job whose heartbeat TTL differs from its lease TTL).
     # What-ifs, not the code (``RestartRun.pod_fanout``): every watch of a pod's ranks one watch of its agent and
     # a pod's arrivals one record; "-no-background": and none of the job's steady requests.
     rank_leases = replace(load, ranks_per_lease=1)
+    leases_apart = replace(load, ranks_on_node_lease=False)
     for impl, relay, spread, cpu, bg, fanout in (
             ("stalwart", True, 0.0, True, load, False),
             ("stalwart-rank-leases", True, 0.0, True, rank_leases, False),
+            ("stalwart-pod-leases-apart", True, 0.0, True, leases_apart, False),
             ("stalwart-per-rank", False, 0.0, True, load, False),
             ("stalwart-aborts-50ms-apart", True, 0.05, True, load, False),
             ("stalwart-no-background", True, 0.0, True, None, False),
@@ -193,7 +196,8 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
              seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu, background=bg is not None,
              background_busy=None if bg is None else round(bg.busy_per_second(costs), 4),
              watch_events=restart["watch_events"], goal="< 0.5 s at 16,384")
-        if impl in ("stalwart-no-background", "stalwart-uncharged", "stalwart-rank-leases") or fanout:
+        if impl in ("stalwart-no-background", "stalwart-uncharged", "stalwart-rank-leases",
+                    "stalwart-pod-leases-apart") or fanout:
             continue
         emit(impl, n, "writes_per_rank_per_restart", restart["writes"] / n, goal="<= 2",
              keys_written_per_rank=restart["keys_written"] / n,

@@ -247,7 +247,8 @@ class Background:
     """The steady requests a running job sends etcd beside the protocol's, as the project's code sends them:
     the ranks' liveness lease (one per pod of ``ranks_per_lease`` ranks, which its agent lends them:
     ``stalwart/agent/rank_liveness.py``; 1: a lease per rank, as a rank without an agent holds) and each node's
-    lease refreshed every third of its TTL
+    lease refreshed every third of its TTL; with ``ranks_on_node_lease`` (the agent's default, where the two TTLs
+    are equal) the agent lends its ranks the node's own lease, and the ranks' liveness costs no refresh of its own
     (``stalwart/etcd/leases.py``: ``heartbeat_ttl`` 10 s, ``node_ttl`` 10 s by default), and each node's
     agent's progress record, a fenced put every ``progress_interval``: by default what the agents' own
     :func:`~stalwart.api.pacing.progress_interval` makes of their 1 s setting for this many nodes and the
@@ -261,6 +262,7 @@ class Background:
     node_ttl: float = 10.0
     progress_interval: float | None = None
     ranks_per_lease: int = 8
+    ranks_on_node_lease: bool = True
 
     def writes_every(self) -> float:
         """Seconds between one node's progress writes."""
@@ -270,7 +272,8 @@ class Background:
 
     def rates(self) -> dict[str, float]:
         """Requests per second, by kind."""
-        return {"rank_lease_refresh": -(-self.ranks // self.ranks_per_lease) / (self.rank_ttl / 3),
+        shared = self.ranks_on_node_lease and self.ranks_per_lease > 1 and self.rank_ttl == self.node_ttl
+        return {"rank_lease_refresh": 0.0 if shared else -(-self.ranks // self.ranks_per_lease) / (self.rank_ttl / 3),
                 "node_lease_refresh": self.nodes / (self.node_ttl / 3),
                 "progress_write": self.nodes / self.writes_every()}
 

@@ -93,12 +93,17 @@ def test_batches_that_arrive_while_a_process_computes_are_handled_as_one_when_it
 
 
 def test_the_background_load_is_served_at_its_rate() -> None:
-    # 3,000 ranks and 375 pods: the ranks' liveness on their pod's lease (stalwart.agent.rank_liveness) and the
-    # pods' own leases, 112.5 + 112.5 refreshes a second, and the progress writes as the agents pace them
+    # 3,000 ranks and 375 pods: the ranks' liveness on their pod's own lease (stalwart.agent.rank_liveness, the
+    # TTLs equal), 112.5 refreshes a second, and the progress writes as the agents pace them
     # (stalwart.agent.progress.progress_interval): 375 pods write every 375/256 s, 256 writes a second.
-    load = Background(ranks=3000, nodes=375)
+    load = replace(Background(ranks=3000, nodes=375), ranks_on_node_lease=False)
     assert load.rates() == pytest.approx({"rank_lease_refresh": 112.5, "node_lease_refresh": 112.5,
                                           "progress_write": PROGRESS_WRITES_PER_SECOND})
+    shared = Background(ranks=3000, nodes=375)
+    assert shared.rates() == pytest.approx({"rank_lease_refresh": 0.0, "node_lease_refresh": 112.5,
+                                            "progress_write": PROGRESS_WRITES_PER_SECOND})
+    # A heartbeat TTL other than the node's: a lease of the pod's own beside the node's.
+    assert Background(ranks=3000, nodes=375, rank_ttl=20.0).rates()["rank_lease_refresh"] == pytest.approx(56.25)
     sim = Sim(COSTS)
     sim.background(load, 0.0, 10.0)
     sim.run(10.0)
@@ -107,7 +112,7 @@ def test_the_background_load_is_served_at_its_rate() -> None:
     assert sim.server.busy_total == pytest.approx(10.0 * load.busy_per_second(COSTS), rel=0.01)
     assert load.busy_per_second(COSTS) == pytest.approx((112.5 + 112.5) * COSTS.read
                                                         + PROGRESS_WRITES_PER_SECOND * COSTS.write)
-    # With a lease per rank (ranks without an agent), every rank's: 3,000 over its TTL/3.
+    # With a lease per rank (ranks without an agent), every rank's: 3,000 over its TTL/3, whatever the node's.
     assert Background(ranks=3000, nodes=375, ranks_per_lease=1).rates()["rank_lease_refresh"] == 900.0
     # A job that sets its own interval is charged that.
     assert Background(ranks=3000, nodes=375, progress_interval=1.0).rates()["progress_write"] == 375.0
@@ -118,9 +123,10 @@ def test_a_barrier_under_background_load_takes_longer_than_without() -> None:
 
     quiet = RestartRun(200, COSTS, cpu=False).restart()
     # The server busy 33% of the time with the load alone (125 pods' two leases and progress writes at these costs;
-    # 59% with a lease per rank).
-    load = Background(ranks=1000, nodes=125)
+    # 59% with a lease per rank; 29% with the ranks on the node's lease).
+    load = Background(ranks=1000, nodes=125, ranks_on_node_lease=False)
     assert load.busy_per_second(COSTS) == pytest.approx(0.325)
+    assert Background(ranks=1000, nodes=125).busy_per_second(COSTS) == pytest.approx(0.2875)
     assert replace(load, ranks_per_lease=1).busy_per_second(COSTS) == pytest.approx(0.5875)
     busy = RestartRun(200, COSTS, cpu=False, background=load).restart()
     assert quiet["released"] == busy["released"] == 200
