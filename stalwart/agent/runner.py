@@ -41,7 +41,7 @@ from stalwart.agent.processes import LONG_AGO, RankProc, RankProcesses
 from stalwart.agent.progress import NodeState, ProgressReporter
 from stalwart.agent.rank_env import handover_file, parked_env, rank_env, status_file
 from stalwart.agent.rank_liveness import PodLease, RankLiveness
-from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, slot_of_ranks, socket_path
+from stalwart.agent.relay import DEFAULT_LINGER, BarrierRelay, socket_path
 from stalwart.agent.rendezvous import (
     Fenced,
     NodeHandle,
@@ -52,6 +52,7 @@ from stalwart.agent.rendezvous import (
     RoundInfo,
 )
 from stalwart.agent.settings import PodSettings
+from stalwart.agent.socket_peers import slot_of_ranks
 from stalwart.agent.standby import Standby, replacement
 from stalwart.agent.supervision import fault_for, supervise
 from stalwart.agent.warm_spares import keeps_processes

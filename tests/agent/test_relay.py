@@ -21,19 +21,16 @@ from stalwart.agent.relay import (
     DEFAULT_LINGER,
     MAX_BATCH,
     BarrierRelay,
-    Peer,
     Step,
     Waiting,
     admit,
     due,
     execute,
     linger_left,
-    peer_pid,
-    rank_slot,
-    slot_of_ranks,
     transactions,
 )
 from stalwart.agent.runner import AgentTuning
+from stalwart.agent.socket_peers import Peer, peer_pid, rank_slot, slot_of_ranks
 from stalwart.api.relay import MAX_FRAME_BYTES, RelayAnswer, RelayRange, RelayRequest
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import StaleEpoch
