@@ -49,8 +49,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from stalwart.agent.runner import Agent, AgentTuning
+    from stalwart.agent.runner import Agent
     from stalwart.agent.settings import PodSettings
+    from stalwart.agent.tuning import AgentTuning
 
     command = list(args.command)
     if command and command[0] == "--":

@@ -29,8 +29,8 @@ from stalwart.agent.relay import (
     linger_left,
     transactions,
 )
-from stalwart.agent.runner import AgentTuning
 from stalwart.agent.socket_peers import Peer, peer_pid, rank_slot, slot_of_ranks
+from stalwart.agent.tuning import AgentTuning
 from stalwart.api.relay import MAX_FRAME_BYTES, RelayAnswer, RelayRange, RelayRequest
 from stalwart.api.restart import ArrivalRecord, FaultRecord, SealRecord
 from stalwart.etcd.fence import StaleEpoch
