@@ -69,6 +69,8 @@ class PodLease:
         self.lease = 0
         self.ttl = 0
         self._own = 0
+        #: Every lease lent since the agent started: a rank may still be on one lent before the last.
+        self._lent: set[int] = set()
         self._lock = threading.Lock()
 
     def lend(self, ttl: int, gone: int = 0, *, timeout: float | None = None) -> int:
@@ -81,15 +83,22 @@ class PodLease:
                 if node != self.lease:
                     log.info("%s: the ranks' liveness is on the pod's rendezvous lease %x (TTL %d s)", self.context,
                              node, ttl)
+                self._lent.add(node)
                 self.lease, self.ttl = node, ttl
                 return node
             if not (self._own and self._holds(self._own, gone, timeout)):
                 if self._own:
                     log.warning("%s: the ranks' lease %x was lost; granting a new one", self.context, self._own)
                 self._own = self.store.lease_grant(ttl, timeout=timeout)
-                log.info("%s: the ranks' liveness is on lease %x (TTL %d s)", self.context, self._own, self.ttl)
+                log.info("%s: the ranks' liveness is on lease %x (TTL %d s)", self.context, self._own, ttl)
+            self._lent.add(self._own)
             self.lease, self.ttl = self._own, ttl
             return self._own
+
+    def lent(self, lease: int | None) -> bool:
+        """Whether ``lease`` is one this agent lent its ranks (the keys on it are the agent's to end)."""
+        with self._lock:
+            return bool(lease) and lease in self._lent
 
     def _holds(self, lease: int, gone: int, timeout: float | None) -> bool:
         """Whether etcd still has ``lease``: asked only when a rank says it lost it (a keep-alive's answer may be
@@ -102,6 +111,7 @@ class PodLease:
         to it goes at once. The node's lease goes when the node leaves the rendezvous."""
         with self._lock:
             lease, self._own, self.lease = self._own, 0, 0
+            self._lent.clear()
         if lease:
             try:
                 self.store.lease_revoke(lease, timeout=2.0)
@@ -125,7 +135,7 @@ class RankLiveness:
     def end(self, local_rank: int, status: RankStatus | None, why: str) -> bool:
         """End the liveness of the process whose last status is ``status``, if it is on the pod's lease: its
         alive key and arrivals go, as its own lease's end would have taken them. Returns whether they went."""
-        if status is None or status.epoch is None or not status.lease or status.lease != self.lease.lease:
+        if status is None or status.epoch is None or not self.lease.lent(status.lease):
             return False
         try:
             gone = end_liveness(self.store, self.keys, status.epoch, slot=status.slot, node_id=self.node_id,
@@ -145,8 +155,7 @@ class RankLiveness:
         ttl = self.lease.ttl
         if not ttl:
             return []
-        quiet = [Quiet(lr, st.written, bool(st.lease) and st.lease == self.lease.lease,
-                       self._ended.get(lr) == st.written)
+        quiet = [Quiet(lr, st.written, self.lease.lent(st.lease), self._ended.get(lr) == st.written)
                  for lr, st in running if st is not None and st.state not in ("done", "failed")]
         out = silent(quiet, now=now, ttl=ttl)
         statuses = dict(running)

@@ -67,7 +67,8 @@ def test_the_pod_lends_one_lease_and_grants_a_new_one_only_when_etcd_lost_it(sto
 
 
 @pytest.mark.integration
-def test_the_pods_rendezvous_lease_is_lent_when_its_ttl_is_the_ranks(store: Store) -> None:
+def test_the_pods_rendezvous_lease_is_lent_when_its_ttl_is_the_ranks(store: Store,
+                                                                     job: tuple[JobKeys, int]) -> None:
     node: list[int | None] = [store.lease_grant(TTL)]  # the node handle's lease (None between registrations)
     pod = PodLease(store, node=lambda: (node[0], TTL), context="test")
     first = node[0]
@@ -85,9 +86,18 @@ def test_the_pods_rendezvous_lease_is_lent_when_its_ttl_is_the_ranks(store: Stor
     assert fallback not in (first, node[0]) and store.lease_ttl(fallback) > 0
     node[0] = None  # and between registrations, the same one of its own
     assert pod.lend(TTL) == fallback
-    # Leaving revokes only the lease of its own: the node's goes when it leaves the rendezvous.
+    # A rank that took the lease of its own stays on it once the node has one again: its keys are still the
+    # agent's to end when it dies.
+    keys, epoch = job
+    alive = keys.restart_round(epoch).alive(5)
+    store.put(alive, alive_value(5, "node-0", os.getpid()), lease=fallback)
     node[0] = store.lease_grant(TTL)
-    assert pod.lend(TTL) == node[0]
+    assert pod.lend(TTL) == node[0] and pod.lent(fallback) and pod.lent(node[0]) and not pod.lent(own)
+    died = RankStatus(slot=5, pid=os.getpid(), state="running", epoch=epoch, iteration=0, lease=fallback,
+                      heartbeat=0.0)
+    assert RankLiveness(store, keys, "node-0", pod, context="test").end(0, died, "test")
+    assert store.get(alive) is None
+    # Leaving revokes only the lease of its own: the node's goes when it leaves the rendezvous.
     pod.revoke()
     assert store.lease_ttl(fallback) <= 0 and store.lease_ttl(node[0]) > 0 and pod.lease == 0
     store.lease_revoke(node[0])
