@@ -196,8 +196,7 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
              seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu, background=bg is not None,
              background_busy=None if bg is None else round(bg.busy_per_second(costs), 4),
              watch_events=restart["watch_events"], goal="< 0.5 s at 16,384")
-        if impl in ("stalwart-no-background", "stalwart-uncharged", "stalwart-rank-leases",
-                    "stalwart-pod-leases-apart") or fanout:
+        if bg is not load or fanout:  # the same writes as the run of the job's own background
             continue
         emit(impl, n, "writes_per_rank_per_restart", restart["writes"] / n, goal="<= 2",
              keys_written_per_rank=restart["keys_written"] / n,
