@@ -14,10 +14,13 @@ again, so every round makes its Adam slots anew, as torchft's replacement does. 
   ``rpc_async``, up to two in flight; the receiver's function copies each into its place. Not a
   ``sync_from_peers`` transport: it is here to be measured (``restart`` does not import ``rpc``).
 
-``sources`` 1: rank 0 alone sends (``max_sources=1``); 2: ranks 0 and 1 each send about half.
+``sources`` 1: rank 0 alone sends (``max_sources=1``); 2: ranks 0 and 1 each send about half. ``landing``
+``new``: the receiver's Adam slots are made by the copy (torchft's replacement allocates too); ``warm``: made
+before the timed call by ``materialize_optimizer_state``, as a parked spare's ``prepare`` hook does while it
+waits (the parameters exist in both).
 
 Rows: ``{"bench": "podloss", "impl": "stalwart", "metric": "copy_gbps", "params", "sources", "transport",
-"value", "seconds", "bytes", "rounds"}``: ``seconds`` is the median over ``--rounds`` (each round runs every
+"landing", "value", "seconds", "bytes", "rounds"}``: ``seconds`` is the median over ``--rounds`` (each round runs every
 transport and source count once, in turn) of the receiver's whole
 call (the step exchange, the layout and its check, building the transport's group, every bucket, the commit);
 ``value`` is ``bytes`` (the tensors received) over it in 1e9 bytes a second; ``rounds`` each round's GB/s;
@@ -29,7 +32,7 @@ torchft's rows from ``bench/torchft_copy.py`` (its ``pg`` and ``http`` transport
 optimizer, in the same run. Each copy's result is checked: the receiver's state equals the source's bit for bit.
 
 Usage: ``python bench/state_copy.py [--params 25000000 100000000] [--transports group streams:2 streams:4 rpc]
-[--rounds 5] [--bucket-mb 32] [--no-anchor]``; torchft from ``make bench-anchors``.
+[--rounds 5] [--bucket-mb 8] [--landings new warm] [--no-anchor]``; torchft from ``make bench-anchors``.
 """
 
 from __future__ import annotations
@@ -54,11 +57,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from torchft_copy import LAYERS, width_for  # noqa: E402
 
+from stalwart.restart.peers import BUCKET_BYTES  # noqa: E402
+
 TOKEN = "bench-copy-token-0123456789abcdef"
 WORLD = 3
 RECEIVER = 2
 RPC_WINDOW = 2
 DEADLINE_S = 900.0
+#: Where the receiver's optimizer slots come from: made by the copy ("new"), or made while the spare was
+#: parked by ``materialize_optimizer_state`` ("warm").
+LANDINGS = ("new", "warm")
 
 
 def _free_port() -> int:
@@ -110,7 +118,7 @@ def _worker(rank: int, port: int, params: int, queues: tuple[Any, Any, Any, Any]
     import torch.distributed as dist
     from torch import nn
 
-    from stalwart.restart import copy_wire, sync_from_peers
+    from stalwart.restart import copy_wire, materialize_optimizer_state, sync_from_peers
     from stalwart.restart.copy_plan import assign_sources, plan_buckets, tensor_bytes
     from stalwart.restart.peers import _entries, _receiving
     from stalwart.rpc import REGISTRY, MembershipView, RpcAgent, StaticMembership, Worker
@@ -139,9 +147,12 @@ def _worker(rank: int, port: int, params: int, queues: tuple[Any, Any, Any, Any]
         cmd = cmd_q.get()
         if cmd is None:
             break
-        transport, sources, bucket_bytes = cmd
+        transport, sources, bucket_bytes, landing = cmd
         if rank == RECEIVER:
             opt.state.clear()  # a spare's optimizer has no state yet
+            if landing == "warm":
+                # What a parked spare's prepare hook does while it waits, before the fault: not timed.
+                materialize_optimizer_state(opt)
         dist.barrier()
         t0, cpu0 = time.perf_counter(), time.process_time()
         if transport == "rpc":
@@ -214,7 +225,8 @@ def _get(out_q: Any, procs: list[Any]) -> dict[str, Any]:
                                "the deadline passed")
 
 
-def run_stalwart(params: int, transports: list[str], rounds: int, bucket_bytes: int) -> list[dict[str, Any]]:
+def run_stalwart(params: int, transports: list[str], rounds: int, bucket_bytes: int,
+                 landings: tuple[str, ...] = LANDINGS) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     cmd_qs = [ctx.Queue() for _ in range(WORLD)]
     out_q, addr_q, view_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -231,26 +243,29 @@ def run_stalwart(params: int, transports: list[str], rounds: int, bucket_bytes: 
             view_q.put(view)
         for _ in range(WORLD):
             _get(out_q, procs)
-        cases = [(t, n) for t in transports for n in (1, 2)]
-        per_round: dict[tuple[str, int], list[tuple[float, int]]] = {c: [] for c in cases}
-        cpu: dict[tuple[str, int], list[list[float]]] = {c: [] for c in cases}
+        cases = [(t, n, ld) for t in transports for n in (1, 2) for ld in landings]
+        per_round: dict[tuple[str, int, str], list[tuple[float, int]]] = {c: [] for c in cases}
+        cpu: dict[tuple[str, int, str], list[list[float]]] = {c: [] for c in cases}
         # Rounds outermost: each round runs every case once, so a busy moment of the machine falls on all.
         for _ in range(rounds):
-            for transport, sources in cases:
+            for case in cases:
+                transport, sources, landing = case
                 for q in cmd_qs:
-                    q.put((transport, sources, bucket_bytes))
+                    q.put((transport, sources, bucket_bytes, landing))
                 recs = {r["rank"]: r for r in (_get(out_q, procs) for _ in range(WORLD))}
                 if recs[RECEIVER]["digest"] != recs[0]["digest"]:
-                    raise RuntimeError(f"{transport}, {sources} sources: the receiver's state differs")
-                per_round[transport, sources].append((recs[RECEIVER]["seconds"], recs[RECEIVER]["bytes"]))
-                cpu[transport, sources].append([recs[r]["cpu"] for r in range(WORLD)])
-        for transport, sources in cases:
-            got = per_round[transport, sources]
+                    raise RuntimeError(f"{transport}, {sources} sources, {landing}: the receiver's state differs")
+                per_round[case].append((recs[RECEIVER]["seconds"], recs[RECEIVER]["bytes"]))
+                cpu[case].append([recs[r]["cpu"] for r in range(WORLD)])
+        for case in cases:
+            transport, sources, landing = case
+            got = per_round[case]
             seconds = statistics.median(s for s, _ in got)
-            mid = cpu[transport, sources][sorted(range(rounds), key=lambda i: got[i][0])[rounds // 2]]
+            mid = cpu[case][sorted(range(rounds), key=lambda i: got[i][0])[rounds // 2]]
             nbytes = got[0][1]
             rows.append({"bench": "podloss", "impl": "stalwart", "metric": "copy_gbps", "params": params,
-                         "sources": sources, "transport": transport, "value": round(nbytes / seconds / 1e9, 3),
+                         "sources": sources, "transport": transport, "landing": landing,
+                         "value": round(nbytes / seconds / 1e9, 3),
                          "seconds": round(seconds, 4), "bytes": nbytes,
                          "rounds": [round(b / s / 1e9, 3) for s, b in got],
                          "cpu_seconds": {"receiver": round(mid[RECEIVER], 4),
@@ -273,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", type=int, nargs="+", default=[25_000_000, 100_000_000])
     parser.add_argument("--transports", nargs="+", default=["group", "streams:2", "streams:4", "rpc"])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=int, default=32)
+    parser.add_argument("--bucket-mb", type=int, default=BUCKET_BYTES >> 20)
+    parser.add_argument("--landings", nargs="+", choices=LANDINGS, default=list(LANDINGS))
     parser.add_argument("--no-anchor", action="store_true", help="leave torchft's rows out")
     args = parser.parse_args(argv)
     for t in args.transports:
@@ -285,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_anchor and importlib.util.find_spec("torchft") is None:
         parser.error(f"torchft is not installed for {sys.executable}: make bench-anchors (or --no-anchor)")
     for params in args.params:
-        run_stalwart(params, args.transports, args.rounds, args.bucket_mb << 20)
+        run_stalwart(params, args.transports, args.rounds, args.bucket_mb << 20, tuple(args.landings))
         if not args.no_anchor:
             import torchft_copy
 

@@ -70,7 +70,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import stalwart
-from stalwart.restart import CallWrapper, Restartable, sync_from_peers
+from stalwart.restart import CallWrapper, Restartable, is_parked, materialize_optimizer_state, sync_from_peers
 from stalwart.restart.peers import BUCKET_BYTES
 
 log = logging.getLogger("stalwart.examples.train")
@@ -323,7 +323,12 @@ def prepare(opts: Options) -> TrainState:
     if os.environ.get(FAIL_PREPARE_ENV) == "parked" and os.environ.get("STALWART_PARKED") == "true":
         raise ValueError(f"the model cannot be built here (injected: {FAIL_PREPARE_ENV}=parked)")
     model = build_model(opts.seed, opts.hidden)
-    return TrainState(model, 0, make_optimizer(model, opts))
+    optimizer = make_optimizer(model, opts)
+    if is_parked():
+        # A spare waiting to be promoted: its momentum buffers are made now, so that the state copy after its
+        # promotion lands in memory already touched instead of making them on the recovery's path.
+        materialize_optimizer_state(optimizer)
+    return TrainState(model, 0, optimizer)
 
 
 def train(opts: Options, call_wrapper: CallWrapper | None = None) -> float:

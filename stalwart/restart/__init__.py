@@ -50,7 +50,9 @@ from __future__ import annotations
 from stalwart.restart.assignment import RankAssignment, WorldTooSmall
 from stalwart.restart.decorator import Restartable, restartable
 from stalwart.restart.errors import ProcessGroupConflict
+from stalwart.restart.handover import is_parked
 from stalwart.restart.interrupt import RestartInterrupt
+from stalwart.restart.optimizer_slots import materialize_optimizer_state
 from stalwart.restart.peers import StateMismatch, SyncInterrupted, SyncResult, sync_from_peers
 from stalwart.restart.policies import (
     Abort,
@@ -97,6 +99,8 @@ __all__ = [
     "SyncResult",
     "Unhealthy",
     "WorldTooSmall",
+    "is_parked",
+    "materialize_optimizer_state",
     "restartable",
     "sync_from_peers",
 ]

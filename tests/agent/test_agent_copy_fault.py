@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 STEPS = 30
 # 21 parameters per unit: 0.63 M parameters, 5 MB with the momentum, in buckets of 1 MB: the copy is several
-# buckets, as a large model's is in the default 32 MB ones (bench/podloss.py copies those), so the source dies
+# buckets, as a large model's is in the default 8 MB ones (bench/podloss.py copies those), so the source dies
 # with most of the state unsent, at a cost this suite can carry beside its other tests.
 ARGS = ["--steps", str(STEPS), "--hidden", "30000", "--momentum", "0.9", "--checkpoint-every", "10",
         "--log-every", "1", "--step-delay", "0.1", "--copy-bucket-bytes", str(1 << 20)]

@@ -234,3 +234,47 @@ def _no_optimizer_rank(rank: int, port: int, out: Any) -> None:
         out.put(json.dumps({"rank": rank, "error": str(e), "name": e.name,
                             "unchanged": bool(torch.equal(before, model.state_dict()["a.weight"]))}))
     dist.destroy_process_group()
+
+
+def _slots_made_ahead_rank(rank: int, port: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from stalwart.restart import materialize_optimizer_state, sync_from_peers
+    from stalwart.restart.optimizer_slots import placeholders
+
+    _init(rank, 2, port)
+    record: dict[str, Any] = {"rank": rank}
+    # First: no rank holds state (a job's start, a spare among the first ranks): nothing is copied, and the
+    # slots the spare made while parked are dropped, so that it trains as the fresh optimizers beside it.
+    model = _model(1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if rank == 1:
+        record["made"] = materialize_optimizer_state(opt)
+    res = sync_from_peers(model, opt, step=None)
+    record["nothing_held"] = {"step": res.step, "received": res.received, "slots": len(opt.state)}
+    # Then: rank 0 holds the newest state, rank 1 is a promoted spare that made its slots while parked.
+    model = _model(1 if rank == 0 else 5)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if rank == 0:
+        _train(model, opt, 3)
+    else:
+        materialize_optimizer_state(opt)
+    where = {(i, k): v.data_ptr() for i, p in enumerate(model.parameters()) for k, v in opt.state[p].items()}
+    res = sync_from_peers(model, opt, step=3 if rank == 0 else None, bucket_bytes=40)
+    record["copied"] = {"received": res.received, "digest": _digest(model, opt), "left": len(placeholders(opt)),
+                        "in_place": all(opt.state[p][k].data_ptr() == at for (i, k), at in where.items()
+                                        for p in [list(model.parameters())[i]])}
+    out.put(json.dumps(record))
+    dist.destroy_process_group()
+
+
+def test_slots_made_while_parked_take_the_copy_in_place_and_go_when_nothing_is_copied() -> None:
+    results, codes = _run(_slots_made_ahead_rank, 2, free_port())
+    assert codes == [0, 0]
+    assert results[1]["made"] is True
+    assert results[1]["nothing_held"] == {"step": None, "received": False, "slots": 0}
+    assert results[0]["nothing_held"] == {"step": None, "received": False, "slots": 0}
+    spare, source = results[1]["copied"], results[0]["copied"]
+    assert spare["received"] is True and spare["digest"] == source["digest"]
+    assert spare["in_place"] is True and spare["left"] == 0
