@@ -23,7 +23,7 @@ import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from stalwart.local.netplan import HOST, NOWHERE, Cut, NetworkPlan, blocked, pick_octets
+from stalwart.local.netplan import HOST, MTU, NOWHERE, Cut, NetworkPlan, blocked, pick_octets
 
 log = logging.getLogger(__name__)
 RECORD = "network.json"
@@ -131,12 +131,13 @@ class NodeNetwork:
         # addrgenmode none: no IPv6 link-local address either; the cluster's addresses are the plan's alone.
         # The bridge's own address first: the primary, so what this machine sends to a node comes from it and
         # not from the API server's or etcd's (which a cut may blackhole).
-        host = [f"link set {p.bridge} addrgenmode none", f"addr add {p.bridge_ip}/{p.prefix} dev {p.bridge}",
+        host = [f"link set {p.bridge} addrgenmode none", f"link set {p.bridge} mtu {MTU}",
+                f"addr add {p.bridge_ip}/{p.prefix} dev {p.bridge}",
                 f"addr add {p.api_ip}/{p.prefix} dev {p.bridge}", f"addr add {p.etcd_ip}/{p.prefix} dev {p.bridge}",
                 f"link set {p.bridge} up"]
         for node in p.nodes:
             host += [f"netns add {p.netns(node)}",
-                     f"link add {p.host_veth(node)} type veth peer name eth0 netns {p.netns(node)}",
+                     f"link add {p.host_veth(node)} mtu {MTU} type veth peer name eth0 mtu {MTU} netns {p.netns(node)}",
                      f"link set {p.host_veth(node)} addrgenmode none",
                      f"link set {p.host_veth(node)} master {p.bridge} up"]
         _checked(host)

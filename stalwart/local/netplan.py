@@ -8,7 +8,8 @@ Layout, for the cluster's own ``10.<octet>.0.0/16`` (an octet no route or addres
   what this machine sends to the nodes otherwise: the kubelet's probes, a test's connections), the API server's
   (``10.<octet>.0.2``) and etcd's (``10.<octet>.0.3``). It is the only place both this machine's tools and the
   nodes reach;
-- node ``i`` (``local-i``): a network namespace joined to the bridge by a veth pair (``eth0`` inside), its
+- node ``i`` (``local-i``): a network namespace joined to the bridge by a veth pair (``eth0`` inside; every link at
+  :data:`MTU`), its
   InternalIP ``10.<octet>.<i+1>.1`` and the IPs of its pods, ``10.<octet>.<i+1>.2`` to ``.254``, all on that
   ``eth0``. No namespace has a default route, and the machine forwards nothing: the addresses reach each other
   and nothing else.
@@ -35,6 +36,12 @@ ETCD = "etcd"
 HOST = ""
 #: A locally administered unicast MAC that no interface is given: frames sent to it are lost.
 NOWHERE = "02:00:5e:00:de:ad"
+#: The MTU of the bridge and of both ends of every veth pair: loopback's (65536, beyond a veth's 65535) rather
+#: than Ethernet's 1500. The nodes are processes of one machine; at 1500 the kernel does in software, per packet,
+#: what a real NIC's segmentation and receive offloads do in hardware, and a state copy between two nodes ran at
+#: about 0.5-0.7 times the rate of the same copy over loopback, where the anchors' processes (torchft's replica
+#: groups, torchrun's ranks) talk (docs/design.md, "The local cluster's network").
+MTU = 65535
 #: The second octets the cluster's /16 is drawn from: well inside 10/8, away from the ranges clusters and
 #: container engines like to take (10.0/16, 10.96/12 for services, 10.244/16 for pods).
 OCTETS = tuple(range(160, 240))

@@ -23,7 +23,7 @@ from local_helpers import get_json, phase_is, wait_until
 from stalwart.local.cluster import ClusterError, LocalCluster
 from stalwart.local.controlplane import make_network
 from stalwart.local.netns import left_behind, missing_rights
-from stalwart.local.netplan import NetworkPlan
+from stalwart.local.netplan import MTU, NetworkPlan
 from stalwart.local.processes import ended
 from stalwart.local.settings import LocalClusterSettings
 from stalwart.procfs import process_state
@@ -248,6 +248,11 @@ def test_bad_partitions_name_what_is_wrong_and_change_nothing(netns_cluster: Loc
     assert reaches(a, str(c.etcd_endpoint)) and reaches(a, f"{b}:{DIAL_PORT}")
 
 
+def _mtu(link: str, netns: str | None = None) -> int:
+    cmd = ["ip", *(["-n", netns] if netns else []), "-j", "link", "show", link]
+    return int(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout)[0]["mtu"])
+
+
 def _netns(directory: Path) -> dict[str, Any]:
     return dict(json.loads((directory / "state.json").read_text())["network"])
 
@@ -262,6 +267,10 @@ def test_up_makes_a_namespace_per_node_and_down_leaves_nothing_behind(tmp_path: 
         assert sorted(left_behind(plan)) == sorted(
             [f"netns {plan.netns(n)}" for n in cluster.nodes] + [f"link {plan.host_veth(n)}" for n in cluster.nodes]
             + [f"link {plan.bridge}", f"address {plan.bridge_ip}", f"address {plan.api_ip}", f"address {plan.etcd_ip}"])
+        # Every link of the path between two nodes at the MTU of loopback's class, not Ethernet's 1500.
+        links = [plan.bridge, *(plan.host_veth(n) for n in cluster.nodes)]
+        mtus = [_mtu(link) for link in links] + [_mtu("eth0", plan.netns(n)) for n in cluster.nodes]
+        assert mtus == [MTU] * (len(links) + len(cluster.nodes))
     finally:
         cluster.down()
     assert left_behind(plan) == []
