@@ -18,9 +18,12 @@ since (``load_state_dict`` replaces the whole state) is never touched.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
+
+from stalwart.api import pod_env
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +76,8 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
             made.append((weakref.ref(p), {k: weakref.ref(v) for k, v in slots.items()}))
             nbytes += sum(v.numel() * v.element_size() for v in slots.values())
     _MADE[optimizer] = made
-    log.info("made the optimizer's state slots ahead of a copy: %d parameters, %.1f MB", len(made), nbytes / 1e6)
+    log.info("%s pid %d: made the optimizer's state slots ahead of a copy: %d parameters, %.1f MB", _where(),
+             os.getpid(), len(made), nbytes / 1e6)
     return bool(made)
 
 
@@ -84,7 +88,7 @@ def placeholders(optimizer: Any) -> list[tuple[Any, str]]:
         p = p_ref()
         state = optimizer.state.get(p) if p is not None else None
         if state:
-            out += [(p, k) for k, r in slots.items() if k in state and state[k] is r()]
+            out += [(p, k) for k, r in slots.items() if (t := r()) is not None and state.get(k) is t]
     return out
 
 
@@ -106,7 +110,13 @@ def settle(optimizer: Any, filled: Collection[tuple[Any, str]] | None) -> None:
             del optimizer.state[p]  # what is left (a count) was made with the slots
     del _MADE[optimizer]
     if dropped:
-        log.info("dropped %d optimizer slots made ahead of a copy that did not fill them", dropped)
+        log.info("%s pid %d: dropped %d optimizer slots made ahead of a copy that did not fill them", _where(),
+                 os.getpid(), dropped)
+
+
+def _where() -> str:
+    """The job and pod of this process, for its log lines (a parked process has no rank yet)."""
+    return f"job {os.environ.get(pod_env.JOB, '-')} pod {os.environ.get(pod_env.NODE_ID, '-')}"
 
 
 def _is_tensor(v: object) -> bool:
