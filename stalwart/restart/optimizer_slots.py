@@ -44,7 +44,8 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     is known (the ``prepare`` hook) on a parked spare, whose time is free.
 
     Does nothing, and returns ``False``, when the optimizer already has state or a parameter already has a
-    gradient (it is in use); returns ``True`` when it made slots. The parameters are left as they were for
+    gradient (it is in use), or when its step raised (one that needs a closure; logged, the state left empty);
+    returns ``True`` when it made slots. The parameters are left as they were for
     optimizers whose update scales with the learning rate (all of ``torch.optim``'s)."""
     import torch
 
@@ -63,6 +64,13 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
                 g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
         with torch.no_grad():
             optimizer.step()
+    except Exception as e:  # any optimizer's step: what it made half-way must not be trained on
+        # One that needs a closure (LBFGS), or whose step refuses zero gradients: the copy makes the slots, as
+        # it would without this call; the spare is not failed for a speed-up.
+        optimizer.state.clear()
+        log.warning("%s pid %d: cannot make the slots of %s ahead of a copy (its step raised %s: %s); the copy "
+                    "will make them", _where(), os.getpid(), type(optimizer).__name__, type(e).__name__, e)
+        return False
     finally:
         for g, lr in zip(optimizer.param_groups, rates, strict=True):
             if lr is not None:

@@ -114,6 +114,20 @@ def test_slots_not_made_for_an_optimizer_in_use() -> None:
     assert not other.state and all(p.grad is not None for p in other.param_groups[0]["params"])
 
 
+def test_slots_of_an_optimizer_whose_step_raises_are_left_to_the_copy(caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1)  # its step needs a closure
+
+    assert materialize_optimizer_state(opt) is False
+
+    assert not opt.state and placeholders(opt) == []
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert "cannot make the slots of LBFGS ahead of a copy (its step raised TypeError" in caplog.text
+
+
 def test_slots_of_a_plain_sgd_are_none_to_make() -> None:
     opt = torch.optim.SGD(_model().parameters(), lr=0.1)
     assert materialize_optimizer_state(opt) is False
