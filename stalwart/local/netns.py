@@ -97,9 +97,10 @@ class NodeNetwork:
     # --- making and removing ---------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, directory: Path, nodes: list[str]) -> NodeNetwork:
-        """Make the network of :mod:`.netplan` for ``nodes``; :class:`NetworkUnavailable` (having removed whatever
-        it made) when this process lacks the rights or ``ip`` refuses."""
+    def create(cls, directory: Path, nodes: list[str], *, mtu: int = MTU) -> NodeNetwork:
+        """Make the network of :mod:`.netplan` for ``nodes``, its links at ``mtu``; :class:`NetworkUnavailable`
+        (having removed whatever it made) when this process lacks the rights or ``ip`` refuses."""
+        NetworkPlan(1, tuple(nodes), mtu)  # bad input is refused before anything is made
         reason = missing_rights()
         if reason:
             raise NetworkUnavailable(reason)
@@ -107,7 +108,7 @@ class NodeNetwork:
         remove_recorded(directory)  # a killed control plane's, if any
         start = random.SystemRandom().randrange(1 << 16)
         for octet in pick_octets(_machine_networks(), start)[:16]:
-            plan = NetworkPlan(octet, tuple(nodes))
+            plan = NetworkPlan(octet, tuple(nodes), mtu)
             # The bridge's name carries the octet: making it is what claims the /16 (another cluster starting
             # now gets "exists" and tries the next).
             made = _ip([f"link add {plan.bridge} type bridge"])
@@ -131,13 +132,14 @@ class NodeNetwork:
         # addrgenmode none: no IPv6 link-local address either; the cluster's addresses are the plan's alone.
         # The bridge's own address first: the primary, so what this machine sends to a node comes from it and
         # not from the API server's or etcd's (which a cut may blackhole).
-        host = [f"link set {p.bridge} addrgenmode none", f"link set {p.bridge} mtu {MTU}",
+        host = [f"link set {p.bridge} addrgenmode none", f"link set {p.bridge} mtu {p.mtu}",
                 f"addr add {p.bridge_ip}/{p.prefix} dev {p.bridge}",
                 f"addr add {p.api_ip}/{p.prefix} dev {p.bridge}", f"addr add {p.etcd_ip}/{p.prefix} dev {p.bridge}",
                 f"link set {p.bridge} up"]
         for node in p.nodes:
             host += [f"netns add {p.netns(node)}",
-                     f"link add {p.host_veth(node)} mtu {MTU} type veth peer name eth0 mtu {MTU} netns {p.netns(node)}",
+                     f"link add {p.host_veth(node)} mtu {p.mtu} type veth peer name eth0 mtu {p.mtu} "
+                     f"netns {p.netns(node)}",
                      f"link set {p.host_veth(node)} addrgenmode none",
                      f"link set {p.host_veth(node)} master {p.bridge} up"]
         _checked(host)

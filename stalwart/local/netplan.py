@@ -42,6 +42,8 @@ NOWHERE = "02:00:5e:00:de:ad"
 #: about 0.5-0.7 times the rate of the same copy over loopback, where the anchors' processes (torchft's replica
 #: groups, torchrun's ranks) talk (docs/design.md, "The local cluster's network").
 MTU = 65535
+#: The smallest MTU a plan takes (IPv6's minimum: below it some of the stack refuses the link).
+MIN_MTU = 1280
 #: The second octets the cluster's /16 is drawn from: well inside 10/8, away from the ranges clusters and
 #: container engines like to take (10.0/16, 10.96/12 for services, 10.244/16 for pods).
 OCTETS = tuple(range(160, 240))
@@ -59,14 +61,18 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class NetworkPlan:
     """The names and addresses of a cluster network: ``octet`` is the second octet of its 10.x/16, ``nodes`` the
-    node names in order (node ``i`` gets the ``i+1``-th /24)."""
+    node names in order (node ``i`` gets the ``i+1``-th /24), ``mtu`` its links' MTU."""
 
     octet: int
     nodes: tuple[str, ...]
+    #: The MTU of every link the plan makes (:data:`MTU` unless a benchmark compares others).
+    mtu: int = MTU
 
     def __post_init__(self) -> None:
         if not 1 <= self.octet <= 254:
             raise PlanError(f"octet: expected 1 to 254, got {self.octet}")
+        if not MIN_MTU <= self.mtu <= MTU:
+            raise PlanError(f"mtu: expected {MIN_MTU} to {MTU} (a veth's largest), got {self.mtu}")
         if not 1 <= len(self.nodes) <= MAX_NODES:
             raise PlanError(f"nodes: expected 1 to {MAX_NODES} nodes, got {len(self.nodes)}")
         if len(set(self.nodes)) != len(self.nodes):

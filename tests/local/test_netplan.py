@@ -54,6 +54,17 @@ def test_a_plan_refuses_what_cannot_be(octet: int, nodes: tuple[str, ...], messa
         NetworkPlan(octet, nodes)
 
 
+@pytest.mark.parametrize(("mtu", "message"), [
+    (1279, r"mtu: expected 1280 to 65535 \(a veth's largest\), got 1279"),
+    (65536, r"mtu: expected 1280 to 65535 \(a veth's largest\), got 65536"),
+])
+def test_a_plan_refuses_an_mtu_no_link_takes(mtu: int, message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        NetworkPlan(200, ("a",), mtu)
+    assert NetworkPlan(200, ("a",), 1500).mtu == 1500
+    assert NetworkPlan(200, ("a",)).mtu == 65535
+
+
 @pytest.mark.parametrize(("octet", "networks", "expected"), [
     (200, ["192.0.2.0/24", "127.0.0.0/8"], False),
     (200, ["10.200.5.0/24"], True),
