@@ -38,9 +38,9 @@ HOST = ""
 NOWHERE = "02:00:5e:00:de:ad"
 #: The MTU of the bridge and of both ends of every veth pair: loopback's (65536, beyond a veth's 65535) rather
 #: than Ethernet's 1500. The nodes are processes of one machine; at 1500 the kernel does in software, per packet,
-#: what a real NIC's segmentation and receive offloads do in hardware, and a state copy between two nodes ran at
-#: about 0.5-0.7 times the rate of the same copy over loopback, where the anchors' processes (torchft's replica
-#: groups, torchrun's ranks) talk (bench/link_mtu.py measures it; docs/design.md, the local cluster's network).
+#: what a real NIC's segmentation and receive offloads do in hardware: a copy between two nodes ran at 0.65-0.71
+#: times its rate over loopback, where the anchors' processes (torchft's replica groups, torchrun's ranks) talk,
+#: and at 0.81-0.92 times at 65535 (bench/link_mtu.py; docs/design.md, the local cluster's network).
 MTU = 65535
 #: The smallest MTU a plan takes (IPv6's minimum: below it some of the stack refuses the link).
 MIN_MTU = 1280
