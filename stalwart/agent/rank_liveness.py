@@ -69,6 +69,7 @@ class PodLease:
         self.lease = 0
         self.ttl = 0
         self._own = 0
+        self._own_ttl = 0
         #: Every lease lent since the agent started: a rank may still be on one lent before the last.
         self._lent: set[int] = set()
         self._lock = threading.Lock()
@@ -89,10 +90,12 @@ class PodLease:
             if not (self._own and self._holds(self._own, gone, timeout)):
                 if self._own:
                     log.warning("%s: the ranks' lease %x was lost; granting a new one", self.context, self._own)
-                self._own = self.store.lease_grant(ttl, timeout=timeout)
-                log.info("%s: the ranks' liveness is on lease %x (TTL %d s)", self.context, self._own, ttl)
+                # Granted again with the TTL it was first granted with: the silence rule reads it (``ttl``).
+                self._own_ttl = self._own_ttl or ttl
+                self._own = self.store.lease_grant(self._own_ttl, timeout=timeout)
+                log.info("%s: the ranks' liveness is on lease %x (TTL %d s)", self.context, self._own, self._own_ttl)
             self._lent.add(self._own)
-            self.lease, self.ttl = self._own, ttl
+            self.lease, self.ttl = self._own, self._own_ttl
             return self._own
 
     def lent(self, lease: int | None) -> bool:

@@ -106,6 +106,8 @@ def settle(optimizer: Any, filled: Collection[tuple[Any, str]] | None) -> None:
     optimizer :func:`materialize_optimizer_state` never saw."""
     if optimizer is None or optimizer not in _MADE:
         return
+    import torch
+
     written = {(id(p), k) for p, k in filled or ()}
     dropped = 0
     for p, key in placeholders(optimizer):
@@ -114,7 +116,7 @@ def settle(optimizer: Any, filled: Collection[tuple[Any, str]] | None) -> None:
         state = optimizer.state[p]
         del state[key]
         dropped += 1
-        if not any(_is_tensor(v) for v in state.values()):
+        if not any(isinstance(v, torch.Tensor) for v in state.values()):
             del optimizer.state[p]  # what is left (a count) was made with the slots
     del _MADE[optimizer]
     if dropped:
@@ -126,8 +128,3 @@ def _where() -> str:
     """The job and pod of this process, for its log lines (a parked process has no rank yet)."""
     return f"job {os.environ.get(pod_env.JOB, '-')} pod {os.environ.get(pod_env.NODE_ID, '-')}"
 
-
-def _is_tensor(v: object) -> bool:
-    import torch
-
-    return isinstance(v, torch.Tensor)
