@@ -63,7 +63,7 @@ from bench.scalesim.real_etcd import ValidationError  # noqa: E402
 from bench.scalesim.rendezvous import PREFIX, RendezvousRun  # noqa: E402
 from bench.scalesim.restart import RestartRun  # noqa: E402
 from bench.scalesim.sim import Background, Costs  # noqa: E402
-from bench.scalesim.validate import Sizes, barrier_rows, rendezvous_rows  # noqa: E402
+from bench.scalesim.validate import Sizes, barrier_rows, rendezvous_rows, without_client  # noqa: E402
 from stalwart.api.base import MAX_RECORD_BYTES  # noqa: E402
 from stalwart.api.manifest import MAX_MANIFEST_BYTES  # noqa: E402
 
@@ -164,12 +164,15 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
     # "stalwart-rank-leases": the ranks' liveness on a lease per rank (as before the agents lent their pod's: a
     # rank without an agent still holds its own); "stalwart-pod-leases-apart": on a lease per pod beside the node's
     # (as before the agents lent the node's own: a job whose heartbeat TTL differs from its lease TTL).
+    # "stalwart-client-uncharged": all of it but the etcd client's CPU (as the model was before it charged it).
     # What-ifs, not the code (``RestartRun.pod_fanout``): every watch of a pod's ranks one watch of its agent and
     # a pod's arrivals one record; "-no-background": and none of the job's steady requests.
     rank_leases = replace(load, ranks_per_lease=1)
     leases_apart = replace(load, ranks_on_node_lease=False)
+    bare = without_client(costs)
     for impl, relay, spread, cpu, bg, fanout in (
             ("stalwart", True, 0.0, True, load, False),
+            *((("stalwart-client-uncharged", True, 0.0, True, load, False),) if bare else ()),
             ("stalwart-rank-leases", True, 0.0, True, rank_leases, False),
             ("stalwart-pod-leases-apart", True, 0.0, True, leases_apart, False),
             ("stalwart-per-rank", False, 0.0, True, load, False),
@@ -178,6 +181,7 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
             ("stalwart-uncharged", True, 0.0, False, None, False),
             ("what-if-pod-fanout", True, 0.0, True, load, True),
             ("what-if-pod-fanout-no-background", True, 0.0, True, None, True)):
+        row_costs = bare if bare is not None and impl == "stalwart-client-uncharged" else costs
         t0 = time.process_time()
         if bg is not None and bg.busy_per_second(costs) >= SATURATED:
             if impl == "stalwart":
@@ -185,7 +189,7 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
             emit(impl, n, "restart_barrier_seconds", None, ranks=n, saturated=round(bg.busy_per_second(costs), 3),
                  note="the running job's background alone needs this many seconds of etcd's time per second")
             continue
-        restart = RestartRun(n, costs, relay=relay, abort_spread=spread, cpu=cpu, background=bg,
+        restart = RestartRun(n, row_costs, relay=relay, abort_spread=spread, cpu=cpu, background=bg,
                              pod_fanout=fanout).restart(LIMIT)
         if impl == "stalwart":
             out["barrier"] = restart["seconds"]
@@ -196,7 +200,7 @@ def scale_rows(n: int, costs: Costs, anchor_max: int) -> dict[str, float | None]
              seals=restart["seals"], seal_seconds=restart["seal_seconds"], cpu_charged=cpu, background=bg is not None,
              background_busy=None if bg is None else round(bg.busy_per_second(costs), 4),
              watch_events=restart["watch_events"], goal="< 0.5 s at 16,384")
-        if bg is not load or fanout:  # the same writes as the run of the job's own background
+        if bg is not load or fanout or row_costs is not costs:  # the same writes as the run of the job's own background
             continue
         emit(impl, n, "writes_per_rank_per_restart", restart["writes"] / n, goal="<= 2",
              keys_written_per_rank=restart["keys_written"] / n,

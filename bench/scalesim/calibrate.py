@@ -16,7 +16,14 @@ bound of etcd's own cost (the client's time is counted as the server's): the sim
   1,000 small keys and of 1,000 keys of 2 KiB, solved for a per-key and a per-byte part;
 * ``event``, ``event_byte``: 4 watchers (``etcdctl watch``, etcd's Go client) replaying 3,000 changes of
   one prefix, small values then 16 KiB values: wall seconds until every watcher holds every event, per event
-  per watcher, solved the same way.
+  per watcher, solved the same way;
+* ``client_request``: CPU seconds of this process (every thread of it: gRPC's own too) per request while
+  the ``write_batched`` and ``read_batched`` rows are measured, the median of those rows: what the calling
+  process's client spends to send a request and read its answer;
+* ``client_event``: CPU seconds of this process per watch event its client (stalwart's ``Store.watch``) is
+  sent, one event to an answer, as a fault reaches a process of many ranks: 500 watches of one key on one
+  stream, then 4 puts of it (2,000 answers in 4 bursts; the 4 puts' own CPU is counted too, a few tenths of
+  a percent of it).
 
 Each figure comes from one of the etcds of :data:`CALIBRATIONS`, started here on loopback: ``plain-1`` (one
 member without fsync, TLS or authentication: what the tests and the local cluster run), ``fsync-1`` (etcd's
@@ -31,6 +38,7 @@ member's endpoint would: stalwart's client cannot yet reach several endpoints ov
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import threading
 import time
@@ -46,7 +54,7 @@ from pyetcd.etcdrpc import rpc_pb2 as rpc
 from bench.scalesim.sim import Costs
 from stalwart.etcd.client import EtcdCredentials, connect
 from stalwart.etcd.errors import StoreError
-from stalwart.etcd.store import Compare, Put, Store
+from stalwart.etcd.store import Compare, Put, Store, WatchRange
 from stalwart.local.etcd import find_etcd_binary
 from stalwart.local.etcd_cluster import EtcdCluster
 
@@ -137,10 +145,11 @@ def _writes(store: Store, prefix: str, threads: int, each: int) -> float:
     return (time.perf_counter() - t0) / (threads * each)
 
 
-def _in_flight(store: Store, prefix: str, concurrency: int, total: int, *, reads: bool = False) -> float:
+def _in_flight(store: Store, prefix: str, concurrency: int, total: int, *,
+               reads: bool = False) -> tuple[float, float]:
     """Wall seconds per proposal with ``concurrency`` create-if-absent transactions kept in flight (``reads``:
     per linearizable read of one small key): sent as gRPC futures from this thread (with the store's login), the
-    next as soon as one is answered."""
+    next as soon as one is answered; and this process's CPU seconds per request meanwhile."""
     member = store._members.current()
     metadata = member.calls.metadata("calibrate")
     slots = threading.Semaphore(concurrency)
@@ -156,7 +165,7 @@ def _in_flight(store: Store, prefix: str, concurrency: int, total: int, *, reads
             failed.append(f"{e.code()}: {e.details()}")
         finally:
             slots.release()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for i in range(total):
         slots.acquire()
         if reads:
@@ -171,10 +180,28 @@ def _in_flight(store: Store, prefix: str, concurrency: int, total: int, *, reads
     for _ in range(concurrency):  # every answer in
         if not slots.acquire(timeout=120):
             raise RuntimeError(f"calibration: requests at concurrency {concurrency} not answered in 120 s")
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if failed:
         raise StoreError(f"calibration at concurrency {concurrency}: {failed[0]}")
-    return elapsed / total
+    return elapsed / total, cpu / total
+
+
+def _client_events(store: Store, prefix: str, watches: int = 500, puts: int = 4) -> float:
+    """This process's CPU seconds per watch event its client is sent, as a restart's fault reaches a process's
+    ranks: ``watches`` watches of one key on one stream (each a watch of its own in etcd, sent its own
+    response), then ``puts`` puts of that key, each a burst of ``watches`` responses of one event."""
+    key = prefix + "fault"
+    value = b'{"slot":1,"rank":1,"nodeId":"node-00001","iteration":0,"kind":"exception","reason":"calibration"}'
+    wanted = watches * puts
+    with store.watch_ranges([WatchRange(key)] * watches) as watch:
+        cpu0 = time.process_time()
+        for _ in range(puts):
+            store.put(key, value)
+        for held in range(wanted):
+            if watch.next(30) is None:
+                raise RuntimeError(f"calibration: client events: {held} of {wanted} watch events in, then none "
+                                   "for 30 s")
+        return (time.process_time() - cpu0) / wanted
 
 
 def _fanout(target: Target, store: Store, prefix: str, *, watchers: int, events: int, size: int) -> float:
@@ -234,13 +261,16 @@ def _measure(target: Target, store: Store) -> Costs:
     base = f"/calibrate/{uuid.uuid4().hex[:8]}/"
     rtt = _timed(store.revision, 300)
     write = _writes(store, base + "w/", 16, 60)
-    batched = tuple((float(c), _in_flight(store, f"{base}b{c}/", c, max(2048, 2 * c))) for c in CONCURRENCY)
+    writes = [(float(c), *_in_flight(store, f"{base}b{c}/", c, max(2048, 2 * c))) for c in CONCURRENCY]
+    batched = tuple((c, wall) for c, wall, _ in writes)
     small, large = 40, 2048
     _fill(store, base + "rs/", 1000, small)
     _fill(store, base + "rl/", 1000, large)
     read = max(0.0, _timed(lambda: store.get(base + "rs/000000"), 100) - rtt)
-    read_batched = tuple((float(c), _in_flight(store, base + "rs/", c, max(2048, 2 * c), reads=True))
-                         for c in CONCURRENCY)
+    reads = [(float(c), *_in_flight(store, base + "rs/", c, max(2048, 2 * c), reads=True)) for c in CONCURRENCY]
+    read_batched = tuple((c, wall) for c, wall, _ in reads)
+    client_request = statistics.median(cpu for _, _, cpu in writes + reads)
+    client_event = _client_events(store, base + "ce/")
     t_small = _timed(lambda: store.get_prefix(base + "rs/"), 10) - rtt - read
     t_large = _timed(lambda: store.get_prefix(base + "rl/"), 10) - rtt - read
     key_bytes = len(base) + 9
@@ -254,4 +284,5 @@ def _measure(target: Target, store: Store) -> Costs:
     event = max(0.0, e_small - event_byte * (key_bytes + small))
     store.delete_prefix(base)
     return Costs(rtt=rtt, write=write, read=read, read_key=read_key, read_byte=read_byte, event=event,
-                 event_byte=event_byte, write_batched=batched, read_batched=read_batched)
+                 event_byte=event_byte, write_batched=batched, read_batched=read_batched,
+                 client_request=client_request, client_event=client_event)

@@ -110,7 +110,8 @@ class Proc:
             self.sim.unsubscribe(self.sub)
         loaded, ranges = self.rdzv.load()
         self.loads += 1
-        self.sub = self.sim.subscribe(ranges, loaded.view.revision + 1, self.sim.serial(self, self.deliver))
+        self.sub = self.sim.subscribe(ranges, loaded.view.revision + 1, self.sim.serial(self, self.deliver),
+                                     owner=self)
         self.rdzv._feed(replace(loaded, now=self.sim.now))
         self.rdzv.read_buckets()
         self.after()

@@ -246,7 +246,7 @@ class Rank:
                        for p in (parts or (WatchRange("", prefix=True),)))
         self.watch = self.sim.subscribe(ranges, self.view.revision + 1, self.sim.serial(self.cpu, self.on_barrier),
                                         group=None if self.sealer else self.pod, hop=self.hop,
-                                        per_transaction=self.sealer and self.pod is not None)
+                                        per_transaction=self.sealer and self.pod is not None, owner=self.cpu)
 
     def on_barrier(self, events: list[WatchEvent], when: float) -> None:
         assert self.view is not None
@@ -379,7 +379,7 @@ class RestartRun:
         for r in self.ranks:
             sim.subscribe(monitor, sim.mem.revision_now + 1,
                           lambda evs, when, r=r, a=aborts[r.coord.slot]: r.on_monitor(evs, when, a),  # type: ignore[misc]
-                          group=r.pod, hop=r.hop)
+                          group=r.pod, hop=r.hop, owner=r.cpu, created_now=False)
         with self._patched():
             culprit = self.ranks[self.n // 3]
             position = len(sim.mem.log)
@@ -446,7 +446,7 @@ class RestartRun:
                 if known is not None:
                     ended_at[r.coord.slot] = sim.now
                     sim.unsubscribe(holder[1])
-            holder[1] = sim.subscribe(ranges, view.revision + 1, sim.serial(r, deliver))
+            holder[1] = sim.subscribe(ranges, view.revision + 1, sim.serial(r, deliver), owner=r)
 
         for r in self.ranks:
             sim.at(start, lambda r=r: returned(r))  # type: ignore[misc]

@@ -23,8 +23,10 @@ time: its next work starts when its last ended, and the watch batches that arriv
 are handled as one (:meth:`Sim.serial`), as the real loop takes what arrived since and decides once. The CPU
 is this machine's, one simulated process at a time: each real process would have a core of its own. Work the
 simulator shares between processes that would each do it (a parse of the same bytes) is charged to each, at
-the CPU it took once (:meth:`Sim.charge`). Not charged: the Python interpreter's start, imports, garbage
-collection pauses, the gRPC client's (de)serialisation and the kernel's network stack.
+the CPU it took once (:meth:`Sim.charge`). The etcd client's own CPU (gRPC, TLS, protobuf) is charged the
+same way where the calibration measured it (:attr:`Costs.client_request` per request, :attr:`Costs.client_event`
+per watch event received), to the process that sends or receives. Not charged: the Python interpreter's start,
+imports, garbage collection pauses and the kernel's network stack (beyond what the client's CPU holds of it).
 """
 
 from __future__ import annotations
@@ -66,8 +68,17 @@ class Costs:
     event_byte: float = 2e-9
     write_batched: tuple[tuple[float, float], ...] = ()
     read_batched: tuple[tuple[float, float], ...] = ()
+    #: CPU seconds the calling process's etcd client (gRPC, TLS, protobuf) spends per request it sends and
+    #: answer it reads, and per watch event it is sent (one event to an answer, as the barrier's watches get
+    #: them): charged to the simulated process that sends or receives, like its own code. 0 in rows calibrated
+    #: before they were measured: those runs did not charge the client.
+    client_request: float = 0.0
+    client_event: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("client_request", "client_event"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected CPU seconds >= 0, got {getattr(self, name)!r}")
         for name in ("write_batched", "read_batched"):
             given = getattr(self, name)
             # From JSON (``--costs``) the rows come as lists.
@@ -128,6 +139,9 @@ class Subscription:
     #: A what-if: the changes of one transaction are one record (a pod's arrivals in one key): one event.
     per_transaction: bool = False
     hop: float = 0.0
+    #: The simulated process whose etcd client receives the events (charged :attr:`Costs.client_event` each);
+    #: ``None``: nobody's (the model's own watchers).
+    owner: object | None = None
 
 
 @dataclass
@@ -140,12 +154,13 @@ class _Scope:
 @dataclass
 class _CpuLine:
     """One process's CPU when its work runs on threads: the bursts placed so far, as the end of the last one
-    and the idle gaps left before it (the most recent :data:`_GAPS`). A burst takes the first gap that holds it
+    and the idle gaps left before it (the most recent ``keep``). A burst takes the first gap that holds it
     at or after it is ready, else the end: a thread's work after its etcd answer (which the simulator computes at
     once, at the answer's time) does not hold back another thread's work that was ready before."""
 
     free: float = 0.0
     gaps: list[tuple[float, float]] = field(default_factory=list)
+    keep: int = 64  # the most recent gaps kept (older ones are given up: a burst then waits longer)
 
     def place(self, ready: float, length: float) -> float:
         """Where a burst of ``length`` seconds, ready at ``ready``, ends."""
@@ -157,13 +172,9 @@ class _CpuLine:
         start = max(ready, self.free)
         if start > self.free:
             self.gaps.append((self.free, start))
-            del self.gaps[:-_GAPS]
+            del self.gaps[:-self.keep]
         self.free = start + length
         return self.free
-
-
-#: Idle gaps of a process's CPU kept for later bursts (older ones are given up: a burst then waits longer).
-_GAPS = 64
 
 
 @dataclass(order=True)
@@ -174,31 +185,54 @@ class _Job:
 
 
 @dataclass
-class _InFlight:
-    """When each request of one kind finished (non-decreasing: the queue is in order) and how many of that
-    kind were served up to and including it."""
+class _Counts:
+    """Times (sorted) with how many things happened up to and including each."""
 
-    done: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
     total: list[float] = field(default_factory=list)
 
-    def at(self, arrive: float) -> float:
-        """Queued or being served at ``arrive``: arrived before, not finished by then."""
-        total = self.total[-1] if self.total else 0.0
-        first = bisect.bisect_right(self.done, arrive)
-        return total - (self.total[first - 1] if first else 0.0)
+    def add(self, when: float, count: float) -> None:
+        # Usually at the end; a request served in an idle gap finished before some placed earlier.
+        i = bisect.bisect_right(self.times, when)
+        self.times.insert(i, when)
+        self.total.insert(i, (self.total[i - 1] if i else 0.0) + count)
+        for j in range(i + 1, len(self.total)):
+            self.total[j] += count
 
-    def add(self, done: float, count: float) -> None:
-        self.done.append(done)
-        self.total.append((self.total[-1] if self.total else 0.0) + count)
+    def by(self, when: float) -> float:
+        """How many happened at or before ``when``."""
+        i = bisect.bisect_right(self.times, when)
+        return self.total[i - 1] if i else 0.0
+
+
+@dataclass
+class _InFlight:
+    """When each request of one kind arrived and finished, with how many of that kind it carried."""
+
+    arrived: _Counts = field(default_factory=_Counts)
+    done: _Counts = field(default_factory=_Counts)
+
+    def at(self, arrive: float) -> float:
+        """Queued or being served at ``arrive``: arrived by then, not finished by then."""
+        return self.arrived.by(arrive) - self.done.by(arrive)
+
+    def add(self, arrive: float, done: float, count: float) -> None:
+        self.arrived.add(arrive, count)
+        self.done.add(done, count)
 
 
 @dataclass
 class Server:
     """The model etcd's single queue; records when each request finished (for the peak request rate).
 
+    Requests are served in the order they reach it in simulated time, one at a time: a request takes the first
+    idle stretch at or after its arrival that holds it (the simulator issues requests in the order it runs the
+    processes' steps, so a request that arrives earlier may be issued after one that arrives later: it is
+    served in the gap that one left, not after it).
+
     A request that carries ``proposals`` raft proposals costs, besides its own ``cost``, each of them
     :meth:`Costs.write_at` of the proposals in flight when it arrives: those that arrived before it and are not
-    done yet (the queue is served in order, so they are ahead of it), and its own. A burst of proposals is
+    done yet, and its own. A burst of proposals is
     thus charged as etcd's raft loop batches it: the first at the cost of one alone, each later one at the cost
     measured with as many in flight. ``reads`` (linearizable reads, which etcd batches onto one read index
     likewise) are charged :meth:`Costs.read_at` the same way."""
@@ -209,6 +243,7 @@ class Server:
     done_at: list[float] = field(default_factory=list)
     proposals: _InFlight = field(default_factory=_InFlight)
     reads: _InFlight = field(default_factory=_InFlight)
+    line: _CpuLine = field(default_factory=lambda: _CpuLine(keep=1024))
 
     def in_flight(self, arrive: float) -> float:
         """Proposals queued or being served at ``arrive``."""
@@ -220,16 +255,16 @@ class Server:
             cost += proposals * self.costs.write_at(self.proposals.at(arrive) + proposals)
         if reads:
             cost += reads * self.costs.read_at(self.reads.at(arrive) + reads)
-        start = max(arrive, self.busy_until)
-        self.busy_until = start + cost
+        done = self.line.place(arrive, cost)
+        self.busy_until = max(self.busy_until, done)
         self.busy_total += cost
         if proposals:
-            self.proposals.add(self.busy_until, proposals)
+            self.proposals.add(arrive, done, proposals)
         if reads:
-            self.reads.add(self.busy_until, reads)
+            self.reads.add(arrive, done, reads)
         if request:
-            self.done_at.append(self.busy_until)
-        return self.busy_until
+            self.done_at.append(done)
+        return done
 
     def peak_rate(self, window: float = 0.1) -> float:
         """The most requests finished in any ``window`` seconds, per second."""
@@ -470,17 +505,25 @@ class Sim:
                     self.committed_at.extend([done] * new)
                     self._schedule_pump(done)
                 self.now = done + self.costs.rtt / 2
+        if self._scope is not None and self.costs.client_request:
+            self._account("client", self.costs.client_request)  # the caller's client sends it and reads the answer
         return result
 
     # -- watch fan-out -----------------------------------------------------------------------------------
 
     def subscribe(self, ranges: tuple[WatchRange, ...], start: int,
                   deliver: Callable[[list[WatchEvent], float], None], *, group: object | None = None,
-                  per_transaction: bool = False, hop: float = 0.0) -> Subscription:
+                  per_transaction: bool = False, hop: float = 0.0, owner: object | None = None,
+                  created_now: bool = True) -> Subscription:
         """A watch on ``ranges`` from revision ``start`` (what etcd sends a process that read at ``start - 1``
-        and then watched from the next revision); ``group``, ``per_transaction``, ``hop``: what-ifs, see
-        :class:`Subscription`."""
-        sub = Subscription(ranges, start, deliver, group=group, per_transaction=per_transaction, hop=hop)
+        and then watched from the next revision), received by the process ``owner``, whose client pays for its
+        creation now (``created_now``; not for a watch set up before what is timed); ``group``,
+        ``per_transaction``, ``hop``: what-ifs, see :class:`Subscription`."""
+        sub = Subscription(ranges, start, deliver, group=group, per_transaction=per_transaction, hop=hop,
+                           owner=owner)
+        if owner is not None and group is None and created_now:
+            # Creating a watch is a request and its answer on the owner's stream (etcd's side is not charged).
+            self._client_cpu(owner, self.costs.client_request)
         self.subscriptions.setdefault(ranges, []).append(sub)
         return sub
 
@@ -490,10 +533,13 @@ class Sim:
         if sub in group:
             group.remove(sub)
 
-    def _fan_out(self, log: Sequence[WatchEvent]) -> tuple[float, list[tuple[Subscription, list[WatchEvent]]]]:
-        """The server's cost of sending ``log`` to the subscriptions, and who gets what. Watches of equal
-        ranges share the matching; each is sent what is at or after its start."""
-        cost, sends = 0.0, []
+    def _fan_out(self, log: Sequence[WatchEvent]) \
+            -> tuple[float, list[tuple[Subscription, list[WatchEvent], int]]]:
+        """The server's cost of sending ``log`` to the subscriptions, and who gets what (with the events its
+        process's client decodes: none where its group's were decoded once for all). Watches of equal ranges
+        share the matching; each is sent what is at or after its start."""
+        cost: float = 0.0
+        sends: list[tuple[Subscription, list[WatchEvent], int]] = []
         for ranges, group in self.subscriptions.items():
             if not group:
                 continue
@@ -506,14 +552,15 @@ class Sim:
                     [ev for ev in events if ev.kv.mod_revision >= sub.start]
                 if not sent:
                     continue
-                sends.append((sub, sent))
                 if sub.group is not None:
                     mark = (id(sub.group), sent[0].kv.mod_revision)
                     if mark in charged:
+                        sends.append((sub, sent, 0))
                         continue
                     charged.add(mark)
                 size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in sent)
                 count = len({ev.kv.mod_revision for ev in sent}) if sub.per_transaction else len(sent)
+                sends.append((sub, sent, count))
                 cost += count * self.costs.event + size * self.costs.event_byte
                 self.events_sent += count
                 self.event_bytes_sent += size
@@ -522,7 +569,7 @@ class Sim:
     def _schedule_pump(self, when: float) -> None:
         if not self._pump_pending:
             self._pump_pending = True
-            self.at(max(when, self.server.busy_until), self._pump)
+            self.at(when, self._pump)
 
     def _pump(self) -> None:
         """Send every change committed by now to every watcher, as one batch."""
@@ -546,11 +593,34 @@ class Sim:
         delivered = done + self.costs.rtt / 2
         for deliver in list(self.watchers):
             self.at(delivered, lambda d=deliver: d(start, end, delivered))  # type: ignore[misc]
-        for sub, sent in sends:
+        for sub, sent, count in sends:
+            if count and sub.owner is not None:
+                self.at(delivered, lambda s=sub, n=count: self._decoded(s, n))  # type: ignore[misc]
             self.at(delivered + sub.hop,
                     lambda s=sub, e=sent, t=delivered + sub.hop: s.deliver(e, t) if s.active else None)  # type: ignore[misc]
         if len(self.committed_at) > end:
             self._schedule_pump(self.committed_at[end])
+
+    def _decoded(self, sub: Subscription, events: int) -> None:
+        """``sub``'s process's client decodes ``events`` watch events (:attr:`Costs.client_event`): CPU of
+        that process from now, before whatever it does with them (its next work starts when it is free)."""
+        if sub.active:
+            # A group's watch (a what-if) is its pod agent's: the agent decodes, then hands the events on.
+            self._client_cpu(sub.group if sub.group is not None else sub.owner, events * self.costs.client_event)
+
+    def _client_cpu(self, owner: object, seconds: float) -> None:
+        """``seconds`` of ``owner``'s CPU from now on for its etcd client's work outside its own code's (a watch
+        created, events decoded): its next work starts when that is done."""
+        if not (self.cpu and seconds):
+            return
+        self.cpu_seconds["client"] = self.cpu_seconds.get("client", 0.0) + seconds
+        who = id(owner)
+        if self.threads:
+            line = self._lines.setdefault(who, _CpuLine())
+            line.place(self.now, seconds)
+            self.busy[who] = line.free
+        else:
+            self.busy[who] = max(self.now, self.busy.get(who, 0.0)) + seconds
 
 
 class TimedStore:

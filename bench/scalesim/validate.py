@@ -11,7 +11,7 @@ the costs of a calibration on the same kind of etcd.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.scalesim.calibrate import Calibration, Target
@@ -37,6 +37,14 @@ def describe(kind: Calibration) -> str:
     return (f"{kind.name}: {kind.members} member{'s' if kind.members > 1 else ''}, "
             f"{'fsync' if kind.fsync else 'no fsync'}, {'TLS' if kind.tls else 'no TLS'}, "
             + ("authentication, the job's own user" if kind.auth else "no authentication"))
+
+
+def without_client(costs: Costs) -> Costs | None:
+    """The same costs without the etcd client's CPU (as the model was before it charged it), to print beside;
+    ``None`` where there is none to take off."""
+    if not (costs.client_request or costs.client_event):
+        return None
+    return replace(costs, client_request=0.0, client_event=0.0)
 
 
 def _side_by_side(metric: str, n: int, real: dict[str, Any], sim: dict[str, Any], *, common: dict[str, Any],
@@ -66,6 +74,10 @@ def barrier_rows(target: Target, kind: Calibration, costs: Costs, *, calibration
            "relay_transactions": run["relay_transactions"],
            "background_requests_per_second": round(sum(load.rates().values()), 1),
            "cpu_seconds": {k: round(v, 4) for k, v in sorted(run["cpu_seconds"].items())}}
+    bare = without_client(costs)
+    if bare is not None:
+        sim["client_uncharged_seconds"] = RestartRun(ranks, bare, processes=processes, hop=0.0,
+                                                     background=load).restart(LIMIT)["seconds"]
     real_row = {k: round(v, 6) if isinstance(v, float) else v for k, v in real.items() if k != "writes"}
     return _side_by_side("restart_barrier_seconds", ranks, real_row, sim, common=common,
                          writes=("writes_per_rank_per_restart", real["writes"] / ranks, run["writes"] / ranks))
@@ -79,6 +91,10 @@ def rendezvous_rows(target: Target, kind: Calibration, costs: Costs, *, calibrat
     common = {"processes": processes, "etcd": describe(kind), "calibration": calibration}
     sim = {"seconds": res["seconds"], "held": res["nodes_done"],
            "cpu_seconds": {k: round(v, 4) for k, v in sorted(run.sim.cpu_seconds.items())}}
+    bare = without_client(costs)
+    if bare is not None:
+        sim["client_uncharged_seconds"] = RendezvousRun(nodes, bare, spare=False, processes=processes) \
+            .first_round(LIMIT)["seconds"]
     real_row = {k: round(v, 6) if isinstance(v, float) else v for k, v in real.items() if k != "writes"}
     return _side_by_side("rendezvous_seconds", nodes, real_row, sim, common=common,
                          writes=("writes_per_node", real["writes"] / nodes, res["writes"] / nodes))

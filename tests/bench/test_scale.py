@@ -31,6 +31,11 @@ COSTS = Costs(rtt=0.0005, write=0.0003, read=0.002, read_byte=1e-8, event=3e-5, 
 N = 40
 
 
+def written(run: RendezvousRun) -> int:
+    """Proposals that wrote something: a lease grant per node, and one revision per transaction that wrote."""
+    return len(run.agents) + len({ev.kv.mod_revision for ev in run.sim.mem.log})
+
+
 def test_first_round_and_a_lost_node() -> None:
     run = RendezvousRun(N, COSTS)
     first = run.first_round(limit=600)
@@ -43,7 +48,10 @@ def test_first_round_and_a_lost_node() -> None:
     # Every node holds round 1 once, in its role; two writes per node (lease, key) and one seal.
     assert all(list(a.held) == [epoch1] for a in run.agents)
     assert Counter(a.roles[epoch1] for a in run.agents) == {"member": N, "spare": 1}
-    assert first["writes"] == 2 * (N + 1) + 1
+    assert written(run) == 2 * (N + 1) + 1
+    # Besides, at most one seal refused by its fence: the sealer's view a registration behind (the spare's, as the
+    # events reach it when committed), a proposal that writes nothing (etcd proposes a transaction that may write).
+    assert first["writes"] - written(run) in (0, 1)
     assert first["writes"] / (N + 1) <= 3
     # Each simulated pod has its own watch; only the sealer's holds every node key (a full view), the others are
     # sent the control keys and deletions: no node's registration went to more than one watcher.
@@ -94,7 +102,8 @@ def test_a_round_whose_manifest_exceeds_one_record_is_sealed_in_buckets_each_nod
     assert len(m.members) == n and m.spares == ["trainjob-spare-0"] and m.world_size == 8 * n
     buckets, _ = run.sim.mem.get_prefix(PREFIX + MANIFEST_PARTS)
     assert len(buckets) == 33 and {kv.mod_revision for kv in buckets} == {epoch}
-    assert first["writes"] == 2 * (n + 1) + 1  # the buckets and the header are one proposal
+    assert written(run) == 2 * (n + 1) + 1  # the buckets and the header are one proposal
+    assert first["writes"] - written(run) in (0, 1)  # and at most one seal refused by its fence (above)
     assert all(list(a.held) == [epoch] for a in run.agents)
     light = [p for p in run.procs if not p.rdzv.view().full]
     assert len(light) == n and all(len(p.rdzv.view().parts) == 1 for p in light)
@@ -203,7 +212,9 @@ def test_the_quick_benchmark_prints_every_metric_within_the_write_budgets() -> N
         for metric in ("rendezvous_seconds", "writes_per_node", "restart_barrier_seconds",
                        "writes_per_rank_per_restart"):
             assert got[("stalwart", n, metric)]["value"] is not None, (n, metric)
-        assert got[("stalwart", n, "writes_per_node")]["value"] == pytest.approx((2 * (n + 1) + 1) / (n + 1), abs=1e-6)
+        # Two per node and the seal; at most one seal refused by its fence beside (test_first_round_and_a_lost_node).
+        assert (2 * (n + 1) + 1) / (n + 1) - 1e-6 <= got[("stalwart", n, "writes_per_node")]["value"] <= \
+            (2 * (n + 1) + 2) / (n + 1) + 1e-6
         pods = -(-n // 8)
         assert got[("stalwart", n, "writes_per_rank_per_restart")]["value"] == pytest.approx((pods + 2) / n, abs=1e-6)
         assert got[("stalwart-per-rank", n, "writes_per_rank_per_restart")]["value"] == \

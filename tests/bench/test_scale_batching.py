@@ -122,3 +122,21 @@ def test_the_what_if_of_one_watch_per_pod_charges_a_pods_watches_once_and_a_tran
     assert sorted(n for n, _ in got) == ["a", "b", "c", "d"]  # each watch is handed its batch
     when = dict(got)
     assert when["a"] == when["b"] == pytest.approx(when["c"] + 0.001)  # the agent's hop
+
+
+def test_the_server_serves_by_arrival_a_request_issued_later_takes_the_gap_an_earlier_one_left() -> None:
+    # A process's second request (arriving at 10 ms, after its first's answer and a round trip) is issued before
+    # another process's first (arriving at 1 ms): the second takes the idle stretch before 10 ms, as a real etcd
+    # serves what reaches it first; one that does not fit there goes after.
+    server = Server(Costs(write=1e-3))
+    assert server.serve(0.010, 0.0, proposals=1.0) == pytest.approx(0.011)
+    assert server.serve(0.001, 0.0, proposals=1.0) == pytest.approx(0.002)
+    assert server.serve(0.001, 0.0085, proposals=1.0) == pytest.approx(0.0205)  # 9.5 ms: not before 10 ms
+    assert server.busy_until == pytest.approx(0.0205)
+    assert server.busy_total == pytest.approx(0.0115)
+    # In flight: arrived and not finished, whatever the order they were placed in (the long one waits from 1 ms).
+    assert server.in_flight(0.0005) == 0
+    assert server.in_flight(0.0015) == 2
+    assert server.in_flight(0.0105) == 2
+    assert server.in_flight(0.012) == 1
+    assert server.in_flight(0.021) == 0
