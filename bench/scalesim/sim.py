@@ -153,26 +153,33 @@ class _Scope:
 
 @dataclass
 class _CpuLine:
-    """One process's CPU when its work runs on threads: the bursts placed so far, as the end of the last one
-    and the idle gaps left before it (the most recent ``keep``). A burst takes the first gap that holds it
-    at or after it is ready, else the end: a thread's work after its etcd answer (which the simulator computes at
-    once, at the answer's time) does not hold back another thread's work that was ready before."""
+    """One process's CPU when its work runs on threads (or the model etcd's time): the bursts placed so far, as
+    the end of the last one and the idle gaps left before it (the most recent ``keep``, in order). A burst takes
+    the first gap that holds it at or after it is ready, else the end: a thread's work after its etcd answer
+    (which the simulator computes at once, at the answer's time) does not hold back another thread's work that
+    was ready before."""
 
     free: float = 0.0
-    gaps: list[tuple[float, float]] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
     keep: int = 64  # the most recent gaps kept (older ones are given up: a burst then waits longer)
 
     def place(self, ready: float, length: float) -> float:
         """Where a burst of ``length`` seconds, ready at ``ready``, ends."""
-        for i, (a, b) in enumerate(self.gaps):
+        # The gaps are disjoint and in order, so their ends are too: skip those over before ``ready``.
+        for i in range(bisect.bisect_left(self.ends, ready), len(self.ends)):
+            a, b = self.starts[i], self.ends[i]
             start = max(a, ready)
             if start + length <= b:
-                self.gaps[i:i + 1] = [g for g in ((a, start), (start + length, b)) if g[1] > g[0]]
+                parts = [g for g in ((a, start), (start + length, b)) if g[1] > g[0]]
+                self.starts[i:i + 1] = [g[0] for g in parts]
+                self.ends[i:i + 1] = [g[1] for g in parts]
                 return start + length
         start = max(ready, self.free)
         if start > self.free:
-            self.gaps.append((self.free, start))
-            del self.gaps[:-self.keep]
+            self.starts.append(self.free)
+            self.ends.append(start)
+            del self.starts[:-self.keep], self.ends[:-self.keep]
         self.free = start + length
         return self.free
 
@@ -186,23 +193,39 @@ class _Job:
 
 @dataclass
 class _Counts:
-    """Times (sorted) with how many things happened up to and including each."""
+    """Times with how many things happened at each: those that came in order (the most), kept with their running
+    total; those that came before the last one (a request served in an idle gap finished before some placed
+    earlier), kept apart in a short sorted list that is merged in when it grows."""
 
     times: list[float] = field(default_factory=list)
     total: list[float] = field(default_factory=list)
+    late_times: list[float] = field(default_factory=list)
+    late_counts: list[float] = field(default_factory=list)
 
     def add(self, when: float, count: float) -> None:
-        # Usually at the end; a request served in an idle gap finished before some placed earlier.
-        i = bisect.bisect_right(self.times, when)
-        self.times.insert(i, when)
-        self.total.insert(i, (self.total[i - 1] if i else 0.0) + count)
-        for j in range(i + 1, len(self.total)):
-            self.total[j] += count
+        if not self.times or when >= self.times[-1]:
+            self.times.append(when)
+            self.total.append((self.total[-1] if self.total else 0.0) + count)
+            return
+        i = bisect.bisect_right(self.late_times, when)
+        self.late_times.insert(i, when)
+        self.late_counts.insert(i, count)
+        if len(self.late_times) > 256:
+            self._merge()
 
     def by(self, when: float) -> float:
         """How many happened at or before ``when``."""
         i = bisect.bisect_right(self.times, when)
-        return self.total[i - 1] if i else 0.0
+        j = bisect.bisect_right(self.late_times, when)
+        return (self.total[i - 1] if i else 0.0) + sum(self.late_counts[:j])
+
+    def _merge(self) -> None:
+        counts = [b - a for a, b in zip([0.0, *self.total[:-1]], self.total, strict=True)]
+        merged = sorted([*zip(self.times, counts, strict=True),
+                         *zip(self.late_times, self.late_counts, strict=True)], key=lambda tc: tc[0])
+        self.times = [t for t, _ in merged]
+        self.total = list(itertools.accumulate(c for _, c in merged))
+        self.late_times, self.late_counts = [], []
 
 
 @dataclass
