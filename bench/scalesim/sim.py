@@ -36,6 +36,7 @@ import contextlib
 import heapq
 import itertools
 import math
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -380,6 +381,8 @@ class Sim:
         self._pump_pending = False
         self.events_sent = 0
         self.event_bytes_sent = 0
+        #: The order etcd sends one change to its watchers in (none set: seeded, so a run repeats).
+        self._order = random.Random(0)
 
     # -- the loop ----------------------------------------------------------------------------------------
 
@@ -616,34 +619,41 @@ class Sim:
         delivered = done + self.costs.rtt / 2
         for deliver in list(self.watchers):
             self.at(delivered, lambda d=deliver: d(start, end, delivered))  # type: ignore[misc]
+        # etcd sends a change to its watchers in no set order; a process's client decodes its watches' answers one
+        # after another, and each watch's events reach the code once its answer is decoded.
+        self._order.shuffle(sends)
         for sub, sent, count in sends:
             if count and sub.owner is not None:
-                self.at(delivered, lambda s=sub, n=count: self._decoded(s, n))  # type: ignore[misc]
+                self.at(delivered, lambda s=sub, e=sent, n=count: self._received(s, e, n))  # type: ignore[misc]
+                continue
             self.at(delivered + sub.hop,
                     lambda s=sub, e=sent, t=delivered + sub.hop: s.deliver(e, t) if s.active else None)  # type: ignore[misc]
         if len(self.committed_at) > end:
             self._schedule_pump(self.committed_at[end])
 
-    def _decoded(self, sub: Subscription, events: int) -> None:
-        """``sub``'s process's client decodes ``events`` watch events (:attr:`Costs.client_event`): CPU of
-        that process from now, before whatever it does with them (its next work starts when it is free)."""
-        if sub.active:
-            # A group's watch (a what-if) is its pod agent's: the agent decodes, then hands the events on.
-            self._client_cpu(sub.group if sub.group is not None else sub.owner, events * self.costs.client_event)
-
-    def _client_cpu(self, owner: object, seconds: float) -> None:
-        """``seconds`` of ``owner``'s CPU from now on for its etcd client's work outside its own code's (a watch
-        created, events decoded): its next work starts when that is done."""
-        if not (self.cpu and seconds):
+    def _received(self, sub: Subscription, events: list[WatchEvent], count: int) -> None:
+        """``sub``'s process's client decodes its ``count`` events (:attr:`Costs.client_event` each) on that
+        process's CPU from now, after what it decodes or computes already; then they are ``sub``'s."""
+        if not sub.active:
             return
+        # A group's watch (a what-if) is its pod agent's: the agent decodes, then hands the events on.
+        done = self._client_cpu(sub.group if sub.group is not None else sub.owner, count * self.costs.client_event)
+        self.at(done + sub.hop, lambda: sub.deliver(events, done + sub.hop) if sub.active else None)
+
+    def _client_cpu(self, owner: object, seconds: float) -> float:
+        """``seconds`` of ``owner``'s CPU from now on for its etcd client's work outside its own code's (a watch
+        created, events decoded): its next work starts when that is done. When it is done."""
+        if not (self.cpu and seconds):
+            return self.now
         self.cpu_seconds["client"] = self.cpu_seconds.get("client", 0.0) + seconds
         who = id(owner)
         if self.threads:
             line = self._lines.setdefault(who, _CpuLine())
-            line.place(self.now, seconds)
+            done = line.place(self.now, seconds)
             self.busy[who] = line.free
-        else:
-            self.busy[who] = max(self.now, self.busy.get(who, 0.0)) + seconds
+            return done
+        done = self.busy[who] = max(self.now, self.busy.get(who, 0.0)) + seconds
+        return done
 
 
 class TimedStore:

@@ -102,3 +102,26 @@ def test_a_watch_created_now_costs_its_owner_a_request_one_set_up_before_costs_n
     assert sim.busy[id(owner)] == pytest.approx(CLIENT.client_request)
     assert id(earlier) not in sim.busy
     assert sim.cpu_seconds["client"] == pytest.approx(CLIENT.client_request)
+
+
+def test_a_process_decodes_its_watches_answers_one_after_another_each_reaching_its_code_when_decoded() -> None:
+    # Eight watches of one process (a pod's ranks in one worker, as the validation lays them out) sent one change:
+    # each is handed its event once the client has decoded its answer, 3 ms apart, not all at one instant; a
+    # process of its own decodes its answer at once.
+    sim = Sim(CLIENT)
+    shared, alone = object(), object()
+    got: list[tuple[str, float]] = []
+    for i in range(8):
+        sim.subscribe((WatchRange("/f/", prefix=True),), 1, lambda evs, when, i=i: got.append((f"rank{i}", when)),
+                      owner=shared, created_now=False)
+    sim.subscribe((WatchRange("/f/", prefix=True),), 1, lambda evs, when: got.append(("alone", when)),
+                  owner=alone, created_now=False)
+    TimedStore(sim).put("/f/0", b"fault")
+    sim.run(10.0)
+    times = dict(got)
+    assert len(got) == 9 and len(times) == 9
+    shared_times = sorted(t for name, t in got if name != "alone")
+    first = shared_times[0]
+    assert shared_times == pytest.approx([first + k * CLIENT.client_event for k in range(8)])
+    assert times["alone"] == pytest.approx(first)
+    assert sim.cpu_seconds["client"] == pytest.approx(9 * CLIENT.client_event)
