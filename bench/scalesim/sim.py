@@ -551,7 +551,23 @@ class Sim:
             # Creating a watch is a request and its answer on the owner's stream (etcd's side is not charged).
             self._client_cpu(owner, self.costs.client_request)
         self.subscriptions.setdefault(ranges, []).append(sub)
+        self._replay(sub)
         return sub
+
+    def _replay(self, sub: Subscription) -> None:
+        """Send a new watch what it asked for of the changes already sent to the others (etcd replays history
+        from a watch's start revision): a watch opened after the change it waits for was sent still gets it."""
+        log = self.mem.log
+        first = bisect.bisect_left(log, sub.start, hi=self._sent, key=lambda ev: ev.kv.mod_revision)
+        missed = [ev for ev in log[first:self._sent] if in_ranges(sub.ranges, ev)]
+        if not missed:
+            return
+        size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in missed)
+        count = len({ev.kv.mod_revision for ev in missed}) if sub.per_transaction else len(missed)
+        self.events_sent += count
+        self.event_bytes_sent += size
+        done = self.server.serve(self.now, count * self.costs.event + size * self.costs.event_byte, request=False)
+        self._send(sub, missed, count, done + self.costs.rtt / 2)
 
     def unsubscribe(self, sub: Subscription) -> None:
         sub.active = False
@@ -623,13 +639,16 @@ class Sim:
         # after another, and each watch's events reach the code once its answer is decoded.
         self._order.shuffle(sends)
         for sub, sent, count in sends:
-            if count and sub.owner is not None:
-                self.at(delivered, lambda s=sub, e=sent, n=count: self._received(s, e, n))  # type: ignore[misc]
-                continue
-            self.at(delivered + sub.hop,
-                    lambda s=sub, e=sent, t=delivered + sub.hop: s.deliver(e, t) if s.active else None)  # type: ignore[misc]
+            self._send(sub, sent, count, delivered)
         if len(self.committed_at) > end:
             self._schedule_pump(self.committed_at[end])
+
+    def _send(self, sub: Subscription, events: list[WatchEvent], count: int, delivered: float) -> None:
+        """``events`` reach ``sub``'s process at ``delivered``: decoded by its client first where it has one."""
+        if count and sub.owner is not None:
+            self.at(delivered, lambda: self._received(sub, events, count))
+            return
+        self.at(delivered + sub.hop, lambda: sub.deliver(events, delivered + sub.hop) if sub.active else None)
 
     def _received(self, sub: Subscription, events: list[WatchEvent], count: int) -> None:
         """``sub``'s process's client decodes its ``count`` events (:attr:`Costs.client_event` each) on that

@@ -125,3 +125,21 @@ def test_a_process_decodes_its_watches_answers_one_after_another_each_reaching_i
     assert shared_times == pytest.approx([first + k * CLIENT.client_event for k in range(8)])
     assert times["alone"] == pytest.approx(first)
     assert sim.cpu_seconds["client"] == pytest.approx(9 * CLIENT.client_event)
+
+
+def test_a_watch_opened_after_the_change_it_asks_for_was_sent_is_sent_it_too() -> None:
+    # etcd replays history from a watch's start revision: a rank that read before the seal and opens its watch
+    # after the seal went out to the others still gets it.
+    sim = Sim(BASE)
+    early: list[int] = []
+    sim.subscribe((WatchRange("/s/", prefix=True),), 1, lambda evs, when: early.append(len(evs)))
+    revision = TimedStore(sim).put("/s/seal", b"sealed")
+    sim.run(10.0)
+    assert early == [1]
+    late: list[tuple[str, float]] = []
+    sim.subscribe((WatchRange("/s/", prefix=True),), revision,
+                  lambda evs, when: late.extend((ev.kv.key, when) for ev in evs))
+    sim.subscribe((WatchRange("/s/", prefix=True),), revision + 1, lambda evs, when: late.append(("none", when)))
+    sim.run(20.0)
+    assert [key for key, _ in late] == ["/s/seal"]
+    assert late[0][1] > 0
