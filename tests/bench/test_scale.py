@@ -8,6 +8,7 @@ every run is the same.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -201,10 +202,21 @@ def test_the_quick_benchmark_prints_every_metric_within_the_write_budgets() -> N
     """``bench/scale.py --quick`` as CI would run it (fixed costs instead of the calibration)."""
     root = Path(__file__).resolve().parents[2]
     costs = json.dumps(COSTS.as_dict())
-    res = subprocess.run([sys.executable, str(root / "bench" / "scale.py"), "--quick", "--costs", costs],
-                         capture_output=True, text=True, timeout=240, check=False)
-    assert res.returncode == 0, res.stderr[-4000:]
-    out = res.stdout
+    # On a run past its time the benchmark is asked for every thread's stack (faulthandler, SIGABRT) before it is
+    # killed, so that the failure says where it stood.
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(root / "bench" / "scale.py"), "--quick",
+                             "--costs", costs], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            _, err = proc.communicate(timeout=20)
+        finally:
+            proc.kill()
+            proc.wait()
+        pytest.fail(f"bench/scale.py --quick ran past 240 s; its threads' stacks:\n{err[-6000:]}")
+    assert proc.returncode == 0, err[-4000:]
     rows = [json.loads(line) for line in out.splitlines()]
     assert all(r["bench"] == "scale" for r in rows)
     got = {(r["impl"], r["nodes"], r["metric"]): r for r in rows}
