@@ -502,11 +502,17 @@ class Sim:
         if not self.cpu:
             return
         if self.threads and self._scope is not None:
-            line = self._lines.setdefault(id(self._scope.owner), _CpuLine())
-            self.now = line.place(self.now, seconds)
-            self.busy[id(self._scope.owner)] = line.free
+            self.now = self._on_line(self._scope.owner, seconds)
         else:
             self.now += seconds
+
+    def _on_line(self, owner: object, seconds: float) -> float:
+        """A burst of ``seconds`` of ``owner``'s CPU, ready now, placed on its line (:attr:`threads`): when it
+        ends."""
+        line = self._lines.setdefault(id(owner), _CpuLine())
+        done = line.place(self.now, seconds)
+        self.busy[id(owner)] = line.free
+        return done
 
     # -- requests ----------------------------------------------------------------------------------------
 
@@ -562,12 +568,18 @@ class Sim:
         missed = [ev for ev in log[first:self._sent] if in_ranges(sub.ranges, ev)]
         if not missed:
             return
-        size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in missed)
-        count = len({ev.kv.mod_revision for ev in missed}) if sub.per_transaction else len(missed)
+        count, cost = self._sending(sub, missed)
+        done = self.server.serve(self.now, cost, request=False)
+        self._send(sub, missed, count, done + self.costs.rtt / 2)
+
+    def _sending(self, sub: Subscription, sent: list[WatchEvent]) -> tuple[int, float]:
+        """What sending ``sent`` to ``sub`` is, counted in the totals: its events (a transaction's one, for a
+        ``per_transaction`` watch) and the server's seconds for them."""
+        size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in sent)
+        count = len({ev.kv.mod_revision for ev in sent}) if sub.per_transaction else len(sent)
         self.events_sent += count
         self.event_bytes_sent += size
-        done = self.server.serve(self.now, count * self.costs.event + size * self.costs.event_byte, request=False)
-        self._send(sub, missed, count, done + self.costs.rtt / 2)
+        return count, count * self.costs.event + size * self.costs.event_byte
 
     def unsubscribe(self, sub: Subscription) -> None:
         sub.active = False
@@ -600,12 +612,9 @@ class Sim:
                         sends.append((sub, sent, 0))
                         continue
                     charged.add(mark)
-                size = sum(len(ev.kv.key) + len(ev.kv.value) for ev in sent)
-                count = len({ev.kv.mod_revision for ev in sent}) if sub.per_transaction else len(sent)
+                count, seconds = self._sending(sub, sent)
                 sends.append((sub, sent, count))
-                cost += count * self.costs.event + size * self.costs.event_byte
-                self.events_sent += count
-                self.event_bytes_sent += size
+                cost += seconds
         return cost, sends
 
     def _schedule_pump(self, when: float) -> None:
@@ -665,13 +674,9 @@ class Sim:
         if not (self.cpu and seconds):
             return self.now
         self.cpu_seconds["client"] = self.cpu_seconds.get("client", 0.0) + seconds
-        who = id(owner)
         if self.threads:
-            line = self._lines.setdefault(who, _CpuLine())
-            done = line.place(self.now, seconds)
-            self.busy[who] = line.free
-            return done
-        done = self.busy[who] = max(self.now, self.busy.get(who, 0.0)) + seconds
+            return self._on_line(owner, seconds)
+        done = self.busy[id(owner)] = max(self.now, self.busy.get(id(owner), 0.0)) + seconds
         return done
 
 
